@@ -1,0 +1,62 @@
+"""The protocol every checkpoint format strategy follows, and the registry that names them."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from lifecycle.errors import ConfigError
+
+
+class FormatBackend(Protocol):
+    """Writes and reads one worker's model and optimizer state in one on-disk format.
+
+    Every rank of a role calls each method with the same folder; a backend decides which
+    ranks write (replicated state: rank 0; sharded state: every rank its own shards).
+    """
+
+    name: ClassVar[str]
+    parallel_invariant: ClassVar[bool]
+    """True when a checkpoint saved at one parallel layout loads at another."""
+    supports_async: ClassVar[bool]
+
+    def save_model(self, model: Any, folder: Path) -> None: ...
+
+    def load_model(self, model: Any, folder: Path) -> None: ...
+
+    def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path) -> None: ...
+
+    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path) -> None: ...
+
+    def export_hf(self, model: Any, folder: Path) -> None:
+        """Write full HF safetensors (plus index when sharded) that `transformers` can load."""
+
+
+_BACKENDS: dict[str, str] = {
+    "hf": "backends.hf:HFBackend",
+    "torch_dcp": "backends.torch_dcp:TorchDCPBackend",
+    "mbridge": "backends.mbridge:MBridgeBackend",
+    "dist_ckpt": "backends.dist_ckpt:DistCkptBackend",
+}
+_EXTRAS: dict[str, str] = {"mbridge": "megatron", "dist_ckpt": "megatron"}
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def backend_class(name: str) -> type[FormatBackend]:
+    """Import a backend only when asked for, so megatron and mbridge stay optional."""
+    try:
+        target = _BACKENDS[name]
+    except KeyError:
+        raise ConfigError("format", f"unknown format {name!r}; known: {', '.join(backend_names())}") from None
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        extra = _EXTRAS.get(name)
+        hint = f"; install the extra: pip install 'trainer-lifecycle[{extra}]'" if extra else ""
+        raise ConfigError("format", f"format {name!r} needs {exc.name or exc}{hint}") from exc
+    return getattr(module, attr)

@@ -1,0 +1,1 @@
+"""Checkpoint engines: bucketed weight transfers from trainer to rollout."""

@@ -1,0 +1,82 @@
+"""Microseconds per full lifecycle transition against one bare `transitions` trigger.
+
+A full transition is begin + done with the undo stack, contextvars, the history entry and
+one `lifecycle.transition` record rendered as JSON to a null sink. Run:
+
+    python examples/bench/transition_overhead.py [--n 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import statistics
+import time
+from typing import Callable
+
+from transitions import Machine
+
+from lifecycle import Lifecycle
+from lifecycle.logging import configure
+from lifecycle.testing import MemoryCheckpointer
+
+
+class _Bare(enum.Enum):
+    A = 1
+    B = 2
+
+
+def _bare_trigger() -> Callable[[int], float]:
+    class Model:
+        pass
+
+    model = Model()
+    Machine(model=model, states=_Bare, initial=_Bare.A, auto_transitions=False,
+            transitions=[{"trigger": "go", "source": _Bare.A, "dest": _Bare.B},
+                         {"trigger": "back", "source": _Bare.B, "dest": _Bare.A}])
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n // 2):
+            model.go()
+            model.back()
+        return (time.perf_counter() - t0) / (2 * (n // 2))
+
+    return run
+
+
+def _full_transition() -> Callable[[int], float]:
+    lc = Lifecycle(role="bench", checkpointer=MemoryCheckpointer(), history_limit=1000)
+    lc.init_load()
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        for step in range(n):
+            with lc.train_step(step):
+                pass
+        return (time.perf_counter() - t0) / n
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--n", type=int, default=20_000, help="transitions per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    with open(os.devnull, "w") as sink:
+        configure(json=True, file=sink)
+        bare, full = _bare_trigger(), _full_transition()
+        bare(2000), full(2000)
+        bare_us = statistics.median(bare(args.n) for _ in range(args.rounds)) * 1e6
+        full_us = statistics.median(full(args.n) for _ in range(args.rounds)) * 1e6
+    ratio = full_us / bare_us
+    print(f"bare transitions trigger : {bare_us:7.2f} us")
+    print(f"full lifecycle transition: {full_us:7.2f} us  (begin + done, JSON record to a null sink)")
+    print(f"ratio                    : {ratio:7.2f}x  (target <= 3x and < 50 us: "
+          f"{'met' if ratio <= 3 and full_us < 50 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""`Lifecycle`: one worker's state machine, and the bracket every phase's work runs in."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
+
+import structlog
+from structlog.contextvars import bind_contextvars, reset_contextvars
+from transitions import MachineError
+
+from lifecycle.config import LifecycleConfig, ResumeMode
+from lifecycle.errors import InvalidTransition, LifecycleError
+from lifecycle.machine import DONE, FAIL, ROWS, MachineModel, State, allowed_triggers, build_machine
+from lifecycle.phase import Temporary, Transition, UndoStack
+from lifecycle.types import Checkpointer, Parts, Progress, SaveInfo, WeightSyncer
+
+F = TypeVar("F", bound=Callable[[], object])
+
+
+class Observer:
+    """Hooks called as the machine moves; each does nothing unless overridden."""
+
+    def on_state_change(self, lc: Lifecycle, src: State, dst: State, trigger: str) -> None:
+        """Called on every move of the machine, phase begin and phase end alike."""
+
+    def on_transition(self, lc: Lifecycle, record: Transition) -> None:
+        """Called once per trigger, when its record is final."""
+
+
+GLOBAL_OBSERVERS: list[Observer] = []
+"""Observers of every Lifecycle in the process (what `testing.capture_transitions()` uses)."""
+
+
+class Phase:
+    """The context every phase's work runs in: begin trigger, work, undos, done or fail."""
+
+    __slots__ = ("lc", "trigger", "step", "src", "figures", "undos", "path", "_start", "_t0", "_tokens")
+
+    def __init__(self, lc: Lifecycle, trigger: str, step: int | None) -> None:
+        self.lc = lc
+        self.trigger = trigger
+        self.step = step
+        self.figures: dict[str, Any] = {}
+        self.undos = UndoStack()
+
+    def __enter__(self) -> Phase:
+        lc = self.lc
+        self.src = lc.state
+        self._start = time.time()
+        self._t0 = time.perf_counter()
+        lc._move(self.trigger)
+        self.path = [self.src, lc.state]
+        lc._phase = self
+        self._tokens = bind_contextvars(role=lc.role, rank=lc.rank, step=self.step, trigger=self.trigger)
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        lc = self.lc
+        try:
+            undo_errors = self.undos.run(self.trigger)
+        finally:
+            lc._phase = None
+            reset_contextvars(**self._tokens)
+        error: BaseException | None = exc
+        if error is None and undo_errors:
+            error = LifecycleError(
+                f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
+                f"objects are not as they were (role {lc.role}); first: {undo_errors[0]!r}"
+            )
+        if lc.state.working:
+            lc._move(FAIL if error is not None else DONE)
+            self.path.append(lc.state)
+        lc._record(self, error)
+        if exc is None and error is not None:
+            raise error from undo_errors[0]
+
+
+class _TrainStep(Phase):
+    """The train phase: the step counts as done only when the caller's block finished."""
+
+    __slots__ = ()
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        super().__exit__(exc_type, exc, tb)
+        if exc is None:
+            self.lc.progress.step = self.step
+
+
+class Lifecycle:
+    """One worker's lifecycle: init-load, train, save, weight-sync and resume, as one machine.
+
+    Every trigger runs as begin -> work -> undo stack -> done/fail, leaves one `Transition`
+    in `history` and one `lifecycle.transition` log record. A trigger that the table does
+    not allow from the current state raises `InvalidTransition` and changes nothing.
+    """
+
+    def __init__(
+        self,
+        config: LifecycleConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        *,
+        role: str = "actor",
+        model: Any = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        checkpointer: Checkpointer | None = None,
+        engine: WeightSyncer | None = None,
+        observers: Iterable[Observer] = (),
+        history_limit: int = 10_000,
+    ) -> None:
+        self.config = LifecycleConfig.coerce(config)
+        self.role = role
+        self.rank, self.world_size = _rank_and_size(rank, world_size)
+        self.parts = Parts(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader)
+        self.progress = Progress()
+        self.observers: list[Observer] = list(observers)
+        self._history: deque[Transition] = deque(maxlen=history_limit)
+        self._checkpointer = checkpointer
+        self._engine = engine
+        self._phase: Phase | None = None
+        self._lock = threading.Lock()
+        self._model = MachineModel()
+        self._machine = build_machine(self._model)
+        self._log = structlog.get_logger()
+
+    @property
+    def state(self) -> State:
+        return self._model.state
+
+    @property
+    def history(self) -> list[Transition]:
+        return list(self._history)
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        if self._checkpointer is None:
+            from lifecycle.checkpointer import DiskCheckpointer
+
+            self._checkpointer = DiskCheckpointer(
+                self.config, role=self.role, rank=self.rank, world_size=self.world_size
+            )
+        return self._checkpointer
+
+    @property
+    def engine(self) -> WeightSyncer:
+        if self._engine is None:
+            from backends.engines import engine_for
+
+            self._engine = engine_for(self.config.engine, rank=self.rank)
+        return self._engine
+
+    def init_load(self) -> None:
+        """CREATED -> LOADING -> READY: the first load of weights (pre_load)."""
+        with Phase(self, "init_load", None) as phase:
+            phase.figures.update(self.checkpointer.load_initial(self.parts))
+
+    def train_step(self, step: int) -> Phase:
+        """READY -> TRAINING -> READY around the caller's step; an exception leaves FAILED."""
+        return _TrainStep(self, "train_step", step)
+
+    def save(self, step: int | None = None) -> SaveInfo:
+        """READY -> SAVING -> READY: write and commit a checkpoint; returns what was written."""
+        step = self.progress.step if step is None else step
+        with Phase(self, "save", step) as phase:
+            self.progress.step = step
+            info = self.checkpointer.save(step, self.parts, self.progress)
+            phase.figures.update(info.figures())
+        return info
+
+    def sync_weights(self, target: Any) -> int:
+        """READY -> SYNCING -> READY: push the model's weights to `target`; returns the version."""
+        version = self.progress.weights_version + 1
+        with Phase(self, "sync_weights", self.progress.step) as phase:
+            model = self.parts.model
+            if model is None:
+                raise LifecycleError(f"sync_weights needs a model (role {self.role})")
+            if getattr(model, "training", False):
+                model.eval()
+                self.on_exit(model.train)
+            phase.figures.update(self.engine.sync(_named_tensors(model), target, version))
+            phase.figures["version"] = version
+            self.progress.weights_version = version
+        return version
+
+    def resume(self) -> int | None:
+        """CREATED/FAILED -> RESUMING -> READY from the newest complete checkpoint.
+
+        Returns the step resumed at, or None for a fresh start (init-load instead, when
+        `resume.mode` is `auto` and nothing complete is on disk, or when it is `disable`).
+        """
+        with Phase(self, "resume", None) as phase:
+            mode = self.config.resume.mode
+            restored = None if mode is ResumeMode.DISABLE else self.checkpointer.resume(self.parts)
+            if restored is None:
+                self._log.info("lifecycle.resume_fallback", mode=mode.value, role=self.role,
+                               reason="resume disabled" if mode is ResumeMode.DISABLE
+                               else "no complete checkpoint", action="init_load")
+                phase.figures.update(self.checkpointer.load_initial(self.parts), fallback="init_load")
+                self.progress = Progress()
+                return None
+            self.progress = restored
+            phase.step = restored.step
+            phase.figures["resumed_step"] = restored.step
+            return restored.step
+
+    def close(self) -> None:
+        """CREATED/READY/FAILED -> CLOSED; releases the engine and waits for pending saves."""
+        with Phase(self, "close", self.progress.step):
+            for resource in (self._engine, self._checkpointer):
+                closer = getattr(resource, "close", None)
+                if closer is not None:
+                    self.on_exit(closer)
+
+    def temporarily(self, obj: object, **attrs: Any) -> Temporary:
+        """Set (or, with `DELETE`, remove) attributes of `obj` until the running phase ends."""
+        phase = self._running("temporarily")
+        change = Temporary(obj, attrs)
+        phase.undos.push(change.restore)
+        return change
+
+    def on_exit(self, undo: F) -> F:
+        """Run `undo` when the running phase ends, whether its work succeeded or raised."""
+        self._running("on_exit").undos.push(undo)
+        return undo
+
+    def add_observer(self, observer: Observer) -> None:
+        self.observers.append(observer)
+
+    def remove_observer(self, observer: Observer) -> None:
+        self.observers.remove(observer)
+
+    def export_chrome_trace(self, path: str | os.PathLike[str]) -> Path:
+        from lifecycle.trace import write_chrome_trace
+
+        return write_chrome_trace(self._history, path, role=self.role, rank=self.rank)
+
+    def _running(self, what: str) -> Phase:
+        phase = self._phase
+        if phase is None:
+            raise LifecycleError(
+                f"{what}() needs a running phase to undo it in; state is {self.state.name} "
+                f"(role {self.role}): call it from inside init_load/train_step/save/sync/resume work"
+            )
+        return phase
+
+    def _move(self, trigger: str) -> None:
+        src = self._model.state
+        with self._lock:
+            try:
+                getattr(self._model, trigger)()
+            except MachineError:
+                raise InvalidTransition(trigger, src, allowed_triggers(src), self.role) from None
+        if self.observers or GLOBAL_OBSERVERS:
+            dst = self._model.state
+            for observer in (*self.observers, *GLOBAL_OBSERVERS):
+                observer.on_state_change(self, src, dst, trigger)
+
+    def _record(self, phase: Phase, error: BaseException | None) -> None:
+        duration = time.perf_counter() - phase._t0
+        record = Transition(
+            trigger=phase.trigger, src=phase.src, dst=self.state, step=phase.step,
+            start=phase._start, duration_s=duration, ok=error is None,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+            path=tuple(phase.path), figures=phase.figures,
+        )
+        self._history.append(record)
+        fields = {
+            "trigger": record.trigger, "src": record.src.name, "dst": record.dst.name,
+            "role": self.role, "rank": self.rank, "step": record.step,
+            "duration_s": round(duration, 6), "ok": record.ok, **record.figures,
+        }
+        if error is None:
+            self._log.info("lifecycle.transition", **fields)
+        else:
+            self._log.error("lifecycle.transition", error=record.error, **fields)
+        if self.observers or GLOBAL_OBSERVERS:
+            for observer in (*self.observers, *GLOBAL_OBSERVERS):
+                observer.on_transition(self, record)
+
+    def __repr__(self) -> str:
+        return f"Lifecycle(role={self.role!r}, rank={self.rank}, state={self.state.name})"
+
+
+def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Explicit values first, then an initialised torch.distributed, then RANK/WORLD_SIZE."""
+    if rank is None or world_size is None:
+        import sys
+
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    return rank, world_size
+
+
+def _named_tensors(model: Any) -> Iterator[tuple[str, Any]]:
+    """Weights to sync: the state dict, tied tensors once (the receiver re-ties by name)."""
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        key = tensor.data_ptr() if hasattr(tensor, "data_ptr") else id(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        yield name, tensor
+
+
+__all__ = ["GLOBAL_OBSERVERS", "Lifecycle", "Observer", "Phase", "ROWS"]

@@ -1,0 +1,38 @@
+"""The library's own exception types: every message names the state, key or file at fault."""
+
+from __future__ import annotations
+
+
+class LifecycleError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class InvalidTransition(LifecycleError):
+    """A trigger was fired from a state where the transition table does not allow it."""
+
+    def __init__(self, trigger: str, state: object, allowed: list[str], role: str = "") -> None:
+        self.trigger = trigger
+        self.state = state
+        self.allowed = allowed
+        who = f" (role {role})" if role else ""
+        choices = ", ".join(allowed) if allowed else "none until the running phase ends"
+        super().__init__(
+            f"cannot {trigger!r} from state {getattr(state, 'name', state)}{who}; "
+            f"allowed from there: {choices}"
+        )
+
+
+class ConfigError(LifecycleError, ValueError):
+    """A config key is unknown, has a bad value, or conflicts with another key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+class CheckpointError(LifecycleError):
+    """A checkpoint is missing, incomplete, corrupt, or does not match the model."""
+
+
+class EngineError(LifecycleError):
+    """A weight transfer failed, timed out, or delivered data that did not verify."""

@@ -1,0 +1,184 @@
+"""A testing kit for workers that embed a Lifecycle: in-memory stand-ins that fail on demand.
+
+    from lifecycle.testing import MemoryCheckpointer, capture_transitions
+    ckpt = MemoryCheckpointer(fail_at={"save"})
+    lc = Lifecycle(role="actor", model=model, checkpointer=ckpt)
+    with capture_transitions(lc) as cap:
+        lc.init_load()
+        with pytest.raises(InjectedFailure):
+            lc.save(1)
+    cap.assert_path([State.CREATED, State.LOADING, State.READY, State.SAVING, State.FAILED])
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from lifecycle.core import GLOBAL_OBSERVERS, Lifecycle, Observer
+from lifecycle.machine import State
+from lifecycle.phase import Transition
+from lifecycle.types import Parts, Progress, SaveInfo
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the in-memory stand-ins at the phase they were told to fail in."""
+
+
+class _FailureSwitch:
+    """Where a stand-in fails: always at `fail_at` phases, once at phases given to `fail_next`."""
+
+    def __init__(self, fail_at: Iterable[str] = ()) -> None:
+        self.fail_at = set(fail_at)
+        self._once: set[str] = set()
+        self.calls: list[tuple[str, Any]] = []
+
+    def fail_next(self, phase: str) -> None:
+        self._once.add(phase)
+
+    def hit(self, phase: str, arg: Any = None) -> None:
+        self.calls.append((phase, arg))
+        if phase in self.fail_at or phase in self._once:
+            self._once.discard(phase)
+            raise InjectedFailure(f"injected failure at {phase!r}")
+
+
+def _snapshot(obj: Any) -> Any:
+    return None if obj is None or not hasattr(obj, "state_dict") else copy.deepcopy(obj.state_dict())
+
+
+class MemoryCheckpointer(_FailureSwitch):
+    """A Checkpointer holding checkpoints in memory; phases: load_initial, save, commit, resume.
+
+    A failure at `commit` happens after the state was copied but before it is kept, like a
+    crash between write and commit on disk: the previous checkpoint stays the newest.
+    """
+
+    def __init__(self, *, fail_at: Iterable[str] = (), initial: dict[str, Any] | None = None) -> None:
+        super().__init__(fail_at)
+        self.initial = initial
+        self.saved: dict[int, dict[str, Any]] = {}
+
+    def load_initial(self, parts: Parts) -> dict[str, Any]:
+        self.hit("load_initial")
+        if self.initial is not None and parts.model is not None:
+            parts.model.load_state_dict(self.initial)
+        return {"backend": "memory"}
+
+    def save(self, step: int, parts: Parts, progress: Progress) -> SaveInfo:
+        self.hit("save", step)
+        snapshot = {name: _snapshot(getattr(parts, name)) for name in ("model", "optimizer", "lr_scheduler")}
+        snapshot["progress"] = replace(progress, user=copy.deepcopy(progress.user))
+        self.hit("commit", step)
+        self.saved[step] = snapshot
+        return SaveInfo(step=step, path=Path(f"memory/global_step_{step}"), contents=["model"], backend="memory")
+
+    def resume(self, parts: Parts) -> Progress | None:
+        self.hit("resume")
+        if not self.saved:
+            return None
+        snapshot = self.saved[max(self.saved)]
+        for name in ("model", "optimizer", "lr_scheduler"):
+            target, state = getattr(parts, name), snapshot[name]
+            if target is not None and state is not None:
+                target.load_state_dict(copy.deepcopy(state))
+        progress: Progress = snapshot["progress"]
+        return replace(progress, user=copy.deepcopy(progress.user))
+
+
+class MemoryRollout:
+    """A rollout target in the same process; refuses to serve weights marked stale."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, Any] = {}
+        self.weights_version = 0
+        self.paused = False
+        self.stale = False
+        self.calls: list[str] = []
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+        self.paused = True
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        self.calls.append("load_weights")
+        self.weights.update({name: tensor.detach().clone() for name, tensor in named_tensors})
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+        self.paused = False
+
+    def mark_stale(self) -> None:
+        self.stale = True
+
+    def serve(self) -> dict[str, Any]:
+        if self.stale or self.paused:
+            raise RuntimeError(f"rollout weights v{self.weights_version} are {'stale' if self.stale else 'paused'}")
+        return self.weights
+
+
+class MemoryEngine(_FailureSwitch):
+    """A WeightSyncer that copies in process; phases: pause, transfer, apply, resume."""
+
+    def sync(self, named_tensors: Iterator[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
+        self.hit("pause", version)
+        target.pause()
+        try:
+            self.hit("transfer", version)
+            received = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
+            self.hit("apply", version)
+            target.load_weights(received)
+            target.weights_version = version
+            target.stale = False
+        except BaseException:
+            target.mark_stale()
+            raise
+        finally:
+            target.resume()
+        self.hit("resume", version)
+        return {"backend": "memory", "bytes": sum(t.numel() * t.element_size() for _, t in received)}
+
+
+class Capture(Observer):
+    """What `capture_transitions` saw: every record and the states visited, in order."""
+
+    def __init__(self, only: Lifecycle | None) -> None:
+        self.only = only
+        self.records: list[Transition] = []
+        self.path: list[State] = []
+
+    def on_state_change(self, lc: Lifecycle, src: State, dst: State, trigger: str) -> None:
+        if self.only is None or lc is self.only:
+            if not self.path:
+                self.path.append(src)
+            self.path.append(dst)
+
+    def on_transition(self, lc: Lifecycle, record: Transition) -> None:
+        if self.only is None or lc is self.only:
+            self.records.append(record)
+
+    @property
+    def triggers(self) -> list[str]:
+        return [record.trigger for record in self.records]
+
+    def assert_path(self, expected: list[State]) -> None:
+        if self.path != list(expected):
+            raise AssertionError(
+                "lifecycle path differs:\n  expected " + " -> ".join(s.name for s in expected)
+                + "\n  actual   " + " -> ".join(s.name for s in self.path)
+            )
+
+
+@contextmanager
+def capture_transitions(lc: Lifecycle | None = None) -> Iterator[Capture]:
+    """Record the transitions of `lc`, or of every Lifecycle in the process when none is given."""
+    capture = Capture(lc)
+    observers = GLOBAL_OBSERVERS if lc is None else lc.observers
+    observers.append(capture)
+    try:
+        yield capture
+    finally:
+        observers.remove(capture)

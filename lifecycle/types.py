@@ -1,0 +1,90 @@
+"""Plain data passed between the lifecycle and its pluggable checkpointers and engines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
+
+
+@dataclass(kw_only=True, slots=True)
+class Parts:
+    """What a worker hands the lifecycle: the objects whose state a checkpoint holds."""
+
+    model: Any = None
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    dataloader: Any = None
+
+
+@dataclass(kw_only=True, slots=True)
+class Progress:
+    """Training position; saved in `extra/` and restored on resume so no step runs twice."""
+
+    step: int = 0
+    epoch: int = 0
+    consumed_samples: int = 0
+    weights_version: int = 0
+    user: dict[str, Any] = field(default_factory=dict)
+    """JSON-serialisable values of the caller's own, kept with the checkpoint."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SaveInfo:
+    """What one save wrote; also the figures of the save's transition record."""
+
+    step: int
+    path: Path
+    contents: list[str]
+    backend: str
+    bytes: int = 0
+    files: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "path": str(self.path),
+            "bytes": self.bytes,
+            "files": self.files,
+            "gbps": round(self.gbps, 3),
+        }
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    """Does the work of init-load, save and resume; the lifecycle only brackets it."""
+
+    def load_initial(self, parts: Parts) -> dict[str, Any]:
+        """First load of weights; returns figures for the transition record."""
+
+    def save(self, step: int, parts: Parts, progress: Progress) -> SaveInfo:
+        """Write and commit a checkpoint of `step`."""
+
+    def resume(self, parts: Parts) -> Progress | None:
+        """Restore from the newest complete checkpoint, or return None when there is none."""
+
+
+@runtime_checkable
+class WeightSyncer(Protocol):
+    """Pushes a model's weights to a rollout target; the weight-sync phase's work."""
+
+    def sync(self, named_tensors: Iterator[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
+        """Deliver every tensor to `target` as weights `version`; returns figures for the log."""
+
+
+@runtime_checkable
+class RolloutTarget(Protocol):
+    """The rollout side of a weight sync: paused while weights land, never serving stale ones."""
+
+    weights_version: int
+
+    def pause(self) -> None: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None: ...
+
+    def resume(self) -> None: ...

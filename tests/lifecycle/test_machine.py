@@ -1,0 +1,212 @@
+"""The transition table is a contract: every (state, trigger) pair is pinned here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lifecycle import TABLE, InvalidTransition, Lifecycle, State
+from lifecycle.machine import allowed_triggers, machine_transitions, mermaid
+from lifecycle.testing import InjectedFailure, MemoryRollout, capture_transitions
+from tests.lifecycle.probes import drive_to, fire, make_lifecycle
+
+S = State
+CONTRACT = {
+    # trigger: (sources, working state, state after success, state after failure)
+    "init_load": ({S.CREATED}, S.LOADING, S.READY, S.FAILED),
+    "train_step": ({S.READY}, S.TRAINING, S.READY, S.FAILED),
+    "save": ({S.READY}, S.SAVING, S.READY, S.FAILED),
+    "sync_weights": ({S.READY}, S.SYNCING, S.READY, S.FAILED),
+    "resume": ({S.CREATED, S.FAILED}, S.RESUMING, S.READY, S.FAILED),
+    "close": ({S.CREATED, S.READY, S.FAILED}, None, S.CLOSED, None),
+}
+TRIGGERS = list(CONTRACT)
+STABLE = [S.CREATED, S.READY, S.FAILED, S.CLOSED]
+WORKING = {
+    S.LOADING: "init_load",
+    S.TRAINING: "train_step",
+    S.SAVING: "save",
+    S.SYNCING: "sync_weights",
+    S.RESUMING: "resume",
+}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_table_in_code_is_the_contract() -> None:
+    table = {row.trigger: (set(row.sources), row.working, row.done, row.failed) for row in TABLE}
+    assert table == CONTRACT
+
+
+def test_every_state_is_covered_by_the_tests() -> None:
+    assert set(STABLE) | set(WORKING) == set(State)
+
+
+@pytest.mark.parametrize("state", STABLE)
+@pytest.mark.parametrize("trigger", TRIGGERS)
+def test_trigger_from_stable_state_reaches_the_table_state_or_raises(state: State, trigger: str) -> None:
+    lc = make_lifecycle()
+    drive_to(state, lc)
+    sources, working, done, _ = CONTRACT[trigger]
+    if state in sources:
+        with capture_transitions(lc) as cap:
+            fire(lc, trigger)
+        expected = [state, working, done] if working else [state, done]
+        cap.assert_path(expected)
+        assert lc.state is done
+    else:
+        with pytest.raises(InvalidTransition) as info:
+            fire(lc, trigger)
+        assert lc.state is state
+        assert info.value.state is state and info.value.trigger == trigger
+        assert state.name in str(info.value) and trigger in str(info.value)
+        for allowed in allowed_triggers(state):
+            assert allowed in str(info.value)
+
+
+@pytest.mark.parametrize("working", list(WORKING))
+@pytest.mark.parametrize("trigger", TRIGGERS)
+def test_no_trigger_fires_while_a_phase_runs(working: State, trigger: str) -> None:
+    lc = make_lifecycle()
+    owner = WORKING[working]
+    if owner != "init_load" and owner != "resume":
+        drive_to(S.READY, lc)
+    seen: list[tuple[State, State]] = []
+
+    def probe() -> None:
+        if seen:
+            return
+        before = lc.state
+        with pytest.raises(InvalidTransition, match=f"from state {working.name}"):
+            fire(lc, trigger)
+        seen.append((before, lc.state))
+
+    if owner == "train_step":
+        with lc.train_step(1):
+            probe()
+    elif owner == "sync_weights":
+        lc.engine.probe = probe  # type: ignore[attr-defined]
+        lc.sync_weights(MemoryRollout())
+    else:
+        lc.checkpointer.probe = probe  # type: ignore[attr-defined]
+        fire(lc, owner)
+    assert seen == [(working, working)]
+    assert lc.state is S.READY
+
+
+@pytest.mark.parametrize("trigger", [t for t, row in CONTRACT.items() if row[1] is not None])
+def test_failure_inside_the_work_leaves_the_failure_state_and_reraises(trigger: str) -> None:
+    lc = make_lifecycle()
+    sources, working, _, failed = CONTRACT[trigger]
+    drive_to(S.CREATED if S.CREATED in sources else S.READY, lc)
+    start = lc.state
+
+    def boom() -> None:
+        raise InjectedFailure("inside the work")
+
+    with capture_transitions(lc) as cap:
+        with pytest.raises(InjectedFailure, match="inside the work"):
+            if trigger == "train_step":
+                with lc.train_step(1):
+                    boom()
+            else:
+                target = lc.engine if trigger == "sync_weights" else lc.checkpointer
+                target.probe = boom  # type: ignore[attr-defined]
+                fire(lc, trigger)
+    cap.assert_path([start, working, failed])
+    assert lc.history[-1].ok is False and "inside the work" in (lc.history[-1].error or "")
+
+
+def test_train_step_counts_the_step_only_when_it_finished(lc: Lifecycle) -> None:
+    lc.init_load()
+    with lc.train_step(7):
+        assert lc.progress.step == 0
+    assert lc.progress.step == 7
+    with pytest.raises(ZeroDivisionError):
+        with lc.train_step(8):
+            1 / 0
+    assert lc.state is S.FAILED and lc.progress.step == 7
+
+
+def test_history_keeps_every_transition_with_its_fields(lc: Lifecycle) -> None:
+    lc.init_load()
+    with lc.train_step(1):
+        pass
+    lc.save(1)
+    lc.close()
+    assert [(r.trigger, r.src, r.dst, r.ok) for r in lc.history] == [
+        ("init_load", S.CREATED, S.READY, True),
+        ("train_step", S.READY, S.READY, True),
+        ("save", S.READY, S.READY, True),
+        ("close", S.READY, S.CLOSED, True),
+    ]
+    for record in lc.history:
+        assert record.start > 1e9 and record.duration_s >= 0 and record.error is None
+    assert lc.history[2].path == (S.READY, S.SAVING, S.READY)
+
+
+def test_resume_without_a_checkpoint_falls_back_to_init_load(lc: Lifecycle) -> None:
+    assert lc.resume() is None
+    assert lc.state is S.READY
+    assert lc.history[-1].figures["fallback"] == "init_load"
+    assert [c[0] for c in lc.checkpointer.calls] == ["resume", "load_initial"]  # type: ignore[attr-defined]
+
+
+def test_resume_from_failed_restores_the_saved_step() -> None:
+    lc = make_lifecycle()
+    lc.init_load()
+    lc.save(5)
+    with pytest.raises(RuntimeError):
+        with lc.train_step(6):
+            raise RuntimeError("bad batch")
+    assert lc.resume() == 5
+    assert lc.state is S.READY and lc.progress.step == 5
+
+
+def test_machine_edges_are_generated_from_the_table_only() -> None:
+    edges = machine_transitions()
+    begins = [e for e in edges if e["trigger"] in CONTRACT]
+    assert len(begins) == len(TABLE)
+    phases = [row for row in TABLE if row.working is not None]
+    assert sum(e["trigger"] == "done" for e in edges) == len(phases)
+    assert sum(e["trigger"] == "fail" for e in edges) == len(phases)
+
+
+def _mermaid_edges(text: str) -> set[tuple[str, str, str]]:
+    return {
+        (m["src"], m["dst"], m["label"])
+        for m in re.finditer(r"^\s*(?P<src>\w+) --> (?P<dst>\w+): (?P<label>\w+)$", text, re.M)
+    }
+
+
+def _expected_edges() -> set[tuple[str, str, str]]:
+    edges = set()
+    for trigger, (sources, working, done, failed) in CONTRACT.items():
+        for src in sources:
+            edges.add((src.name, (working or done).name, trigger))
+        if working is not None:
+            edges.add((working.name, done.name, "done"))
+            edges.add((working.name, failed.name, "fail"))
+    return edges
+
+
+def test_mermaid_diagram_has_exactly_the_table_edges() -> None:
+    assert _mermaid_edges(mermaid()) == _expected_edges()
+
+
+def _markdown_table(text: str) -> dict[str, tuple[set[State], State | None, State]]:
+    rows = {}
+    for m in re.finditer(r"^\| `(\w+)`[^|]*\| ([A-Z, ]+) \| ([A-Z]+)", text, re.M):
+        sources = {State[name.strip()] for name in m.group(2).split(",")}
+        rows[m.group(1)] = (sources, State[m.group(3)])
+    return rows
+
+
+@pytest.mark.parametrize("doc", ["README.md", "../shared/DESIGN.md"])
+def test_documented_table_agrees_with_the_code(doc: str) -> None:
+    path = (REPO / doc).resolve()
+    if not path.exists():
+        pytest.fail(f"{path} is missing: the documented table cannot be checked")
+    documented = _markdown_table(path.read_text())
+    assert documented == {t: (row[0], row[1] or row[2]) for t, row in CONTRACT.items()}

@@ -1,0 +1,84 @@
+"""The testing kit users get: in-memory stand-ins that fail on demand, and path capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lifecycle import Lifecycle, State
+from lifecycle.testing import (
+    InjectedFailure,
+    MemoryCheckpointer,
+    MemoryEngine,
+    MemoryRollout,
+    capture_transitions,
+)
+
+S = State
+
+
+def _lc(**kwargs) -> Lifecycle:  # type: ignore[no-untyped-def]
+    return Lifecycle(role="actor", model=torch.nn.Linear(2, 2), **kwargs)
+
+
+def test_assert_path_passes_on_the_path_taken_and_explains_a_different_one() -> None:
+    lc = _lc(checkpointer=MemoryCheckpointer(fail_at={"save"}))
+    with capture_transitions(lc) as cap:
+        lc.init_load()
+        with pytest.raises(InjectedFailure):
+            lc.save(1)
+    cap.assert_path([S.CREATED, S.LOADING, S.READY, S.SAVING, S.FAILED])
+    with pytest.raises(AssertionError, match="expected CREATED -> READY\n  actual   CREATED -> LOADING"):
+        cap.assert_path([S.CREATED, S.READY])
+    assert cap.triggers == ["init_load", "save"]
+
+
+def test_capture_without_a_lifecycle_sees_every_lifecycle_and_detaches_after() -> None:
+    a, b = _lc(checkpointer=MemoryCheckpointer()), _lc(checkpointer=MemoryCheckpointer())
+    with capture_transitions() as cap:
+        a.init_load()
+        b.close()
+    a.close()
+    assert cap.triggers == ["init_load", "close"]
+
+
+def test_memory_checkpointer_failing_at_commit_keeps_the_previous_checkpoint() -> None:
+    model = torch.nn.Linear(2, 2)
+    ckpt = MemoryCheckpointer()
+    lc = Lifecycle(role="actor", model=model, checkpointer=ckpt)
+    lc.init_load()
+    lc.save(1)
+    saved = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ckpt.fail_next("commit")
+    with pytest.raises(InjectedFailure):
+        lc.save(2)
+    assert lc.resume() == 1
+    assert torch.equal(model.weight, saved)
+    assert [c for c in ckpt.calls if c[0] in {"save", "commit"}] == [
+        ("save", 1), ("commit", 1), ("save", 2), ("commit", 2)
+    ]
+
+
+@pytest.mark.parametrize("phase", ["transfer", "apply"])
+def test_memory_engine_failure_marks_the_rollout_stale_and_resumes_it(phase: str) -> None:
+    engine = MemoryEngine(fail_at={phase})
+    lc = _lc(checkpointer=MemoryCheckpointer(), engine=engine)
+    rollout = MemoryRollout()
+    lc.init_load()
+    with pytest.raises(InjectedFailure):
+        lc.sync_weights(rollout)
+    assert rollout.stale and not rollout.paused and rollout.weights_version == 0
+    with pytest.raises(RuntimeError, match="stale"):
+        rollout.serve()
+    assert lc.state is S.FAILED
+
+
+def test_memory_engine_delivers_weights_and_the_version_on_both_sides() -> None:
+    lc = _lc(checkpointer=MemoryCheckpointer(), engine=MemoryEngine())
+    rollout = MemoryRollout()
+    lc.init_load()
+    assert lc.sync_weights(rollout) == 1 == rollout.weights_version == lc.progress.weights_version
+    assert torch.equal(rollout.serve()["weight"], lc.parts.model.weight)
+    assert rollout.calls == ["pause", "load_weights", "resume"]
