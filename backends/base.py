@@ -20,6 +20,8 @@ class FormatBackend(Protocol):
     parallel_invariant: ClassVar[bool]
     """True when a checkpoint saved at one parallel layout loads at another."""
     supports_async: ClassVar[bool]
+    native_hf: ClassVar[bool]
+    """True when `save_model` already writes HF safetensors: `model` and `hf_model` are written once."""
 
     def save_model(self, model: Any, folder: Path) -> None: ...
 

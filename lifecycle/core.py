@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
@@ -15,8 +16,10 @@ from transitions import MachineError
 
 from lifecycle.config import LifecycleConfig, ResumeMode
 from lifecycle.errors import InvalidTransition, LifecycleError
-from lifecycle.machine import DONE, FAIL, ROWS, MachineModel, State, allowed_triggers, build_machine
-from lifecycle.phase import Temporary, Transition, UndoStack
+from lifecycle.machine import (
+    DONE, FAIL, NAMES, ROWS, WORKING, MachineModel, State, allowed_triggers, build_machine,
+)
+from lifecycle.phase import Temporary, Transition, run_undos
 from lifecycle.types import Checkpointer, Parts, Progress, SaveInfo, WeightSyncer
 
 F = TypeVar("F", bound=Callable[[], object])
@@ -39,30 +42,29 @@ GLOBAL_OBSERVERS: list[Observer] = []
 class Phase:
     """The context every phase's work runs in: begin trigger, work, undos, done or fail."""
 
-    __slots__ = ("lc", "trigger", "step", "src", "figures", "undos", "path", "_start", "_t0", "_tokens")
+    __slots__ = ("lc", "trigger", "step", "src", "figures", "undos", "_start", "_t0", "_tokens")
 
     def __init__(self, lc: Lifecycle, trigger: str, step: int | None) -> None:
         self.lc = lc
         self.trigger = trigger
         self.step = step
         self.figures: dict[str, Any] = {}
-        self.undos = UndoStack()
+        self.undos: list[Callable[[], object]] = []
 
     def __enter__(self) -> Phase:
         lc = self.lc
-        self.src = lc.state
+        self.src = lc._model.state
         self._start = time.time()
         self._t0 = time.perf_counter()
         lc._move(self.trigger)
-        self.path = [self.src, lc.state]
         lc._phase = self
-        self._tokens = bind_contextvars(role=lc.role, rank=lc.rank, step=self.step, trigger=self.trigger)
+        self._tokens = bind_contextvars(role=lc.role, rank=lc.rank, step=self.step)
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         lc = self.lc
         try:
-            undo_errors = self.undos.run(self.trigger)
+            undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
         finally:
             lc._phase = None
             reset_contextvars(**self._tokens)
@@ -72,23 +74,14 @@ class Phase:
                 f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
                 f"objects are not as they were (role {lc.role}); first: {undo_errors[0]!r}"
             )
-        if lc.state.working:
+        if lc._model.state in WORKING:
             lc._move(FAIL if error is not None else DONE)
-            self.path.append(lc.state)
         lc._record(self, error)
-        if exc is None and error is not None:
-            raise error from undo_errors[0]
-
-
-class _TrainStep(Phase):
-    """The train phase: the step counts as done only when the caller's block finished."""
-
-    __slots__ = ()
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        super().__exit__(exc_type, exc, tb)
         if exc is None:
-            self.lc.progress.step = self.step
+            if error is not None:
+                raise error from undo_errors[0]
+            if self.trigger == "train_step":
+                lc.progress.step = self.step  # type: ignore[assignment]
 
 
 class Lifecycle:
@@ -163,7 +156,7 @@ class Lifecycle:
 
     def train_step(self, step: int) -> Phase:
         """READY -> TRAINING -> READY around the caller's step; an exception leaves FAILED."""
-        return _TrainStep(self, "train_step", step)
+        return Phase(self, "train_step", step)
 
     def save(self, step: int | None = None) -> SaveInfo:
         """READY -> SAVING -> READY: write and commit a checkpoint; returns what was written."""
@@ -222,12 +215,12 @@ class Lifecycle:
         """Set (or, with `DELETE`, remove) attributes of `obj` until the running phase ends."""
         phase = self._running("temporarily")
         change = Temporary(obj, attrs)
-        phase.undos.push(change.restore)
+        phase.undos.append(change.restore)
         return change
 
     def on_exit(self, undo: F) -> F:
         """Run `undo` when the running phase ends, whether its work succeeded or raised."""
-        self._running("on_exit").undos.push(undo)
+        self._running("on_exit").undos.append(undo)
         return undo
 
     def add_observer(self, observer: Observer) -> None:
@@ -251,8 +244,8 @@ class Lifecycle:
         return phase
 
     def _move(self, trigger: str) -> None:
-        src = self._model.state
         with self._lock:
+            src = self._model.state
             try:
                 getattr(self._model, trigger)()
             except MachineError:
@@ -263,23 +256,19 @@ class Lifecycle:
                 observer.on_state_change(self, src, dst, trigger)
 
     def _record(self, phase: Phase, error: BaseException | None) -> None:
+        """The one history entry and the one `lifecycle.transition` record of a trigger."""
         duration = time.perf_counter() - phase._t0
-        record = Transition(
-            trigger=phase.trigger, src=phase.src, dst=self.state, step=phase.step,
-            start=phase._start, duration_s=duration, ok=error is None,
-            error=None if error is None else f"{type(error).__name__}: {error}",
-            path=tuple(phase.path), figures=phase.figures,
-        )
+        dst = self._model.state
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        working = ROWS[phase.trigger].working
+        path = (phase.src, dst) if working is None else (phase.src, working, dst)
+        record = Transition(phase.trigger, phase.src, dst, phase.step, phase._start, duration,
+                            error is None, message, path, phase.figures)
         self._history.append(record)
-        fields = {
-            "trigger": record.trigger, "src": record.src.name, "dst": record.dst.name,
-            "role": self.role, "rank": self.rank, "step": record.step,
-            "duration_s": round(duration, 6), "ok": record.ok, **record.figures,
-        }
-        if error is None:
-            self._log.info("lifecycle.transition", **fields)
-        else:
-            self._log.error("lifecycle.transition", error=record.error, **fields)
+        emit = self._log.info if error is None else partial(self._log.error, error=message)
+        emit("lifecycle.transition", trigger=phase.trigger, src=NAMES[phase.src], dst=NAMES[dst],
+             role=self.role, rank=self.rank, step=phase.step, duration_s=round(duration, 6),
+             ok=error is None, **phase.figures)
         if self.observers or GLOBAL_OBSERVERS:
             for observer in (*self.observers, *GLOBAL_OBSERVERS):
                 observer.on_transition(self, record)

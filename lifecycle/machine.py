@@ -9,6 +9,8 @@ from typing import Any
 
 from transitions import Machine, Transition
 
+from lifecycle.errors import LifecycleError
+
 
 class State(Enum):
     """A worker's lifecycle state; `working` states are the ones a phase runs in."""
@@ -25,7 +27,7 @@ class State(Enum):
 
     @property
     def working(self) -> bool:
-        return self in _WORKING
+        return self in WORKING
 
     @property
     def terminal(self) -> bool:
@@ -58,7 +60,9 @@ TABLE: tuple[Row, ...] = (
 """The whole contract. The machine, `allowed_triggers` and the Mermaid diagram read it."""
 
 ROWS: dict[str, Row] = {row.trigger: row for row in TABLE}
-_WORKING = frozenset(row.working for row in TABLE if row.working is not None)
+WORKING = frozenset(row.working for row in TABLE if row.working is not None)
+NAMES: dict[State, str] = {state: state.name for state in State}
+"""Enum `.name` is a descriptor call; the per-transition record reads this instead."""
 DONE, FAIL = "done", "fail"
 """The internal triggers that end a phase; users fire only the table's triggers."""
 
@@ -94,16 +98,24 @@ class MachineModel:
 
 
 class _Edge(Transition):
-    """A transition that only changes the state.
+    """An edge that only changes the state.
 
-    The lifecycle registers no state enter/exit callbacks (work runs outside the machine,
-    observers see every move), so looking them up on every trigger is pure cost: skipping
-    it halves the price of a trigger.
+    The lifecycle's edges carry no conditions and no callbacks: work runs outside the
+    machine, and observers see every move. Evaluating empty callback lists and looking up
+    enter/exit hooks on every trigger would cost more than the state change itself, so an
+    edge skips them, and refuses to be built with any.
     """
 
-    def _change_state(self, event_data: Any) -> None:
-        event_data.machine.set_state(self.dest, event_data.model)
-        event_data.update(getattr(event_data.model, event_data.machine.model_attribute))
+    def __init__(self, source: str, dest: str, *hooks: Any) -> None:
+        if any(hooks):
+            raise LifecycleError(f"lifecycle edge {source} -> {dest} takes no conditions or callbacks")
+        super().__init__(source, dest)
+
+    def execute(self, event_data: Any) -> bool:
+        machine = event_data.machine
+        machine.set_state(self.dest, event_data.model)
+        event_data.update(getattr(event_data.model, machine.model_attribute))
+        return True
 
 
 class _LifecycleMachine(Machine):

@@ -89,27 +89,16 @@ class Temporary:
         self.restore()
 
 
-class UndoStack:
-    """Undo actions of one phase, run last-in-first-out; a failing undo never stops the rest."""
-
-    __slots__ = ("_undos",)
-
-    def __init__(self) -> None:
-        self._undos: list[Callable[[], object]] = []
-
-    def push(self, undo: Callable[[], object]) -> None:
-        self._undos.append(undo)
-
-    def run(self, trigger: str) -> list[BaseException]:
-        """Run every undo; return the errors of those that raised, after logging each."""
-        errors: list[BaseException] = []
-        while self._undos:
-            undo = self._undos.pop()
-            try:
-                undo()
-            except Exception as exc:  # noqa: BLE001 - every undo must get its turn
-                errors.append(exc)
-                structlog.get_logger().error(
-                    "lifecycle.undo_failed", trigger=trigger, undo=repr(undo), error=repr(exc)
-                )
-        return errors
+def run_undos(undos: list[Callable[[], object]], trigger: str) -> list[BaseException]:
+    """Run a phase's undos last-in-first-out; a failing undo is logged and never stops the rest."""
+    errors: list[BaseException] = []
+    while undos:
+        undo = undos.pop()
+        try:
+            undo()
+        except Exception as exc:  # noqa: BLE001 - every undo must get its turn
+            errors.append(exc)
+            structlog.get_logger().error(
+                "lifecycle.undo_failed", trigger=trigger, undo=repr(undo), error=repr(exc)
+            )
+    return errors

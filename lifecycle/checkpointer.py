@@ -1,0 +1,253 @@
+"""The on-disk Checkpointer: one role's save, resume and first load through a format backend.
+
+Layout and commit belong to `CheckpointStore`; bytes belong to the backends. This module
+decides which content goes where, and refuses to load anything that does not verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from backends.base import FormatBackend, backend_class
+from lifecycle.config import LifecycleConfig
+from lifecycle.errors import CheckpointError, ConfigError
+from lifecycle.extra import load_extra, save_extra
+from lifecycle.manifest import MANIFEST, check_folder, read_manifest_file, resolve_inside
+from lifecycle.store import CheckpointStore, check_role
+from lifecycle.types import Parts, Progress, SaveInfo
+
+HashFn = Callable[[Parts], str | None]
+EXTRA_BACKEND = "extra"
+_RANK_DIR = re.compile(r"rank_([0-9]+)")
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
+
+
+def _value(item: Any) -> str:
+    """Config enums are `str` Enums; the manifest and the registry want their plain value."""
+    return str(getattr(item, "value", item))
+
+
+def model_config_hash(parts: Parts) -> str | None:
+    """Fingerprint of the architecture, so resume can refuse a checkpoint of another model.
+
+    Keys that change with the library version or the load path, not the model, are left out.
+    """
+    model = parts.model
+    if model is None:
+        return None
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    if callable(to_dict):
+        cfg = {k: v for k, v in to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+        payload = json.dumps(cfg, sort_keys=True, default=str)
+    else:
+        layout = sorted([n, list(t.shape), str(t.dtype)] for n, t in model.state_dict().items())
+        payload = json.dumps(layout)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+def _folder_figures(folder: Path) -> tuple[int, int]:
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files), len(files)
+
+
+class DiskCheckpointer:
+    """Checkpointer over `config.checkpoint.root`; every rank of the role makes the same calls."""
+
+    def __init__(
+        self,
+        config: LifecycleConfig,
+        *,
+        role: str,
+        rank: int = 0,
+        world_size: int = 1,
+        barrier: Callable[[], None] | None = None,
+        model_config_hash: HashFn | None = None,
+        parallel: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.role = check_role(role)
+        self.rank = rank
+        self.world_size = world_size
+        roles = [str(r) for r in config.checkpoint.roles]
+        self.roles = roles if role in roles else [*roles, role]
+        self._barrier = barrier
+        self._hash_fn = model_config_hash
+        self._parallel = {"world_size": world_size, **(parallel or {})}
+        self._protected: set[int] = set()
+        self._store: CheckpointStore | None = None
+
+    @property
+    def store(self) -> CheckpointStore:
+        if self._store is None:
+            root = self.config.checkpoint.root
+            if root is None:
+                raise ConfigError("checkpoint.root", "not set; saving and resuming need a folder")
+            self._store = CheckpointStore(root, rank=self.rank, world_size=self.world_size,
+                                          barrier=self._barrier)
+        return self._store
+
+    def protect(self, step: int) -> None:
+        """Keep `step` out of retention: it is what this worker resumed from."""
+        self._protected.add(int(step))
+
+    @property
+    def protected(self) -> frozenset[int]:
+        return frozenset(self._protected)
+
+    def load_initial(self, parts: Parts) -> dict[str, Any]:
+        pre = self.config.checkpoint.pre_load
+        if not pre.path:
+            return {}
+        name, folder = _value(self.config.checkpoint.pre_load_format), Path(pre.path)
+        if parts.model is None:
+            raise CheckpointError(f"{folder}: checkpoint.pre_load.path is set but there is no model to load into")
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: checkpoint.pre_load.path is not a folder")
+        backend_class(name)().load_model(parts.model, folder)
+        size, count = _folder_figures(folder)
+        return {"backend": name, "path": str(folder), "bytes": size, "files": count}
+
+    def save(self, step: int, parts: Parts, progress: Progress) -> SaveInfo:
+        started = time.perf_counter()
+        store = self.store
+        name = _value(self.config.checkpoint.save.format)
+        staging = store.staging(step, self.role)
+        contents, folders = self._write_contents(backend_class(name)(), name, staging, parts, progress)
+        hash_fn = self._hash_fn or model_config_hash
+        final = store.commit(step, self.role, contents=contents, folders=folders, parallel=self._parallel,
+                             model_config_hash=hash_fn(parts), extra_meta={}, roles=self.roles)
+        store.apply_retention(self.config.checkpoint.keep_last, self.roles, self._protected | {step})
+        files = read_manifest_file(final)["files"]
+        return SaveInfo(step=step, path=final, contents=list(contents), backend=name,
+                        bytes=sum(f["size"] for f in files), files=len(files),
+                        seconds=time.perf_counter() - started)
+
+    def _write_contents(
+        self, backend: FormatBackend, name: str, staging: Path, parts: Parts, progress: Progress
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """Write each wanted content once; returns content -> backend and content -> folder."""
+        wanted = [_value(c) for c in self.config.checkpoint.save.contents]
+        contents: dict[str, str] = {}
+        folders: dict[str, str] = {}
+        log = structlog.get_logger()
+        needs = {"model": parts.model, "hf_model": parts.model, "optimizer": parts.optimizer}
+        for content in wanted:
+            if content in needs and needs[content] is None:
+                log.warning("checkpoint.save.content_skipped", content=content, role=self.role,
+                            reason="the worker has no object to save for it")
+                continue
+            if content == "model":
+                backend.save_model(parts.model, staging / "model")
+            elif content == "hf_model" and backend.native_hf and "model" in wanted:
+                folders[content] = "model"
+            elif content == "hf_model":
+                backend.export_hf(parts.model, staging / "hf_model")
+            elif content == "optimizer":
+                backend.save_optimizer(parts.optimizer, parts.lr_scheduler, staging / "optimizer")
+            elif content == "extra":
+                save_extra(staging / "extra" / f"rank_{self.rank}", progress, parts.dataloader)
+            contents[content] = EXTRA_BACKEND if content == "extra" else name
+        return contents, folders
+
+    def resume(self, parts: Parts) -> Progress | None:
+        mode = _value(self.config.resume.mode)
+        if mode == "disable":
+            return None
+        if mode == "path":
+            folder, step = self._resolve_path(Path(str(self.config.resume.path)))
+        else:
+            if self.config.checkpoint.root is None:
+                return None
+            found = self.store.newest_complete(self.roles)
+            if found is None:
+                return None
+            folder, step = self.store.role_dir(found, self.role), found
+        problems = check_folder(folder, deep=True, expect_step=step, expect_role=self.role)
+        if problems:
+            raise CheckpointError(f"{folder}: cannot resume from step {step}:\n  " + "\n  ".join(problems))
+        manifest = read_manifest_file(folder)
+        self._check_hash(parts, manifest, folder)
+        progress = self._load_contents(parts, manifest, folder, step)
+        self.protect(step)
+        structlog.get_logger().info("checkpoint.resumed", role=self.role, step=step, path=str(folder))
+        return progress
+
+    def _resolve_path(self, path: Path) -> tuple[Path, int]:
+        """resume.path may name the step folder or this role's folder inside it."""
+        if (path / MANIFEST).is_file():
+            folder = path
+        elif (path / self.role).is_dir():
+            folder = path / self.role
+        else:
+            raise CheckpointError(f"{path}: resume.path is neither a committed role folder nor a "
+                                  f"global_step_N folder holding role {self.role!r}")
+        match = re.fullmatch(r"global_step_([0-9]+)", folder.parent.name)
+        step = int(match.group(1)) if match else read_manifest_file(folder)["step"]
+        return folder, step
+
+    def _check_hash(self, parts: Parts, manifest: dict[str, Any], folder: Path) -> None:
+        if not self.config.resume.strict:
+            return
+        saved, current = manifest["model_config_hash"], (self._hash_fn or model_config_hash)(parts)
+        if saved is not None and current is not None and saved != current:
+            raise CheckpointError(
+                f"{folder / MANIFEST}: model-config hash {saved} differs from the running model's "
+                f"{current}; set resume.strict=false to load anyway"
+            )
+
+    def _load_contents(self, parts: Parts, manifest: dict[str, Any], folder: Path, step: int) -> Progress:
+        entries: dict[str, dict[str, str]] = manifest["contents"]
+        progress = Progress(step=step)
+        for content in (_value(c) for c in self.config.checkpoint.load.contents):
+            if content in ("model", "optimizer") and getattr(parts, content) is None:
+                continue
+            entry = entries.get(content)
+            if entry is None and content == "extra":
+                structlog.get_logger().warning("checkpoint.resume.no_extra", path=str(folder), step=step)
+                continue
+            if entry is None:
+                raise CheckpointError(f"{folder / MANIFEST}: no {content!r} content to resume from "
+                                      f"(holds {sorted(entries)})")
+            sub = resolve_inside(folder, entry["folder"])
+            if sub is None:
+                raise CheckpointError(f"{folder / MANIFEST}: {content!r} folder {entry['folder']!r} escapes {folder}")
+            if content == "extra":
+                progress = self._load_extra(sub, parts, manifest)
+            else:
+                self._load_with_backend(content, entry["backend"], sub, parts)
+        return progress
+
+    def _load_with_backend(self, content: str, name: str, folder: Path, parts: Parts) -> None:
+        wanted = _value(self.config.checkpoint.load_format)
+        if name != wanted:
+            structlog.get_logger().warning("checkpoint.resume.format_differs", content=content,
+                                           saved_with=name, load_format=wanted, path=str(folder))
+        backend = backend_class(name)()
+        if content == "model":
+            backend.load_model(parts.model, folder)
+        else:
+            backend.load_optimizer(parts.optimizer, parts.lr_scheduler, folder)
+
+    def _load_extra(self, folder: Path, parts: Parts, manifest: dict[str, Any]) -> Progress:
+        """Per-rank RNG and dataloader state only fit the world size that saved them."""
+        for entry in folder.iterdir():
+            if not (_RANK_DIR.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()):
+                raise CheckpointError(f"{entry}: unexpected entry in extra folder (only rank_N folders)")
+        same_layout = manifest["parallel"].get("world_size") == self.world_size
+        own = folder / f"rank_{self.rank}"
+        if same_layout and own.is_dir():
+            return load_extra(own, parts.dataloader)
+        structlog.get_logger().warning(
+            "checkpoint.resume.extra_layout_changed", path=str(folder), rank=self.rank,
+            saved_world_size=manifest["parallel"].get("world_size"), world_size=self.world_size,
+            action="progress from rank 0; RNG and dataloader state not restored",
+        )
+        return load_extra(folder / "rank_0", None, restore_rng=False)

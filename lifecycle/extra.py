@@ -1,0 +1,181 @@
+"""Training extras (RNG states, progress, dataloader position) saved without pickle.
+
+A resumed run must draw the same random numbers and read the same next batch as the run it
+replaces. `torch.save` of these would be the easy way, and the way to run an attacker's code
+on load; here everything is JSON, plus safetensors for the torch RNG byte states.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from lifecycle.errors import CheckpointError
+from lifecycle.jsontree import NotSerializable, decode, encode
+from lifecycle.types import Progress
+
+EXTRA_JSON = "extra.json"
+RNG_FILE = "rng.safetensors"
+ALLOWED = frozenset({EXTRA_JSON, RNG_FILE})
+_PROGRESS_INTS = ("step", "epoch", "consumed_samples", "weights_version")
+
+
+def save_extra(folder: Path, progress: Progress, dataloader: Any = None) -> None:
+    """Write extra.json and rng.safetensors into `folder` (created when missing)."""
+    where = str(folder / EXTRA_JSON)
+    try:
+        user = encode(progress.user, where=where)
+    except NotSerializable as exc:
+        raise CheckpointError(f"{where}: Progress.user is not JSON-serialisable at {exc.key}") from exc
+    doc = {
+        "format_version": 1,
+        "progress": {**{k: int(getattr(progress, k)) for k in _PROGRESS_INTS}, "user": user},
+        "rng": {"python": _python_rng(), "numpy": _numpy_rng()},
+        "dataloader": _dataloader_state(dataloader, where),
+    }
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.cuda.get_rng_state().cpu()
+    doc["rng"]["torch"] = sorted(tensors)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / RNG_FILE))
+    (folder / EXTRA_JSON).write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
+
+
+def _python_rng() -> dict[str, Any]:
+    version, state, gauss = random.getstate()
+    return {"version": version, "state": list(state), "gauss_next": gauss}
+
+
+def _numpy_rng() -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {"name": name, "keys": keys.tolist(), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _dataloader_state(dataloader: Any, where: str) -> Any:
+    state_dict = getattr(dataloader, "state_dict", None)
+    if dataloader is None or not callable(state_dict):
+        return None
+    try:
+        return encode(state_dict(), where=where)
+    except NotSerializable as exc:
+        raise CheckpointError(
+            f"{where}: state_dict() of dataloader {type(dataloader).__name__} is not "
+            f"JSON-serialisable at {exc.key}"
+        ) from exc
+
+
+@dataclass(slots=True)
+class _Loaded:
+    progress: Progress
+    python: tuple[Any, ...]
+    numpy: tuple[Any, ...]
+    torch: dict[str, torch.Tensor]
+    dataloader: Any
+
+
+def load_extra(folder: Path, dataloader: Any = None, *, restore_rng: bool = True) -> Progress:
+    """Check everything first, then restore: a bad file never leaves RNGs half-restored."""
+    loaded = _read(folder)
+    if restore_rng:
+        random.setstate(loaded.python)
+        np.random.set_state(loaded.numpy)
+        torch.set_rng_state(loaded.torch["torch_cpu"])
+        _restore_cuda(loaded.torch)
+    _restore_dataloader(dataloader, loaded.dataloader, folder)
+    return loaded.progress
+
+
+def _read(folder: Path) -> _Loaded:
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: extra folder missing")
+    for entry in sorted(folder.iterdir()):
+        if entry.name not in ALLOWED or not entry.is_file() or entry.is_symlink():
+            raise CheckpointError(f"{entry}: unexpected file in extra folder (only {sorted(ALLOWED)})")
+    path = folder / EXTRA_JSON
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON: {exc}") from exc
+    try:
+        return _parse(doc, path, _read_rng(folder / RNG_FILE))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: malformed extra state: {exc!r}") from exc
+
+
+def _read_rng(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        tensors = load_file(str(path))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a valid safetensors file: {exc}") from exc
+    for name, t in tensors.items():
+        if t.dtype != torch.uint8 or t.dim() != 1:
+            raise CheckpointError(f"{path}: RNG state {name!r} must be a 1-D uint8 tensor")
+    if "torch_cpu" not in tensors:
+        raise CheckpointError(f"{path}: no 'torch_cpu' RNG state")
+    return tensors
+
+
+def _parse(doc: Any, path: Path, rng_tensors: dict[str, torch.Tensor]) -> _Loaded:
+    if not isinstance(doc, dict) or doc.get("format_version") != 1:
+        raise ValueError("not an extra.json of format_version 1")
+    prog = doc["progress"]
+    ints = {k: prog[k] for k in _PROGRESS_INTS}
+    bad = [k for k, v in ints.items() if type(v) is not int or v < 0]
+    if bad:
+        raise ValueError(f"progress fields {bad} must be non-negative integers")
+    user = decode(prog.get("user", {}), where=str(path))
+    if not isinstance(user, dict):
+        raise TypeError("progress.user must be an object")
+    py, npy = doc["rng"]["python"], doc["rng"]["numpy"]
+    if not (isinstance(py["state"], list) and all(type(x) is int for x in py["state"])):
+        raise TypeError("rng.python.state must be a list of integers")
+    python_state = (int(py["version"]), tuple(py["state"]), py["gauss_next"])
+    if py["gauss_next"] is not None and not isinstance(py["gauss_next"], float):
+        raise TypeError("rng.python.gauss_next must be a float or null")
+    keys = np.asarray(npy["keys"], dtype=np.uint32)
+    if keys.shape != (624,):
+        raise ValueError("rng.numpy.keys must hold 624 integers")
+    numpy_state = (str(npy["name"]), keys, int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached_gaussian"]))
+    dataloader = decode(doc["dataloader"], where=str(path)) if doc.get("dataloader") is not None else None
+    progress = Progress(**ints, user=user)
+    return _Loaded(progress, python_state, numpy_state, rng_tensors, dataloader)
+
+
+def _restore_cuda(tensors: dict[str, torch.Tensor]) -> None:
+    """Only the current device: a worker drives one GPU, and touching all would create a
+    CUDA context (and its memory) on every GPU of the host."""
+    if "cuda" not in tensors:
+        return
+    if not torch.cuda.is_available():
+        structlog.get_logger().warning("checkpoint.extra.cuda_rng_skipped", reason="no CUDA device")
+        return
+    torch.cuda.set_rng_state(tensors["cuda"])
+
+
+def _restore_dataloader(dataloader: Any, state: Any, folder: Path) -> None:
+    if dataloader is None:
+        return
+    load = getattr(dataloader, "load_state_dict", None)
+    if state is None or not callable(load):
+        if state is not None or callable(load):
+            structlog.get_logger().warning(
+                "checkpoint.extra.dataloader_not_restored", folder=str(folder),
+                dataloader=type(dataloader).__name__, saved_state=state is not None,
+            )
+        return
+    load(state)

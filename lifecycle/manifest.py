@@ -1,0 +1,273 @@
+"""The manifest that commits one role's checkpoint folder, and the checks that trust it.
+
+The manifest is written last: a folder without a valid one is not a checkpoint, whatever
+else it holds. Paths read back from a manifest are untrusted input and never leave the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from lifecycle.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+CHUNK_BYTES = 16 * 1024 * 1024
+HASH_THREADS = 4
+
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "format_version": int,
+    "step": int,
+    "role": str,
+    "created_at": str,
+    "contents": dict,
+    "parallel": dict,
+    "model_config_hash": (str, type(None)),
+    "versions": dict,
+    "files": list,
+    "meta": dict,
+}
+
+Progress = Callable[[int, int], None]
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable, not only the file data."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Readers see the old file or the whole new one, never a torn write."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def file_crc32(path: Path, *, fsync: bool = False) -> str:
+    """Chunked so a multi-GiB shard never sits in memory; zlib drops the GIL while hashing."""
+    crc = 0
+    buf = bytearray(CHUNK_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb") as fh:
+        while n := fh.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+        if fsync:
+            os.fsync(fh.fileno())
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def _hash_all(folder: Path, rels: list[str], *, fsync: bool, progress: Progress | None) -> dict[str, str]:
+    sizes = {rel: (folder / rel).stat().st_size for rel in rels}
+    total, done = sum(sizes.values()), 0
+    out: dict[str, str] = {}
+    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(rels)))) as pool:
+        futures = {pool.submit(file_crc32, folder / rel, fsync=fsync): rel for rel in rels}
+        for fut in as_completed(futures):
+            rel = futures[fut]
+            out[rel] = fut.result()
+            done += sizes[rel]
+            if progress is not None:
+                progress(done, total)
+    return out
+
+
+def _walk(folder: Path) -> list[str]:
+    """Relative posix paths of every non-directory entry; symlinks are listed, not followed."""
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        base = Path(dirpath)
+        links = [d for d in dirnames if (base / d).is_symlink()]
+        dirnames[:] = [d for d in dirnames if d not in links]
+        for name in [*filenames, *links]:
+            found.append((base / name).relative_to(folder).as_posix())
+    return sorted(found)
+
+
+def library_versions() -> dict[str, str]:
+    import lifecycle
+
+    out = {"python": sys.version.split()[0]}
+    for dist in ("torch", "safetensors"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    out["trainer_lifecycle"] = str(getattr(lifecycle, "__version__", "unknown"))
+    return out
+
+
+def build_manifest(
+    folder: Path,
+    *,
+    step: int,
+    role: str,
+    contents: Mapping[str, Mapping[str, str]],
+    parallel: Mapping[str, Any],
+    model_config_hash: str | None,
+    meta: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Describe every file the ranks wrote, fsyncing each while it is read for its checksum."""
+    rels = [rel for rel in _walk(folder) if rel != MANIFEST and not rel.startswith(f".{MANIFEST}")]
+    for rel in rels:
+        if (folder / rel).is_symlink():
+            raise CheckpointError(f"{folder / rel}: a checkpoint must not contain symlinks")
+    crcs = _hash_all(folder, rels, fsync=True, progress=None)
+    for sub in sorted({(folder / rel).parent for rel in rels} | {folder}):
+        fsync_dir(sub)
+    files = [{"path": rel, "size": (folder / rel).stat().st_size, "crc32": crcs[rel]} for rel in rels]
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "role": role,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "contents": {name: dict(entry) for name, entry in contents.items()},
+        "parallel": dict(parallel),
+        "model_config_hash": model_config_hash,
+        "versions": library_versions(),
+        "files": files,
+        "meta": dict(meta),
+    }
+
+
+def read_manifest_file(folder: Path) -> dict[str, Any]:
+    """Parse and shape-check a manifest; everything after this may trust its types."""
+    path = folder / MANIFEST
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: manifest missing (checkpoint not committed)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read manifest: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: manifest is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: manifest must be a JSON object, got {type(data).__name__}")
+    problems = _shape_problems(data)
+    if problems:
+        raise CheckpointError(f"{path}: " + "; ".join(problems))
+    return data
+
+
+def _shape_problems(data: dict[str, Any]) -> list[str]:
+    problems = [f"missing key {key!r}" for key in _REQUIRED if key not in data]
+    for key, kind in _REQUIRED.items():
+        value = data.get(key)
+        if key in data and (not isinstance(value, kind) or isinstance(value, bool)):
+            problems.append(f"key {key!r} has type {type(value).__name__}")
+    if problems:
+        return problems
+    for name, entry in data["contents"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("backend"), str)
+                and isinstance(entry.get("folder"), str)):
+            problems.append(f"contents[{name!r}] needs string 'backend' and 'folder'")
+    for i, entry in enumerate(data["files"]):
+        ok = (isinstance(entry, dict) and isinstance(entry.get("path"), str)
+              and type(entry.get("size")) is int and isinstance(entry.get("crc32"), str))
+        if not ok:
+            problems.append(f"files[{i}] needs 'path' (str), 'size' (int) and 'crc32' (str)")
+    return problems
+
+
+def resolve_inside(folder: Path, rel: str) -> Path | None:
+    """The path `rel` names inside `folder`, or None when it would lead outside it."""
+    pure = PurePosixPath(rel)
+    if not rel or "\\" in rel or pure.is_absolute() or ".." in pure.parts:
+        return None
+    target = folder / pure
+    try:
+        if not target.resolve().is_relative_to(folder.resolve()):
+            return None
+    except (OSError, RuntimeError):
+        return None
+    return target
+
+
+def check_folder(
+    folder: Path,
+    *,
+    deep: bool,
+    expect_step: int | None = None,
+    expect_role: str | None = None,
+    progress: Progress | None = None,
+) -> list[str]:
+    """Every reason not to trust `folder`.
+
+    Cheap mode (presence and sizes) decides completeness; deep mode adds checksums and
+    unlisted files, so a tampered step is refused loudly at resume instead of skipped.
+    """
+    try:
+        data = read_manifest_file(folder)
+    except CheckpointError as exc:
+        return [str(exc)]
+    mpath = folder / MANIFEST
+    problems: list[str] = []
+    if expect_step is not None and data["step"] != expect_step:
+        problems.append(f"{mpath}: step {data['step']} but the folder is for step {expect_step}")
+    if expect_role is not None and data["role"] != expect_role:
+        problems.append(f"{mpath}: role {data['role']!r} but the folder is for role {expect_role!r}")
+    for name, entry in data["contents"].items():
+        if resolve_inside(folder, entry["folder"]) is None:
+            problems.append(f"{mpath}: contents[{name!r}] folder {entry['folder']!r} escapes {folder}")
+    listed, to_hash = _check_listed(folder, data["files"], problems)
+    if deep:
+        problems.extend(f"{folder / rel}: file not listed in {mpath}"
+                        for rel in _walk(folder) if rel != MANIFEST and rel not in listed)
+    if deep and not problems:
+        crcs = _hash_all(folder, list(to_hash), fsync=False, progress=progress)
+        problems.extend(
+            f"{folder / rel}: checksum {crcs[rel]} != manifest {want}"
+            for rel, want in to_hash.items() if crcs[rel] != want.lower()
+        )
+    return problems
+
+
+def _check_listed(
+    folder: Path, files: Iterable[dict[str, Any]], problems: list[str]
+) -> tuple[set[str], dict[str, str]]:
+    listed: set[str] = set()
+    to_hash: dict[str, str] = {}
+    for entry in files:
+        rel = entry["path"]
+        listed.add(rel)
+        target = resolve_inside(folder, rel)
+        if target is None:
+            problems.append(f"{folder / MANIFEST}: file path {rel!r} escapes {folder}")
+            continue
+        if rel == MANIFEST:
+            problems.append(f"{folder / MANIFEST}: lists the manifest itself")
+            continue
+        try:
+            size = target.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{target}: listed in the manifest but missing")
+            continue
+        if not target.is_file():
+            problems.append(f"{target}: listed in the manifest but not a regular file")
+        elif size != entry["size"]:
+            problems.append(f"{target}: size {size} != manifest {entry['size']}")
+        else:
+            to_hash[rel] = entry["crc32"]
+    return listed, to_hash

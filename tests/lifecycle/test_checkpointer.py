@@ -1,0 +1,307 @@
+"""DiskCheckpointer: save layout, resume selection and verification, retention, first load."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from backends.hf import HFBackend
+from lifecycle import Lifecycle, LifecycleConfig
+from lifecycle.checkpointer import DiskCheckpointer, model_config_hash
+from lifecycle.errors import CheckpointError, ConfigError
+from lifecycle.store import TRACKER
+from lifecycle.types import Parts, Progress
+
+
+class Loader:
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["position"]
+
+
+def config(root: Path | None, **sections: Any) -> LifecycleConfig:
+    checkpoint = {"root": None if root is None else str(root), **sections.pop("checkpoint", {})}
+    return LifecycleConfig.from_dict({"checkpoint": checkpoint, **sections})
+
+
+def parts(seed: int = 0, width: int = 8) -> Parts:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, width), nn.Linear(width, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(torch.randn(3, width)).sum().backward()
+    opt.step()
+    sched.step()
+    return Parts(model=model, optimizer=opt, lr_scheduler=sched, dataloader=Loader())
+
+
+def save_steps(ckpt: DiskCheckpointer, p: Parts, steps: list[int]) -> None:
+    for step in steps:
+        ckpt.save(step, p, Progress(step=step))
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(q.relative_to(root).as_posix() for q in root.rglob("*") if q.is_file())
+
+
+def test_save_layout_and_figures(tmp_path: Path) -> None:
+    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+    info = ckpt.save(3, parts(), Progress(step=3))
+    assert tree(tmp_path) == [
+        "global_step_3/actor/extra/rank_0/extra.json", "global_step_3/actor/extra/rank_0/rng.safetensors",
+        "global_step_3/actor/manifest.json", "global_step_3/actor/model/model.safetensors",
+        "global_step_3/actor/optimizer/optimizer.json", "global_step_3/actor/optimizer/optimizer.safetensors",
+        TRACKER,
+    ]
+    assert (info.step, info.path, info.backend) == (3, tmp_path / "global_step_3" / "actor", "hf")
+    assert info.contents == ["model", "optimizer", "extra"]
+    assert info.files == 5 and info.bytes > 0 and info.seconds > 0
+
+
+def test_hf_model_shares_the_model_folder_for_format_hf(tmp_path: Path) -> None:
+    cfg = config(tmp_path, checkpoint={"save": {"contents": ["model", "hf_model"]}})
+    info = DiskCheckpointer(cfg, role="actor").save(1, parts(), Progress(step=1))
+    manifest = json.loads((info.path / "manifest.json").read_text())
+    assert manifest["contents"] == {"model": {"backend": "hf", "folder": "model"},
+                                    "hf_model": {"backend": "hf", "folder": "model"}}
+    assert sorted(q.name for q in info.path.iterdir()) == ["manifest.json", "model"]
+
+
+def test_hf_model_alone_gets_its_own_folder(tmp_path: Path) -> None:
+    cfg = config(tmp_path, checkpoint={"save": {"contents": ["hf_model"]}})
+    info = DiskCheckpointer(cfg, role="actor").save(1, parts(), Progress(step=1))
+    assert (info.path / "hf_model" / "model.safetensors").is_file()
+
+
+def test_resume_restores_model_optimizer_progress_rng_and_dataloader(tmp_path: Path) -> None:
+    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+    saved = parts(seed=1)
+    saved.dataloader.position = 41
+    random.seed(3)
+    ckpt.save(7, saved, Progress(step=7, epoch=1, consumed_samples=70, user={"k": [1]}))
+    expected_draw = random.random()
+    fresh = parts(seed=2)
+    progress = DiskCheckpointer(config(tmp_path), role="actor").resume(fresh)
+    assert progress == Progress(step=7, epoch=1, consumed_samples=70, user={"k": [1]})
+    assert random.random() == expected_draw and fresh.dataloader.position == 41
+    for a, b in zip(saved.model.parameters(), fresh.model.parameters()):
+        assert torch.equal(a, b)
+    assert fresh.lr_scheduler.state_dict() == saved.lr_scheduler.state_dict()
+    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"],
+                       saved.optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_resume_with_nothing_on_disk_returns_none(tmp_path: Path) -> None:
+    assert DiskCheckpointer(config(tmp_path), role="actor").resume(parts()) is None
+    assert DiskCheckpointer(config(None), role="actor").resume(parts()) is None
+    cfg = config(tmp_path, resume={"mode": "disable"})
+    assert DiskCheckpointer(cfg, role="actor").resume(parts()) is None
+
+
+def test_saving_without_root_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="checkpoint.root"):
+        DiskCheckpointer(config(None), role="actor").save(1, parts(), Progress())
+
+
+def test_resume_picks_newest_complete_step_whatever_the_tracker_says(tmp_path: Path) -> None:
+    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+    save_steps(ckpt, parts(), [1, 2])
+    (tmp_path / "global_step_2" / "actor" / "manifest.json").unlink()
+    (tmp_path / "global_step_3" / ".staging-actor").mkdir(parents=True)
+    (tmp_path / TRACKER).write_text("3\n")
+    assert ckpt.resume(parts()).step == 1
+
+
+def test_resume_needs_every_configured_role(tmp_path: Path) -> None:
+    cfg = config(tmp_path, checkpoint={"roles": ["actor", "critic"]})
+    actor, critic = DiskCheckpointer(cfg, role="actor"), DiskCheckpointer(cfg, role="critic")
+    save_steps(actor, parts(), [1, 2])
+    save_steps(critic, parts(), [1])
+    assert actor.resume(parts()).step == 1
+    assert (tmp_path / TRACKER).read_text() == "1\n"
+
+
+def test_resume_refuses_a_corrupt_step_listing_the_problems(tmp_path: Path) -> None:
+    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+    save_steps(ckpt, parts(), [1])
+    weights = tmp_path / "global_step_1" / "actor" / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    target = parts(seed=5)
+    before = [q.clone() for q in target.model.parameters()]
+    with pytest.raises(CheckpointError, match="(?s)cannot resume from step 1.*model.safetensors: checksum"):
+        ckpt.resume(target)
+    assert all(torch.equal(a, b) for a, b in zip(before, target.model.parameters()))
+
+
+def test_planted_pickle_in_extra_is_refused_and_never_executed(tmp_path: Path) -> None:
+    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+    save_steps(ckpt, parts(), [1])
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (open, (str(marker), "w"))
+
+    extra = tmp_path / "global_step_1" / "actor" / "extra"
+    (extra / "rank_0" / "rng.pt").write_bytes(pickle.dumps(Exploit()))
+    (extra / "state.pkl").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(CheckpointError, match="rng.pt"):
+        ckpt.resume(parts())
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("which", ["step", "role"])
+def test_resume_from_a_path(tmp_path: Path, which: str) -> None:
+    ckpt = DiskCheckpointer(config(tmp_path / "run1"), role="actor")
+    save_steps(ckpt, parts(seed=4), [1, 2])
+    step_dir = tmp_path / "run1" / "global_step_1"
+    path = step_dir if which == "step" else step_dir / "actor"
+    cfg = config(tmp_path / "run2", resume={"mode": "path", "path": str(path)})
+    resumer = DiskCheckpointer(cfg, role="actor")
+    assert resumer.resume(parts()).step == 1 and 1 in resumer.protected
+
+
+def test_resume_from_a_missing_path_names_it(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "global_step_9"
+    cfg = config(tmp_path, resume={"mode": "path", "path": str(missing)})
+    with pytest.raises(CheckpointError, match=str(missing)):
+        DiskCheckpointer(cfg, role="actor").resume(parts())
+
+
+def test_resume_from_an_uncommitted_path_is_an_error(tmp_path: Path) -> None:
+    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+    save_steps(ckpt, parts(), [1])
+    (tmp_path / "global_step_1" / "actor" / "manifest.json").unlink()
+    cfg = config(tmp_path, resume={"mode": "path", "path": str(tmp_path / "global_step_1")})
+    with pytest.raises(CheckpointError, match="manifest missing"):
+        DiskCheckpointer(cfg, role="actor").resume(parts())
+
+
+def test_strict_resume_refuses_another_model_config(tmp_path: Path) -> None:
+    hashes = iter(["aaaa", "bbbb"])
+    ckpt = DiskCheckpointer(config(tmp_path), role="actor", model_config_hash=lambda p: next(hashes))
+    save_steps(ckpt, parts(), [1])
+    with pytest.raises(CheckpointError, match="aaaa.*bbbb"):
+        ckpt.resume(parts())
+
+
+def test_strict_resume_with_the_default_hash_refuses_another_architecture(tmp_path: Path) -> None:
+    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+    save_steps(ckpt, parts(width=8), [1])
+    with pytest.raises(CheckpointError, match="model-config hash [0-9a-f]{16} differs .* [0-9a-f]{16}"):
+        ckpt.resume(parts(width=4))
+
+
+def test_lenient_resume_ignores_the_model_config_hash(tmp_path: Path) -> None:
+    hashes = iter(["aaaa", "bbbb"])
+    cfg = config(tmp_path, resume={"strict": False})
+    ckpt = DiskCheckpointer(cfg, role="actor", model_config_hash=lambda p: next(hashes))
+    save_steps(ckpt, parts(), [1])
+    assert ckpt.resume(parts()).step == 1
+
+
+def test_checkpoint_without_extra_resumes_at_its_step(tmp_path: Path) -> None:
+    cfg = config(tmp_path, checkpoint={"save": {"contents": ["model", "optimizer"]}})
+    ckpt = DiskCheckpointer(cfg, role="actor")
+    save_steps(ckpt, parts(), [5])
+    assert ckpt.resume(parts()) == Progress(step=5)
+
+
+def test_requested_content_missing_from_checkpoint_is_an_error(tmp_path: Path) -> None:
+    cfg = config(tmp_path, checkpoint={"save": {"contents": ["model", "extra"]}})
+    save_steps(DiskCheckpointer(cfg, role="actor"), parts(), [5])
+    with pytest.raises(CheckpointError, match="no 'optimizer' content"):
+        DiskCheckpointer(config(tmp_path), role="actor").resume(parts())
+
+
+def test_retention_keeps_last_and_the_step_resumed_from(tmp_path: Path) -> None:
+    cfg = config(tmp_path, checkpoint={"keep_last": 1})
+    save_steps(DiskCheckpointer(cfg, role="actor"), parts(), [1])
+    ckpt = DiskCheckpointer(cfg, role="actor")
+    assert ckpt.resume(parts()).step == 1
+    save_steps(ckpt, parts(), [2, 3])
+    assert sorted(q.name for q in tmp_path.glob("global_step_*")) == ["global_step_1", "global_step_3"]
+
+
+def test_extra_from_another_world_size_restores_progress_only(tmp_path: Path) -> None:
+    save_steps(DiskCheckpointer(config(tmp_path), role="actor"), parts(), [4])
+    ckpt = DiskCheckpointer(config(tmp_path), role="actor", rank=1, world_size=2, barrier=lambda: None)
+    random.seed(0)
+    state = random.getstate()
+    p = parts()
+    p.dataloader.position = 99
+    assert ckpt.resume(p).step == 4
+    assert random.getstate() == state and p.dataloader.position == 99
+
+
+def test_load_initial_from_an_hf_folder(tmp_path: Path) -> None:
+    source = parts(seed=8)
+    HFBackend().export_hf(source.model, tmp_path / "init")
+    cfg = config(tmp_path, checkpoint={"pre_load": {"path": str(tmp_path / "init")}})
+    target = parts(seed=9)
+    figures = DiskCheckpointer(cfg, role="actor").load_initial(target)
+    assert figures["backend"] == "hf" and figures["files"] == 1 and figures["bytes"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(source.model.parameters(), target.model.parameters()))
+    assert DiskCheckpointer(config(tmp_path), role="actor").load_initial(target) == {}
+
+
+def test_load_initial_from_a_missing_folder_names_it(tmp_path: Path) -> None:
+    cfg = config(tmp_path, checkpoint={"pre_load": {"path": str(tmp_path / "absent")}})
+    with pytest.raises(CheckpointError, match="absent"):
+        DiskCheckpointer(cfg, role="actor").load_initial(parts())
+
+
+def test_model_config_hash_follows_the_architecture() -> None:
+    first, second = model_config_hash(parts(seed=1)), model_config_hash(parts(seed=2))
+    assert first == second and len(first) == 16 and int(first, 16) >= 0
+    assert model_config_hash(parts(width=4)) != first
+    assert model_config_hash(Parts()) is None
+
+
+class FakeHFConfig:
+    """The one thing the hash uses of a transformers config: `to_dict()`."""
+
+    def __init__(self, **values: Any) -> None:
+        self.values = values
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+
+class WithConfig(nn.Linear):
+    def __init__(self, **values: Any) -> None:
+        super().__init__(2, 2)
+        self.config = FakeHFConfig(**values)
+
+
+def test_model_config_hash_uses_the_hf_config_without_volatile_keys() -> None:
+    base = model_config_hash(Parts(model=WithConfig(layers=2, transformers_version="4.1")))
+    assert base == model_config_hash(Parts(model=WithConfig(layers=2, transformers_version="4.9")))
+    assert base != model_config_hash(Parts(model=WithConfig(layers=3, transformers_version="4.1")))
+
+
+def test_lifecycle_saves_and_resumes_through_the_disk_checkpointer(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    p = parts(seed=1)
+    lc = Lifecycle(cfg, role="actor", model=p.model, optimizer=p.optimizer, lr_scheduler=p.lr_scheduler)
+    lc.init_load()
+    assert lc.save(6).path == tmp_path / "global_step_6" / "actor"
+    lc.close()
+    q = parts(seed=2)
+    again = Lifecycle(cfg, role="actor", model=q.model, optimizer=q.optimizer, lr_scheduler=q.lr_scheduler)
+    assert again.resume() == 6
+    assert all(torch.equal(a, b) for a, b in zip(p.model.parameters(), q.model.parameters()))

@@ -1,0 +1,341 @@
+"""CheckpointStore: layout, commit atomicity, validation, tracker and retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import zlib
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from lifecycle.errors import CheckpointError, ConfigError
+from lifecycle.manifest import file_crc32
+from lifecycle.store import TRACKER, CheckpointStore
+
+MANIFEST_KEYS = {"format_version", "step", "role", "created_at", "contents", "parallel",
+                 "model_config_hash", "versions", "files", "meta"}
+
+
+def commit(store: CheckpointStore, step: int, role: str = "actor", *, roles: list[str] | None = None,
+           files: dict[str, bytes] | None = None) -> Path:
+    staging = store.staging(step, role)
+    for rel, data in (files or {"model/weights.bin": b"w" * 100, "extra/extra.json": b"{}"}).items():
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        (staging / rel).write_bytes(data)
+    return store.commit(step, role, contents={"model": "hf", "extra": "extra"}, parallel={"world_size": 1},
+                        model_config_hash="abc", extra_meta={"note": 1}, roles=roles)
+
+
+def manifest_of(folder: Path) -> dict:
+    return json.loads((folder / "manifest.json").read_text())
+
+
+def rewrite_manifest(folder: Path, **changes: object) -> None:
+    data = manifest_of(folder)
+    data.update(changes)
+    (folder / "manifest.json").write_text(json.dumps(data))
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+def test_commit_layout_is_exact(tmp_path: Path) -> None:
+    final = commit(CheckpointStore(tmp_path), 5)
+    assert final == tmp_path / "global_step_5" / "actor"
+    assert tree(tmp_path) == [
+        "global_step_5", "global_step_5/actor", "global_step_5/actor/extra",
+        "global_step_5/actor/extra/extra.json", "global_step_5/actor/manifest.json",
+        "global_step_5/actor/model", "global_step_5/actor/model/weights.bin", TRACKER,
+    ]
+    assert (tmp_path / TRACKER).read_text() == "5\n"
+
+
+def test_manifest_records_files_contents_and_versions(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    staging = store.staging(3, "actor")
+    (staging / "model").mkdir()
+    (staging / "model" / "a.bin").write_bytes(b"abc" * 1000)
+    final = store.commit(3, "actor", contents={"model": "hf", "hf_model": "hf"}, folders={"hf_model": "model"},
+                         parallel={"world_size": 1, "tp": 1}, model_config_hash="h1", extra_meta={"k": "v"})
+    data = manifest_of(final)
+    assert set(data) == MANIFEST_KEYS
+    assert data["step"] == 3 and data["role"] == "actor" and data["format_version"] == 1
+    assert data["contents"] == {"model": {"backend": "hf", "folder": "model"},
+                                "hf_model": {"backend": "hf", "folder": "model"}}
+    assert data["files"] == [{"path": "model/a.bin", "size": 3000,
+                              "crc32": f"{zlib.crc32(b'abc' * 1000):08x}"}]
+    assert data["parallel"] == {"world_size": 1, "tp": 1}
+    assert data["model_config_hash"] == "h1" and data["meta"] == {"k": "v"}
+    assert {"torch", "safetensors", "trainer_lifecycle", "python"} <= set(data["versions"])
+    assert datetime.fromisoformat(data["created_at"]).utcoffset().total_seconds() == 0
+
+
+def test_crc32_of_large_file_matches_zlib(tmp_path: Path) -> None:
+    data = os.urandom(1024) * (17 * 1024 + 3)  # crosses the 16 MiB chunk boundary
+    (tmp_path / "big").write_bytes(data)
+    assert file_crc32(tmp_path / "big") == f"{zlib.crc32(data):08x}"
+
+
+def test_staging_left_by_crash_is_cleared_and_never_complete(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    staging = store.staging(7, "actor")
+    (staging / "junk.bin").write_bytes(b"partial")
+    assert staging.parent == tmp_path / "global_step_7"
+    assert not store.is_complete(7, ["actor"]) and store.newest_complete(["actor"]) is None
+    again = store.staging(7, "actor")
+    assert again == staging and list(again.iterdir()) == []
+
+
+def test_step_without_manifest_is_not_complete(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    commit(store, 1)
+    commit(store, 2)
+    (tmp_path / "global_step_2" / "actor" / "manifest.json").unlink()
+    assert not store.is_complete(2, ["actor"])
+    assert store.newest_complete(["actor"]) == 1
+
+
+def test_newest_complete_ignores_tracker(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    commit(store, 1)
+    store.write_tracker(99)
+    assert store.newest_complete(["actor"]) == 1
+    (tmp_path / TRACKER).write_text("garbage")
+    assert store.newest_complete(["actor"]) == 1
+
+
+def test_tracker_not_a_number_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / TRACKER).write_text("twelve\n")
+    with pytest.raises(CheckpointError, match=TRACKER):
+        CheckpointStore(tmp_path).read_tracker()
+
+
+def test_tracker_returns_a_step_that_does_not_exist(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    assert store.read_tracker() is None
+    store.write_tracker(42)
+    assert store.read_tracker() == 42 and store.steps() == []
+
+
+def test_tracker_waits_until_every_role_committed(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    roles = ["actor", "critic"]
+    commit(store, 1, "actor", roles=roles)
+    assert store.read_tracker() is None and not store.is_complete(1, roles)
+    commit(store, 1, "critic", roles=roles)
+    assert store.read_tracker() == 1 and store.is_complete(1, roles)
+
+
+def test_status_gives_reasons_per_role(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    commit(store, 1, "actor")
+    status = store.status(1, ["actor", "critic"])
+    assert status["actor"] == []
+    assert "manifest missing" in status["critic"][0]
+
+
+def test_recommitting_a_step_replaces_the_old_folder(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    commit(store, 1, files={"model/old.bin": b"old"})
+    commit(store, 1, files={"model/new.bin": b"new"})
+    assert tree(tmp_path / "global_step_1") == [
+        "actor", "actor/manifest.json", "actor/model", "actor/model/new.bin"]
+    assert store.validate(1, "actor", deep=True) == []
+
+
+def test_steps_lists_numeric_step_folders_only(tmp_path: Path) -> None:
+    for name in ("global_step_10", "global_step_2", "global_step_abc", "global_step_1x", ".staging"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "global_step_3").write_text("a file")
+    assert CheckpointStore(tmp_path).steps() == [2, 10]
+    assert CheckpointStore(tmp_path / "missing").steps() == []
+
+
+def test_cheap_validation_checks_sizes_deep_checks_checksums(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    final = commit(store, 1)
+    weights = final / "model" / "weights.bin"
+    weights.write_bytes(b"x" * 100)  # same size, other bytes
+    assert store.validate(1, "actor", deep=False) == []
+    problems = store.validate(1, "actor", deep=True)
+    assert len(problems) == 1 and str(weights) in problems[0] and "checksum" in problems[0]
+    weights.write_bytes(b"x" * 99)
+    assert "size 99 != manifest 100" in store.validate(1, "actor", deep=False)[0]
+
+
+def test_missing_listed_file_is_a_problem(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    final = commit(store, 1)
+    (final / "extra" / "extra.json").unlink()
+    problems = store.validate(1, "actor", deep=False)
+    assert any("extra.json" in p and "missing" in p for p in problems)
+
+
+def test_unlisted_file_is_a_deep_problem(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    final = commit(store, 1)
+    (final / "extra" / "planted.pkl").write_bytes(b"x")
+    assert store.validate(1, "actor", deep=False) == []
+    assert any("planted.pkl" in p and "not listed" in p for p in store.validate(1, "actor", deep=True))
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "{}"])
+def test_bad_manifest_is_reported_with_its_path(tmp_path: Path, content: str) -> None:
+    store = CheckpointStore(tmp_path)
+    final = commit(store, 1)
+    (final / "manifest.json").write_text(content)
+    problems = store.validate(1, "actor", deep=False)
+    assert len(problems) == 1 and str(final / "manifest.json") in problems[0]
+    with pytest.raises(CheckpointError, match="manifest"):
+        store.read_manifest(1, "actor")
+
+
+def test_manifest_missing_keys_are_named(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    final = commit(store, 1)
+    data = manifest_of(final)
+    del data["files"]
+    (final / "manifest.json").write_text(json.dumps(data))
+    assert "missing key 'files'" in store.validate(1, "actor", deep=False)[0]
+
+
+@pytest.mark.parametrize("bad", ["../../outside.bin", "/etc/hostname", "model/../../x", "link/target.bin"])
+def test_manifest_paths_never_escape_the_folder(tmp_path: Path, bad: str) -> None:
+    store = CheckpointStore(tmp_path / "ckpt")
+    final = commit(store, 1)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "target.bin").write_bytes(b"x")
+    (tmp_path / "outside.bin").write_bytes(b"x")
+    if bad.startswith("link/"):
+        (final / "link").symlink_to(outside)
+    data = manifest_of(final)
+    data["files"].append({"path": bad, "size": 1, "crc32": "00000000"})
+    (final / "manifest.json").write_text(json.dumps(data))
+    problems = store.validate(1, "actor", deep=True)
+    assert any(repr(bad) in p and "escapes" in p for p in problems)
+
+
+def test_content_folder_escaping_is_a_problem(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    final = commit(store, 1)
+    rewrite_manifest(final, contents={"model": {"backend": "hf", "folder": "../critic"}})
+    assert any("escapes" in p for p in store.validate(1, "actor", deep=False))
+
+
+def test_manifest_for_another_step_is_a_problem(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    final = commit(store, 1)
+    rewrite_manifest(final, step=2)
+    assert "step 2 but the folder is for step 1" in store.validate(1, "actor", deep=False)[0]
+
+
+def test_verify_reports_progress_up_to_total(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    commit(store, 1)
+    calls: list[tuple[int, int]] = []
+    assert store.verify(1, "actor", lambda done, total: calls.append((done, total))) == []
+    assert calls[-1] == (102, 102) and len(calls) == 2
+
+
+def make_steps(store: CheckpointStore, complete: list[int], incomplete: list[int]) -> None:
+    for step in complete:
+        commit(store, step)
+    for step in incomplete:
+        store.staging(step, "actor")
+
+
+def test_retention_keeps_newest_complete_steps(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    make_steps(store, [1, 2, 3, 4, 5], [])
+    assert store.apply_retention(2, ["actor"], protect=set()) == [1, 2, 3]
+    assert store.steps() == [4, 5]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_retention_never_deletes_a_protected_step(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    make_steps(store, [1, 2, 3, 4], [])
+    assert store.apply_retention(1, ["actor"], protect={2}) == [1, 3]
+    assert store.steps() == [2, 4]
+
+
+def test_retention_keeps_incomplete_newer_steps_and_drops_older_ones(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    make_steps(store, [2, 3, 5], [1, 4, 6])
+    assert store.apply_retention(2, ["actor"], protect=set()) == [1, 2]
+    assert store.steps() == [3, 4, 5, 6]
+
+
+def test_retention_counts_only_steps_complete_for_every_role(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    roles = ["actor", "critic"]
+    for step in (1, 2, 3):
+        commit(store, step, "actor", roles=roles)
+    commit(store, 1, "critic", roles=roles)
+    assert store.apply_retention(1, roles, protect=set()) == []
+    commit(store, 2, "critic", roles=roles)
+    assert store.apply_retention(1, roles, protect=set()) == [1]
+
+
+def test_retention_tolerates_a_folder_vanishing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = CheckpointStore(tmp_path)
+    make_steps(store, [2, 3], [])
+    real_steps = store.steps
+    monkeypatch.setattr(store, "steps", lambda: [1, *real_steps()])
+    assert store.apply_retention(1, ["actor"], protect=set()) == [2]
+
+
+def test_retention_off_and_on_other_ranks(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    make_steps(store, [1, 2, 3], [])
+    assert store.apply_retention(None, ["actor"], protect=set()) == []
+    other = CheckpointStore(tmp_path, rank=1, world_size=2, barrier=lambda: None)
+    assert other.apply_retention(1, ["actor"], protect=set()) == []
+    assert store.steps() == [1, 2, 3]
+
+
+def test_all_ranks_write_one_folder_and_rank0_commits(tmp_path: Path) -> None:
+    barrier = threading.Barrier(2, timeout=10)
+    results: dict[int, Path] = {}
+
+    def worker(rank: int) -> None:
+        store = CheckpointStore(tmp_path, rank=rank, world_size=2, barrier=barrier.wait)
+        staging = store.staging(1, "actor")
+        (staging / f"shard_{rank}.bin").write_bytes(bytes([rank]) * 10)
+        results[rank] = store.commit(1, "actor", contents={"model": "torch_dcp"})
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert results[0] == results[1] == tmp_path / "global_step_1" / "actor"
+    assert [f["path"] for f in manifest_of(results[0])["files"]] == ["shard_0.bin", "shard_1.bin"]
+
+
+def test_other_rank_raises_when_rank0_did_not_commit(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, rank=1, world_size=2, barrier=lambda: None)
+    store.staging(1, "actor")
+    with pytest.raises(CheckpointError, match="rank 0 did not commit"):
+        store.commit(1, "actor", contents={})
+
+
+def test_several_ranks_without_barrier_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="barrier"):
+        CheckpointStore(tmp_path, rank=0, world_size=2)
+
+
+@pytest.mark.parametrize("role", ["../x", "", ".hidden", "a/b"])
+def test_role_names_cannot_point_elsewhere(tmp_path: Path, role: str) -> None:
+    with pytest.raises(ConfigError, match="role"):
+        CheckpointStore(tmp_path).staging(1, role)
+
+
+def test_commit_without_staging_names_the_folder(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="staging"):
+        CheckpointStore(tmp_path).commit(1, "actor", contents={})
