@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from lifecycle.errors import LifecycleError
@@ -15,11 +16,33 @@ def _diagram(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from lifecycle.report import inspect_root
+
+    return inspect_root(args.root, args.roles, sys.stdout)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from lifecycle.report import verify_root
+
+    return verify_root(args.root, args.step, args.roles, sys.stdout)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lifecycle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     diagram = sub.add_parser("diagram", help="print the state machine as a Mermaid diagram")
     diagram.set_defaults(run=_diagram)
+    roles_help = "roles a complete step must hold (default: every role found on disk)"
+    inspect = sub.add_parser("inspect", help="table of steps and roles: contents, format, size, complete or why not")
+    inspect.add_argument("root", type=Path)
+    inspect.add_argument("--roles", nargs="+", help=roles_help)
+    inspect.set_defaults(run=_inspect)
+    verify = sub.add_parser("verify", help="re-check sizes and checksums; exit 0 only when all is well")
+    verify.add_argument("root", type=Path)
+    verify.add_argument("--step", type=int, help="only this step (default: every step)")
+    verify.add_argument("--roles", nargs="+", help=roles_help)
+    verify.set_defaults(run=_verify)
     return parser
 
 
