@@ -1,0 +1,91 @@
+"""Run a test function on N ranks of a gloo process group on loopback, without ever hanging.
+
+Each rank is a fresh 'spawn' process (no fork of pytest's state); the group meets on a free
+port of 127.0.0.1. A rank reports through a file in the test's tmp folder: its return value
+as JSON, or its traceback. A rank that is still alive at the deadline is killed, and the test
+fails naming it, so a collective that never completes costs seconds, not the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RankFn = Callable[[int, int, Path], Any]
+"""fn(rank, world_size, tmp_path) -> a JSON-serialisable value; must be a module-level function."""
+
+
+def free_port() -> int:
+    """A port the OS just handed out; the tiny race with other binders is acceptable in tests."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _result_file(tmp_path: Path, rank: int) -> Path:
+    return tmp_path / f".rank{rank}.result.json"
+
+
+def _child(fn: RankFn, rank: int, world_size: int, port: int, tmp_path: Path, pg_timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    out: dict[str, Any]
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+        try:
+            out = {"ok": True, "value": fn(rank, world_size, tmp_path)}
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - whatever it is, the parent fails the test with it
+        out = {"ok": False, "error": traceback.format_exc()}
+    _result_file(tmp_path, rank).write_text(json.dumps(out), encoding="utf-8")
+
+
+def run_ranks(fn: RankFn, tmp_path: Path, *, world_size: int = 2, timeout_s: float = 60.0) -> list[Any]:
+    """fn's return value on each rank, in rank order; any rank's error fails the calling test."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    for r in range(world_size):
+        _result_file(tmp_path, r).unlink(missing_ok=True)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, tmp_path, timeout_s / 2),
+                         name=f"rank{r}", daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [p.name for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    results, errors = [], []
+    for r in range(world_size):
+        path = _result_file(tmp_path, r)
+        if not path.is_file():
+            errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+            continue
+        out = json.loads(path.read_text(encoding="utf-8"))
+        if out["ok"]:
+            results.append(out["value"])
+        else:
+            errors.append(f"rank {r} raised:\n{out['error']}")
+    if hung:
+        errors.insert(0, f"killed after {timeout_s}s: {', '.join(hung)}")
+    if errors:
+        pytest.fail("\n".join(errors), pytrace=False)
+    return results
