@@ -215,7 +215,7 @@ class HFBackend:
             optimizer.load_state_dict(state["optimizer"])
             if lr_scheduler is not None:
                 lr_scheduler.load_state_dict(sched_state)
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        except (ValueError, KeyError, TypeError, RuntimeError, AttributeError, OverflowError) as exc:
             raise CheckpointError(f"{path}: does not fit the optimizer or scheduler: {exc!r}") from exc
 
 

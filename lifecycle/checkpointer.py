@@ -166,7 +166,7 @@ class DiskCheckpointer:
         else:
             if self.config.checkpoint.root is None:
                 return None
-            found = self.store.newest_complete(self.roles)
+            found = self.store.newest_committed(self.roles)
             if found is None:
                 return None
             folder, step = self.store.role_dir(found, self.role), found

@@ -111,7 +111,7 @@ def _read(folder: Path) -> _Loaded:
         raise CheckpointError(f"{path}: not valid JSON: {exc}") from exc
     try:
         return _parse(doc, path, _read_rng(folder / RNG_FILE))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise CheckpointError(f"{path}: malformed extra state: {exc!r}") from exc
 
 
@@ -127,6 +127,10 @@ def _read_rng(path: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{path}: RNG state {name!r} must be a 1-D uint8 tensor")
     if "torch_cpu" not in tensors:
         raise CheckpointError(f"{path}: no 'torch_cpu' RNG state")
+    try:
+        torch.Generator().set_state(tensors["torch_cpu"])
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: 'torch_cpu' is not a CPU RNG state: {exc}") from exc
     return tensors
 
 
@@ -151,6 +155,10 @@ def _parse(doc: Any, path: Path, rng_tensors: dict[str, torch.Tensor]) -> _Loade
     if keys.shape != (624,):
         raise ValueError("rng.numpy.keys must hold 624 integers")
     numpy_state = (str(npy["name"]), keys, int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached_gaussian"]))
+    if not 0 <= numpy_state[2] <= len(keys):
+        raise ValueError("rng.numpy.pos must be within 0..624 (numpy reads out of bounds otherwise)")
+    random.Random().setstate(python_state)  # a state they refuse fails here, before anything is restored
+    np.random.RandomState().set_state(numpy_state)
     dataloader = decode(doc["dataloader"], where=str(path)) if doc.get("dataloader") is not None else None
     progress = Progress(**ints, user=user)
     return _Loaded(progress, python_state, numpy_state, rng_tensors, dataloader)

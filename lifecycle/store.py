@@ -220,6 +220,24 @@ class CheckpointStore:
                 return step
         return None
 
+    def newest_committed(self, roles: Sequence[str]) -> int | None:
+        """Newest step every role published a readable manifest for, whatever its files hold now.
+
+        Resume starts here and checks the files deeply: a committed step that lost or changed
+        a file is refused loudly, never skipped for an older step or a fresh start.
+        """
+        for step in reversed(self.steps()):
+            if roles and all(self._has_manifest(step, role) for role in roles):
+                return step
+        return None
+
+    def _has_manifest(self, step: int, role: str) -> bool:
+        try:
+            read_manifest_file(self.role_dir(step, role))
+        except CheckpointError:
+            return False
+        return True
+
     def read_tracker(self) -> int | None:
         """The step the tracker names, even when that step is gone: others report that."""
         path = self.tracker_path
@@ -245,6 +263,8 @@ class CheckpointStore:
         """
         if self.rank != 0 or keep_last is None or keep_last < 1:
             return []
+        for leftover in self.root.glob(".trash-*"):
+            _rmtree(leftover)  # a crash mid-retention left it; it was out of resume's sight already
         all_steps = self.steps()
         complete = [s for s in all_steps if self.is_complete(s, roles)]
         if len(complete) <= keep_last:
