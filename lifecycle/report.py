@@ -79,17 +79,18 @@ def inspect_root(root: Path, roles: list[str] | None, out: TextIO) -> int:
                   f"{row.formats:<10} {_human(row.size):>10} {row.files:>5}\n")
         for problem in row.problems:
             out.write(f"{'':>10}why: {problem}\n")
-    newest = store.newest_complete(wanted) if wanted else None
-    out.write(f"\nroles: {', '.join(wanted) or 'none'}; newest complete step: {newest}; ")
+    newest = store.newest_committed(wanted) if wanted else None
+    out.write(f"\nroles: {', '.join(wanted) or 'none'}; resume picks step: {newest}; ")
     try:
         tracker = store.read_tracker()
     except CheckpointError as exc:
         out.write(f"tracker: unreadable ({exc})\n")
         return 1
-    note = "" if tracker is None or tracker == newest else " (resume ignores it and uses the newest complete step)"
+    note = "" if tracker is None or tracker == newest else " (resume ignores it: it reads the steps on disk)"
     out.write(f"tracker: {tracker}{note}\n")
     steps = store.steps()
-    return 0 if steps and newest == steps[-1] else 1
+    complete = bool(steps) and not any(row.problems for row in rows if row.step == newest)
+    return 0 if complete and newest == steps[-1] else 1
 
 
 class _ProgressLine:

@@ -44,7 +44,7 @@ def test_inspect_lists_every_step_and_role_with_contents_format_and_size(root: P
         ("1", "actor", "yes"), ("1", "critic", "yes"), ("2", "actor", "yes"), ("2", "critic", "yes")
     ]
     assert all(cols[3] == "extra,model" and cols[4] == "hf" for cols in lines)
-    assert "newest complete step: 2; tracker: 2" in result.stdout
+    assert "resume picks step: 2; tracker: 2" in result.stdout
 
 
 def test_inspect_says_why_a_step_is_incomplete_and_exits_non_zero(root: Path) -> None:
@@ -55,7 +55,7 @@ def test_inspect_says_why_a_step_is_incomplete_and_exits_non_zero(root: Path) ->
     text = out.getvalue()
     assert "2  actor      NO" in text and "2  critic     NO" in text
     assert "model.safetensors: size 5 != manifest" in text
-    assert "manifest.json" in text and "newest complete step: 1" in text
+    assert "manifest.json" in text and "resume picks step: 1" in text
     assert "resume ignores it" in text
 
 
