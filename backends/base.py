@@ -21,6 +21,8 @@ class FormatBackend(Protocol):
     """True when a checkpoint saved at one parallel layout loads at another."""
     supports_async: ClassVar[bool]
     native_hf: ClassVar[bool]
+    verifies_reads: ClassVar[bool]
+    """True when its reads check each .safetensors file against `lifecycle.checksum.expecting`."""
     """True when `save_model` already writes HF safetensors: `model` and `hf_model` are written once."""
 
     def save_model(self, model: Any, folder: Path) -> None: ...

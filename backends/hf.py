@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
+from backends.safetensors_io import NAMES, read_file, read_header, write_file
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode
 
@@ -113,6 +112,7 @@ class HFBackend:
     supports_async: ClassVar[bool] = True
     native_hf: ClassVar[bool] = True
     """`save_model` already writes what `export_hf` would: one copy serves both contents."""
+    verifies_reads: ClassVar[bool] = True
     max_shard_bytes: int = 5 * 1024**3
 
     def __init__(self, max_shard_bytes: int | None = None) -> None:
@@ -133,8 +133,7 @@ class HFBackend:
         names = [SINGLE] if len(shards) == 1 else [
             f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
         for fname, shard in zip(names, shards):
-            save_file(_cpu_unshared({n: state[n] for n in shard}), str(folder / fname),
-                      metadata={"format": "pt"})
+            write_file(folder / fname, {n: state[n] for n in shard}, metadata={"format": "pt"})
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(sizes.values())},
                      "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
@@ -147,43 +146,48 @@ class HFBackend:
         self.save_model(model, folder)
 
     def load_model(self, model: Any, folder: Path) -> None:
-        """Strict: every difference between folder and model is reported before anything loads."""
+        """Strict: every difference between folder and model is reported before a byte loads.
+
+        Tensors are read straight into the model's own, tied names once, each file checked
+        against its digest as it is read: a file that fails leaves the model partly overwritten.
+        """
         expected = model.state_dict()
-        loaded, problems = self._read_weights(folder, expected)
+        files, problems = self._plan(folder, expected)
+        targets = {name for _, names in files for name in names}
         for group in alias_groups(expected):
-            present = next((n for n in group if n in loaded), None)
-            for n in group:
-                if present is not None and n not in loaded:
-                    loaded[n] = loaded[present]
-        problems += [f"{folder}: tensor {n!r} missing" for n in expected if n not in loaded]
+            if any(n in targets for n in group):
+                targets.update(group)
+        problems += [f"{folder}: tensor {n!r} missing" for n in expected if n not in targets]
         if problems:
             raise CheckpointError(f"{folder}: weights do not match the model:\n  {_listed(problems)}")
-        try:
-            model.load_state_dict(loaded, strict=True)
-        except RuntimeError as exc:
-            raise CheckpointError(f"{folder}: load_state_dict failed: {exc}") from exc
+        for path, names in files:
+            read_file(path, {n: expected[n] for n in names})
 
-    def _read_weights(
+    def _plan(
         self, folder: Path, expected: Mapping[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor], list[str]]:
-        loaded: dict[str, torch.Tensor] = {}
+    ) -> tuple[list[tuple[Path, list[str]]], list[str]]:
+        """Which file holds which tensor, from the headers alone; every mismatch found at once."""
+        files: list[tuple[Path, list[str]]] = []
         problems: list[str] = []
-        for path, names in _weight_files(folder):
-            tensors = _read_file(path)
+        for path, listed in _weight_files(folder):
+            header, _, _ = read_header(path)
             problems += [f"{path}: tensor {n!r} listed in {INDEX} but not in the file"
-                         for n in names if n not in tensors]
-            for n, t in tensors.items():
+                         for n in listed if n not in header]
+            names = []
+            for n, entry in header.items():
                 want = expected.get(n)
                 if want is None:
                     problems.append(f"{path}: unexpected tensor {n!r}")
-                elif tuple(t.shape) != tuple(want.shape):
-                    problems.append(f"{path}: tensor {n!r} has shape {list(t.shape)}, "
+                elif list(entry["shape"]) != list(want.shape):
+                    problems.append(f"{path}: tensor {n!r} has shape {list(entry['shape'])}, "
                                     f"the model expects {list(want.shape)}")
-                elif t.dtype != want.dtype:
-                    problems.append(f"{path}: tensor {n!r} has dtype {t.dtype}, the model expects {want.dtype}")
+                elif NAMES[entry["dtype"]] != want.dtype:
+                    problems.append(f"{path}: tensor {n!r} has dtype {NAMES[entry['dtype']]}, "
+                                    f"the model expects {want.dtype}")
                 else:
-                    loaded[n] = t
-        return loaded, problems
+                    names.append(n)
+            files.append((path, names))
+        return files, problems
 
     def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path) -> None:
         if _rank() != 0:
@@ -194,7 +198,7 @@ class HFBackend:
         state = {"optimizer": optimizer.state_dict(),
                  "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
         doc = {"format_version": 1, **encode(state, where=where, tensors=tensors)}
-        save_file(_cpu_unshared(tensors), str(folder / OPTIM_TENSORS))
+        write_file(folder / OPTIM_TENSORS, _cpu_unshared(tensors))
         (folder / OPTIM_JSON).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
     def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path) -> None:
@@ -207,7 +211,7 @@ class HFBackend:
             raise CheckpointError(f"{path}: not valid JSON: {exc}") from exc
         if not isinstance(doc, dict) or doc.get("format_version") != 1 or "optimizer" not in doc:
             raise CheckpointError(f"{path}: not an optimizer.json of format_version 1")
-        state = decode(doc, where=str(path), tensors=_read_file(folder / OPTIM_TENSORS))
+        state = decode(doc, where=str(path), tensors=read_file(folder / OPTIM_TENSORS))
         sched_state = state.get("lr_scheduler")
         if lr_scheduler is not None and sched_state is None:
             raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
@@ -217,15 +221,6 @@ class HFBackend:
                 lr_scheduler.load_state_dict(sched_state)
         except (ValueError, KeyError, TypeError, RuntimeError, AttributeError, OverflowError) as exc:
             raise CheckpointError(f"{path}: does not fit the optimizer or scheduler: {exc!r}") from exc
-
-
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{path}: not a valid safetensors file (truncated?): {exc}") from exc
 
 
 def _weight_files(folder: Path) -> Iterable[tuple[Path, list[str]]]:

@@ -195,6 +195,7 @@ class TorchDCPBackend:
     parallel_invariant: ClassVar[bool] = True
     supports_async: ClassVar[bool] = True
     native_hf: ClassVar[bool] = False
+    verifies_reads: ClassVar[bool] = False
 
     def save_model(self, model: nn.Module, folder: Path) -> None:
         _write(_model_tensors(model, folder), folder)

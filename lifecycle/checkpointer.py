@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -20,6 +21,7 @@ from backends.base import FormatBackend, backend_class
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.extra import load_extra, save_extra
+from lifecycle.checksum import ALGORITHM, expecting, file_digest
 from lifecycle.manifest import MANIFEST, check_folder, read_manifest_file, resolve_inside
 from lifecycle.store import CheckpointStore, check_role
 from lifecycle.types import Parts, Progress, SaveInfo
@@ -83,6 +85,8 @@ class DiskCheckpointer:
         self._parallel = {"world_size": world_size, **(parallel or {})}
         self._protected: set[int] = set()
         self._store: CheckpointStore | None = None
+        self._overwritten: str | None = None
+        """Set when a failed load may have left the model's weights half-replaced."""
 
     @property
     def store(self) -> CheckpointStore:
@@ -104,6 +108,11 @@ class DiskCheckpointer:
 
     def load_initial(self, parts: Parts) -> dict[str, Any]:
         pre = self.config.checkpoint.pre_load
+        if not pre.path and self._overwritten:
+            raise CheckpointError(
+                f"the model's weights may be partly overwritten by {self._overwritten}, and "
+                "checkpoint.pre_load.path is not set to load fresh ones: set it, or rebuild the model"
+            )
         if not pre.path:
             return {}
         name, folder = _value(self.config.checkpoint.pre_load_format), Path(pre.path)
@@ -112,6 +121,7 @@ class DiskCheckpointer:
         if not folder.is_dir():
             raise CheckpointError(f"{folder}: checkpoint.pre_load.path is not a folder")
         backend_class(name)().load_model(parts.model, folder)
+        self._overwritten = None
         size, count = _folder_figures(folder)
         return {"backend": name, "path": str(folder), "bytes": size, "files": count}
 
@@ -123,7 +133,8 @@ class DiskCheckpointer:
         contents, folders = self._write_contents(backend_class(name)(), name, staging, parts, progress)
         hash_fn = self._hash_fn or model_config_hash
         final = store.commit(step, self.role, contents=contents, folders=folders, parallel=self._parallel,
-                             model_config_hash=hash_fn(parts), extra_meta={}, roles=self.roles)
+                             model_config_hash=hash_fn(parts), extra_meta={}, roles=self.roles,
+                             fsync=self.config.checkpoint.fsync)
         store.apply_retention(self.config.checkpoint.keep_last, self.roles, self._protected | {step})
         files = read_manifest_file(final)["files"]
         return SaveInfo(step=step, path=final, contents=list(contents), backend=name,
@@ -170,15 +181,46 @@ class DiskCheckpointer:
             if found is None:
                 return None
             folder, step = self.store.role_dir(found, self.role), found
-        problems = check_folder(folder, deep=True, expect_step=step, expect_role=self.role)
+        try:
+            later = self._verified_while_reading(read_manifest_file(folder))
+        except CheckpointError as exc:
+            raise CheckpointError(f"{folder}: cannot resume from step {step}: {exc}") from exc
+        problems = check_folder(folder, deep=True, expect_step=step, expect_role=self.role, verified_later=later)
         if problems:
             raise CheckpointError(f"{folder}: cannot resume from step {step}:\n  " + "\n  ".join(problems))
         manifest = read_manifest_file(folder)
         self._check_hash(parts, manifest, folder)
-        progress = self._load_contents(parts, manifest, folder, step)
+        digests = {folder / f["path"]: f[ALGORITHM] for f in manifest["files"] if f["path"] in later}
+        try:
+            with expecting(digests) as verified:
+                progress = self._load_contents(parts, manifest, folder, step)
+            self._verify_unread(folder, digests, verified)
+        except CheckpointError as exc:
+            self._overwritten = f"a failed resume from {folder}"
+            raise CheckpointError(f"{folder}: cannot resume from step {step}: {exc}") from exc
+        self._overwritten = None
         self.protect(step)
         structlog.get_logger().info("checkpoint.resumed", role=self.role, step=step, path=str(folder))
         return progress
+
+    def _verified_while_reading(self, manifest: dict[str, Any]) -> set[str]:
+        """Weight files whose backend checks the digest as it reads them: no separate pass."""
+        later: set[str] = set()
+        for entry in manifest["contents"].values():
+            try:
+                fused = backend_class(entry["backend"]).verifies_reads
+            except ConfigError:
+                fused = False
+            prefix = entry["folder"].rstrip("/") + "/"
+            later.update(f["path"] for f in manifest["files"]
+                         if fused and f["path"].startswith(prefix) and f["path"].endswith(".safetensors"))
+        return later
+
+    def _verify_unread(self, folder: Path, digests: Mapping[Path, str], verified: set[str]) -> None:
+        """Files left to a reader that did not read them are checked now, after the fact."""
+        for path, want in digests.items():
+            if os.path.realpath(path) not in verified and (got := file_digest(path)) != want:
+                raise CheckpointError(f"{path}: checksum {got} != manifest {want}")
 
     def _resolve_path(self, path: Path) -> tuple[Path, int]:
         """resume.path may name the step folder or this role's folder inside it."""

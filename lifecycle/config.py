@@ -165,6 +165,8 @@ class CheckpointConfig(_Section):
     """Roles a step must hold to count as complete; empty means only this worker's role."""
     keep_last: int | None = field(default=None, metadata=_rule(ge=1))
     """Number of newest complete steps to keep; None keeps all."""
+    fsync: bool = False
+    """fsync every file before the commit: survives power loss on a local disk, at a full flush's cost."""
     pre_load: PreLoadConfig = field(default_factory=PreLoadConfig)
     """The first load of weights."""
     load: LoadConfig = field(default_factory=LoadConfig)

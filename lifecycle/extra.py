@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import structlog
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+
+from backends.safetensors_io import read_file, write_file
 
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import NotSerializable, decode, encode
@@ -47,7 +47,7 @@ def save_extra(folder: Path, progress: Progress, dataloader: Any = None) -> None
         tensors["cuda"] = torch.cuda.get_rng_state().cpu()
     doc["rng"]["torch"] = sorted(tensors)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / RNG_FILE))
+    write_file(folder / RNG_FILE, tensors)
     (folder / EXTRA_JSON).write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
 
 
@@ -117,11 +117,9 @@ def _read(folder: Path) -> _Loaded:
 
 def _read_rng(path: Path) -> dict[str, torch.Tensor]:
     try:
-        tensors = load_file(str(path))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{path}: not a valid safetensors file: {exc}") from exc
+        tensors = read_file(path)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc}") from exc
     for name, t in tensors.items():
         if t.dtype != torch.uint8 or t.dim() != 1:
             raise CheckpointError(f"{path}: RNG state {name!r} must be a 1-D uint8 tensor")

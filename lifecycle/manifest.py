@@ -9,20 +9,19 @@ from __future__ import annotations
 import json
 import os
 import sys
-import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from lifecycle.checksum import ALGORITHM, file_digest, known_digest
 from lifecycle.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-CHUNK_BYTES = 16 * 1024 * 1024
-HASH_THREADS = 4
+HASH_THREADS = 2
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "format_version": int,
@@ -64,31 +63,32 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def file_crc32(path: Path, *, fsync: bool = False) -> str:
-    """Chunked so a multi-GiB shard never sits in memory; zlib drops the GIL while hashing."""
-    crc = 0
-    buf = bytearray(CHUNK_BYTES)
-    view = memoryview(buf)
-    with open(path, "rb") as fh:
-        while n := fh.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-        if fsync:
-            os.fsync(fh.fileno())
-    return f"{crc & 0xFFFFFFFF:08x}"
-
-
 def _hash_all(folder: Path, rels: list[str], *, fsync: bool, progress: Progress | None) -> dict[str, str]:
     sizes = {rel: (folder / rel).stat().st_size for rel in rels}
     total, done = sum(sizes.values()), 0
     out: dict[str, str] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(rels)))) as pool:
-        futures = {pool.submit(file_crc32, folder / rel, fsync=fsync): rel for rel in rels}
+        futures = {pool.submit(file_digest, folder / rel, fsync=fsync): rel for rel in rels}
         for fut in as_completed(futures):
             rel = futures[fut]
             out[rel] = fut.result()
             done += sizes[rel]
             if progress is not None:
                 progress(done, total)
+    return out
+
+
+def _digests(folder: Path, rels: list[str], *, fsync: bool) -> dict[str, str]:
+    """Digests a writer remembered are taken as they are; the rest are read and hashed."""
+    out = {rel: d for rel in rels if (d := known_digest(folder / rel)) is not None}
+    if fsync:
+        for rel in out:
+            fd = os.open(folder / rel, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    out.update(_hash_all(folder, [rel for rel in rels if rel not in out], fsync=fsync, progress=None))
     return out
 
 
@@ -126,16 +126,21 @@ def build_manifest(
     parallel: Mapping[str, Any],
     model_config_hash: str | None,
     meta: Mapping[str, Any],
+    fsync: bool = False,
 ) -> dict[str, Any]:
-    """Describe every file the ranks wrote, fsyncing each while it is read for its checksum."""
+    """Describe every file the ranks wrote; with `fsync`, make their data durable first.
+
+    Without fsync a process crash loses nothing (the kernel holds the written pages); a
+    power loss may, and the checksums then refuse the damaged step on resume.
+    """
     rels = [rel for rel in _walk(folder) if rel != MANIFEST and not rel.startswith(f".{MANIFEST}")]
     for rel in rels:
         if (folder / rel).is_symlink():
             raise CheckpointError(f"{folder / rel}: a checkpoint must not contain symlinks")
-    crcs = _hash_all(folder, rels, fsync=True, progress=None)
+    digests = _digests(folder, rels, fsync=fsync)
     for sub in sorted({(folder / rel).parent for rel in rels} | {folder}):
         fsync_dir(sub)
-    files = [{"path": rel, "size": (folder / rel).stat().st_size, "crc32": crcs[rel]} for rel in rels]
+    files = [{"path": rel, "size": (folder / rel).stat().st_size, ALGORITHM: digests[rel]} for rel in rels]
     return {
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -185,9 +190,9 @@ def _shape_problems(data: dict[str, Any]) -> list[str]:
             problems.append(f"contents[{name!r}] needs string 'backend' and 'folder'")
     for i, entry in enumerate(data["files"]):
         ok = (isinstance(entry, dict) and isinstance(entry.get("path"), str)
-              and type(entry.get("size")) is int and isinstance(entry.get("crc32"), str))
+              and type(entry.get("size")) is int and isinstance(entry.get(ALGORITHM), str))
         if not ok:
-            problems.append(f"files[{i}] needs 'path' (str), 'size' (int) and 'crc32' (str)")
+            problems.append(f"files[{i}] needs 'path' (str), 'size' (int) and {ALGORITHM!r} (str)")
     return problems
 
 
@@ -212,11 +217,13 @@ def check_folder(
     expect_step: int | None = None,
     expect_role: str | None = None,
     progress: Progress | None = None,
+    verified_later: Collection[str] = (),
 ) -> list[str]:
     """Every reason not to trust `folder`.
 
     Cheap mode (presence and sizes) decides completeness; deep mode adds checksums and
     unlisted files, so a tampered step is refused loudly at resume instead of skipped.
+    Files in `verified_later` are left to the reader that checks them while loading.
     """
     try:
         data = read_manifest_file(folder)
@@ -236,10 +243,11 @@ def check_folder(
         problems.extend(f"{folder / rel}: file not listed in {mpath}"
                         for rel in _walk(folder) if rel != MANIFEST and rel not in listed)
     if deep and not problems:
-        crcs = _hash_all(folder, list(to_hash), fsync=False, progress=progress)
+        rels = [rel for rel in to_hash if rel not in verified_later]
+        digests = _hash_all(folder, rels, fsync=False, progress=progress)
         problems.extend(
-            f"{folder / rel}: checksum {crcs[rel]} != manifest {want}"
-            for rel, want in to_hash.items() if crcs[rel] != want.lower()
+            f"{folder / rel}: checksum {digests[rel]} != manifest {to_hash[rel]}"
+            for rel in rels if digests[rel] != to_hash[rel].lower()
         )
     return problems
 
@@ -269,5 +277,5 @@ def _check_listed(
         elif size != entry["size"]:
             problems.append(f"{target}: size {size} != manifest {entry['size']}")
         else:
-            to_hash[rel] = entry["crc32"]
+            to_hash[rel] = entry[ALGORITHM]
     return listed, to_hash

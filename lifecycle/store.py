@@ -127,6 +127,7 @@ class CheckpointStore:
         extra_meta: Mapping[str, Any] | None = None,
         folders: Mapping[str, str] | None = None,
         roles: Sequence[str] | None = None,
+        fsync: bool = False,
     ) -> Path:
         """Publish the staging folder once every rank has written its part.
 
@@ -139,7 +140,7 @@ class CheckpointStore:
         try:
             if self.rank == 0:
                 self._commit_rank0(step, role, contents, parallel or {}, model_config_hash,
-                                   extra_meta or {}, folders or {})
+                                   extra_meta or {}, folders or {}, fsync)
                 self._advance_tracker(step, list(roles or [role]))
         finally:
             self._sync()
@@ -156,6 +157,7 @@ class CheckpointStore:
         model_config_hash: str | None,
         meta: Mapping[str, Any],
         folders: Mapping[str, str],
+        fsync: bool,
     ) -> None:
         staging = self.step_dir(step) / f".staging-{role}"
         if not staging.is_dir():
@@ -163,7 +165,7 @@ class CheckpointStore:
         entries = {name: {"backend": backend, "folder": folders.get(name, name)}
                    for name, backend in contents.items()}
         manifest = build_manifest(staging, step=step, role=role, contents=entries, parallel=parallel,
-                                  model_config_hash=model_config_hash, meta=meta)
+                                  model_config_hash=model_config_hash, meta=meta, fsync=fsync)
         write_json_atomic(staging / MANIFEST, manifest)
         final = self.role_dir(step, role)
         old = final.parent / f".replaced-{role}-{uuid.uuid4().hex[:8]}"

@@ -33,6 +33,7 @@ checkpoint:
   root: /ckpt
   roles: [actor, critic]
   keep_last: 3
+  fsync: true
   pre_load: {format: mbridge, path: /weights}
   load: {contents: [model]}
   save: {format: dist_ckpt, contents: [model, optimizer], async: true}
@@ -54,6 +55,7 @@ def _custom_dict() -> dict[str, Any]:
             "root": "/ckpt",
             "roles": ["actor", "critic"],
             "keep_last": 3,
+            "fsync": True,
             "pre_load": {"format": "mbridge", "path": "/weights"},
             "load": {"contents": ["model"]},
             "save": {"format": "dist_ckpt", "contents": ["model", "optimizer"], "async": True},
@@ -120,6 +122,7 @@ def test_dict_yaml_and_kwargs_build_the_same_config(tmp_path: Path) -> None:
             root="/ckpt",
             roles=["actor", "critic"],
             keep_last=3,
+            fsync=True,
             pre_load=PreLoadConfig(format=Format.MBRIDGE, path="/weights"),
             load=LoadConfig(contents=[Content.MODEL]),
             save=SaveConfig(format="dist_ckpt", contents=["model", "optimizer"], async_=True),
@@ -239,7 +242,7 @@ def test_async_underscore_is_not_a_dict_key() -> None:
     ("data", "key", "valid"),
     [
         ({"chekpoint": {}}, "chekpoint", "checkpoint, engine, resume"),
-        ({"checkpoint": {"sav": {}}}, "checkpoint.sav", "keep_last, load, pre_load, roles, root, save"),
+        ({"checkpoint": {"sav": {}}}, "checkpoint.sav", "fsync, keep_last, load, pre_load, roles, root, save"),
         ({"checkpoint": {"pre_load": {"fmt": "hf"}}}, "checkpoint.pre_load.fmt", "format, path"),
         ({"checkpoint": {"load": {"content": []}}}, "checkpoint.load.content", "contents, format"),
         ({"checkpoint": {"save": {"fromat": "hf"}}}, "checkpoint.save.fromat", "async, contents, format"),

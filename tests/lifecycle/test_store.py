@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import os
 import threading
-import zlib
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from lifecycle.errors import CheckpointError, ConfigError
-from lifecycle.manifest import file_crc32
+import xxhash
+
+from lifecycle.checksum import file_digest
 from lifecycle.store import TRACKER, CheckpointStore
 
 MANIFEST_KEYS = {"format_version", "step", "role", "created_at", "contents", "parallel",
@@ -67,17 +68,17 @@ def test_manifest_records_files_contents_and_versions(tmp_path: Path) -> None:
     assert data["contents"] == {"model": {"backend": "hf", "folder": "model"},
                                 "hf_model": {"backend": "hf", "folder": "model"}}
     assert data["files"] == [{"path": "model/a.bin", "size": 3000,
-                              "crc32": f"{zlib.crc32(b'abc' * 1000):08x}"}]
+                              "xxh3_64": xxhash.xxh3_64(b"abc" * 1000).hexdigest()}]
     assert data["parallel"] == {"world_size": 1, "tp": 1}
     assert data["model_config_hash"] == "h1" and data["meta"] == {"k": "v"}
     assert {"torch", "safetensors", "trainer_lifecycle", "python"} <= set(data["versions"])
     assert datetime.fromisoformat(data["created_at"]).utcoffset().total_seconds() == 0
 
 
-def test_crc32_of_large_file_matches_zlib(tmp_path: Path) -> None:
-    data = os.urandom(1024) * (17 * 1024 + 3)  # crosses the 16 MiB chunk boundary
+def test_digest_of_a_file_larger_than_a_chunk_matches_one_pass(tmp_path: Path) -> None:
+    data = os.urandom(1024) * (65 * 1024 + 3)  # crosses the 64 MiB chunk boundary
     (tmp_path / "big").write_bytes(data)
-    assert file_crc32(tmp_path / "big") == f"{zlib.crc32(data):08x}"
+    assert file_digest(tmp_path / "big") == xxhash.xxh3_64(data).hexdigest()
 
 
 def test_staging_left_by_crash_is_cleared_and_never_complete(tmp_path: Path) -> None:
@@ -214,7 +215,7 @@ def test_manifest_paths_never_escape_the_folder(tmp_path: Path, bad: str) -> Non
     if bad.startswith("link/"):
         (final / "link").symlink_to(outside)
     data = manifest_of(final)
-    data["files"].append({"path": bad, "size": 1, "crc32": "00000000"})
+    data["files"].append({"path": bad, "size": 1, "xxh3_64": "0000000000000000"})
     (final / "manifest.json").write_text(json.dumps(data))
     problems = store.validate(1, "actor", deep=True)
     assert any(repr(bad) in p and "escapes" in p for p in problems)
