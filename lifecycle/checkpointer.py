@@ -120,10 +120,22 @@ class DiskCheckpointer:
             raise CheckpointError(f"{folder}: checkpoint.pre_load.path is set but there is no model to load into")
         if not folder.is_dir():
             raise CheckpointError(f"{folder}: checkpoint.pre_load.path is not a folder")
+        self._verify_pre_load(folder, name)
         backend_class(name)().load_model(parts.model, folder)
         self._overwritten = None
         size, count = _folder_figures(folder)
         return {"backend": name, "path": str(folder), "bytes": size, "files": count}
+
+    def _verify_pre_load(self, folder: Path, name: str) -> None:
+        """A folder inside a committed checkpoint is verified first; DCP's pickled metadata demands it."""
+        committed = next((f for f in (folder, folder.parent) if (f / MANIFEST).is_file()), None)
+        if committed is None and name == "torch_dcp":
+            raise CheckpointError(
+                f"{folder}: a torch_dcp first load reads DCP's pickled .metadata, so it only loads from a "
+                "committed checkpoint: point checkpoint.pre_load.path at the model folder next to a manifest.json"
+            )
+        if committed is not None and (problems := check_folder(committed, deep=True)):
+            raise CheckpointError(f"{committed}: cannot load initial weights:\n  " + "\n  ".join(problems))
 
     def save(self, step: int, parts: Parts, progress: Progress) -> SaveInfo:
         started = time.perf_counter()

@@ -305,3 +305,27 @@ def test_lifecycle_saves_and_resumes_through_the_disk_checkpointer(tmp_path: Pat
     again = Lifecycle(cfg, role="actor", model=q.model, optimizer=q.optimizer, lr_scheduler=q.lr_scheduler)
     assert again.resume() == 6
     assert all(torch.equal(a, b) for a, b in zip(p.model.parameters(), q.model.parameters()))
+
+
+def test_load_initial_from_a_committed_torch_dcp_model_folder_verifies_it_first(tmp_path: Path) -> None:
+    saver = DiskCheckpointer(config(tmp_path, checkpoint={"save": {"format": "torch_dcp"}}), role="actor")
+    source = parts(seed=3)
+    saver.save(1, source, Progress(step=1))
+    model_folder = tmp_path / "global_step_1" / "actor" / "model"
+    cfg = config(None, checkpoint={"save": {"format": "torch_dcp"}, "pre_load": {"format": "torch_dcp", "path": str(model_folder)}})
+    target = parts(seed=9)
+    DiskCheckpointer(cfg, role="actor").load_initial(target)
+    assert all(torch.equal(a, b) for a, b in zip(source.model.parameters(), target.model.parameters()))
+    metadata = model_folder / ".metadata"
+    metadata.write_bytes(metadata.read_bytes() + b"planted")
+    with pytest.raises(CheckpointError, match="(?s)cannot load initial weights.*metadata"):
+        DiskCheckpointer(cfg, role="actor").load_initial(parts(seed=9))
+
+
+def test_load_initial_refuses_an_uncommitted_torch_dcp_folder(tmp_path: Path) -> None:
+    from backends.torch_dcp import TorchDCPBackend
+
+    TorchDCPBackend().save_model(parts().model, tmp_path / "loose")
+    cfg = config(None, checkpoint={"save": {"format": "torch_dcp"}, "pre_load": {"format": "torch_dcp", "path": str(tmp_path / "loose")}})
+    with pytest.raises(CheckpointError, match="pickled .metadata"):
+        DiskCheckpointer(cfg, role="actor").load_initial(parts())
