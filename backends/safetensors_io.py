@@ -63,12 +63,12 @@ def write_file(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappin
     prefix = struct.pack("<Q", len(encoded)) + encoded
     hasher = Hasher()
     try:
-        with open(path, "wb") as fh:
-            fh.write(prefix)
+        with open(path, "wb", buffering=0) as fh:
+            _write_all(fh, memoryview(prefix))
             hasher.feed(prefix)
             for tensor in prepared.values():
                 view = _raw(tensor)
-                fh.write(view)
+                _write_all(fh, view)
                 hasher.feed(view)
     except BaseException:
         hasher.abandon()
@@ -76,6 +76,13 @@ def write_file(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappin
     digest = hasher.digest()
     remember(path, digest)
     return digest
+
+
+def _write_all(fh: Any, view: memoryview) -> None:
+    """Unbuffered writes skip a copy, but may be short: go on until every byte is out."""
+    done = 0
+    while done < len(view):
+        done += fh.write(view[done:])
 
 
 def read_header(path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
