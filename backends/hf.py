@@ -16,7 +16,7 @@ import torch
 
 from backends.safetensors_io import NAMES, read_file, read_header, write_file
 from lifecycle.errors import CheckpointError
-from lifecycle.jsontree import decode, encode
+from lifecycle.jsontree import decode, encode, read_optimizer_json
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -203,14 +203,7 @@ class HFBackend:
 
     def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path) -> None:
         path = folder / OPTIM_JSON
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: missing") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path}: not valid JSON: {exc}") from exc
-        if not isinstance(doc, dict) or doc.get("format_version") != 1 or "optimizer" not in doc:
-            raise CheckpointError(f"{path}: not an optimizer.json of format_version 1")
+        doc = read_optimizer_json(path)
         state = decode(doc, where=str(path), tensors=read_file(folder / OPTIM_TENSORS))
         sched_state = state.get("lr_scheduler")
         if lr_scheduler is not None and sched_state is None:

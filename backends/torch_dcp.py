@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from backends.hf import HFBackend
 from lifecycle.errors import CheckpointError
-from lifecycle.jsontree import decode, encode
+from lifecycle.jsontree import decode, encode, read_optimizer_json
 
 METADATA = ".metadata"
 OPTIM_JSON = "optimizer.json"
@@ -176,18 +176,6 @@ def _read_into(state: dict[str, torch.Tensor], folder: Path) -> None:
         raise CheckpointError(f"{folder}: torch.distributed.checkpoint load failed: {_failure(exc)}") from exc
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(doc, dict) or doc.get("format_version") != 1 or "optimizer" not in doc:
-        raise CheckpointError(f"{path}: not an optimizer.json of format_version 1")
-    return doc
-
-
 class TorchDCPBackend:
     """Sharded state: every rank calls every method and DCP coordinates who writes what."""
 
@@ -221,7 +209,7 @@ class TorchDCPBackend:
         """The running optimizer's own state (created by a zero step if empty) is the template
         DCP fills, so each rank reads exactly its own shards."""
         path = folder / OPTIM_JSON
-        doc = _read_json(path)
+        doc = read_optimizer_json(path)
         if lr_scheduler is not None and doc.get("lr_scheduler") is None:
             raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
         tensors: dict[str, torch.Tensor] = {}

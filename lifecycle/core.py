@@ -144,9 +144,9 @@ class Lifecycle:
     @property
     def engine(self) -> WeightSyncer:
         if self._engine is None:
-            from backends.engines import engine_for
-
-            self._engine = engine_for(self.config.engine, rank=self.rank)
+            raise LifecycleError(
+                f"no weight-sync engine for role {self.role}: pass engine= (a WeightSyncer) to Lifecycle"
+            )
         return self._engine
 
     def init_load(self) -> None:

@@ -20,7 +20,7 @@ import torch
 from backends.safetensors_io import read_file, write_file
 
 from lifecycle.errors import CheckpointError
-from lifecycle.jsontree import NotSerializable, decode, encode
+from lifecycle.jsontree import NotSerializable, decode, encode, read_json
 from lifecycle.types import Progress
 
 EXTRA_JSON = "extra.json"
@@ -103,12 +103,7 @@ def _read(folder: Path) -> _Loaded:
         if entry.name not in ALLOWED or not entry.is_file() or entry.is_symlink():
             raise CheckpointError(f"{entry}: unexpected file in extra folder (only {sorted(ALLOWED)})")
     path = folder / EXTRA_JSON
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON: {exc}") from exc
+    doc = read_json(path)
     try:
         return _parse(doc, path, _read_rng(folder / RNG_FILE))
     except (KeyError, TypeError, ValueError, OverflowError) as exc:

@@ -7,8 +7,10 @@ starting with "__" (such dicts are written as key/value pairs), so tags are unam
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +28,24 @@ class NotSerializable(CheckpointError):
         self.key = key
         super().__init__(f"{where}: value at {key or '<root>'} of type {type(value).__name__} "
                          f"cannot be saved without pickle")
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of a checkpoint; missing or malformed is a CheckpointError naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON: {exc}") from exc
+
+
+def read_optimizer_json(path: Path) -> dict[str, Any]:
+    """The optimizer.json both the hf and torch_dcp backends write next to their tensors."""
+    doc = read_json(path)
+    if not isinstance(doc, dict) or doc.get("format_version") != 1 or "optimizer" not in doc:
+        raise CheckpointError(f"{path}: not an optimizer.json of format_version 1")
+    return doc
 
 
 def encode(value: Any, *, where: str, tensors: dict[str, torch.Tensor] | None = None) -> Any:

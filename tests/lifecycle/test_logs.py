@@ -12,7 +12,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from lifecycle import Lifecycle, State
+from lifecycle import InvalidTransition, Lifecycle, State
 from lifecycle.logging import configure
 from lifecycle.testing import InjectedFailure, MemoryRollout
 
@@ -52,7 +52,7 @@ def test_a_failed_transition_logs_one_error_record_naming_the_error(lc: Lifecycl
 
 
 def test_an_invalid_trigger_logs_no_transition(lc: Lifecycle) -> None:
-    with capture_logs() as logs, pytest.raises(Exception):
+    with capture_logs() as logs, pytest.raises(InvalidTransition):
         lc.save(1)
     assert _transitions(logs) == []
 

@@ -57,7 +57,7 @@ def test_random_sequences_follow_the_table_restore_everything_and_log_once(seque
             before = lc.state
             want = _expected(before, trigger, fails)
 
-            def work() -> None:
+            def work(fails: bool = fails, undo_fails: bool = undo_fails) -> None:
                 lc.temporarily(target, mode="eval", callback=DELETE)
                 if undo_fails:
                     lc.on_exit(lambda: (_ for _ in ()).throw(OSError("undo failed")))
@@ -79,4 +79,4 @@ def test_random_sequences_follow_the_table_restore_everything_and_log_once(seque
             assert target.mode == "train" and target.callback is print
     records = [e for e in logs if e["event"] == "lifecycle.transition"]
     assert len(records) == expected_records == len(lc.history) == len(cap.records)
-    assert all(r["ok"] == h.ok for r, h in zip(records, lc.history))
+    assert all(r["ok"] == h.ok for r, h in zip(records, lc.history, strict=True))
