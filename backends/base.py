@@ -37,6 +37,22 @@ class FormatBackend(Protocol):
         """Write full HF safetensors (plus index when sharded) that `transformers` can load."""
 
 
+_MAX_LISTED = 20
+
+
+def current_rank() -> int:
+    """This process's rank, 0 without an initialised process group."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def listed(problems: list[str]) -> str:
+    """Problems one per line for an error message, the first 20 and a count of the rest."""
+    more = len(problems) - _MAX_LISTED
+    return "\n  ".join(problems[:_MAX_LISTED] + ([f"... and {more} more"] if more > 0 else []))
+
+
 _BACKENDS: dict[str, str] = {
     "hf": "backends.hf:HFBackend",
     "torch_dcp": "backends.torch_dcp:TorchDCPBackend",

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from backends.base import current_rank, listed
 from backends.safetensors_io import NAMES, read_file, read_header, write_file
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, read_optimizer_json
@@ -22,13 +23,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 OPTIM_JSON = "optimizer.json"
 OPTIM_TENSORS = "optimizer.safetensors"
-_MAX_LISTED = 20
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+HF_SHARD_BYTES = 5 * 1024**3
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -70,22 +65,6 @@ def _drop_aliases(state_dict: Mapping[str, torch.Tensor], hints: set[str]) -> di
     return {n: t for n, t in state_dict.items() if n not in dropped}
 
 
-def _cpu_unshared(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory; copy the ones that still do."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[str, int]] = set()
-    for name, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        key = _storage_key(t)
-        if key is not None and key in seen:
-            t = t.clone()
-            key = _storage_key(t)
-        if key is not None:
-            seen.add(key)
-        out[name] = t
-    return out
-
-
 def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
     """Greedy in state-dict order; a tensor larger than the limit gets a shard of its own."""
     shards: list[list[str]] = [[]]
@@ -99,9 +78,32 @@ def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _listed(problems: list[str]) -> str:
-    more = len(problems) - _MAX_LISTED
-    return "\n  ".join(problems[:_MAX_LISTED] + ([f"... and {more} more"] if more > 0 else []))
+def write_hf_folder(
+    state: Mapping[str, torch.Tensor],
+    folder: Path,
+    *,
+    config: Any = None,
+    tied_hints: set[str] | frozenset[str] = frozenset(),
+    max_shard_bytes: int = HF_SHARD_BYTES,
+) -> None:
+    """A folder `from_pretrained` reads: weights (sharded with an index when large), config.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in [folder / SINGLE, folder / INDEX, *folder.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    state = _drop_aliases(state, set(tied_hints))
+    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
+    shards = plan_shards(sizes, max_shard_bytes)
+    names = [SINGLE] if len(shards) == 1 else [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for fname, shard in zip(names, shards):
+        write_file(folder / fname, {n: state[n] for n in shard}, metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
+        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    save_pretrained = getattr(config, "save_pretrained", None)
+    if callable(save_pretrained):
+        save_pretrained(str(folder))
 
 
 class HFBackend:
@@ -113,7 +115,7 @@ class HFBackend:
     native_hf: ClassVar[bool] = True
     """`save_model` already writes what `export_hf` would: one copy serves both contents."""
     verifies_reads: ClassVar[bool] = True
-    max_shard_bytes: int = 5 * 1024**3
+    max_shard_bytes: int = HF_SHARD_BYTES
 
     def __init__(self, max_shard_bytes: int | None = None) -> None:
         if max_shard_bytes is not None:
@@ -122,25 +124,9 @@ class HFBackend:
             self.max_shard_bytes = max_shard_bytes
 
     def save_model(self, model: Any, folder: Path) -> None:
-        if _rank() != 0:
-            return
-        folder.mkdir(parents=True, exist_ok=True)
-        for stale in [folder / SINGLE, folder / INDEX, *folder.glob("model-*-of-*.safetensors")]:
-            stale.unlink(missing_ok=True)
-        state = _drop_aliases(model.state_dict(), _tied_hints(model))
-        sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
-        shards = plan_shards(sizes, self.max_shard_bytes)
-        names = [SINGLE] if len(shards) == 1 else [
-            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-        for fname, shard in zip(names, shards):
-            write_file(folder / fname, {n: state[n] for n in shard}, metadata={"format": "pt"})
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(sizes.values())},
-                     "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
-            (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        config = getattr(model, "config", None)
-        if callable(getattr(config, "save_pretrained", None)):
-            config.save_pretrained(str(folder))
+        if current_rank() == 0:
+            write_hf_folder(model.state_dict(), folder, config=getattr(model, "config", None),
+                            tied_hints=_tied_hints(model), max_shard_bytes=self.max_shard_bytes)
 
     def export_hf(self, model: Any, folder: Path) -> None:
         self.save_model(model, folder)
@@ -159,7 +145,7 @@ class HFBackend:
                 targets.update(group)
         problems += [f"{folder}: tensor {n!r} missing" for n in expected if n not in targets]
         if problems:
-            raise CheckpointError(f"{folder}: weights do not match the model:\n  {_listed(problems)}")
+            raise CheckpointError(f"{folder}: weights do not match the model:\n  {listed(problems)}")
         for path, names in files:
             read_file(path, {n: expected[n] for n in names})
 
@@ -169,10 +155,10 @@ class HFBackend:
         """Which file holds which tensor, from the headers alone; every mismatch found at once."""
         files: list[tuple[Path, list[str]]] = []
         problems: list[str] = []
-        for path, listed in _weight_files(folder):
+        for path, indexed in _weight_files(folder):
             header, _, _ = read_header(path)
             problems += [f"{path}: tensor {n!r} listed in {INDEX} but not in the file"
-                         for n in listed if n not in header]
+                         for n in indexed if n not in header]
             names = []
             for n, entry in header.items():
                 want = expected.get(n)
@@ -190,7 +176,7 @@ class HFBackend:
         return files, problems
 
     def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path) -> None:
-        if _rank() != 0:
+        if current_rank() != 0:
             return
         folder.mkdir(parents=True, exist_ok=True)
         tensors: dict[str, torch.Tensor] = {}
@@ -198,7 +184,7 @@ class HFBackend:
         state = {"optimizer": optimizer.state_dict(),
                  "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
         doc = {"format_version": 1, **encode(state, where=where, tensors=tensors)}
-        write_file(folder / OPTIM_TENSORS, _cpu_unshared(tensors))
+        write_file(folder / OPTIM_TENSORS, tensors)
         (folder / OPTIM_JSON).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
     def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path) -> None:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import (
@@ -42,22 +41,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from backends.hf import HFBackend
+from backends.base import current_rank, listed
+from backends.hf import write_hf_folder
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, read_optimizer_json
 
 METADATA = ".metadata"
 OPTIM_JSON = "optimizer.json"
-_MAX_LISTED = 20
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _listed(problems: list[str]) -> str:
-    more = len(problems) - _MAX_LISTED
-    return "\n  ".join(problems[:_MAX_LISTED] + ([f"... and {more} more"] if more > 0 else []))
 
 
 def _failure(exc: BaseException) -> str:
@@ -82,22 +72,6 @@ class _ParamsByIndex(nn.Module):
             if not isinstance(p, nn.Parameter):
                 raise CheckpointError(f"optimizer parameter {i} is a {type(p).__name__}, not an nn.Parameter")
             self.register_parameter(f"param{i}", p)
-
-
-class _Gathered:
-    """What `HFBackend.save_model` reads from a model, with the gathered full state dict.
-
-    Under FSDP2 `model.state_dict()` holds DTensor shards; this hands the HF writer the full
-    tensors instead, so its safetensors code is reused rather than copied.
-    """
-
-    def __init__(self, model: Any, state: Mapping[str, Any]) -> None:
-        self._state = state
-        self.config = getattr(model, "config", None)
-        self._tied_weights_keys = getattr(model, "_tied_weights_keys", None)
-
-    def state_dict(self) -> Mapping[str, Any]:
-        return self._state
 
 
 def _model_tensors(model: nn.Module, folder: Path) -> dict[str, torch.Tensor]:
@@ -169,7 +143,7 @@ def _read_into(state: dict[str, torch.Tensor], folder: Path) -> None:
     """
     problems = _mismatches(state, _read_metadata(folder), folder)
     if problems:
-        raise CheckpointError(f"{folder}: checkpoint does not match:\n  {_listed(problems)}")
+        raise CheckpointError(f"{folder}: checkpoint does not match:\n  {listed(problems)}")
     try:
         dcp.load(state, storage_reader=FileSystemReader(str(folder)))
     except (CheckpointException, RuntimeError, ValueError, OSError) as exc:
@@ -201,7 +175,7 @@ class TorchDCPBackend:
         tensors: dict[str, torch.Tensor] = {}
         doc = encode(_optimizer_tree(optimizer, lr_scheduler), where=str(folder / OPTIM_JSON), tensors=tensors)
         _write(tensors, folder)
-        if _rank() == 0:
+        if current_rank() == 0:
             text = json.dumps({"format_version": 1, **doc}, indent=1) + "\n"
             (folder / OPTIM_JSON).write_text(text, encoding="utf-8")
 
@@ -227,5 +201,6 @@ class TorchDCPBackend:
         """Every rank joins the gather; rank 0, the only one holding the full tensors, writes."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)
-        if _rank() == 0:
-            HFBackend().save_model(_Gathered(model, state), folder)
+        if current_rank() == 0:
+            hints = frozenset(getattr(model, "_tied_weights_keys", None) or ())
+            write_hf_folder(state, folder, config=getattr(model, "config", None), tied_hints=hints)

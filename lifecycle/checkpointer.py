@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -21,7 +20,7 @@ from backends.base import FormatBackend, backend_class
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.extra import load_extra, save_extra
-from lifecycle.checksum import ALGORITHM, expecting, file_digest
+from lifecycle.checksum import ALGORITHM, check_unverified, expecting
 from lifecycle.manifest import MANIFEST, check_folder, read_manifest_file, resolve_inside
 from lifecycle.store import CheckpointStore, check_role
 from lifecycle.types import Parts, Progress, SaveInfo
@@ -206,7 +205,7 @@ class DiskCheckpointer:
         try:
             with expecting(digests) as verified:
                 progress = self._load_contents(parts, manifest, folder, step)
-            self._verify_unread(folder, digests, verified)
+            check_unverified(digests, verified)
         except CheckpointError as exc:
             self._overwritten = f"a failed resume from {folder}"
             raise CheckpointError(f"{folder}: cannot resume from step {step}: {exc}") from exc
@@ -227,12 +226,6 @@ class DiskCheckpointer:
             later.update(f["path"] for f in manifest["files"]
                          if fused and f["path"].startswith(prefix) and f["path"].endswith(".safetensors"))
         return later
-
-    def _verify_unread(self, folder: Path, digests: Mapping[Path, str], verified: set[str]) -> None:
-        """Files left to a reader that did not read them are checked now, after the fact."""
-        for path, want in digests.items():
-            if os.path.realpath(path) not in verified and (got := file_digest(path)) != want:
-                raise CheckpointError(f"{path}: checksum {got} != manifest {want}")
 
     def _resolve_path(self, path: Path) -> tuple[Path, int]:
         """resume.path may name the step folder or this role's folder inside it."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -280,8 +281,6 @@ class Lifecycle:
 def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Explicit values first, then an initialised torch.distributed, then RANK/WORLD_SIZE."""
     if rank is None or world_size is None:
-        import sys
-
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
             rank = dist.get_rank() if rank is None else rank
@@ -302,4 +301,4 @@ def _named_tensors(model: Any) -> Iterator[tuple[str, Any]]:
         yield name, tensor
 
 
-__all__ = ["GLOBAL_OBSERVERS", "Lifecycle", "Observer", "Phase", "ROWS"]
+__all__ = ["GLOBAL_OBSERVERS", "Lifecycle", "Observer", "Phase"]

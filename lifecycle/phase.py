@@ -1,4 +1,4 @@
-"""A running phase: its undo stack, its figures, and the record it leaves in the history."""
+"""What a phase leaves and undoes: the history entry, temporary attribute changes, the undo run."""
 
 from __future__ import annotations
 

@@ -207,7 +207,7 @@ def test_index_pointing_outside_the_folder_is_refused(tmp_path: Path) -> None:
 
 
 def test_only_rank0_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hf, "_rank", lambda: 1)
+    monkeypatch.setattr(hf, "current_rank", lambda: 1)
     model = mlp()
     HFBackend().save_model(model, tmp_path / "model")
     HFBackend().save_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), None, tmp_path / "optim")

@@ -314,6 +314,15 @@ def test_sigkill_at_each_commit_point_resumes_the_newest_published_step(tmp_path
         assert assert_resumes_newest_published(root, disk, child.committed) == expected
 
 
+def saved_step_one(root: Path) -> tuple[Lifecycle, nn.Module]:
+    """A READY lifecycle whose step 1 (weights filled with 1s) is committed."""
+    lc, model = lifecycle_at(root)
+    lc.init_load()
+    fill(model, 1)
+    lc.save(1)
+    return lc, model
+
+
 class MegatronConfigLike:
     """Stands in for a TransformerConfig whose callables must be removed while it is written."""
 
@@ -325,10 +334,7 @@ class MegatronConfigLike:
 def test_backend_raising_mid_write_fails_the_save_and_undoes_its_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lc, model = lifecycle_at(tmp_path)
-    lc.init_load()
-    fill(model, 1)
-    lc.save(1)
+    lc, model = saved_step_one(tmp_path)
     megatron_config = MegatronConfigLike()
     init_method = megatron_config.init_method
     exit_hooks: list[str] = []
@@ -369,10 +375,7 @@ def test_backend_raising_mid_write_fails_the_save_and_undoes_its_changes(
 def test_failing_tracker_write_after_commit_still_resumes_the_committed_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lc, model = lifecycle_at(tmp_path)
-    lc.init_load()
-    fill(model, 1)
-    lc.save(1)
+    lc, model = saved_step_one(tmp_path)
 
     def tracker_write_fails(self: CheckpointStore, step: int) -> None:
         raise OSError(5, "Input/output error")
