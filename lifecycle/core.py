@@ -20,7 +20,7 @@ from lifecycle.errors import InvalidTransition, LifecycleError
 from lifecycle.machine import (
     DONE, FAIL, NAMES, ROWS, WORKING, MachineModel, State, allowed_triggers, build_machine,
 )
-from lifecycle.phase import Temporary, Transition, run_undos
+from lifecycle.phase import RUNNING_UNDOS, Temporary, Transition, run_undos
 from lifecycle.types import Checkpointer, Parts, Progress, SaveInfo, WeightSyncer
 
 F = TypeVar("F", bound=Callable[[], object])
@@ -43,7 +43,7 @@ GLOBAL_OBSERVERS: list[Observer] = []
 class Phase:
     """The context every phase's work runs in: begin trigger, work, undos, done or fail."""
 
-    __slots__ = ("lc", "trigger", "step", "src", "figures", "undos", "_start", "_t0", "_tokens")
+    __slots__ = ("lc", "trigger", "step", "src", "figures", "undos", "_start", "_t0", "_tokens", "_undo_token")
 
     def __init__(self, lc: Lifecycle, trigger: str, step: int | None) -> None:
         self.lc = lc
@@ -59,6 +59,7 @@ class Phase:
         self._t0 = time.perf_counter()
         lc._move(self.trigger)
         lc._phase = self
+        self._undo_token = RUNNING_UNDOS.set(self.undos)
         self._tokens = bind_contextvars(role=lc.role, rank=lc.rank, step=self.step)
         return self
 
@@ -68,6 +69,7 @@ class Phase:
             undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
         finally:
             lc._phase = None
+            RUNNING_UNDOS.reset(self._undo_token)
             reset_contextvars(**self._tokens)
         error: BaseException | None = exc
         if error is None and undo_errors:

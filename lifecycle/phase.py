@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any, Callable, NamedTuple
 
 import structlog
@@ -87,6 +88,24 @@ class Temporary:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+RUNNING_UNDOS: ContextVar[list[Callable[[], object]] | None] = ContextVar("lifecycle_undos", default=None)
+"""The undo stack of the phase running in this context; set by `Phase`, read by `temporarily`."""
+
+
+def temporarily(obj: object, **attrs: Any) -> Temporary:
+    """`lc.temporarily` for code that holds no Lifecycle, such as a backend inside a phase.
+
+    The change joins the running phase's undo stack, so it is undone even if the caller's own
+    restore never runs; used as a `with` block it is undone at the block's end as well, which
+    also makes it safe outside any phase (the converter CLI, a direct backend call).
+    """
+    change = Temporary(obj, attrs)
+    undos = RUNNING_UNDOS.get()
+    if undos is not None:
+        undos.append(change.restore)
+    return change
 
 
 def run_undos(undos: list[Callable[[], object]], trigger: str) -> list[BaseException]:

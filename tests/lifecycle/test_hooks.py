@@ -167,3 +167,31 @@ def test_sync_puts_the_model_in_eval_mode_and_back(lc: Lifecycle) -> None:
     lc.engine.probe = lambda: modes.append(lc.parts.model.training)  # type: ignore[attr-defined]
     lc.sync_weights(MemoryRollout())
     assert modes == [False] and lc.parts.model.training is True
+
+
+def test_module_level_temporarily_joins_the_running_phase_and_is_undone_when_the_work_raises(
+    lc: Lifecycle,
+) -> None:
+    from lifecycle.phase import temporarily
+
+    cfg = Config()
+    lc.init_load()
+
+    def work() -> None:
+        temporarily(cfg, hidden_size=7)
+        raise InjectedFailure("inside a backend")
+
+    with pytest.raises(InjectedFailure):
+        _in_phase(lc, work)
+    assert cfg.hidden_size == 64
+    assert lc.state is State.FAILED
+
+
+def test_module_level_temporarily_outside_a_phase_restores_at_the_end_of_its_with_block() -> None:
+    from lifecycle.phase import temporarily
+
+    cfg = Config()
+    with pytest.raises(InjectedFailure), temporarily(cfg, flag=True, init_method=DELETE):
+        assert cfg.flag and not hasattr(cfg, "init_method")
+        raise InjectedFailure("converter")
+    assert cfg.flag is False and callable(cfg.init_method)
