@@ -21,17 +21,18 @@ class FormatBackend(Protocol):
     """True when a checkpoint saved at one parallel layout loads at another."""
     supports_async: ClassVar[bool]
     native_hf: ClassVar[bool]
+    """True when `save_model` already writes HF safetensors: `model` and `hf_model` are written once."""
     verifies_reads: ClassVar[bool]
     """True when its reads check each .safetensors file against `lifecycle.checksum.expecting`."""
-    """True when `save_model` already writes HF safetensors: `model` and `hf_model` are written once."""
 
     def save_model(self, model: Any, folder: Path) -> None: ...
 
     def load_model(self, model: Any, folder: Path) -> None: ...
 
-    def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path) -> None: ...
+    def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
+        """`model` is given for formats that place optimizer state by the model's sharding."""
 
-    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path) -> None: ...
+    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None: ...
 
     def export_hf(self, model: Any, folder: Path) -> None:
         """Write full HF safetensors (plus index when sharded) that `transformers` can load."""

@@ -175,7 +175,7 @@ class HFBackend:
             files.append((path, names))
         return files, problems
 
-    def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path) -> None:
+    def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
         if current_rank() != 0:
             return
         folder.mkdir(parents=True, exist_ok=True)
@@ -187,7 +187,7 @@ class HFBackend:
         write_file(folder / OPTIM_TENSORS, tensors)
         (folder / OPTIM_JSON).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
-    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path) -> None:
+    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
         path = folder / OPTIM_JSON
         doc = read_optimizer_json(path)
         state = decode(doc, where=str(path), tensors=read_file(folder / OPTIM_TENSORS))

@@ -171,7 +171,9 @@ class TorchDCPBackend:
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{folder}: set_model_state_dict failed: {exc}") from exc
 
-    def save_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any, folder: Path) -> None:
+    def save_optimizer(
+        self, optimizer: torch.optim.Optimizer, lr_scheduler: Any, folder: Path, *, model: Any = None
+    ) -> None:
         tensors: dict[str, torch.Tensor] = {}
         doc = encode(_optimizer_tree(optimizer, lr_scheduler), where=str(folder / OPTIM_JSON), tensors=tensors)
         _write(tensors, folder)
@@ -179,7 +181,9 @@ class TorchDCPBackend:
             text = json.dumps({"format_version": 1, **doc}, indent=1) + "\n"
             (folder / OPTIM_JSON).write_text(text, encoding="utf-8")
 
-    def load_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any, folder: Path) -> None:
+    def load_optimizer(
+        self, optimizer: torch.optim.Optimizer, lr_scheduler: Any, folder: Path, *, model: Any = None
+    ) -> None:
         """The running optimizer's own state (created by a zero step if empty) is the template
         DCP fills, so each rank reads exactly its own shards."""
         path = folder / OPTIM_JSON

@@ -10,13 +10,15 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from backends.base import FormatBackend, backend_class
+from lifecycle.async_save import BackgroundSaver, PendingSave
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.extra import load_extra, save_extra
@@ -44,14 +46,32 @@ def model_config_hash(parts: Parts) -> str | None:
     model = parts.model
     if model is None:
         return None
+    fingerprint = getattr(model, "fingerprint", None)
     to_dict = getattr(getattr(model, "config", None), "to_dict", None)
-    if callable(to_dict):
+    if callable(fingerprint):
+        payload = json.dumps(fingerprint(), sort_keys=True, default=str)
+    elif callable(to_dict):
         cfg = {k: v for k, v in to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
         payload = json.dumps(cfg, sort_keys=True, default=str)
     else:
         layout = sorted([n, list(t.shape), str(t.dtype)] for n, t in model.state_dict().items())
         payload = json.dumps(layout)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+def check_parts(config: LifecycleConfig, parts: Parts) -> None:
+    """Refuse at construction what a backend could only refuse mid-save (hf_model from a
+    dist_ckpt model without a bridge): each format in use checks the model it will get."""
+    if parts.model is None:
+        return
+    ckpt = config.checkpoint
+    formats = {_value(ckpt.save.format): [_value(c) for c in ckpt.save.contents], _value(ckpt.load_format): []}
+    if ckpt.pre_load.path:
+        formats.setdefault(_value(ckpt.pre_load_format), [])
+    for name, contents in formats.items():
+        check = getattr(backend_class(name), "check_model", None)
+        if check is not None:
+            check(parts.model, contents)
 
 
 def _folder_figures(folder: Path) -> tuple[int, int]:
@@ -86,6 +106,8 @@ class DiskCheckpointer:
         self._store: CheckpointStore | None = None
         self._overwritten: str | None = None
         """Set when a failed load may have left the model's weights half-replaced."""
+        self._background: BackgroundSaver | None = None
+        self._background_store: CheckpointStore | None = None
 
     @property
     def store(self) -> CheckpointStore:
@@ -137,14 +159,25 @@ class DiskCheckpointer:
             raise CheckpointError(f"{committed}: cannot load initial weights:\n  " + "\n  ".join(problems))
 
     def save(self, step: int, parts: Parts, progress: Progress) -> SaveInfo:
+        """Write and commit `step`; with `save.async`, return once the state is copied to host."""
+        self.wait()
         started = time.perf_counter()
-        store = self.store
         name = _value(self.config.checkpoint.save.format)
-        staging = store.staging(step, self.role)
-        contents, folders = self._write_contents(backend_class(name)(), name, staging, parts, progress)
-        hash_fn = self._hash_fn or model_config_hash
+        backend = backend_class(name)()
+        background = self._async_saver(backend, name) if self.config.checkpoint.save.async_ else None
+        staging = self.store.staging(step, self.role)
+        model_hash = (self._hash_fn or model_config_hash)(parts)
+        if background is not None:
+            return self._save_async(background, backend, staging, step, parts, progress, model_hash, started)
+        contents, folders = self._write_contents(backend, name, staging, parts, progress)
+        return self._commit(self.store, step, name, contents, folders, model_hash, started)
+
+    def _commit(
+        self, store: CheckpointStore, step: int, name: str, contents: dict[str, str], folders: dict[str, str],
+        model_hash: str | None, started: float,
+    ) -> SaveInfo:
         final = store.commit(step, self.role, contents=contents, folders=folders, parallel=self._parallel,
-                             model_config_hash=hash_fn(parts), extra_meta={}, roles=self.roles,
+                             model_config_hash=model_hash, extra_meta={}, roles=self.roles,
                              fsync=self.config.checkpoint.fsync)
         store.apply_retention(self.config.checkpoint.keep_last, self.roles, self._protected | {step})
         files = read_manifest_file(final)["files"]
@@ -152,16 +185,78 @@ class DiskCheckpointer:
                         bytes=sum(f["size"] for f in files), files=len(files),
                         seconds=time.perf_counter() - started)
 
+    def _save_async(
+        self, background: BackgroundSaver, backend: FormatBackend, staging: Path, step: int, parts: Parts,
+        progress: Progress, model_hash: str | None, started: float,
+    ) -> PendingSave:
+        """`extra` (RNG states, data position) is written now, as it stands at this step; the
+        rest is written from a host copy on the background thread, then committed there."""
+        name = backend.name
+        wanted = [_value(c) for c in self.config.checkpoint.save.contents]
+        now = self._write_contents(backend, name, staging, parts, progress, only={"extra"})
+        frozen = background.copier.snapshot(parts)
+        store = self._commit_store()
+
+        def write_and_commit() -> SaveInfo:
+            later = self._write_contents(backend, name, staging, frozen, progress,
+                                         only={c for c in wanted if c != "extra"})
+            contents, folders = {**later[0], **now[0]}, {**later[1], **now[1]}
+            return self._commit(store, step, name, contents, folders, model_hash, started)
+
+        committed = background.submit(step, write_and_commit)
+        return PendingSave(step=step, path=self.store.role_dir(step, self.role), contents=wanted, backend=name,
+                           bytes=background.copier.bytes, seconds=time.perf_counter() - started,
+                           committed=committed)
+
+    def _async_saver(self, backend: FormatBackend, name: str) -> BackgroundSaver:
+        if not backend.supports_async:
+            raise ConfigError("checkpoint.save.async", f"format {name!r} cannot write in the background; "
+                              "set checkpoint.save.async to false")
+        if self.world_size > 1 and backend.parallel_invariant:
+            raise ConfigError(
+                "checkpoint.save.async",
+                f"format {name!r} saves with collectives on every rank, which in the background would "
+                f"interleave with training's own; with world_size {self.world_size} set checkpoint.save.async to false",
+            )
+        if self._background is None:
+            self._background = BackgroundSaver(self.role)
+        return self._background
+
+    def _commit_store(self) -> CheckpointStore:
+        """The commit's barriers run on the background thread: never on the group training uses."""
+        if self.world_size <= 1 or self._barrier is not None:
+            return self.store
+        if self._background_store is None:
+            import torch.distributed as dist
+
+            group = dist.new_group(backend="gloo")
+            self._background_store = CheckpointStore(self.store.root, rank=self.rank, world_size=self.world_size,
+                                                     barrier=partial(dist.barrier, group=group))
+        return self._background_store
+
+    def wait(self) -> SaveInfo | None:
+        """Block until the async save in flight (if any) has committed; raises its failure, once."""
+        return None if self._background is None else self._background.wait()
+
+    def close(self) -> None:
+        """Wait for the async save in flight and stop the background thread."""
+        if self._background is not None:
+            self._background.close()
+
     def _write_contents(
-        self, backend: FormatBackend, name: str, staging: Path, parts: Parts, progress: Progress
+        self, backend: FormatBackend, name: str, staging: Path, parts: Parts, progress: Progress,
+        only: Collection[str] | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
-        """Write each wanted content once; returns content -> backend and content -> folder."""
+        """Write each wanted content (of `only`, when given) once; returns content -> backend and
+        content -> folder."""
         wanted = [_value(c) for c in self.config.checkpoint.save.contents]
         contents: dict[str, str] = {}
         folders: dict[str, str] = {}
         log = structlog.get_logger()
         needs = {"model": parts.model, "hf_model": parts.model, "optimizer": parts.optimizer}
         for content in wanted:
+            if only is not None and content not in only:
+                continue
             if content in needs and needs[content] is None:
                 log.warning("checkpoint.save.content_skipped", content=content, role=self.role,
                             reason="the worker has no object to save for it")
@@ -173,13 +268,15 @@ class DiskCheckpointer:
             elif content == "hf_model":
                 backend.export_hf(parts.model, staging / "hf_model")
             elif content == "optimizer":
-                backend.save_optimizer(parts.optimizer, parts.lr_scheduler, staging / "optimizer")
+                backend.save_optimizer(parts.optimizer, parts.lr_scheduler, staging / "optimizer", model=parts.model)
             elif content == "extra":
                 save_extra(staging / "extra" / f"rank_{self.rank}", progress, parts.dataloader)
             contents[content] = EXTRA_BACKEND if content == "extra" else name
         return contents, folders
 
     def resume(self, parts: Parts) -> Progress | None:
+        if self._background is not None:
+            self._background.wait(raise_failure=False)  # logged already; resume picks the newest complete step
         mode = _value(self.config.resume.mode)
         if mode == "disable":
             return None
@@ -281,7 +378,7 @@ class DiskCheckpointer:
         if content == "model":
             backend.load_model(parts.model, folder)
         else:
-            backend.load_optimizer(parts.optimizer, parts.lr_scheduler, folder)
+            backend.load_optimizer(parts.optimizer, parts.lr_scheduler, folder, model=parts.model)
 
     def _load_extra(self, folder: Path, parts: Parts, manifest: dict[str, Any]) -> Progress:
         """Per-rank RNG and dataloader state only fit the world size that saved them."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields, is_dataclass
 from enum import Enum
@@ -82,6 +83,8 @@ class _Rule:
     """A list may not repeat an item."""
     non_empty: bool = False
     """A list must hold at least one item."""
+    deprecated: bool = False
+    """Accepted and translated, but neither listed among the valid keys nor dumped."""
 
 
 _NO_RULE = _Rule()
@@ -104,7 +107,8 @@ class _Section:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data that `from_dict` turns back into an equal config."""
-        return {_key_of(f): _plain(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+        return {_key_of(f): _plain(getattr(self, f.name)) for f in fields(self)  # type: ignore[arg-type]
+                if not f.metadata.get("rule", _NO_RULE).deprecated}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -173,6 +177,10 @@ class CheckpointConfig(_Section):
     """How resume reads a step."""
     save: SaveConfig = field(default_factory=SaveConfig)
     """How a step is written."""
+    use_dist_checkpointing: bool | None = field(default=None, metadata=_rule(deprecated=True))
+    """Deprecated (verl's flag): true means pre_load.format and save.format dist_ckpt."""
+    use_mbridge: bool | None = field(default=None, metadata=_rule(deprecated=True))
+    """Deprecated (verl's flag): true means pre_load.format and save.format mbridge."""
 
     @property
     def load_format(self) -> Format:
@@ -186,12 +194,34 @@ class CheckpointConfig(_Section):
             return self.pre_load.format
         return Format.MBRIDGE if _FAMILIES[self.save.format] == _MEGATRON else Format.HF
 
+    def _translate_legacy_flags(self) -> None:
+        """verl's two booleans become the formats they chose there: dist_checkpointing wins the
+        first load and the save; mbridge alone means HF weights through the bridge both ways."""
+        dist, bridge = self.use_dist_checkpointing, self.use_mbridge
+        if dist is None and bridge is None:
+            return
+        fmt = Format.DIST_CKPT if dist else Format.MBRIDGE if bridge else None
+        given = [f"checkpoint.use_dist_checkpointing={dist}"] if dist is not None else []
+        given += [f"checkpoint.use_mbridge={bridge}"] if bridge is not None else []
+        if fmt is not None:
+            for key, current in (("checkpoint.save.format", self.save.format),
+                                 ("checkpoint.pre_load.format", self.pre_load.format)):
+                if current not in (None, Format.HF, fmt):
+                    raise ConfigError(key, f"{key} {current.value!r} conflicts with the deprecated "
+                                           f"{' and '.join(given)}, which mean {fmt.value!r}; drop the flags")
+            self.save.format = self.pre_load.format = fmt
+        action = f"use checkpoint.save.format and checkpoint.pre_load.format = {fmt.value!r}" if fmt else \
+            "drop them (false changes nothing)"
+        warnings.warn(f"deprecated config {' and '.join(given)}: {action}", DeprecationWarning, stacklevel=2)
+        self.use_dist_checkpointing = self.use_mbridge = None
+
     def _check(self) -> None:
         """A worker runs one model implementation: every format must load into that model.
 
         Inside a family the formats may differ (resume an old dist_ckpt, save mbridge from
         now on): resume reads each content with the backend its manifest names.
         """
+        self._translate_legacy_flags()
         save = self.save.format
         _same_family("checkpoint.pre_load.format", self.pre_load_format, "checkpoint.save.format", save)
         _same_family("checkpoint.load.format", self.load_format, "checkpoint.save.format", save)
@@ -322,6 +352,10 @@ def _keys(cls: type) -> dict[str, str]:
     return {_key_of(f): f.name for f in fields(cls)}
 
 
+def _deprecated(cls: type, name: str) -> bool:
+    return any(f.name == name and f.metadata.get("rule", _NO_RULE).deprecated for f in fields(cls))
+
+
 def _build(cls: type[Any], data: object) -> Any:
     """Turn a mapping into a section, rejecting unknown keys with the section's valid ones."""
     path = _PATHS[cls]
@@ -331,7 +365,8 @@ def _build(cls: type[Any], data: object) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in keys:
-            raise ConfigError(_join(path, key), f"unknown key; valid keys: {', '.join(sorted(keys))}")
+            listed = sorted(k for k, name in keys.items() if not _deprecated(cls, name))
+            raise ConfigError(_join(path, key), f"unknown key; valid keys: {', '.join(listed)}")
         kwargs[keys[key]] = value
     return cls(**kwargs)
 

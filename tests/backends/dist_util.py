@@ -62,7 +62,7 @@ def run_ranks(fn: RankFn, tmp_path: Path, *, world_size: int = 2, timeout_s: flo
     for r in range(world_size):
         _result_file(tmp_path, r).unlink(missing_ok=True)
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, tmp_path, timeout_s / 2),
-                         name=f"rank{r}", daemon=True) for r in range(world_size)]
+                         name=f"rank{r}") for r in range(world_size)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s

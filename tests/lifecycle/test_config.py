@@ -597,3 +597,33 @@ def test_errors_inside_a_yaml_file_carry_the_full_dotted_key(tmp_path: Path) -> 
         LifecycleConfig.from_yaml(path)
     assert info.value.key == "checkpoint.save.format"
     assert FORMATS in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [({"use_mbridge": True}, "mbridge"), ({"use_dist_checkpointing": True}, "dist_ckpt"),
+     ({"use_dist_checkpointing": True, "use_mbridge": True}, "dist_ckpt")],
+)
+def test_legacy_flags_translate_to_the_format_keys_with_a_deprecation_warning_naming_them(
+    flags: dict[str, bool], expected: str
+) -> None:
+    with pytest.warns(DeprecationWarning) as caught:
+        cfg = LifecycleConfig.from_dict({"checkpoint": flags})
+    message = str(caught[0].message)
+    assert "checkpoint.save.format" in message and "checkpoint.pre_load.format" in message
+    assert all(f"checkpoint.{flag}" in message for flag in flags)
+    assert cfg.checkpoint.save.format.value == expected
+    assert cfg.checkpoint.pre_load_format.value == expected
+    assert cfg.checkpoint.load_format.value == expected
+    assert LifecycleConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_false_legacy_flag_changes_nothing_but_still_warns() -> None:
+    with pytest.warns(DeprecationWarning, match="use_mbridge=False"):
+        cfg = LifecycleConfig.from_dict({"checkpoint": {"use_mbridge": False}})
+    assert cfg.checkpoint.save.format.value == "hf"
+
+
+def test_a_legacy_flag_contradicting_an_explicit_format_names_both_keys() -> None:
+    with pytest.raises(ConfigError, match=r"checkpoint\.save\.format 'mbridge'.*use_dist_checkpointing"):
+        LifecycleConfig.from_dict({"checkpoint": {"use_dist_checkpointing": True, "save": {"format": "mbridge"}}})

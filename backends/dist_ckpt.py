@@ -1,0 +1,177 @@
+"""Megatron-Core `dist_checkpointing`: sharded tensors keyed by their place in the full model.
+
+Each rank writes the pieces it owns and the checkpoint records where each piece sits in the
+global tensor, so a step saved at TP2 PP2 loads at TP4 PP1. The model is nested the way
+Megatron-LM nests it (`model`, or `model0`... with virtual pipelines), so checkpoints of either
+read in the other. Optimizer state is placed by the model's sharding too: a Megatron optimizer
+brings its own `sharded_state_dict`; a plain torch optimizer's per-parameter tensors are laid
+out like the parameters they belong to. Hyper-parameters, the optimizer step and the lr
+scheduler go to `optimizer.json` (no pickle).
+
+Like DCP, Megatron's sharded format keeps a pickled `.metadata`; the checkpointer verifies a
+committed checkpoint's checksums before any load, so only committed bytes are unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    make_sharded_optimizer_tensor,
+)
+from torch import nn
+
+from backends.base import current_rank
+from backends.megatron import (
+    bridge_of,
+    check_megatron_model,
+    chunks_of,
+    load_sharded,
+    save_sharded,
+    sharded_model_state,
+    write_hf_export,
+    write_transformer_config,
+)
+from lifecycle.errors import CheckpointError
+from lifecycle.jsontree import decode, encode, read_optimizer_json
+
+OPTIM_JSON = "optimizer.json"
+_STATE = "optimizer_state"
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _placement(optimizer: torch.optim.Optimizer, model: Any, folder: Path) -> dict[int, Any]:
+    """Each optimizer parameter's ShardedTensor in the model: where its state belongs globally."""
+    if model is None:
+        raise CheckpointError(f"{folder}: dist_ckpt places optimizer state by the model's sharding; "
+                              "the worker has no model")
+    params = _params(optimizer)
+    placement = get_param_id_to_sharded_param_map(sharded_model_state(chunks_of(model)), params)
+    missing = [i for i in range(len(params)) if i not in placement]
+    if missing:
+        raise CheckpointError(f"{folder}: optimizer parameters {missing[:10]} are not parameters of the model")
+    return placement
+
+
+def _common_step(state: dict[int, dict[str, Any]], folder: Path) -> float | None:
+    steps = {float(s["step"]) for s in state.values() if "step" in s}
+    if len(steps) > 1:
+        raise CheckpointError(f"{folder}: the optimizer's step differs between parameters ({sorted(steps)[:5]}); "
+                              "dist_ckpt keeps one step for all")
+    return steps.pop() if steps else None
+
+
+def _sharded_torch_state(
+    optimizer: torch.optim.Optimizer, model: Any, folder: Path, state_keys: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Per-parameter tensors of a torch optimizer as ShardedTensors shaped like their params;
+    on load, `state_keys` names the tensors to allocate for every parameter."""
+    placement = _placement(optimizer, model, folder)
+    params = _params(optimizer)
+    sharded: dict[str, dict[str, Any]] = {}
+    for i, param in enumerate(params):
+        own = optimizer.state.get(param, {})
+        tensors = {k: own[k] if k in own else torch.zeros_like(param) for k in state_keys}
+        for key, value in tensors.items():
+            if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                raise CheckpointError(f"{folder}: optimizer state {key!r} of parameter {i} is not a tensor shaped "
+                                      f"like its parameter {list(param.shape)}; dist_ckpt cannot place it")
+            sharded.setdefault(str(i), {})[key] = make_sharded_optimizer_tensor(
+                placement[i], value, prefix=f"optimizer.state.{key}")
+    return sharded
+
+
+def _write_json(doc: dict[str, Any], folder: Path) -> None:
+    if current_rank() == 0:
+        text = json.dumps({"format_version": 1, **encode(doc, where=str(folder / OPTIM_JSON))}, indent=1)
+        (folder / OPTIM_JSON).write_text(text + "\n", encoding="utf-8")
+
+
+class DistCkptBackend:
+    """Megatron-Core models: every rank calls every method; each writes and reads its own shards."""
+
+    name: ClassVar[str] = "dist_ckpt"
+    parallel_invariant: ClassVar[bool] = True
+    supports_async: ClassVar[bool] = False
+    native_hf: ClassVar[bool] = False
+    verifies_reads: ClassVar[bool] = False
+
+    @staticmethod
+    def check_model(model: Any, contents: list[str]) -> None:
+        check_megatron_model(model, "dist_ckpt")
+        if "hf_model" in contents:
+            bridge_of(model, "hf_model with the dist_ckpt format (an HF export)", key="checkpoint.save.contents")
+
+    def save_model(self, model: Any, folder: Path) -> None:
+        chunks = chunks_of(model)
+        save_sharded(sharded_model_state(chunks), folder)
+        if current_rank() == 0:
+            write_transformer_config(chunks[0].config, folder)
+
+    def load_model(self, model: Any, folder: Path) -> None:
+        chunks = chunks_of(model)
+        template = sharded_model_state(chunks)
+        loaded = load_sharded(template, folder)
+        for key, chunk in zip(template, chunks):
+            try:
+                chunk.load_state_dict(loaded[key])
+            except (RuntimeError, KeyError) as exc:
+                raise CheckpointError(f"{folder}: {key} does not fit the model: {exc}") from exc
+
+    def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
+        sched = lr_scheduler.state_dict() if lr_scheduler is not None else None
+        if hasattr(optimizer, "sharded_state_dict"):
+            model_state = sharded_model_state(chunks_of(model))
+            save_sharded({"optimizer": optimizer.sharded_state_dict(model_state)}, folder)
+            _write_json({"optimizer": {"kind": "megatron"}, "lr_scheduler": sched}, folder)
+            return
+        state = optimizer.state_dict()["state"]
+        keys = sorted({k for s in state.values() for k in s if k != "step"})
+        save_sharded({_STATE: _sharded_torch_state(optimizer, model, folder, keys)}, folder)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+        _write_json({"optimizer": {"kind": "torch", "state_keys": keys, "step": _common_step(state, folder),
+                                   "param_groups": groups}, "lr_scheduler": sched}, folder)
+
+    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
+        path = folder / OPTIM_JSON
+        doc = decode(read_optimizer_json(path), where=str(path))
+        if lr_scheduler is not None and doc.get("lr_scheduler") is None:
+            raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
+        saved = doc["optimizer"]
+        try:
+            if saved.get("kind") == "megatron":
+                template = optimizer.sharded_state_dict(sharded_model_state(chunks_of(model)), is_loading=True)
+                optimizer.load_state_dict(load_sharded({"optimizer": template}, folder)["optimizer"])
+            else:
+                _load_torch_optimizer(optimizer, model, folder, saved)
+            if lr_scheduler is not None:
+                lr_scheduler.load_state_dict(doc["lr_scheduler"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{path}: does not fit the optimizer or scheduler: {exc!r}") from exc
+
+    def export_hf(self, model: Any, folder: Path) -> None:
+        write_hf_export(model, folder)
+
+
+def _load_torch_optimizer(optimizer: torch.optim.Optimizer, model: Any, folder: Path, saved: dict[str, Any]) -> None:
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"{folder / OPTIM_JSON}: {len(groups)} param groups saved, "
+                              f"the optimizer has {len(optimizer.param_groups)}")
+    template = {_STATE: _sharded_torch_state(optimizer, model, folder, list(saved["state_keys"]))}
+    loaded = load_sharded(template, folder)[_STATE]
+    step = saved.get("step")
+    state: dict[int, dict[str, Any]] = {}
+    for i, tensors in loaded.items():
+        state[int(i)] = {**tensors, **({"step": torch.tensor(float(step))} if step is not None else {})}
+    current = optimizer.state_dict()["param_groups"]
+    merged = [{**hyper, "params": group["params"]} for hyper, group in zip(groups, current)]
+    optimizer.load_state_dict({"state": state, "param_groups": merged})
+

@@ -1,0 +1,287 @@
+"""What the `mbridge` and `dist_ckpt` backends share: the model, the CPU patches, sharded state.
+
+megatron-core and mbridge are imported here and in those two modules only, so a worker that
+never uses a Megatron format never pays for (or needs) them. The CPU patches follow
+../shared/MEGATRON_ON_CPU.md: applied only when CUDA is absent, only around the call that
+needs them, and registered with the running lifecycle phase so they are undone even if the
+call never returns normally.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+from torch import nn
+
+from backends.base import current_rank
+from backends.hf import write_hf_folder
+from lifecycle.errors import CheckpointError, ConfigError
+from lifecycle.phase import DELETE, temporarily
+
+TRANSFORMER_CONFIG = "transformer_config.json"
+_VOLATILE_HF_KEYS = ("transformers_version", "_name_or_path", "_commit_hash", "torch_dtype", "dtype")
+_ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "kv_channels", "normalization", "gated_linear_unit", "add_qkv_bias", "qk_layernorm")
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _noop(*_: Any, **__: Any) -> None:
+    return None
+
+
+def _cpu_device(*_: Any) -> str:
+    return "cpu"
+
+
+def _stay_on_cpu(module: nn.Module, *_: Any, **__: Any) -> nn.Module:
+    return module
+
+
+@contextmanager
+def cpu_safe() -> Iterator[None]:
+    """Megatron-Core and mbridge call `torch.cuda` in places that do not need a GPU for a
+    checkpoint; without CUDA those calls become no-ops or name the CPU, for this block only."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with temporarily(torch.cuda, synchronize=_noop, current_device=_cpu_device), \
+            temporarily(nn.Module, cuda=_stay_on_cpu):
+        yield
+
+
+@dataclass(kw_only=True)
+class MegatronModel:
+    """A Megatron-Core model as one lifecycle part: its chunks (one per virtual pipeline stage)
+    and, when it was built from an HF config, the mbridge bridge that maps it to HF names."""
+
+    chunks: list[nn.Module]
+    bridge: Any = None
+    training: bool = field(default=True, init=False)
+
+    @property
+    def config(self) -> Any:
+        """The Megatron `TransformerConfig` the chunks were built with."""
+        return self.chunks[0].config
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for chunk in self.chunks:
+            yield from chunk.parameters()
+
+    def train(self, mode: bool = True) -> MegatronModel:
+        for chunk in self.chunks:
+            chunk.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self) -> MegatronModel:
+        return self.train(False)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors when there is a bridge (what a rollout engine loads), else the
+        local chunks' own tensors. With a bridge this is a collective: every rank calls it."""
+        if self.bridge is not None:
+            with cpu_safe():
+                return dict(self.bridge.export_weights(self.chunks))
+        return {f"chunk{i}.{k}": v for i, c in enumerate(self.chunks) for k, v in c.state_dict().items()
+                if isinstance(v, torch.Tensor)}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The architecture, independent of TP / PP, so a resharded resume still matches."""
+        if self.bridge is not None:
+            cfg = self.bridge.hf_config.to_dict()
+            return {k: v for k, v in cfg.items() if k not in _VOLATILE_HF_KEYS}
+        return {name: _plain(getattr(self.config, name, None)) for name in _ARCH_FIELDS}
+
+
+def chunks_of(model: Any) -> list[nn.Module]:
+    """A MegatronModel, a list of chunks, or one module (a GPTModel someone else built)."""
+    if isinstance(model, MegatronModel):
+        return model.chunks
+    if isinstance(model, (list, tuple)) and all(isinstance(m, nn.Module) for m in model):
+        return list(model)
+    if isinstance(model, nn.Module):
+        return [model]
+    raise CheckpointError(f"a Megatron backend needs a MegatronModel or Megatron-Core module(s), "
+                          f"got {type(model).__name__}")
+
+
+def check_megatron_model(model: Any, fmt: str) -> None:
+    try:
+        chunks_of(model)
+    except CheckpointError as exc:
+        raise ConfigError("checkpoint.save.format", f"{fmt} is a Megatron format: {exc}") from None
+
+
+def bridge_of(model: Any, what: str, key: str = "checkpoint.save.format") -> Any:
+    bridge = getattr(model, "bridge", None)
+    if bridge is None:
+        raise ConfigError(key, f"{what} needs an mbridge bridge, and the model has none: build it with "
+                          "backends.megatron.build_model(hf_config_dir, tp=..., pp=...) so it carries one")
+    return bridge
+
+
+def _bridge_class(model_type: str) -> type:
+    """mbridge's class for the architecture; without Transformer Engine, a subclass on the
+    local layer spec whose name map knows the local spec's separate layer norms."""
+    from mbridge.core.bridge import _MODEL_REGISTRY
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    import mbridge  # noqa: F401 - importing it registers the architectures
+
+    if model_type not in _MODEL_REGISTRY:
+        raise ConfigError("hf_config", f"mbridge has no bridge for model_type {model_type!r}; "
+                          f"known: {', '.join(sorted(_MODEL_REGISTRY))}")
+    base = _MODEL_REGISTRY[model_type]
+    if transformer_engine_available():
+        return base
+
+    def layer_spec(self: Any, vp_stage: int | None = None) -> Any:
+        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, vp_stage=vp_stage)
+
+    layer = "model.layers.{layer_number}."
+    return type(f"Local{base.__name__}", (base,), {
+        "_get_transformer_layer_spec": layer_spec,
+        "_OTHER_MAPPING": {**base._OTHER_MAPPING, "input_layernorm.weight": [layer + "input_layernorm.weight"]},
+        "_MLP_MAPPING": {**base._MLP_MAPPING,
+                         "pre_mlp_layernorm.weight": [layer + "post_attention_layernorm.weight"]},
+    })
+
+
+def _hf_dtype(hf_config: Any) -> torch.dtype:
+    """The checkpoint's own dtype, so a float32 checkpoint round-trips exactly (mbridge: bf16)."""
+    dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def init_parallel(tp: int, pp: int) -> None:
+    """Megatron's process groups for this TP / PP, over the already-initialised default group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("parallel", "initialise torch.distributed first (gloo on CPU, nccl on GPU), "
+                          f"with a world size that is a multiple of tp*pp = {tp * pp}")
+    if parallel_state.model_parallel_is_initialized():
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise ConfigError("parallel", f"Megatron is already initialised at tp={have[0]} pp={have[1]}, "
+                              f"not tp={tp} pp={pp}")
+        return
+    if dist.get_world_size() % (tp * pp):
+        raise ConfigError("parallel", f"world size {dist.get_world_size()} is not a multiple of tp*pp = {tp * pp}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def build_model(hf_config: Any, *, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None) -> MegatronModel:
+    """Model chunks and bridge for an HF architecture (a folder or a `PretrainedConfig`) at
+    this TP / PP. Weights are initialised, not loaded: init-load or resume fills them."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if not isinstance(hf_config, PretrainedConfig):
+        hf_config = AutoConfig.from_pretrained(os.fspath(hf_config))
+    init_parallel(tp, pp)
+    on_gpu = torch.cuda.is_available()
+    bridge = _bridge_class(hf_config.model_type)(hf_config, dtype=dtype or _hf_dtype(hf_config))
+    if not on_gpu:
+        bridge.set_extra_args(use_cpu_initialization=True, sequence_parallel=False)
+    dtype = bridge.dtype
+    with cpu_safe():
+        chunks = bridge.get_model(wrap_with_ddp=False, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+                                  use_cpu_initialization=not on_gpu)
+    return MegatronModel(chunks=list(chunks), bridge=bridge)
+
+
+def sharded_model_state(chunks: list[nn.Module]) -> dict[str, Any]:
+    """Megatron-LM's own nesting (`model`, or `model0`, `model1`... with virtual pipelines), so
+    checkpoints written by Megatron-LM and by this library read each other."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def save_sharded(state: dict[str, Any], folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    if any(folder.iterdir()):
+        raise CheckpointError(f"{folder}: dist_checkpointing writes only into an empty folder")
+    try:
+        with cpu_safe():
+            dist_checkpointing.save(state, str(folder))
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{folder}: megatron dist_checkpointing save failed: {exc}") from exc
+
+
+def load_sharded(state: dict[str, Any], folder: Path) -> dict[str, Any]:
+    if not (folder / "metadata.json").is_file():
+        raise CheckpointError(f"{folder}: not a Megatron dist checkpoint (no metadata.json)")
+    try:
+        with cpu_safe():
+            return dist_checkpointing.load(state, str(folder))
+    except (OSError, RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{folder}: megatron dist_checkpointing load failed: {exc}") from exc
+
+
+def _jsonable(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, enum.Enum)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_jsonable(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _jsonable(v) for k, v in value.items())
+    return False
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def write_transformer_config(config: Any, folder: Path) -> Path:
+    """`transformer_config.json` next to the weights. Functions, process groups and other
+    objects JSON cannot hold are removed from the config for the write and put back after it,
+    even when the write fails (through the running phase's finally hooks)."""
+    unserializable = {name: DELETE for name, value in vars(config).items() if not _jsonable(value)}
+    path = folder / TRANSFORMER_CONFIG
+    with temporarily(config, **unserializable):
+        data = {name: _plain(value) for name, value in sorted(vars(config).items())}
+        text = json.dumps({"removed": sorted(unserializable), "config": data}, indent=1) + "\n"
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def write_hf_export(model: Any, folder: Path) -> None:
+    """Full HF safetensors through the model's bridge: every rank joins the gathers, rank 0,
+    which receives every full tensor, writes (checksummed as it writes, like the hf backend)."""
+    bridge = bridge_of(model, "an HF copy of a Megatron model")
+    chunks = chunks_of(model)
+    with cpu_safe():
+        weights = bridge.export_weights(chunks)
+        if current_rank() != 0:
+            for _ in weights:
+                pass
+            return
+        state = dict(weights)
+    write_hf_folder(state, folder, config=bridge.hf_config)
+    write_transformer_config(chunks[0].config, folder)
