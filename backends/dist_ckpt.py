@@ -95,7 +95,11 @@ def _write_json(doc: dict[str, Any], folder: Path) -> None:
 
 
 class DistCkptBackend:
-    """Megatron-Core models: every rank calls every method; each writes and reads its own shards."""
+    """Megatron-Core models: every rank calls every method; each writes and reads its own shards.
+
+    With a bridge, the HF `config.json` goes next to the shards, so the folder names its own
+    architecture (the converter needs no `--hf-config` for it).
+    """
 
     name: ClassVar[str] = "dist_ckpt"
     parallel_invariant: ClassVar[bool] = True
@@ -114,6 +118,9 @@ class DistCkptBackend:
         save_sharded(sharded_model_state(chunks), folder)
         if current_rank() == 0:
             write_transformer_config(chunks[0].config, folder)
+            bridge = getattr(model, "bridge", None)
+            if bridge is not None:
+                bridge.hf_config.save_pretrained(str(folder))
 
     def load_model(self, model: Any, folder: Path) -> None:
         chunks = chunks_of(model)

@@ -155,6 +155,11 @@ class DiskCheckpointer:
                 f"{folder}: a torch_dcp first load reads DCP's pickled .metadata, so it only loads from a "
                 "committed checkpoint: point checkpoint.pre_load.path at the model folder next to a manifest.json"
             )
+        if committed is None and name == "dist_ckpt":
+            structlog.get_logger().warning(
+                "checkpoint.pre_load.unverified", path=str(folder), format=name,
+                reason="not a committed checkpoint: Megatron's pickled .metadata is read unverified; "
+                       "load only dist checkpoints you trust")
         if committed is not None and (problems := check_folder(committed, deep=True)):
             raise CheckpointError(f"{committed}: cannot load initial weights:\n  " + "\n  ".join(problems))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import time
@@ -55,8 +56,13 @@ def _child(fn: RankFn, rank: int, world_size: int, port: int, tmp_path: Path, pg
     _result_file(tmp_path, rank).write_text(json.dumps(out), encoding="utf-8")
 
 
-def run_ranks(fn: RankFn, tmp_path: Path, *, world_size: int = 2, timeout_s: float = 60.0) -> list[Any]:
-    """fn's return value on each rank, in rank order; any rank's error fails the calling test."""
+def run_ranks(
+    fn: RankFn, tmp_path: Path, *, world_size: int = 2, timeout_s: float = 60.0, killed_ok: bool = False
+) -> list[Any]:
+    """fn's return value on each rank, in rank order; any rank's error fails the calling test.
+
+    With `killed_ok`, a rank that ended by SIGKILL (a crash test killing itself) gives None.
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
     for r in range(world_size):
@@ -76,6 +82,9 @@ def run_ranks(fn: RankFn, tmp_path: Path, *, world_size: int = 2, timeout_s: flo
     results, errors = [], []
     for r in range(world_size):
         path = _result_file(tmp_path, r)
+        if not path.is_file() and killed_ok and procs[r].exitcode == -signal.SIGKILL:
+            results.append(None)
+            continue
         if not path.is_file():
             errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
             continue

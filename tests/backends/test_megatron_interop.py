@@ -1,0 +1,192 @@
+"""Megatron backends against the real libraries, two gloo ranks on CPU (MEGATRON_ON_CPU.md).
+
+(a) an HF checkpoint written by `transformers` goes in through mbridge at TP=2, out, back in at
+TP=1 and out again, and `transformers` reads the result with the original logits; (b) a dist
+checkpoint written by plain megatron-core at TP=2 loads at TP=1; (c) save -> SIGKILL -> resume
+restores weights, optimizer and step through each Megatron backend, at another TP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.backends.dist_util import run_ranks
+from tests.backends.megatron_util import hf_tensors, make_hf_checkpoint, same_tensors
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("mbridge")
+
+
+def _fresh_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def _lifecycle(model: Any, root: Path, fmt: str, **checkpoint: Any) -> Any:
+    from lifecycle import Lifecycle
+
+    cfg = {"checkpoint": {"root": str(root), "save": {"format": fmt, "contents": ["model", "hf_model", "extra"]},
+                          "load": {"contents": ["model", "extra"]}, **checkpoint}}
+    return Lifecycle(cfg, role="actor", model=model)
+
+
+def _hf_in_tp2_out_tp1_out(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    from backends.megatron import build_model
+
+    lc = _lifecycle(build_model(tmp / "hf", tp=2), tmp / "run1", "mbridge", pre_load={"path": str(tmp / "hf")})
+    lc.init_load()
+    first = lc.save(1)
+    lc.close()
+    _fresh_parallel()
+    lc = _lifecycle(build_model(tmp / "hf", tp=1), tmp / "run2", "mbridge",
+                    pre_load={"path": str(tmp / "hf")})
+    lc.config.resume.mode, lc.config.resume.path = "path", str(first.path)
+    lc.resume()
+    second = lc.save(2)
+    lc.close()
+    return {"first": str(first.path), "second": str(second.path), "contents": first.contents}
+
+
+def test_hf_written_by_transformers_round_trips_through_mbridge_tp2_then_tp1_with_identical_logits(
+    tmp_path: Path,
+) -> None:
+    import transformers
+
+    make_hf_checkpoint(tmp_path / "hf")
+    result = run_ranks(_hf_in_tp2_out_tp1_out, tmp_path, timeout_s=150)[0]
+    first, second = Path(result["first"]), Path(result["second"])
+    manifest = json.loads((first / "manifest.json").read_text())
+    assert manifest["contents"]["hf_model"]["folder"] == manifest["contents"]["model"]["folder"] == "model"
+    assert not (first / "hf_model").exists()
+    original = hf_tensors(tmp_path / "hf")
+    assert same_tensors(original, hf_tensors(first / "model")) == []
+    assert same_tensors(original, hf_tensors(second / "model")) == []
+    tokens = torch.tensor([[1, 5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))(tokens).logits
+        got = transformers.AutoModelForCausalLM.from_pretrained(str(second / "model"))(tokens).logits
+    assert torch.equal(want, got)
+    config = json.loads((second / "model" / "transformer_config.json").read_text())
+    assert config["config"]["tensor_model_parallel_size"] == 1
+    assert "activation_func" in config["removed"] and "activation_func" not in config["config"]
+
+
+def _plain_megatron_tp2_then_dist_ckpt_tp1(rank: int, world_size: int, tmp: Path) -> bool:
+    from megatron.core import dist_checkpointing
+
+    from backends.megatron import build_model
+
+    model = build_model(tmp / "hf", tp=2)
+    model.bridge.load_weights(model.chunks, str(tmp / "hf"))
+    folder = tmp / "megatron_lm"
+    if rank == 0:
+        folder.mkdir()
+    torch.distributed.barrier()
+    with mock.patch("torch.cuda.synchronize"), mock.patch("torch.cuda.current_device", return_value="cpu"):
+        dist_checkpointing.save({"model": model.chunks[0].sharded_state_dict()}, str(folder))
+    _fresh_parallel()
+    fresh = build_model(tmp / "hf", tp=1)
+    lc = _lifecycle(fresh, tmp / "run", "dist_ckpt", pre_load={"format": "dist_ckpt", "path": str(folder)})
+    lc.init_load()
+    loaded = fresh.state_dict()
+    return same_tensors(hf_tensors(tmp / "hf"), loaded) == []
+
+
+def test_dist_checkpoint_written_by_plain_megatron_core_at_tp2_loads_at_tp1_with_identical_weights(
+    tmp_path: Path,
+) -> None:
+    make_hf_checkpoint(tmp_path / "hf")
+    assert run_ranks(_plain_megatron_tp2_then_dist_ckpt_tp1, tmp_path, timeout_s=150) == [True, True]
+    assert not (tmp_path / "megatron_lm" / "transformer_config.json").exists()
+
+
+def _train_and_save_then_die(rank: int, world_size: int, tmp: Path) -> None:
+    """TP=2: init-load, two optimizer steps, save step 2, write what was saved, then SIGKILL."""
+    from backends.megatron import build_model
+    from lifecycle import Lifecycle
+
+    fmt = (tmp / "format").read_text()
+    model = build_model(tmp / "hf", tp=2)
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    cfg = {"checkpoint": {"root": str(tmp / "ckpt"), "save": {"format": fmt},
+                          "pre_load": {"path": str(tmp / "hf")}}}
+    lc = Lifecycle(cfg, role="actor", model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    lc.init_load()
+    for step in (1, 2):
+        with lc.train_step(step):
+            for i, p in enumerate(model.parameters()):
+                p.grad = torch.full_like(p, 0.01 * (i + 1)) + p.detach() * 0.1
+            optimizer.step()
+            scheduler.step()
+    lc.save(2)
+    named = dict(model.chunks[0].named_parameters())
+    ref = {f"param/{n}": p.detach().clone() for n, p in named.items()}
+    ref.update({f"{k}/{n}": optimizer.state[p][k].clone() for n, p in named.items() for k in ("exp_avg", "exp_avg_sq")})
+    save_file(ref, str(tmp / f"saved_rank{rank}.safetensors"))
+    dims = {n: getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+            for n, p in named.items()}
+    (tmp / f"dims_rank{rank}.json").write_text(json.dumps(dims))
+    torch.distributed.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _expected_full(tmp: Path) -> dict[str, torch.Tensor]:
+    """The two TP=2 shards joined along each parameter's partition dim: the TP=1 tensors.
+
+    A gated MLP's fc1 holds [gate; up] on every rank, so its halves join separately.
+    """
+    shards = [load_file(str(tmp / f"saved_rank{r}.safetensors")) for r in (0, 1)]
+    dims = json.loads((tmp / "dims_rank0.json").read_text())
+    full = {}
+    for key, t in shards[0].items():
+        dim, pieces = dims[key.split("/", 1)[1]], [t, shards[1][key]]
+        if dim >= 0 and key.endswith("linear_fc1.weight"):
+            halves = [piece.chunk(2, dim=dim) for piece in pieces]
+            pieces = [halves[0][0], halves[1][0], halves[0][1], halves[1][1]]
+        full[key] = t if dim < 0 else torch.cat(pieces, dim=dim)
+    return full
+
+
+def _resume_at_tp1(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    from backends.megatron import build_model
+    from lifecycle import Lifecycle
+
+    fmt = (tmp / "format").read_text()
+    torch.manual_seed(123 + rank)
+    model = build_model(tmp / "hf", tp=1)
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    cfg = {"checkpoint": {"root": str(tmp / "ckpt"), "save": {"format": fmt}}}
+    lc = Lifecycle(cfg, role="actor", model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    step = lc.resume()
+    named = dict(model.chunks[0].named_parameters())
+    differ = [key for key, want in _expected_full(tmp).items()
+              if not torch.equal(want, named[key.split("/", 1)[1]].detach() if key.startswith("param/")
+                                 else optimizer.state[named[key.split("/", 1)[1]]][key.split("/", 1)[0]])]
+    steps = {float(optimizer.state[p]["step"]) for p in named.values()}
+    return {"step": step, "progress": lc.progress.step, "differ": differ, "opt_steps": sorted(steps),
+            "lr": scheduler.get_last_lr(), "sched_epoch": scheduler.last_epoch}
+
+
+@pytest.mark.parametrize("fmt", ["mbridge", "dist_ckpt"])
+def test_save_at_tp2_kill_then_resume_at_tp1_restores_weights_optimizer_and_step(tmp_path: Path, fmt: str) -> None:
+    make_hf_checkpoint(tmp_path / "hf")
+    (tmp_path / "format").write_text(fmt)
+    assert run_ranks(_train_and_save_then_die, tmp_path, timeout_s=150, killed_ok=True) == [None, None]
+    results = run_ranks(_resume_at_tp1, tmp_path, timeout_s=150)
+    for result in results:
+        assert result["step"] == result["progress"] == 2
+        assert result["differ"] == []
+        assert result["opt_steps"] == [2.0]
+        assert result["sched_epoch"] == 2 and result["lr"] == [0.0025]
