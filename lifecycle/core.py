@@ -217,6 +217,9 @@ class Lifecycle:
                 closer = getattr(resource, "close", None)
                 if closer is not None:
                     self.on_exit(closer)
+            wait = getattr(self._checkpointer, "wait", None)
+            if wait is not None:
+                wait()  # an async save's failure is this close's error, not a failed undo
 
     def temporarily(self, obj: object, **attrs: Any) -> Temporary:
         """Set (or, with `DELETE`, remove) attributes of `obj` until the running phase ends."""

@@ -1,0 +1,267 @@
+"""Async save: training waits only while the state is copied to host memory.
+
+The copy is the one part that must block, because the next optimizer step mutates the very
+tensors being saved. Everything after it (the backend's write into the staging folder, the
+manifest, the rename, the tracker and retention) runs on one background thread against the
+copy. At most one save is in flight: the next save, resume and close wait for its commit
+first, so two commits never interleave and the host buffers can be reused, which spares
+the page faults of fresh memory on every save after the first.
+
+The copy keeps what the backends look at: the same state-dict names, tied weights still
+one tensor, a module tree for `torch.distributed.checkpoint`, and an optimizer of the
+worker's own class whose parameters are the copied ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+from torch import nn
+
+from lifecycle.errors import CheckpointError
+from lifecycle.types import Parts, SaveInfo
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+class HostCopier:
+    """Copies state trees to host memory, into the buffers of the previous copy when they fit.
+
+    Tensors that share a storage (tied weights, views of one flat buffer) share it in the
+    copy too: each storage is copied once. A buffer is only reused once the write that read
+    it has finished, which `BackgroundSaver` guarantees.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._used: dict[str, torch.Tensor] = {}
+        self._storages: dict[tuple[str, int], torch.Tensor] = {}
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """id(original) -> (original, copy); holding the original keeps its id from being reused."""
+        self._on_device = False
+        self.bytes = 0
+
+    def snapshot(self, parts: Parts) -> Parts:
+        """Host copies of model, optimizer and lr scheduler; the dataloader is not needed."""
+        self._used, self._storages, self._views = {}, {}, {}
+        self._on_device, self.bytes = False, 0
+        model = None if parts.model is None else self._model(parts.model)
+        optimizer = None if parts.optimizer is None else self._optimizer(parts.optimizer)
+        scheduler = None
+        if parts.lr_scheduler is not None:
+            scheduler = StateOnly(self.tree(parts.lr_scheduler.state_dict(), "lr_scheduler"))
+        if self._on_device:
+            torch.accelerator.synchronize()
+        self._buffers, self._storages, self._views = self._used, {}, {}
+        return Parts(model=model, optimizer=optimizer, lr_scheduler=scheduler)
+
+    def tree(self, value: Any, key: str) -> Any:
+        """Tensors copied to host, containers rebuilt, anything else deep-copied."""
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value, key)
+        if isinstance(value, Mapping):
+            return {k: self.tree(v, f"{key}.{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(self.tree(v, f"{key}.{i}") for i, v in enumerate(value))
+        return copy.deepcopy(value)
+
+    def tensor(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        if type(t) not in _PLAIN:
+            raise CheckpointError(
+                f"{key}: async save copies plain tensors, not {type(t).__name__} (sharded state); "
+                "set checkpoint.save.async to false for this model"
+            )
+        seen = self._views.get(id(t))
+        if seen is not None:
+            return seen[1]
+        if t.numel() == 0 or t.device.type == "meta":
+            view = torch.empty(t.shape, dtype=t.dtype)
+        else:
+            host = self._storage(t, key)
+            view = torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        self._views[id(t)] = (t, view)
+        return view
+
+    def _storage(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ident = (str(t.device), storage.data_ptr())
+        host = self._storages.get(ident)
+        if host is not None:
+            return host
+        nbytes = storage.nbytes()
+        on_device = t.device.type != "cpu"
+        host = self._buffers.get(key)
+        if host is None or host.numel() != nbytes or host.is_pinned() != on_device:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_device)
+        source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        host.copy_(source, non_blocking=on_device)
+        self._on_device |= on_device
+        self.bytes += nbytes
+        self._used[key] = self._storages[ident] = host
+        return host
+
+    def _model(self, model: Any) -> Any:
+        state = self.tree(model.state_dict(), "model")
+        if not isinstance(model, nn.Module):
+            return StateOnly(state)
+        named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if n in state]
+        frozen = FrozenModule(state, {n: p.requires_grad for n, p in named})
+        for attr in ("config", "_tied_weights_keys"):
+            if hasattr(model, attr):
+                setattr(frozen, attr, getattr(model, attr))
+        self._views.update({id(p): (p, frozen.get_parameter(n)) for n, p in named})
+        return frozen
+
+    def _optimizer(self, optimizer: Any) -> Any:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return StateOnly(self.tree(optimizer.state_dict(), "optimizer"))
+        frozen = type(optimizer).__new__(type(optimizer))
+        frozen.__dict__.update(vars(optimizer))
+        groups = []
+        for i, group in enumerate(optimizer.param_groups):
+            hyper = self.tree({k: v for k, v in group.items() if k != "params"}, f"optimizer.group{i}")
+            groups.append({**hyper, "params": [self._param(p, f"optimizer.group{i}.param{j}")
+                                               for j, p in enumerate(group["params"])]})
+        frozen.param_groups = groups
+        frozen.state = defaultdict(dict)
+        for j, (param, state) in enumerate(optimizer.state.items()):
+            frozen.state[self._param(param, f"optimizer.param{j}")] = self.tree(state, f"optimizer.state{j}")
+        return frozen
+
+    def _param(self, p: torch.Tensor, key: str) -> nn.Parameter:
+        """The copied model's own Parameter for a model parameter, a fresh copy otherwise."""
+        copied = self.tensor(p, key)
+        if not isinstance(copied, nn.Parameter):
+            copied = nn.Parameter(copied, requires_grad=p.requires_grad)
+            self._views[id(p)] = (p, copied)
+        return copied
+
+
+class StateOnly:
+    """Stands in for an object whose state is all a backend reads: `state_dict()` returns it."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def state_dict(self) -> Any:
+        return self._state
+
+
+class FrozenModule(nn.Module):
+    """A host copy of a module: the same parameter and buffer names, tensors frozen at save time.
+
+    `state_dict()` returns the copied state dict itself, so entries that are not tensors
+    (extra states) and the order of names survive exactly.
+    """
+
+    def __init__(self, state: dict[str, Any], params: Mapping[str, bool]) -> None:
+        """`params`: which names are parameters, and whether each requires grad."""
+        super().__init__()
+        self._frozen: dict[str, Any] = state
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                self._attach(name, value, params.get(name))
+
+    def _attach(self, name: str, value: torch.Tensor, grad: bool | None) -> None:
+        *path, leaf = name.split(".")
+        owner: nn.Module = self
+        for part in path:
+            child = owner._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        if grad is not None:
+            owner.register_parameter(leaf, value if isinstance(value, nn.Parameter)
+                                     else nn.Parameter(value, requires_grad=grad))
+        else:
+            owner.register_buffer(leaf, value)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return dict(self._frozen)
+
+
+@dataclass(kw_only=True, slots=True)
+class PendingSave(SaveInfo):
+    """What an async save returns at once: the step and path it will commit, and a handle to wait on.
+
+    `bytes` and `seconds` are the host copy's; `wait()` returns the committed save's own figures.
+    """
+
+    committed: Future[SaveInfo] = field(repr=False, compare=False)
+    """Resolves to the committed SaveInfo, or raises what the background write raised."""
+
+    def wait(self, timeout: float | None = None) -> SaveInfo:
+        return self.committed.result(timeout)
+
+    def figures(self) -> dict[str, Any]:
+        return {**SaveInfo.figures(self), "async": True, "copy_s": round(self.seconds, 6)}
+
+
+class BackgroundSaver:
+    """One background thread per checkpointer, and at most one save in flight on it."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.copier = HostCopier()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: tuple[int, Future[SaveInfo]] | None = None
+
+    @property
+    def pending_step(self) -> int | None:
+        return None if self._pending is None else self._pending[0]
+
+    def submit(self, step: int, work: Callable[[], SaveInfo]) -> Future[SaveInfo]:
+        if self._pending is not None:
+            raise CheckpointError(f"role {self.role}: step {self._pending[0]} is still being saved; wait() first")
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"async-save-{self.role}")
+        future = self._pool.submit(self._run, step, work)
+        self._pending = (step, future)
+        return future
+
+    def _run(self, step: int, work: Callable[[], SaveInfo]) -> SaveInfo:
+        started = time.perf_counter()
+        log = structlog.get_logger()
+        try:
+            info = work()
+        except BaseException as exc:
+            log.error("checkpoint.async_save", role=self.role, step=step, ok=False,
+                      duration_s=round(time.perf_counter() - started, 6), error=f"{type(exc).__name__}: {exc}")
+            raise
+        log.info("checkpoint.async_save", role=self.role, step=step, ok=True,
+                 duration_s=round(time.perf_counter() - started, 6), **info.figures())
+        return info
+
+    def wait(self, *, raise_failure: bool = True) -> SaveInfo | None:
+        """Block until the save in flight has committed; its failure is raised once, here."""
+        if self._pending is None:
+            return None
+        step, future = self._pending
+        try:
+            return future.result()
+        except Exception as exc:
+            if not raise_failure:
+                return None
+            raise CheckpointError(
+                f"async save of step {step} (role {self.role}) failed before its commit, so it was "
+                f"not published: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            self._pending = None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None

@@ -1,0 +1,320 @@
+"""Async save: the trainer waits for the host copy only; write and commit happen in the background.
+
+The background write is held at a gate where a test needs to act while it is in flight,
+so nothing here depends on timing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+from torch import nn
+
+from backends.base import backend_class
+from lifecycle import CheckpointError, ConfigError, Lifecycle, State
+from lifecycle.async_save import HostCopier, PendingSave
+from lifecycle.checkpointer import DiskCheckpointer
+from lifecycle.config import LifecycleConfig
+from lifecycle.data import ResumableBatchSampler
+from lifecycle.manifest import MANIFEST
+from lifecycle.store import CheckpointStore
+from lifecycle.types import Parts, Progress
+from tests.backends.dist_util import run_ranks
+from tests.lifecycle.test_crash import fill, lifecycle_at, wrong_weights
+
+REPO = Path(__file__).resolve().parents[2]
+ROLE = "actor"
+
+
+def tiny_qwen2() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config)
+
+
+def trainer(root: Path, fmt: str = "hf") -> Lifecycle:
+    model = tiny_qwen2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    config = {"checkpoint": {"root": str(root), "save": {"format": fmt, "async": True}}}
+    return Lifecycle(config, role=ROLE, model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                     dataloader=ResumableBatchSampler(64, 4, seed=1))
+
+
+def train(lc: Lifecycle, step: int) -> None:
+    with lc.train_step(step):
+        batch = torch.tensor(next(iter(lc.parts.dataloader)))[None, :] + torch.randint(0, 200, (1, 4))
+        loss = lc.parts.model(batch, labels=batch).loss
+        loss.backward()
+        lc.parts.optimizer.step()
+        lc.parts.optimizer.zero_grad()
+        lc.parts.lr_scheduler.step()
+
+
+def state_of(lc: Lifecycle) -> dict[str, Any]:
+    return {"model": {k: v.clone() for k, v in lc.parts.model.state_dict().items()},
+            "exp_avg": [s["exp_avg"].clone() for s in lc.parts.optimizer.state.values()],
+            "lr": lc.parts.optimizer.param_groups[0]["lr"], "data": lc.parts.dataloader.state_dict()}
+
+
+class Gate:
+    """Holds every background model write of a format until opened."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fmt: str = "hf", fail: BaseException | None = None) -> None:
+        self.opened = threading.Event()
+        self.entered = threading.Event()
+        cls = backend_class(fmt)
+        real = cls.save_model
+
+        def held(backend: Any, model: Any, folder: Path) -> None:
+            self.entered.set()
+            if not self.opened.wait(30):
+                raise TimeoutError("the test never opened the gate")
+            if fail is not None:
+                raise fail
+            real(backend, model, folder)
+
+        monkeypatch.setattr(cls, "save_model", held)
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate(monkeypatch)
+    yield g
+    g.open()
+
+
+@pytest.mark.parametrize("fmt", ["hf", "torch_dcp"])
+def test_save_returns_before_the_write_and_commits_the_state_of_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    gate = Gate(monkeypatch, fmt)
+    lc = trainer(tmp_path, fmt)
+    lc.init_load()
+    train(lc, 1)
+    saved = state_of(lc)
+    info = lc.save(1)
+    draw_after_save = torch.rand(4)
+    assert isinstance(info, PendingSave) and lc.state is State.READY
+    assert gate.entered.wait(10) and not info.committed.done()
+    assert not (tmp_path / "global_step_1" / ROLE / MANIFEST).exists()
+    assert info.bytes >= sum(t.numel() * t.element_size() for t in saved["model"].values()) // 2
+    train(lc, 2)
+    train(lc, 3)
+    gate.open()
+    committed = info.wait(30)
+    assert committed.path == info.path and (committed.path / MANIFEST).is_file()
+    assert CheckpointStore(tmp_path).read_tracker() == 1
+    lc.close()
+
+    again = trainer(tmp_path, fmt)
+    assert again.resume() == 1
+    resumed = state_of(again)
+    assert all(torch.equal(saved["model"][k], v) for k, v in resumed["model"].items())
+    assert all(torch.equal(a, b) for a, b in zip(saved["exp_avg"], resumed["exp_avg"]))
+    assert (resumed["lr"], resumed["data"]) == (saved["lr"], saved["data"])
+    assert torch.equal(torch.rand(4), draw_after_save), "RNG state is the one at save time"
+
+
+def test_next_save_waits_for_the_previous_commit(tmp_path: Path, gate: Gate) -> None:
+    lc, model = lifecycle_at(tmp_path, save={"async": True})
+    lc.init_load()
+    fill(model, 1)
+    first = lc.save(1)
+    fill(model, 2)
+    second: list[Any] = []
+    saver = threading.Thread(target=lambda: second.append(lc.save(2)))
+    saver.start()
+    saver.join(0.3)
+    assert saver.is_alive() and lc.state is State.SAVING, "the second save is waiting for the first commit"
+    assert not (tmp_path / "global_step_2").exists()
+    gate.open()
+    saver.join(30)
+    assert first.committed.done() and second[0].wait(30).step == 2
+    assert CheckpointStore(tmp_path).newest_complete([ROLE]) == 2
+    lc.close()
+
+
+def test_background_failure_is_raised_by_the_next_save_and_never_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lc, model = lifecycle_at(tmp_path, save={"async": True})
+    lc.init_load()
+    fill(model, 1)
+    lc.save(1).wait(30)
+    Gate(monkeypatch, fail=OSError(28, "No space left on device")).open()
+    fill(model, 2)
+    with capture_logs() as logs:
+        pending = lc.save(2)
+        with pytest.raises(OSError):
+            pending.wait(30)
+    failed = [r for r in logs if r["event"] == "checkpoint.async_save"]
+    assert failed and failed[0]["ok"] is False and failed[0]["step"] == 2 and "No space" in failed[0]["error"]
+    assert lc.state is State.READY
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match="async save of step 2 .role actor. failed before its commit"):
+        lc.save(3)
+    assert lc.state is State.FAILED
+    store = CheckpointStore(tmp_path)
+    assert not (tmp_path / "global_step_2" / ROLE / MANIFEST).exists()
+    assert store.newest_complete([ROLE]) == 1 and store.read_tracker() == 1
+    assert lc.resume() == 1 and wrong_weights(model, 1) == []
+    fill(model, 2)
+    lc.save(2).wait(30)
+    assert store.newest_complete([ROLE]) == 2
+    lc.close()
+
+
+def test_close_waits_for_the_commit_and_raises_a_background_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gate: Gate
+) -> None:
+    lc, model = lifecycle_at(tmp_path / "ok", save={"async": True})
+    lc.init_load()
+    lc.save(1)
+    threading.Timer(0.2, gate.open).start()
+    lc.close()
+    assert lc.state is State.CLOSED and CheckpointStore(tmp_path / "ok").newest_complete([ROLE]) == 1
+
+    failing, _ = lifecycle_at(tmp_path / "bad", save={"async": True})
+    Gate(monkeypatch, fail=OSError(5, "Input/output error")).open()
+    failing.init_load()
+    failing.save(1)
+    with pytest.raises(CheckpointError, match="step 1"):
+        failing.close()
+    assert failing.state is State.CLOSED and failing.history[-1].ok is False
+    assert CheckpointStore(tmp_path / "bad").newest_complete([ROLE]) is None
+
+
+def test_resume_after_a_failed_step_waits_for_the_pending_commit(tmp_path: Path, gate: Gate) -> None:
+    lc, model = lifecycle_at(tmp_path, save={"async": True})
+    lc.init_load()
+    fill(model, 1)
+    lc.save(1)
+    with pytest.raises(RuntimeError), lc.train_step(2):
+        fill(model, 7)
+        raise RuntimeError("loss is nan")
+    threading.Timer(0.2, gate.open).start()
+    assert lc.resume() == 1 and wrong_weights(model, 1) == []
+    lc.close()
+
+
+def test_async_refuses_formats_that_cannot_write_in_the_background(monkeypatch: pytest.MonkeyPatch) -> None:
+    def checkpointer(fmt: str, world_size: int) -> DiskCheckpointer:
+        config = LifecycleConfig.from_dict({"checkpoint": {"root": "unused", "save": {"format": fmt, "async": True}}})
+        return DiskCheckpointer(config, role=ROLE, world_size=world_size, barrier=lambda: None)
+
+    with pytest.raises(ConfigError, match="checkpoint.save.async: format 'torch_dcp' saves with collectives"):
+        checkpointer("torch_dcp", 2).save(1, Parts(model=nn.Linear(2, 2)), Progress(step=1))
+    monkeypatch.setattr(backend_class("hf"), "supports_async", False)
+    with pytest.raises(ConfigError, match="format 'hf' cannot write in the background"):
+        checkpointer("hf", 1).save(1, Parts(model=nn.Linear(2, 2)), Progress(step=1))
+
+
+def test_host_copy_reuses_its_buffers_and_keeps_tied_weights_tied() -> None:
+    model = tiny_qwen2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    copier = HostCopier()
+    first = copier.snapshot(Parts(model=model, optimizer=optimizer))
+    state = first.model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    pointers = {k: v.data_ptr() for k, v in state.items()}
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    assert not torch.equal(state["model.norm.weight"], model.model.norm.weight)
+    second = copier.snapshot(Parts(model=model, optimizer=optimizer))
+    assert {k: v.data_ptr() for k, v in second.model.state_dict().items()} == pointers
+    assert torch.equal(second.model.state_dict()["model.norm.weight"], model.model.norm.weight)
+    assert second.optimizer.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+    frozen_momentum = [s["momentum_buffer"] for s in second.optimizer.state_dict()["state"].values()]
+    live_momentum = [s["momentum_buffer"] for s in optimizer.state_dict()["state"].values()]
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(frozen_momentum, live_momentum))
+
+
+def _two_ranks_save(rank: int, world_size: int, tmp_path: Path) -> int | None:
+    """Training's all-reduce on the default group runs while the commit's barrier runs on its own."""
+    import torch.distributed as dist
+
+    lc, model = lifecycle_at(tmp_path / "ckpt", save={"async": True})
+    lc.init_load()
+    fill(model, 1)
+    pending = lc.save(1)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    pending.wait(30)
+    lc.close()
+    return CheckpointStore(tmp_path / "ckpt").newest_complete([ROLE]) if total.item() == world_size else None
+
+
+def test_two_ranks_commit_in_the_background_beside_training_collectives(tmp_path: Path) -> None:
+    assert run_ranks(_two_ranks_save, tmp_path, world_size=2, timeout_s=60) == [1, 1]
+
+
+CHILD = """\
+import sys, time
+sys.path.insert(0, {repo!r})
+import structlog
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+from backends.hf import HFBackend
+from tests.lifecycle.test_crash import fill, lifecycle_at
+real = HFBackend.save_model
+def slow_after_writing(self, model, folder):
+    real(self, model, folder)
+    print("written", flush=True)
+    time.sleep(120)
+lc, model = lifecycle_at(__import__("pathlib").Path(sys.argv[1]), save={{"async": True}})
+lc.init_load()
+fill(model, 1)
+lc.save(1).wait()
+HFBackend.save_model = slow_after_writing
+fill(model, 2)
+lc.save(2)
+print("returned", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs SIGKILL")
+def test_sigkill_after_the_background_write_before_its_commit_resumes_the_previous_step(tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(repo=str(REPO)))
+    root = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, str(script), str(root)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    watchdog = threading.Timer(90, proc.kill)
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        lines = {proc.stdout.readline().strip() for _ in range(2)}
+        assert lines == {"written", "returned"}, lines
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    staging = root / "global_step_2" / f".staging-{ROLE}"
+    assert (staging / "model" / "model.safetensors").is_file() and not (staging / MANIFEST).exists()
+    store = CheckpointStore(root)
+    assert store.newest_complete([ROLE]) == store.newest_committed([ROLE]) == 1 and store.read_tracker() == 1
+    lc, model = lifecycle_at(root, save={"async": True})
+    assert lc.resume() == 1 and wrong_weights(model, 1) == []
+    fill(model, 2)
+    lc.save(2).wait(30)
+    assert store.newest_complete([ROLE]) == 2 and not staging.exists()
+    lc.close()
