@@ -65,7 +65,7 @@ def check_parts(config: LifecycleConfig, parts: Parts) -> None:
     if parts.model is None:
         return
     ckpt = config.checkpoint
-    formats = {_value(ckpt.save.format): [_value(c) for c in ckpt.save.contents], _value(ckpt.load_format): []}
+    formats = {_value(ckpt.load_format): [], _value(ckpt.save.format): [_value(c) for c in ckpt.save.contents]}
     if ckpt.pre_load.path:
         formats.setdefault(_value(ckpt.pre_load_format), [])
     for name, contents in formats.items():

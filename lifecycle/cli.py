@@ -28,6 +28,14 @@ def _verify(args: argparse.Namespace) -> int:
     return verify_root(args.root, args.step, args.roles, sys.stdout)
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from lifecycle.convert import ConvertJob, convert
+
+    job = ConvertJob(src=args.src, dst=args.dst, to=args.to, tp=args.tp, pp=args.pp, hf_config=args.hf_config)
+    print(f"converted: {convert(job)}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lifecycle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--step", type=int, help="only this step (default: every step)")
     verify.add_argument("--roles", nargs="+", help=roles_help)
     verify.set_defaults(run=_verify)
+    convert = sub.add_parser("convert", help="HF safetensors <-> Megatron dist checkpoint, on tp*pp local processes")
+    convert.add_argument("src", type=Path, help="an HF folder or a dist checkpoint folder")
+    convert.add_argument("dst", type=Path, help="the folder to create (absent or empty)")
+    convert.add_argument("--to", required=True, choices=["hf", "dist_ckpt"])
+    convert.add_argument("--tp", type=int, default=1, help="tensor parallel size to convert at (default 1)")
+    convert.add_argument("--pp", type=int, default=1, help="pipeline parallel size to convert at (default 1)")
+    convert.add_argument("--hf-config", type=Path, help="HF folder naming the architecture of a dist checkpoint "
+                         "that has no config.json of its own")
+    convert.set_defaults(run=_convert)
     return parser
 
 

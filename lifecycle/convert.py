@@ -1,0 +1,158 @@
+"""Offline conversion between HF safetensors and Megatron dist checkpoints.
+
+`python -m lifecycle convert SRC DST --to {hf,dist_ckpt} --tp N --pp M` starts N*M local
+processes (gloo on CPU, NCCL on GPU), builds the Megatron model at that layout through mbridge,
+loads SRC with the matching backend and writes DST with the other. DST appears only when every
+rank has finished: the ranks write into a hidden folder beside it, renamed at the end.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TextIO
+
+from lifecycle.errors import ConfigError, LifecycleError
+
+FORMATS = ("hf", "dist_ckpt")
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertJob:
+    src: Path
+    dst: Path
+    to: str
+    tp: int = 1
+    pp: int = 1
+    hf_config: Path | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+
+def source_format(src: Path) -> str:
+    if (src / "metadata.json").is_file():
+        return "dist_ckpt"
+    if any(src.glob("*.safetensors")):
+        return "hf"
+    raise ConfigError("SRC", f"{src}: neither a Megatron dist checkpoint (metadata.json) nor an HF folder "
+                             "(*.safetensors)")
+
+
+def architecture(job: ConvertJob, fmt: str) -> Path:
+    """The folder whose config.json names the architecture: given, or SRC's own."""
+    if job.hf_config is not None:
+        if not (job.hf_config / "config.json").is_file():
+            raise ConfigError("--hf-config", f"{job.hf_config}: no config.json")
+        return job.hf_config
+    if (job.src / "config.json").is_file():
+        return job.src
+    raise ConfigError("--hf-config", f"{job.src}: a {fmt} folder without config.json; name the architecture "
+                                     "with --hf-config DIR (an HF folder of the same model)")
+
+
+def check(job: ConvertJob) -> tuple[str, Path]:
+    """Every error that needs no process group, before any process starts."""
+    if job.to not in FORMATS:
+        raise ConfigError("--to", f"expected one of {', '.join(FORMATS)}, got {job.to!r}")
+    if job.tp < 1 or job.pp < 1:
+        raise ConfigError("--tp/--pp", f"must be >= 1, got tp={job.tp} pp={job.pp}")
+    if not job.src.is_dir():
+        raise ConfigError("SRC", f"{job.src}: not a folder")
+    fmt = source_format(job.src)
+    if fmt == job.to:
+        raise ConfigError("--to", f"{job.src} is already {fmt}; both formats load at any TP / PP, so there "
+                                  "is nothing to convert")
+    if job.dst.exists() and (not job.dst.is_dir() or any(job.dst.iterdir())):
+        raise ConfigError("DST", f"{job.dst}: exists and is not an empty folder; nothing was written")
+    return fmt, architecture(job, fmt)
+
+
+def _say(rank: int, out: TextIO, started: float, message: str) -> None:
+    if rank == 0:
+        print(f"[convert {time.perf_counter() - started:6.1f}s] {message}", file=out, flush=True)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from backends.dist_ckpt import DistCkptBackend
+    from backends.mbridge import MBridgeBackend
+    from backends.megatron import build_model
+
+    started = time.perf_counter()
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=job.world_size, timeout=timedelta(minutes=30))
+    try:
+        _say(rank, sys.stderr, started, f"building the model from {arch / 'config.json'} at TP{job.tp} PP{job.pp}")
+        model = build_model(arch, tp=job.tp, pp=job.pp)
+        reader, writer = (MBridgeBackend(), DistCkptBackend()) if fmt == "hf" else (DistCkptBackend(), MBridgeBackend())
+        _say(rank, sys.stderr, started, f"loading {job.src} ({fmt}, {_folder_bytes(job.src) / 1e6:.1f} MB)")
+        reader.load_model(model, job.src)
+        _say(rank, sys.stderr, started, f"writing {job.to} into {job.dst}")
+        writer.save_model(model, staging)
+        dist.barrier()
+        _say(rank, sys.stderr, started, f"written: {_folder_bytes(staging) / 1e6:.1f} MB")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(procs: list[mp.process.BaseProcess]) -> None:
+    """Until all ranks end; one that fails ends the others, which would wait for it forever."""
+    while any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                p.kill()
+        time.sleep(0.2)
+    for p in procs:
+        p.join()
+
+
+def convert(job: ConvertJob) -> Path:
+    """Run the conversion; DST exists afterwards only if every rank succeeded."""
+    fmt, arch = check(job)
+    staging = job.dst.parent / f".{job.dst.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, job, fmt, arch, staging, port), name=f"convert-rank{r}")
+             for r in range(job.world_size)]
+    try:
+        for p in procs:
+            p.start()
+        _wait(procs)
+        failed = [f"{p.name} (exit code {p.exitcode})" for p in procs if p.exitcode != 0]
+        if failed:
+            raise LifecycleError(f"convert {job.src} -> {job.dst} failed in {', '.join(failed)}; "
+                                 f"nothing was written to {job.dst}")
+        if job.dst.is_dir():
+            job.dst.rmdir()
+        staging.rename(job.dst)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(staging, ignore_errors=True)
+    return job.dst

@@ -1,0 +1,84 @@
+"""Megatron pieces that need no process group: config JSON, CPU patches, construction checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from lifecycle import ConfigError, Lifecycle, State
+from lifecycle.testing import InjectedFailure
+
+pytest.importorskip("megatron.core")
+megatron = pytest.importorskip("backends.megatron")
+
+
+def _transformer_config() -> object:
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+
+
+def test_transformer_config_json_drops_unserializable_attributes_for_the_write_only(tmp_path: Path) -> None:
+    config = _transformer_config()
+    before = dict(vars(config))
+    path = megatron.write_transformer_config(config, tmp_path)
+    written = json.loads(path.read_text())
+    assert {"init_method", "output_layer_init_method", "activation_func"} <= set(written["removed"])
+    assert written["config"]["hidden_size"] == 64 and written["config"]["params_dtype"] == "float32"
+    assert not set(written["removed"]) & set(written["config"])
+    assert vars(config) == before
+
+
+def test_transformer_config_attributes_are_back_when_the_write_fails_inside_a_phase(tmp_path: Path) -> None:
+    config = _transformer_config()
+    before = dict(vars(config))
+    seen: dict[str, bool] = {}
+
+    def failing_write(*_: object, **__: object) -> None:
+        seen["removed_during_write"] = "init_method" not in vars(config)
+        raise InjectedFailure("disk full")
+
+    class Failing:
+        def load_initial(self, parts: object) -> dict[str, object]:
+            with mock.patch.object(Path, "write_text", failing_write):
+                megatron.write_transformer_config(config, tmp_path)
+            return {}
+
+    lc = Lifecycle(role="actor", checkpointer=Failing())  # type: ignore[arg-type]
+    with pytest.raises(InjectedFailure):
+        lc.init_load()
+    assert lc.state is State.FAILED
+    assert seen == {"removed_during_write": True}
+    assert vars(config) == before
+    assert callable(config.init_method)
+
+
+def test_cpu_patches_hold_only_inside_the_block_and_only_without_cuda() -> None:
+    synchronize, current_device, cuda = torch.cuda.synchronize, torch.cuda.current_device, nn.Module.cuda
+    with pytest.raises(InjectedFailure), megatron.cpu_safe():
+        if not torch.cuda.is_available():
+            assert torch.cuda.current_device() == "cpu"
+            assert nn.Linear(2, 2).cuda().weight.device.type == "cpu"
+        raise InjectedFailure("inside a dist_checkpointing call")
+    assert (torch.cuda.synchronize, torch.cuda.current_device, nn.Module.cuda) == (synchronize, current_device, cuda)
+
+
+def test_hf_model_with_dist_ckpt_and_no_bridge_is_a_config_error_at_construction() -> None:
+    model = megatron.MegatronModel(chunks=[nn.Linear(2, 2)])
+    cfg = {"checkpoint": {"save": {"format": "dist_ckpt", "contents": ["model", "hf_model"]}}}
+    with pytest.raises(ConfigError, match=r"checkpoint\.save\.contents.*bridge"):
+        Lifecycle(cfg, role="actor", model=model)
+    Lifecycle({"checkpoint": {"save": {"format": "dist_ckpt"}}}, role="actor", model=model)
+
+
+def test_mbridge_format_without_a_bridge_or_a_megatron_model_is_a_config_error_at_construction() -> None:
+    with pytest.raises(ConfigError, match=r"checkpoint\.save\.format.*bridge"):
+        Lifecycle({"checkpoint": {"save": {"format": "mbridge"}}}, role="actor",
+                  model=megatron.MegatronModel(chunks=[nn.Linear(2, 2)]))
+    with pytest.raises(ConfigError, match=r"checkpoint\.save\.format.*Megatron format"):
+        Lifecycle({"checkpoint": {"save": {"format": "dist_ckpt"}}}, role="actor", model={"not": "a model"})

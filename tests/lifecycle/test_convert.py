@@ -1,0 +1,67 @@
+"""The converter: HF -> dist_ckpt at TP2 -> HF gives back the same bytes, and bad input fails early."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lifecycle.convert import ConvertJob, check
+from lifecycle.errors import ConfigError
+from tests.backends.megatron_util import hf_tensors, make_hf_checkpoint, same_tensors
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("mbridge")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lifecycle", "convert", *args], capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_hf_to_dist_ckpt_at_tp2_and_back_gives_byte_identical_float32_tensors(tmp_path: Path) -> None:
+    hf = make_hf_checkpoint(tmp_path / "hf")
+    there = _cli(str(hf), str(tmp_path / "dist"), "--to", "dist_ckpt", "--tp", "2")
+    assert there.returncode == 0, there.stderr
+    assert "at TP2 PP1" in there.stderr and "written:" in there.stderr
+    assert (tmp_path / "dist" / "metadata.json").is_file() and (tmp_path / "dist" / "config.json").is_file()
+    back = _cli(str(tmp_path / "dist"), str(tmp_path / "back"), "--to", "hf")
+    assert back.returncode == 0, back.stderr
+    original, returned = hf_tensors(hf), hf_tensors(tmp_path / "back")
+    assert same_tensors(original, returned) == []
+    assert {str(t.dtype) for t in returned.values()} == {"torch.float32"}
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_a_dist_checkpoint_without_config_needs_hf_config_and_says_so(tmp_path: Path) -> None:
+    src = tmp_path / "dist"
+    src.mkdir()
+    (src / "metadata.json").write_text("{}")
+    with pytest.raises(ConfigError, match="--hf-config"):
+        check(ConvertJob(src=src, dst=tmp_path / "out", to="hf"))
+    hf = make_hf_checkpoint(tmp_path / "hf")
+    assert check(ConvertJob(src=src, dst=tmp_path / "out", to="hf", hf_config=hf)) == ("dist_ckpt", hf)
+
+
+def test_converter_refuses_a_non_empty_destination_and_a_same_format_target(tmp_path: Path) -> None:
+    hf = make_hf_checkpoint(tmp_path / "hf")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not an empty folder"):
+        check(ConvertJob(src=hf, dst=tmp_path / "full", to="dist_ckpt"))
+    with pytest.raises(ConfigError, match="already hf"):
+        check(ConvertJob(src=hf, dst=tmp_path / "out", to="hf"))
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def test_a_failing_rank_ends_the_conversion_with_an_error_and_no_destination(tmp_path: Path) -> None:
+    hf = make_hf_checkpoint(tmp_path / "hf")
+    broken = tmp_path / "broken"
+    shutil.copytree(hf, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    result = _cli(str(broken), str(tmp_path / "out"), "--to", "dist_ckpt", "--tp", "2")
+    assert result.returncode == 2 and "error: convert" in result.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*partial*"))
