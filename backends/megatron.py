@@ -187,7 +187,17 @@ def init_parallel(tp: int, pp: int) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
-def build_model(hf_config: Any, *, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None) -> MegatronModel:
+def _seed_cuda_rng(seed: int) -> None:
+    """Megatron initialises TP-sharded weights on the GPU from its own RNG tracker."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    if not get_cuda_rng_tracker().is_initialized():
+        model_parallel_cuda_manual_seed(seed)
+
+
+def build_model(
+    hf_config: Any, *, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None, seed: int = 1234
+) -> MegatronModel:
     """Model chunks and bridge for an HF architecture (a folder or a `PretrainedConfig`) at
     this TP / PP. Weights are initialised, not loaded: init-load or resume fills them."""
     from transformers import AutoConfig, PretrainedConfig
@@ -196,6 +206,8 @@ def build_model(hf_config: Any, *, tp: int = 1, pp: int = 1, dtype: torch.dtype 
         hf_config = AutoConfig.from_pretrained(os.fspath(hf_config))
     init_parallel(tp, pp)
     on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        _seed_cuda_rng(seed)
     bridge = _bridge_class(hf_config.model_type)(hf_config, dtype=dtype or _hf_dtype(hf_config))
     if not on_gpu:
         bridge.set_extra_args(use_cpu_initialization=True, sequence_parallel=False)

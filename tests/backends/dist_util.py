@@ -38,14 +38,19 @@ def _result_file(tmp_path: Path, rank: int) -> Path:
     return tmp_path / f".rank{rank}.result.json"
 
 
-def _child(fn: RankFn, rank: int, world_size: int, port: int, tmp_path: Path, pg_timeout_s: float) -> None:
+def _child(
+    fn: RankFn, rank: int, world_size: int, port: int, tmp_path: Path, pg_timeout_s: float, backend: str
+) -> None:
+    import torch
     import torch.distributed as dist
 
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out: dict[str, Any]
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
         try:
             out = {"ok": True, "value": fn(rank, world_size, tmp_path)}
@@ -57,7 +62,8 @@ def _child(fn: RankFn, rank: int, world_size: int, port: int, tmp_path: Path, pg
 
 
 def run_ranks(
-    fn: RankFn, tmp_path: Path, *, world_size: int = 2, timeout_s: float = 60.0, killed_ok: bool = False
+    fn: RankFn, tmp_path: Path, *, world_size: int = 2, timeout_s: float = 60.0, killed_ok: bool = False,
+    backend: str = "gloo",
 ) -> list[Any]:
     """fn's return value on each rank, in rank order; any rank's error fails the calling test.
 
@@ -67,7 +73,7 @@ def run_ranks(
     port = free_port()
     for r in range(world_size):
         _result_file(tmp_path, r).unlink(missing_ok=True)
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, tmp_path, timeout_s / 2),
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, tmp_path, timeout_s / 2, backend),
                          name=f"rank{r}") for r in range(world_size)]
     for p in procs:
         p.start()
