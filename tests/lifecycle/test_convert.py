@@ -22,13 +22,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=240)
 
 
-def test_hf_to_dist_ckpt_at_tp2_and_back_gives_byte_identical_float32_tensors(tmp_path: Path) -> None:
+def test_hf_to_dist_ckpt_at_tp2_and_back_at_pp2_gives_byte_identical_float32_tensors(tmp_path: Path) -> None:
     hf = make_hf_checkpoint(tmp_path / "hf")
     there = _cli(str(hf), str(tmp_path / "dist"), "--to", "dist_ckpt", "--tp", "2")
     assert there.returncode == 0, there.stderr
     assert "at TP2 PP1" in there.stderr and "written:" in there.stderr
     assert (tmp_path / "dist" / "metadata.json").is_file() and (tmp_path / "dist" / "config.json").is_file()
-    back = _cli(str(tmp_path / "dist"), str(tmp_path / "back"), "--to", "hf")
+    back = _cli(str(tmp_path / "dist"), str(tmp_path / "back"), "--to", "hf", "--pp", "2")
     assert back.returncode == 0, back.stderr
     original, returned = hf_tensors(hf), hf_tensors(tmp_path / "back")
     assert same_tensors(original, returned) == []
