@@ -1,0 +1,79 @@
+"""Trainer and rollout workers in one process (no Ray): a sync over gloo on loopback, and the
+rollout's refusal to serve weights it did not receive whole."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from lifecycle import EngineError, State
+from lifecycle.workers import RolloutWorker, TrainerWorker, WorkerSpec
+from tests.ray.recipe import DigitsRecipe
+
+
+def spec(tmp_path: Path, role: str) -> WorkerSpec:
+    config = {"checkpoint": {"root": str(tmp_path / "ckpt"), "roles": ["actor"]},
+              "engine": {"bucket_bytes": 1 << 18, "timeout_s": 20}}
+    return WorkerSpec(role=role, recipe=DigitsRecipe(batch=4), config=config, trace_dir=str(tmp_path / "traces"))
+
+
+def sync(trainer: TrainerWorker, rollout: RolloutWorker) -> tuple[Any, Any]:
+    """Both sides of one sync at once, as the driver runs them; each side's result or error."""
+    rendezvous = trainer.rendezvous(1, "127.0.0.1")
+    out: dict[str, Any] = {}
+
+    def side(name: str, fn: Callable[[], Any]) -> None:
+        try:
+            out[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - the test looks at what each side raised
+            out[name] = exc
+
+    threads = [threading.Thread(target=side, args=("send", lambda: trainer.sync(rendezvous))),
+               threading.Thread(target=side, args=("receive", lambda: rollout.receive(rendezvous, 1)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out["send"], out["receive"]
+
+
+def test_rollout_refuses_to_generate_until_a_whole_sync_has_landed(tmp_path: Path) -> None:
+    trainer, rollout = TrainerWorker(spec(tmp_path, "actor")), RolloutWorker(spec(tmp_path, "rollout"))
+    assert trainer.start() is None
+    prompts = trainer.prompts(1)
+    with pytest.raises(EngineError, match="stale .a sync failed part-way or none has landed yet"):
+        rollout.generate(prompts, 1, 0)
+
+    sent, received = sync(trainer, rollout)
+    assert received == sent["version"] == 1 and rollout.status() == {"weights_version": 1, "stale": False,
+                                                                     "paused": False}
+    policy = trainer.lc.parts.model.state_dict()
+    assert all(torch.equal(policy[k], v) for k, v in rollout.lc.parts.model.state_dict().items())
+    assert rollout.generate(prompts, 1, 1)["sequences"].shape[0] == 4
+    with pytest.raises(EngineError, match="weights are v1, the policy's are v2"):
+        rollout.generate(prompts, 1, 2)
+    trainer.save(1)
+
+    real = rollout.load_weights
+
+    def breaks_after_one(named: Any) -> None:
+        real([next(iter(named))])
+        raise OSError("rollout host ran out of memory")
+
+    rollout.load_weights = breaks_after_one  # type: ignore[method-assign]
+    sent, received = sync(trainer, rollout)
+    assert isinstance(received, OSError) and isinstance(sent, EngineError) and "out of memory" in str(sent)
+    assert rollout.status()["stale"] is True and trainer.lc.state is State.FAILED
+    with pytest.raises(EngineError, match="weights are stale"):
+        rollout.generate(prompts, 2, 2)
+
+    rollout.load_weights = real  # type: ignore[method-assign]
+    assert trainer.start() == 1, "a failed sync leaves the trainer FAILED: it resumes its checkpoint"
+    sent, received = sync(trainer, rollout)
+    assert received == sent["version"] == 2 and rollout.status()["stale"] is False
+    assert rollout.generate(prompts, 2, 2)["reward"].shape == (4,)
+    assert (tmp_path / "traces").is_dir() and len(list((tmp_path / "traces").glob("*.json"))) == 2
