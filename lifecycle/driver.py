@@ -70,6 +70,9 @@ class DriverConfig:
 class DriverHooks:
     """Callbacks from the loop; each does nothing unless overridden (progress, fault injection)."""
 
+    def on_start(self, driver: Driver, step: int) -> None:
+        """When the first worker group is up at `step` (0: init-loaded) and the rollouts are synced."""
+
     def on_phase(self, driver: Driver, phase: str, step: int) -> None:
         """Before each phase of a step: generate, score, train, sync, save."""
 
@@ -143,6 +146,7 @@ class Driver:
         try:
             step = self._start_group() + 1
             self.summary.started_at = step - 1
+            self.hooks.on_start(self, step - 1)
             while step <= self.settings.steps:
                 try:
                     self._step(step)
@@ -249,7 +253,8 @@ class Driver:
         self._sync(step)
         if step % self.settings.save_every == 0 or step == self.settings.steps:
             with self._in("save", step):
-                record.saved = self._gather([(r, self.workers[r].save.remote(step)) for r in self.roles])
+                saved = self._gather([(r, self.workers[r].save.remote(step)) for r in self.roles])
+                record.saved = [{"role": role, **figures} for role, figures in zip(self.roles, saved)]
         self.summary.attempts.append(record)
         self.hooks.on_step(self, record)
 

@@ -156,9 +156,12 @@ def render_summary(summary: RunSummary, reward: str) -> str:
                                f"{steps[-1].step} (best {max(rewards):.3f})"))
     for role in sorted({s["role"] for s in summary.saves}):
         mine = [s for s in summary.saves if s["role"] == role]
-        size, secs = sum(s["bytes"] for s in mine), sum(s["seconds"] for s in mine if "seconds" in s)
-        rows.append((f"saves {role}", f"{len(mine)} committed by the last group, {size / 1e6:.1f} MB, "
-                                      f"{_rate(size, secs)}"))
+        size, secs = sum(s["bytes"] for s in mine), sum(s["seconds"] for s in mine)
+        stalls = sorted(s["seconds"] for r in steps for s in r.saved if s["role"] == role)
+        mode = "async: host copy only" if any(s.get("async") for r in steps for s in r.saved) else "sync"
+        stall = f"; training stalled {1e3 * stalls[len(stalls) // 2]:.1f} ms per save ({mode})" if stalls else ""
+        rows.append((f"saves {role}", f"{len(mine)} committed by the last workers, {size / 1e6:.1f} MB, "
+                                      f"write + commit {_rate(size, secs)}{stall}"))
     size, secs = sum(s["bytes"] for s in summary.syncs), sum(s["seconds"] for s in summary.syncs)
     rows.append(("syncs", f"{len(summary.syncs)}, {size / 1e6:.1f} MB, {_rate(size, secs)}, "
                           f"last weights v{summary.syncs[-1]['version'] if summary.syncs else 0}"))
