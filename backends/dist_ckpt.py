@@ -28,7 +28,8 @@ from torch import nn
 from backends.base import current_rank
 from backends.megatron import (
     bridge_of,
-    check_megatron_model,
+    MegatronModel,
+    as_megatron_model,
     chunks_of,
     load_sharded,
     save_sharded,
@@ -108,10 +109,11 @@ class DistCkptBackend:
     verifies_reads: ClassVar[bool] = False
 
     @staticmethod
-    def check_model(model: Any, contents: list[str]) -> None:
-        check_megatron_model(model, "dist_ckpt")
+    def check_model(model: Any, contents: list[str], key: str) -> MegatronModel:
+        wrapped = as_megatron_model(model, "dist_ckpt", key)
         if "hf_model" in contents:
-            bridge_of(model, "hf_model with the dist_ckpt format (an HF export)", key="checkpoint.save.contents")
+            bridge_of(wrapped, "hf_model with the dist_ckpt format (an HF export)", key="checkpoint.save.contents")
+        return wrapped
 
     def save_model(self, model: Any, folder: Path) -> None:
         chunks = chunks_of(model)

@@ -13,30 +13,65 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from backends.dist_ckpt import DistCkptBackend
-from backends.megatron import bridge_of, check_megatron_model, chunks_of, cpu_safe, write_hf_export
+from backends.megatron import (
+    MegatronModel,
+    agree,
+    as_megatron_model,
+    bridge_of,
+    chunks_of,
+    cpu_safe,
+    library_errors,
+    write_hf_export,
+)
+from backends.hf import INDEX
+from backends.safetensors_io import read_header
 from lifecycle.errors import CheckpointError
+from lifecycle.jsontree import read_json
 
 _ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "tie_word_embeddings")
 
 
-def _check_architecture(bridge: Any, folder: Path) -> None:
-    """Refuse another architecture on every rank alike, before any rank enters the bridge's
-    scatters (a rank failing alone there would leave the others waiting for it)."""
+def _architecture_problem(bridge: Any, folder: Path) -> str | None:
     path = folder / "config.json"
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{folder}: not an HF folder (no config.json)") from None
+        return f"{folder}: not an HF folder (no config.json)"
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON: {exc}") from exc
+        return f"{path}: not valid JSON: {exc}"
     mine = bridge.hf_config.to_dict()
     differ = [f"{k}: checkpoint {saved.get(k)!r}, model {mine.get(k)!r}"
               for k in _ARCH_KEYS if k in saved and saved.get(k) != mine.get(k)]
-    if differ:
-        raise CheckpointError(f"{path}: another architecture than the model's:\n  " + "\n  ".join(differ))
-    if not any(folder.glob("*.safetensors")):
-        raise CheckpointError(f"{folder}: no .safetensors files (pickled .bin weights are not read)")
+    return f"{path}: another architecture than the model's:\n  " + "\n  ".join(differ) if differ else None
+
+
+def _stored_names(folder: Path) -> set[str]:
+    index = folder / INDEX
+    if index.is_file():
+        return set(read_json(index).get("weight_map", {}))
+    return {name for path in folder.glob("*.safetensors") for name in read_header(path)[0]}
+
+
+def _missing_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None:
+    """HF tensors this rank's chunks will ask the bridge for that the folder does not hold."""
+    wanted: set[str] = set()
+    for chunk in chunks:
+        for local, global_name in bridge._weight_name_mapping_mcore_local_to_global(chunk).items():
+            if "_extra_state" not in local:
+                wanted.update(bridge._weight_name_mapping_mcore_to_hf(global_name))
+    missing = sorted(wanted - _stored_names(folder))
+    return f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}" if missing else None
+
+
+def _load_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None:
+    """Why this rank cannot load `folder`, found before any rank enters the bridge's scatters."""
+    try:
+        if not any(folder.glob("*.safetensors")):
+            return f"{folder}: no .safetensors files (pickled .bin weights are not read)"
+        return _architecture_problem(bridge, folder) or _missing_problem(bridge, chunks, folder)
+    except CheckpointError as exc:
+        return str(exc)
 
 
 class MBridgeBackend:
@@ -49,9 +84,10 @@ class MBridgeBackend:
     verifies_reads: ClassVar[bool] = False
 
     @staticmethod
-    def check_model(model: Any, contents: list[str]) -> None:
-        check_megatron_model(model, "mbridge")
-        bridge_of(model, "the mbridge format")
+    def check_model(model: Any, contents: list[str], key: str) -> MegatronModel:
+        wrapped = as_megatron_model(model, "mbridge", key)
+        bridge_of(wrapped, "the mbridge format", key=key)
+        return wrapped
 
     def save_model(self, model: Any, folder: Path) -> None:
         write_hf_export(model, folder)
@@ -60,13 +96,10 @@ class MBridgeBackend:
         write_hf_export(model, folder)
 
     def load_model(self, model: Any, folder: Path) -> None:
-        bridge = bridge_of(model, "the mbridge format")
-        _check_architecture(bridge, folder)
-        try:
-            with cpu_safe():
-                bridge.load_weights(chunks_of(model), str(folder))
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"{folder}: mbridge could not load the weights: {exc}") from exc
+        bridge, chunks = bridge_of(model, "the mbridge format"), chunks_of(model)
+        agree(_load_problem(bridge, chunks, folder))
+        with library_errors("mbridge load", folder), cpu_safe():
+            bridge.load_weights(chunks, str(folder))
 
     def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
         DistCkptBackend().save_optimizer(optimizer, lr_scheduler, folder, model=model)

@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.phase import DELETE, temporarily
 
 TRANSFORMER_CONFIG = "transformer_config.json"
-_VOLATILE_HF_KEYS = ("transformers_version", "_name_or_path", "_commit_hash", "torch_dtype", "dtype")
 _ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                 "kv_channels", "normalization", "gated_linear_unit", "add_qkv_bias", "qk_layernorm")
 
@@ -69,7 +68,10 @@ class MegatronModel:
 
     chunks: list[nn.Module]
     bridge: Any = None
-    training: bool = field(default=True, init=False)
+
+    @property
+    def training(self) -> bool:
+        return bool(self.chunks[0].training)
 
     @property
     def config(self) -> Any:
@@ -83,7 +85,6 @@ class MegatronModel:
     def train(self, mode: bool = True) -> MegatronModel:
         for chunk in self.chunks:
             chunk.train(mode)
-        self.training = mode
         return self
 
     def eval(self) -> MegatronModel:
@@ -101,8 +102,7 @@ class MegatronModel:
     def fingerprint(self) -> dict[str, Any]:
         """The architecture, independent of TP / PP, so a resharded resume still matches."""
         if self.bridge is not None:
-            cfg = self.bridge.hf_config.to_dict()
-            return {k: v for k, v in cfg.items() if k not in _VOLATILE_HF_KEYS}
+            return dict(self.bridge.hf_config.to_dict())
         return {name: _plain(getattr(self.config, name, None)) for name in _ARCH_FIELDS}
 
 
@@ -118,11 +118,15 @@ def chunks_of(model: Any) -> list[nn.Module]:
                           f"got {type(model).__name__}")
 
 
-def check_megatron_model(model: Any, fmt: str) -> None:
+def as_megatron_model(model: Any, fmt: str, key: str) -> MegatronModel:
+    """The model a Megatron format works on; a GPTModel or chunk list built elsewhere is wrapped,
+    so the config hash and weight sync see the architecture, not one rank's shards."""
+    if isinstance(model, MegatronModel):
+        return model
     try:
-        chunks_of(model)
+        return MegatronModel(chunks=chunks_of(model))
     except CheckpointError as exc:
-        raise ConfigError("checkpoint.save.format", f"{fmt} is a Megatron format: {exc}") from None
+        raise ConfigError(key, f"{fmt} is a Megatron format: {exc}") from None
 
 
 def bridge_of(model: Any, what: str, key: str = "checkpoint.save.format") -> Any:
@@ -226,25 +230,50 @@ def sharded_model_state(chunks: list[nn.Module]) -> dict[str, Any]:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
+@contextmanager
+def library_errors(what: str, folder: Path) -> Iterator[None]:
+    """Megatron's CheckpointingException, DCP's CheckpointException (a BaseException, one
+    traceback per rank) and the usual I/O errors become one CheckpointError naming the folder."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from safetensors import SafetensorError
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        ranks = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in exc.failures.items())
+        raise CheckpointError(f"{folder}: {what} failed: {ranks}") from exc
+    except (CheckpointingException, SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{folder}: {what} failed: {type(exc).__name__}: {exc}") from exc
+
+
 def save_sharded(state: dict[str, Any], folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     if any(folder.iterdir()):
         raise CheckpointError(f"{folder}: dist_checkpointing writes only into an empty folder")
-    try:
-        with cpu_safe():
-            dist_checkpointing.save(state, str(folder))
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"{folder}: megatron dist_checkpointing save failed: {exc}") from exc
+    with library_errors("megatron dist_checkpointing save", folder), cpu_safe():
+        dist_checkpointing.save(state, str(folder))
 
 
 def load_sharded(state: dict[str, Any], folder: Path) -> dict[str, Any]:
     if not (folder / "metadata.json").is_file():
         raise CheckpointError(f"{folder}: not a Megatron dist checkpoint (no metadata.json)")
-    try:
-        with cpu_safe():
-            return dist_checkpointing.load(state, str(folder))
-    except (OSError, RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{folder}: megatron dist_checkpointing load failed: {exc}") from exc
+    with library_errors("megatron dist_checkpointing load", folder), cpu_safe():
+        return dist_checkpointing.load(state, str(folder))
+
+
+def agree(problem: str | None) -> None:
+    """Raise on every rank when any rank has a problem, so none is left waiting in a
+    collective for a peer that has already given up."""
+    import torch.distributed as dist
+
+    failed = torch.tensor([0 if problem is None else 1])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(failed)
+    if problem is not None:
+        raise CheckpointError(problem)
+    if int(failed.item()):
+        raise CheckpointError(f"{int(failed.item())} other rank(s) refused the checkpoint (see their errors)")
 
 
 def _jsonable(value: Any) -> bool:
@@ -294,6 +323,6 @@ def write_hf_export(model: Any, folder: Path) -> None:
             for _ in weights:
                 pass
             return
-        state = dict(weights)
+        state = {name: tensor.cpu() for name, tensor in weights}
     write_hf_folder(state, folder, config=bridge.hf_config)
     write_transformer_config(chunks[0].config, folder)

@@ -46,12 +46,9 @@ def model_config_hash(parts: Parts) -> str | None:
     model = parts.model
     if model is None:
         return None
-    fingerprint = getattr(model, "fingerprint", None)
-    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
-    if callable(fingerprint):
-        payload = json.dumps(fingerprint(), sort_keys=True, default=str)
-    elif callable(to_dict):
-        cfg = {k: v for k, v in to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    describe = getattr(model, "fingerprint", None) or getattr(getattr(model, "config", None), "to_dict", None)
+    if callable(describe):
+        cfg = {k: v for k, v in describe().items() if k not in _VOLATILE_CONFIG_KEYS}
         payload = json.dumps(cfg, sort_keys=True, default=str)
     else:
         layout = sorted([n, list(t.shape), str(t.dtype)] for n, t in model.state_dict().items())
@@ -61,20 +58,22 @@ def model_config_hash(parts: Parts) -> str | None:
 
 def check_parts(config: LifecycleConfig, parts: Parts) -> None:
     """Refuse at construction what a backend could only refuse mid-save (hf_model from a
-    dist_ckpt model without a bridge): each format in use checks the model it will get."""
+    dist_ckpt model without a bridge): each format in use checks the model it will get, and
+    may wrap it (a bare GPTModel becomes a MegatronModel) in `parts`."""
     if parts.model is None:
         return
     ckpt = config.checkpoint
-    formats = {_value(ckpt.load_format): [], _value(ckpt.save.format): [_value(c) for c in ckpt.save.contents]}
+    uses = [("checkpoint.save.format", ckpt.save.format, [_value(c) for c in ckpt.save.contents]),
+            ("checkpoint.load.format", ckpt.load_format, [])]
     if ckpt.pre_load.path:
-        formats.setdefault(_value(ckpt.pre_load_format), [])
-    for name, contents in formats.items():
-        check = getattr(backend_class(name), "check_model", None)
+        uses.append(("checkpoint.pre_load.format", ckpt.pre_load_format, []))
+    for key, fmt, contents in uses:
+        check = getattr(backend_class(_value(fmt)), "check_model", None)
         if check is not None:
-            check(parts.model, contents)
+            parts.model = check(parts.model, contents, key)
 
 
-def _folder_figures(folder: Path) -> tuple[int, int]:
+def folder_figures(folder: Path) -> tuple[int, int]:
     files = [p for p in folder.rglob("*") if p.is_file()]
     return sum(p.stat().st_size for p in files), len(files)
 
@@ -144,7 +143,7 @@ class DiskCheckpointer:
         self._verify_pre_load(folder, name)
         backend_class(name)().load_model(parts.model, folder)
         self._overwritten = None
-        size, count = _folder_figures(folder)
+        size, count = folder_figures(folder)
         return {"backend": name, "path": str(folder), "bytes": size, "files": count}
 
     def _verify_pre_load(self, folder: Path, name: str) -> None:

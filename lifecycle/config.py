@@ -17,6 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+import structlog
 import yaml
 
 from lifecycle.errors import ConfigError
@@ -212,7 +213,9 @@ class CheckpointConfig(_Section):
             self.save.format = self.pre_load.format = fmt
         action = f"use checkpoint.save.format and checkpoint.pre_load.format = {fmt.value!r}" if fmt else \
             "drop them (false changes nothing)"
-        warnings.warn(f"deprecated config {' and '.join(given)}: {action}", DeprecationWarning, stacklevel=2)
+        message = f"deprecated config {' and '.join(given)}: {action}"
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        structlog.get_logger().warning("config.deprecated", keys=given, action=action)
         self.use_dist_checkpointing = self.use_mbridge = None
 
     def _check(self) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from lifecycle.errors import ConfigError, LifecycleError
+from lifecycle.checkpointer import folder_figures
 
 FORMATS = ("hf", "dist_ckpt")
 
@@ -82,7 +83,7 @@ def _say(rank: int, out: TextIO, started: float, message: str) -> None:
 
 
 def _folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return folder_figures(folder)[0]
 
 
 def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, port: int) -> None:
@@ -94,6 +95,7 @@ def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, 
     from backends.megatron import build_model
 
     started = time.perf_counter()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -109,14 +111,12 @@ def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, 
         writer.save_model(model, staging)
         dist.barrier()
         _say(rank, sys.stderr, started, f"written: {_folder_bytes(staging) / 1e6:.1f} MB")
+    except LifecycleError as exc:
+        print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _wait(procs: list[mp.process.BaseProcess]) -> None:
@@ -128,6 +128,12 @@ def _wait(procs: list[mp.process.BaseProcess]) -> None:
         time.sleep(0.2)
     for p in procs:
         p.join()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def convert(job: ConvertJob) -> Path:
@@ -145,8 +151,8 @@ def convert(job: ConvertJob) -> Path:
         _wait(procs)
         failed = [f"{p.name} (exit code {p.exitcode})" for p in procs if p.exitcode != 0]
         if failed:
-            raise LifecycleError(f"convert {job.src} -> {job.dst} failed in {', '.join(failed)}; "
-                                 f"nothing was written to {job.dst}")
+            raise LifecycleError(f"convert {job.src} -> {job.dst} failed in {', '.join(failed)} (the ranks' "
+                                 f"errors are above); nothing was written to {job.dst}")
         if job.dst.is_dir():
             job.dst.rmdir()
         staging.rename(job.dst)

@@ -17,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -26,10 +27,10 @@ import torch  # noqa: E402
 from tests.backends.dist_util import run_ranks  # noqa: E402
 
 
-def _timed(fn: object) -> float:
+def _timed(fn: Callable[[], None]) -> float:
     torch.distributed.barrier()
     started = time.perf_counter()
-    fn()  # type: ignore[operator]
+    fn()
     torch.distributed.barrier()
     return time.perf_counter() - started
 

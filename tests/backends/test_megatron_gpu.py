@@ -49,7 +49,7 @@ def test_mbridge_and_dist_ckpt_round_trip_on_cuda_with_the_gpu_layer_spec(tmp_pa
     assert same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "hf_out")) == []
 
 
-def _lifecycle_on_gpu(rank: int, world_size: int, tmp: Path) -> int | None:
+def _lifecycle_on_gpu(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     from backends.megatron import build_model
     from lifecycle import Lifecycle
 
@@ -64,10 +64,19 @@ def _lifecycle_on_gpu(rank: int, world_size: int, tmp: Path) -> int | None:
             p.grad = torch.ones_like(p)
         optimizer.step()
     lc.save(1)
-    again = Lifecycle(cfg, role="actor", model=model, optimizer=optimizer)
-    return again.resume()
+    saved = [p.detach().clone() for p in model.parameters()]
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+            optimizer.state[p]["exp_avg"].zero_()
+    step = Lifecycle(cfg, role="actor", model=model, optimizer=optimizer).resume()
+    same = all(torch.equal(a, p) for a, p in zip(saved, model.parameters()))
+    same_moments = all(torch.equal(m, optimizer.state[p]["exp_avg"]) for m, p in zip(moments, model.parameters()))
+    return {"step": step, "weights": same, "optimizer": same_moments}
 
 
 def test_lifecycle_saves_and_resumes_a_megatron_model_on_cuda(tmp_path: Path) -> None:
     make_hf_checkpoint(tmp_path / "hf")
-    assert run_ranks(_lifecycle_on_gpu, tmp_path, world_size=_ranks(), timeout_s=300, backend="nccl") == [1] * _ranks()
+    results = run_ranks(_lifecycle_on_gpu, tmp_path, world_size=_ranks(), timeout_s=300, backend="nccl")
+    assert results == [{"step": 1, "weights": True, "optimizer": True}] * _ranks()

@@ -32,11 +32,11 @@ def _fresh_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def _lifecycle(model: Any, root: Path, fmt: str, **checkpoint: Any) -> Any:
+def _lifecycle(model: Any, root: Path, fmt: str, resume: dict[str, Any] | None = None, **checkpoint: Any) -> Any:
     from lifecycle import Lifecycle
 
     cfg = {"checkpoint": {"root": str(root), "save": {"format": fmt, "contents": ["model", "hf_model", "extra"]},
-                          "load": {"contents": ["model", "extra"]}, **checkpoint}}
+                          "load": {"contents": ["model", "extra"]}, **checkpoint}, "resume": resume or {}}
     return Lifecycle(cfg, role="actor", model=model)
 
 
@@ -48,22 +48,27 @@ def _hf_in_tp2_out_tp1_out(rank: int, world_size: int, tmp: Path) -> dict[str, A
     first = lc.save(1)
     lc.close()
     _fresh_parallel()
-    lc = _lifecycle(build_model(tmp / "hf", tp=1), tmp / "run2", "mbridge",
-                    pre_load={"path": str(tmp / "hf")})
-    lc.config.resume.mode, lc.config.resume.path = "path", str(first.path)
+    lc = _lifecycle(build_model(tmp / "hf", tp=1), tmp / "run2", "mbridge", resume={"mode": "path",
+                    "path": str(first.path)})
     lc.resume()
     second = lc.save(2)
     lc.close()
-    return {"first": str(first.path), "second": str(second.path), "contents": first.contents}
+    _fresh_parallel()
+    staged = build_model(tmp / "hf", pp=2)
+    _lifecycle(staged, tmp / "run3", "mbridge", resume={"mode": "path", "path": str(second.path)}).resume()
+    at_pp2 = same_tensors(hf_tensors(tmp / "hf"), staged.state_dict())
+    return {"first": str(first.path), "second": str(second.path), "pp2_differ": at_pp2}
 
 
-def test_hf_written_by_transformers_round_trips_through_mbridge_tp2_then_tp1_with_identical_logits(
+def test_hf_written_by_transformers_round_trips_through_mbridge_tp2_tp1_pp2_with_identical_logits(
     tmp_path: Path,
 ) -> None:
     import transformers
 
     make_hf_checkpoint(tmp_path / "hf")
-    result = run_ranks(_hf_in_tp2_out_tp1_out, tmp_path, timeout_s=150)[0]
+    results = run_ranks(_hf_in_tp2_out_tp1_out, tmp_path, timeout_s=150)
+    assert [r["pp2_differ"] for r in results] == [[], []]
+    result = results[0]
     first, second = Path(result["first"]), Path(result["second"])
     manifest = json.loads((first / "manifest.json").read_text())
     assert manifest["contents"]["hf_model"]["folder"] == manifest["contents"]["model"]["folder"] == "model"
@@ -99,14 +104,52 @@ def _plain_megatron_tp2_then_dist_ckpt_tp1(rank: int, world_size: int, tmp: Path
     lc = _lifecycle(fresh, tmp / "run", "dist_ckpt", pre_load={"format": "dist_ckpt", "path": str(folder)})
     lc.init_load()
     loaded = fresh.state_dict()
-    return same_tensors(hf_tensors(tmp / "hf"), loaded) == []
+    bare = _bare_gpt_model_saves_and_resumes(fresh, tmp)
+    other = _other_architecture_is_refused(folder, tmp)
+    return {"same": same_tensors(hf_tensors(tmp / "hf"), loaded) == [], "bare": bare, "other": other}
+
+
+def _bare_gpt_model_saves_and_resumes(source: Any, tmp: Path) -> bool:
+    """A GPTModel built outside this library (no bridge) through the dist_ckpt lifecycle."""
+    gpt = source.chunks[0]
+    lc = _lifecycle(gpt, tmp / "bare", "dist_ckpt", load={"contents": ["model"]}, save={"format": "dist_ckpt"})
+    lc.init_load()
+    lc.save(3)
+    saved = {k: v.clone() for k, v in gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.zero_()
+    again = _lifecycle(gpt, tmp / "bare", "dist_ckpt", load={"contents": ["model"]}, save={"format": "dist_ckpt"})
+    step = again.resume()
+    restored = gpt.state_dict()
+    return step == 3 and all(torch.equal(restored[k], v) for k, v in saved.items())
+
+
+def _other_architecture_is_refused(folder: Path, tmp: Path) -> str:
+    """Another hidden size: a CheckpointError naming the folder, not DCP's raw exception."""
+    import transformers
+
+    from backends.dist_ckpt import DistCkptBackend
+    from backends.megatron import build_model
+    from lifecycle.errors import CheckpointError
+
+    config = transformers.AutoConfig.from_pretrained(str(tmp / "hf"))
+    config.intermediate_size = 96
+    model = build_model(config, tp=1)
+    try:
+        DistCkptBackend().load_model(model, folder)
+    except CheckpointError as exc:
+        return str(exc)
+    return "loaded"
 
 
 def test_dist_checkpoint_written_by_plain_megatron_core_at_tp2_loads_at_tp1_with_identical_weights(
     tmp_path: Path,
 ) -> None:
     make_hf_checkpoint(tmp_path / "hf")
-    assert run_ranks(_plain_megatron_tp2_then_dist_ckpt_tp1, tmp_path, timeout_s=150) == [True, True]
+    for result in run_ranks(_plain_megatron_tp2_then_dist_ckpt_tp1, tmp_path, timeout_s=150):
+        assert result["same"] and result["bare"]
+        assert result["other"].startswith(f"{tmp_path / 'megatron_lm'}: megatron dist_checkpointing load failed")
     assert not (tmp_path / "megatron_lm" / "transformer_config.json").exists()
 
 

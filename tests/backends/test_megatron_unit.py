@@ -82,3 +82,9 @@ def test_mbridge_format_without_a_bridge_or_a_megatron_model_is_a_config_error_a
                   model=megatron.MegatronModel(chunks=[nn.Linear(2, 2)]))
     with pytest.raises(ConfigError, match=r"checkpoint\.save\.format.*Megatron format"):
         Lifecycle({"checkpoint": {"save": {"format": "dist_ckpt"}}}, role="actor", model={"not": "a model"})
+
+
+def test_cpu_patches_are_not_applied_when_cuda_is_available() -> None:
+    synchronize, current_device = torch.cuda.synchronize, torch.cuda.current_device
+    with mock.patch("torch.cuda.is_available", return_value=True), megatron.cpu_safe():
+        assert (torch.cuda.synchronize, torch.cuda.current_device) == (synchronize, current_device)

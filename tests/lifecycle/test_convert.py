@@ -57,11 +57,28 @@ def test_converter_refuses_a_non_empty_destination_and_a_same_format_target(tmp_
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
 
 
-def test_a_failing_rank_ends_the_conversion_with_an_error_and_no_destination(tmp_path: Path) -> None:
+def test_a_corrupt_source_fails_every_rank_with_the_file_named_and_no_destination(tmp_path: Path) -> None:
     hf = make_hf_checkpoint(tmp_path / "hf")
     broken = tmp_path / "broken"
     shutil.copytree(hf, broken)
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     result = _cli(str(broken), str(tmp_path / "out"), "--to", "dist_ckpt", "--tp", "2")
     assert result.returncode == 2 and "error: convert" in result.stderr
+    assert f"error: rank 0: {broken / 'model.safetensors'}" in result.stderr
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*partial*"))
+
+
+def test_a_rank_that_fails_alone_ends_its_waiting_peers() -> None:
+    import multiprocessing as mp
+    import time
+
+    from lifecycle.convert import _wait
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=sys.exit, args=(3,)), ctx.Process(target=time.sleep, args=(120,))]
+    for p in procs:
+        p.start()
+    started = time.monotonic()
+    _wait(procs)
+    assert time.monotonic() - started < 30
+    assert procs[0].exitcode == 3 and procs[1].exitcode is not None and procs[1].exitcode < 0
