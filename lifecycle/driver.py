@@ -225,6 +225,8 @@ class Driver:
         progress = self._gather([(self.roles[0], self.workers[self.roles[0]].progress.remote())])[0]
         self.version = progress["weights_version"]
         self._sync(resumed)
+        self._log.info("driver.started", step=resumed, incarnation=self.incarnation, pids=self.pids,
+                       rendezvous_host=self._host, weights_version=self.version)
         return resumed
 
     def _actor(self, cls: type, role: str, spec: WorkerSpec) -> Any:

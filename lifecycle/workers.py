@@ -10,6 +10,7 @@ position is part of its checkpoint, so a resumed run draws the very prompts it w
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -94,8 +95,6 @@ class TraceFile(Observer):
         self.write(lc)
 
     def write(self, lc: Lifecycle) -> None:
-        import json
-
         events = chrome_trace_events(lc.history, role=lc.role, rank=lc.rank) + self.extra
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
@@ -159,7 +158,7 @@ class TrainerWorker(_Worker):
         parts = recipe.build(spec.role)
         engine = None
         if self.policy:
-            from backends.engines.sync import WeightSync
+            from backends.engines import WeightSync
             from lifecycle.config import LifecycleConfig
 
             engine = WeightSync.from_config(LifecycleConfig.coerce(spec.config).engine, parts.model)
@@ -213,7 +212,7 @@ class TrainerWorker(_Worker):
 
     def rendezvous(self, receivers: int, host: str) -> Any:
         """Where this sync's receivers meet the sender: `host` and a port free on it right now."""
-        from backends.engines.base import Rendezvous
+        from backends.engines import Rendezvous
 
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
@@ -246,7 +245,7 @@ class RolloutWorker(_Worker):
         setup_process(spec)
         parts = spec.recipe.build(ROLLOUT)
         super().__init__(spec, Parts(model=parts.model))
-        from backends.engines.sync import WeightSync
+        from backends.engines import WeightSync
         from lifecycle.config import LifecycleConfig
 
         self.engine = WeightSync.from_config(LifecycleConfig.coerce(spec.config).engine, parts.model).engine
@@ -281,7 +280,7 @@ class RolloutWorker(_Worker):
 
     def receive(self, rendezvous: Any, rank: int, version: int | None = None) -> int:
         """This rollout's side of one sync; marks itself stale if it fails part-way."""
-        from backends.engines.sync import receive_into
+        from backends.engines import receive_into
 
         start = time.time()
         try:

@@ -155,7 +155,7 @@ class RolloutDiesMidSync(Sabotaged):
     version: int = 5
 
     def sabotage(self, marker: Path) -> None:
-        from backends.engines.base import Incoming
+        from backends.engines import Incoming
 
         real, version = Incoming.__next__, self.version
 
