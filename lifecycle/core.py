@@ -150,10 +150,11 @@ class Lifecycle:
 
     @property
     def engine(self) -> WeightSyncer:
+        """The `engine=` given, else the checkpoint engine `config.engine` names, built on first use."""
         if self._engine is None:
-            raise LifecycleError(
-                f"no weight-sync engine for role {self.role}: pass engine= (a WeightSyncer) to Lifecycle"
-            )
+            from backends.engines.sync import WeightSync
+
+            self._engine = WeightSync.from_config(self.config.engine, self.parts.model)
         return self._engine
 
     def init_load(self) -> None:

@@ -71,7 +71,11 @@ class Checkpointer(Protocol):
 
 @runtime_checkable
 class WeightSyncer(Protocol):
-    """Pushes a model's weights to a rollout target; the weight-sync phase's work."""
+    """Pushes a model's weights to a rollout target; the weight-sync phase's work.
+
+    `backends.engines.WeightSync` is the one built from `engine.*` config; its target is a
+    `backends.engines.Rendezvous` (rollouts in other processes) or rollout objects (`naive`).
+    """
 
     def sync(self, named_tensors: Iterator[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
         """Deliver every tensor to `target` as weights `version`; returns figures for the log."""
@@ -82,9 +86,14 @@ class RolloutTarget(Protocol):
     """The rollout side of a weight sync: paused while weights land, never serving stale ones."""
 
     weights_version: int
+    stale: bool
+    """True after a sync failed part-way: weights may be half old, half new; refuse to serve them."""
 
     def pause(self) -> None: ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None: ...
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Copy each tensor into the model as it comes: a tensor may be reused once the next is read."""
 
     def resume(self) -> None: ...
+
+    def mark_stale(self) -> None: ...

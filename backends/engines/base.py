@@ -1,0 +1,232 @@
+"""The checkpoint-engine protocol, what one sync reports, and the per-sync rendezvous store.
+
+Every engine is driven the same way on both sides of a sync:
+
+    engine.prepare()                          # allocate the two buckets, return metadata
+    engine.build_topology(rendezvous, rank)   # rank 0 sends, ranks 1..N receive
+    engine.init_process_group()               # meet the peers of this one sync
+    engine.send_weights(named, version)       # rank 0
+    for name, tensor in engine.receive_weights(version): ...   # ranks 1..N
+    engine.finalize()                         # always, in a finally: tear the group down
+
+`session()` runs that bracket. Process groups live for one sync only, so a sync that failed
+half-way leaves nothing behind that could poison the next one.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
+
+import torch
+
+from lifecycle.errors import EngineError
+
+if TYPE_CHECKING:
+    from lifecycle.config import EngineConfig
+
+DEFAULT_BUCKET_BYTES = 2 * 1024**3
+ROLLOUT_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+}
+
+
+class TransportError(EngineError):
+    """The link itself failed: a peer died, a group could not form, or time ran out."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where the peers of one sync meet: the sender (rank 0) listens on host:port."""
+
+    host: str
+    port: int
+    receivers: int = 1
+    """How many rollout processes receive; they take ranks 1..receivers."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise EngineError(f"rendezvous port must be in 1..65535, got {self.port}")
+        if self.receivers < 1:
+            raise EngineError(f"a rendezvous needs at least one receiver, got {self.receivers}")
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """This process's place in one sync: rank 0 sends, every other rank receives."""
+
+    rank: int
+    world_size: int
+    rendezvous: Rendezvous | None
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def receivers(self) -> range:
+        return range(1, self.world_size)
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncStats:
+    """What one send delivered; the weight-sync transition's figures."""
+
+    backend: str
+    version: int
+    bytes: int
+    buckets: int
+    tensors: int
+    receivers: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def figures(self) -> dict[str, Any]:
+        return {"backend": self.backend, "bytes": self.bytes, "buckets": self.buckets,
+                "tensors": self.tensors, "receivers": self.receivers,
+                "seconds": round(self.seconds, 6), "gbps": round(self.gbps, 3), "version": self.version}
+
+
+class Incoming(Iterator[tuple[str, torch.Tensor]]):
+    """The named tensors of one sync, streamed bucket by bucket as they verify.
+
+    A tensor that fitted in one bucket is a view into that bucket: it is valid until the
+    iteration moves on to the next bucket, so a consumer copies it (as `load_weights` does).
+    `complete` turns true once the last tensor was read.
+    """
+
+    def __init__(self, engine: str, version: int) -> None:
+        self.engine = engine
+        self.version = version
+        self.tensors = 0
+        self.complete = False
+        self.stop_reason: str | None = None
+        self._source: Iterator[tuple[str, torch.Tensor]] = iter(())
+
+    def feed(self, source: Iterator[tuple[str, torch.Tensor]]) -> Incoming:
+        self._source = source
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        item = next(self._source)
+        self.tensors += 1
+        return item
+
+    def abort(self, reason: str) -> None:
+        """Stop reading; the engine drains what is still in flight and tells the sender why."""
+        self.stop_reason = reason
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
+
+class CheckpointEngine:
+    """Moves named tensors from one sender to any number of receivers, bucket by bucket."""
+
+    name: ClassVar[str] = "engine"
+    in_process: ClassVar[bool] = False
+    """True when sender and receivers live in one process (no rendezvous needed)."""
+
+    def __init__(
+        self,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        verify: bool = True,
+        timeout_s: float = 300.0,
+        rollout_dtype: str | torch.dtype | None = None,
+    ) -> None:
+        if bucket_bytes < 64:
+            raise EngineError(f"{self.name} engine: bucket_bytes must be at least 64, got {bucket_bytes}")
+        if not timeout_s > 0:
+            raise EngineError(f"{self.name} engine: timeout_s must be > 0, got {timeout_s}")
+        self.bucket_bytes = bucket_bytes
+        self.verify = verify
+        self.timeout_s = float(timeout_s)
+        self.rollout_dtype = _dtype(rollout_dtype, self.name)
+        self.topology: Topology | None = None
+        self.deadline = 0.0
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise `ConfigError` naming the missing package when this engine cannot run here."""
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> CheckpointEngine:
+        return cls(bucket_bytes=config.bucket_bytes, verify=config.verify, timeout_s=config.timeout_s,
+                   rollout_dtype=config.rollout_dtype, **kwargs)
+
+    def prepare(self) -> dict[str, Any]:
+        """Allocate what the engine holds across a sync; returns metadata for logs."""
+        return {"backend": self.name, "bucket_bytes": self.bucket_bytes, "verify": self.verify}
+
+    def build_topology(self, rendezvous: Rendezvous | None, rank: int) -> Topology:
+        world_size = 1 if rendezvous is None else rendezvous.receivers + 1
+        if rendezvous is None and not self.in_process:
+            raise EngineError(f"{self.name} engine: needs a Rendezvous(host, port, receivers) to meet its peers")
+        if not 0 <= rank < world_size and not self.in_process:
+            raise EngineError(f"{self.name} engine: rank {rank} is outside 0..{world_size - 1} "
+                              f"(rank 0 sends, 1..{world_size - 1} receive)")
+        self.topology = Topology(rank, world_size, rendezvous)
+        return self.topology
+
+    def init_process_group(self) -> None:
+        """Join this sync's peers; starts the sync's clock (`timeout_s` from here)."""
+        self.deadline = time.monotonic() + self.timeout_s
+
+    def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
+        raise NotImplementedError
+
+    def receive_weights(self, version: int | None = None) -> Incoming:
+        raise NotImplementedError
+
+    def finalize(self) -> None:
+        """Tear down everything of this sync; safe to call twice and after a failure."""
+        self.topology = None
+
+    @contextmanager
+    def session(self, rendezvous: Rendezvous | None, rank: int) -> Iterator[Topology]:
+        """prepare -> build_topology -> init_process_group, and finalize however it ends."""
+        try:
+            self.prepare()
+            topology = self.build_topology(rendezvous, rank)
+            self.init_process_group()
+            yield topology
+        finally:
+            self.finalize()
+
+    def remaining(self, what: str) -> float:
+        """Seconds left of this sync; a `TransportError` naming `what` once none are."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TransportError(f"{self.name} engine: {what} did not finish within timeout_s={self.timeout_s:g}")
+        return left
+
+    def wire_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        """The dtype a tensor travels in: floating tensors take the rollout dtype when set."""
+        if self.rollout_dtype is not None and tensor.is_floating_point():
+            return self.rollout_dtype
+        return tensor.dtype
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(bucket_bytes={self.bucket_bytes}, verify={self.verify})"
+
+
+def _dtype(value: str | torch.dtype | None, engine: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    try:
+        return ROLLOUT_DTYPES[value]
+    except KeyError:
+        raise EngineError(f"{engine} engine: rollout_dtype {value!r} is not one of "
+                          f"{', '.join(ROLLOUT_DTYPES)}") from None
+
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES", "CheckpointEngine", "Incoming", "Rendezvous", "SyncStats",
+    "Topology", "TransportError",
+]

@@ -1,0 +1,232 @@
+"""Flat transfer buckets: the plan both sides agree on, packing, checksums, and rejoining chunks.
+
+A bucket is one flat byte buffer: a 64-byte header (magic, version, bucket index, bytes used,
+checksum) and then the tensors, each at a 64-byte aligned offset. A tensor that fits in a
+bucket travels whole; one larger than a bucket is split into chunks across consecutive
+buckets and rejoined by the receiver. The plan (names, dtypes, shapes, where every piece
+sits) is computed from tensor metadata alone, before any byte is packed, so the sender can
+pack bucket k+1 while bucket k is on the wire.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from lifecycle.errors import EngineError
+
+ALIGN = 64
+HEADER_BYTES = 64
+MAGIC = 0x4C43_5753_0000_0001
+_MASK = (1 << 64) - 1
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+              torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+              torch.float8_e4m3fn, torch.float8_e5m2)
+}
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """A tensor as it travels: its name, wire dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Bytes [start, start + nbytes) of tensor `index`, at `offset` of a bucket's data region."""
+
+    index: int
+    offset: int
+    start: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Where every byte of one sync travels; sent ahead of the first bucket.
+
+    It depends only on the tensors' names, dtypes and shapes, so a trainer whose weights keep
+    their shapes sends the same plan every sync, and both sides reuse what they built from it.
+    """
+
+    bucket_bytes: int
+    verify: bool
+    tensors: list[TensorMeta]
+    buckets: list[list[Piece]]
+
+    def used(self, k: int) -> int:
+        """Bytes of bucket k's data region that travel (aligned, so checksums see whole words)."""
+        last = self.buckets[k][-1]
+        return align(last.offset + last.nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(meta.nbytes for meta in self.tensors)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({
+            "bucket_bytes": self.bucket_bytes, "verify": self.verify,
+            "tensors": [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape)] for m in self.tensors],
+            "buckets": [[[p.index, p.offset, p.start, p.nbytes] for p in bucket] for bucket in self.buckets],
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, engine: str) -> Plan:
+        try:
+            data = json.loads(raw)
+            tensors = [TensorMeta(name, _DTYPES[dtype], tuple(int(s) for s in shape))
+                       for name, dtype, shape in data["tensors"]]
+            buckets = [[Piece(*(int(v) for v in piece)) for piece in bucket] for bucket in data["buckets"]]
+            plan = cls(int(data["bucket_bytes"]), bool(data["verify"]), tensors, buckets)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{engine} engine: the sender's plan is malformed: {exc!r}") from exc
+        plan._check(engine)
+        return plan
+
+    def _check(self, engine: str) -> None:
+        """A receiver writes where the plan says: refuse any piece that would land out of bounds."""
+        for k, bucket in enumerate(self.buckets):
+            for p in bucket:
+                if not (0 <= p.index < len(self.tensors) and p.offset % ALIGN == 0 and p.start >= 0
+                        and 0 <= p.nbytes and p.offset + p.nbytes <= self.bucket_bytes
+                        and p.start + p.nbytes <= self.tensors[p.index].nbytes):
+                    raise EngineError(f"{engine} engine: plan piece {p} of bucket {k} is out of bounds")
+
+
+def make_plan(metas: Sequence[TensorMeta], bucket_bytes: int, verify: bool) -> Plan:
+    """Lay tensors out in order: whole when they fit a bucket, else in chunks filling buckets."""
+    buckets: list[list[Piece]] = [[]]
+    used = 0
+    for index, meta in enumerate(metas):
+        size, step = meta.nbytes, meta.dtype.itemsize
+        if size <= bucket_bytes and align(used) + size > bucket_bytes:
+            buckets.append([])
+            used = 0
+        start = 0
+        while True:
+            offset = align(used)
+            room = (bucket_bytes - offset) // step * step
+            if room <= 0:
+                buckets.append([])
+                used = 0
+                continue
+            n = min(room, size - start)
+            buckets[-1].append(Piece(index, offset, start, n))
+            used, start = offset + n, start + n
+            if start >= size:
+                break
+    return Plan(bucket_bytes, verify, list(metas), [b for b in buckets if b])
+
+
+class Layout:
+    """A plan bound to the two bucket slots: one typed view per piece, built once and reused.
+
+    Bucket k lives in slot k % 2. Building the views costs a few microseconds per tensor;
+    for thousands of tensors that is as much as copying their bytes, so both sides keep the
+    layout while the plan and the slots stay the same.
+    """
+
+    def __init__(self, plan: Plan, slots: Sequence[torch.Tensor]) -> None:
+        self.plan = plan
+        self.raw = plan.to_bytes()
+        self.slots = list(slots)
+        self.views = [[self._view(k, p) for p in bucket] for k, bucket in enumerate(plan.buckets)]
+        self._partial: dict[int, torch.Tensor] = {}
+
+    def _view(self, k: int, p: Piece) -> torch.Tensor:
+        meta = self.plan.tensors[p.index]
+        data = self.slots[k % len(self.slots)][HEADER_BYTES + p.offset:HEADER_BYTES + p.offset + p.nbytes]
+        typed = data.view(meta.dtype)
+        return typed.view(meta.shape) if p.nbytes == meta.nbytes else typed
+
+    def fits(self, slots: Sequence[torch.Tensor]) -> bool:
+        return len(slots) == len(self.slots) and all(a is b for a, b in zip(slots, self.slots))
+
+    def pack(self, k: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy bucket k's pieces into its slot, casting to the wire dtype."""
+        for p, dst in zip(self.plan.buckets[k], self.views[k]):
+            src = tensors[p.index].detach()
+            if p.nbytes == self.plan.tensors[p.index].nbytes:
+                dst.copy_(src)
+            else:
+                step = dst.element_size()
+                dst.copy_(src.reshape(-1)[p.start // step:(p.start + p.nbytes) // step])
+
+    def reset(self) -> None:
+        """Forget chunks of a tensor an aborted receive left half-joined."""
+        self._partial.clear()
+
+    def unpack(self, k: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Bucket k's tensors: views into its slot, or, for a chunked tensor, the rejoined whole."""
+        for p, view in zip(self.plan.buckets[k], self.views[k]):
+            meta = self.plan.tensors[p.index]
+            if p.nbytes == meta.nbytes:
+                yield meta.name, view
+                continue
+            whole = self._partial.get(p.index)
+            if whole is None:
+                whole = self._partial[p.index] = torch.empty(meta.shape, dtype=meta.dtype, device=view.device)
+            step = meta.dtype.itemsize
+            whole.view(-1)[p.start // step:(p.start + p.nbytes) // step].copy_(view)
+            if p.start + p.nbytes == meta.nbytes:
+                yield meta.name, self._partial.pop(p.index)
+
+    def names(self, k: int) -> list[str]:
+        return [self.plan.tensors[p.index].name for p in self.plan.buckets[k]]
+
+
+def write_header(slot: torch.Tensor, version: int, k: int, used: int, digest: int) -> None:
+    words = [MAGIC, version, k, used, digest, 0, 0, 0]
+    signed = [w - (1 << 64) if w >= 1 << 63 else w for w in words]
+    slot[:HEADER_BYTES].copy_(torch.tensor(signed, dtype=torch.int64).view(torch.uint8))
+
+
+def read_header(slot: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(magic, version, bucket index, bytes used, checksum) as unsigned integers."""
+    words = [w & _MASK for w in slot[:HEADER_BYTES].view(torch.int64).tolist()]
+    return words[0], words[1], words[2], words[3], words[4]
+
+
+def xxh3_digest(data: torch.Tensor) -> int:
+    """xxh3_64 of a CPU byte tensor, read in place (xxhash releases the GIL while it hashes)."""
+    return xxhash.xxh3_64_intdigest(data.numpy())
+
+
+def word_sum_digest(data: torch.Tensor) -> int:
+    """A 64-bit checksum computed on the tensor's own device, for buckets in GPU/NPU memory.
+
+    xxh3 needs host memory; copying a device bucket to the host to hash it would cost more
+    than the transfer. This sums the data as 64-bit words (which catches flipped or stale
+    bytes) and weights the sum of each 1 MiB block by its position (which catches blocks
+    landing in the wrong place). `data` is a whole number of 64-byte blocks.
+    """
+    words = data.view(torch.int64)
+    block = 1 << 17
+    full = words.numel() // block
+    sums = words[:full * block].view(full, block).sum(dim=1)
+    tail = words[full * block:].sum()
+    weights = torch.arange(1, full + 1, dtype=torch.int64, device=data.device)
+    plain = sums.sum() + tail
+    weighted = (sums * weights).sum() + tail * (full + 1)
+    a, b = (int(v) & _MASK for v in torch.stack([plain, weighted]).tolist())
+    return ((a * 0x9E37_79B9_7F4A_7C15) & _MASK) ^ b

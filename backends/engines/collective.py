@@ -1,0 +1,92 @@
+"""Engines whose data plane is a torch.distributed process group: one broadcast per bucket.
+
+The group is private to one sync: built on a prefix of the sync's own store (never the
+default group a trainer uses for training), and aborted in `finalize`, so a sync that failed
+half-way cannot leave a broken group behind for the next one.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from backends.engines.base import Topology, TransportError
+from backends.engines.buckets import word_sum_digest
+from backends.engines.pipeline import SLOTS, BucketEngine
+
+
+class GroupEngine(BucketEngine):
+    """A `BucketEngine` over a process group that a subclass builds for its device."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.group: Any = None
+
+    def _make_group(self, store: Any, topology: Topology, timeout: timedelta) -> Any:
+        """A backend object (ProcessGroupGloo, ProcessGroupNCCL, ...) with `broadcast`."""
+        raise NotImplementedError
+
+    def _connect(self, topology: Topology) -> None:
+        import torch.distributed as dist
+
+        store = dist.PrefixStore("group", self._control().store)
+        timeout = timedelta(seconds=self.remaining("forming the process group"))
+        try:
+            self.group = self._make_group(store, topology, timeout)
+        except (RuntimeError, ValueError) as exc:
+            self.remaining("forming the process group")
+            raise TransportError(f"{self.name} engine: rank {topology.rank} could not form the process "
+                                 f"group of {topology.world_size}: {exc}") from exc
+
+    def _disconnect(self) -> None:
+        """Abort the group and drop it: gloo closes its connections, so peers fail at once,
+        only when the last reference (the group's, and each transfer's) goes."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.abort()
+
+    def _broadcast(self, k: int, nbytes: int) -> Any:
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        try:
+            return self.group.broadcast([self.slots[k % SLOTS][:nbytes]], options)
+        except RuntimeError as exc:
+            raise TransportError(f"{self.name} engine: bucket {k} could not start: {exc}") from exc
+
+    def _start_send(self, k: int, nbytes: int) -> Any:
+        return self._broadcast(k, nbytes)
+
+    def _start_recv(self, k: int, nbytes: int) -> Any:
+        return self._broadcast(k, nbytes)
+
+    def _wait(self, handle: Any, what: str) -> None:
+        left = self.remaining(what)
+        try:
+            done = handle.wait(timedelta(seconds=left))
+        except RuntimeError as exc:
+            self.remaining(what)
+            raise TransportError(f"{self.name} engine: {what} failed: {exc}") from exc
+        if done is False:
+            raise TransportError(f"{self.name} engine: {what} did not finish within timeout_s={self.timeout_s:g}")
+
+
+class DeviceGroupEngine(GroupEngine):
+    """Buckets in accelerator memory; checksums are computed on the device, with no host copy."""
+
+    def __init__(self, *, device: int | str | torch.device | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._requested = device
+
+    def _current_device(self) -> torch.device:
+        raise NotImplementedError
+
+    def prepare(self) -> dict[str, Any]:
+        self.device = self._current_device() if self._requested is None else torch.device(self._requested)
+        return super().prepare()
+
+    def _digest(self, data: torch.Tensor) -> int:
+        return word_sum_digest(data)

@@ -1,0 +1,162 @@
+"""The small messages of a sync (version, plan, statuses, shm's bucket signals) over a TCPStore.
+
+The sender hosts one store on the rendezvous address for as long as its engine lives; each
+sync writes under its own prefix `sync{n}/`, opened with an `open` key and marked `closed`
+when the sender is done with it. A receiver remembers the last sync it took part in and
+joins the next one; a receiver that is new (or whose sender restarted) joins the newest sync
+that is not closed, or waits for the one after. Keeping the store avoids reconnecting, and
+with it racing a closing store, on every sync.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from backends.engines.base import Rendezvous, Topology, TransportError
+
+if TYPE_CHECKING:
+    from backends.engines.base import CheckpointEngine
+
+_RETRY_S = 0.05
+_POLL_S = 0.25
+_STORE_ERRORS = (RuntimeError, OSError)
+
+
+class ControlStore:
+    """One sync's keys: every wait ends by the sync's deadline, every failure is a `TransportError`."""
+
+    def __init__(self, engine: CheckpointEngine, base: Any, number: int) -> None:
+        import torch.distributed as dist
+
+        self.engine = engine
+        self.number = number
+        self.store = dist.PrefixStore(f"sync{number}", base)
+        self._written: list[str] = []
+
+    def set(self, key: str, value: bytes | str) -> None:
+        try:
+            self.store.set(key, value)
+        except _STORE_ERRORS as exc:
+            raise TransportError(f"{self.engine.name} engine: lost the rendezvous while setting {key!r}: {exc}") from exc
+        self._written.append(key)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        try:
+            return bytes(self.store.get(key))
+        except _STORE_ERRORS as exc:
+            raise TransportError(f"{self.engine.name} engine: lost the rendezvous while reading {key!r}: {exc}") from exc
+
+    def wait(self, keys: list[str], *, watch_closed: bool = False) -> None:
+        """Block until every key is set, at most until the sync's deadline.
+
+        With `watch_closed` (a receiver waiting on the sender), also stop, within a fraction of
+        a second, once the sender has closed this sync: it gave up and will set nothing more.
+        """
+        what = f"waiting for {keys[0]!r}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
+        while True:
+            left = self.engine.remaining(what)
+            try:
+                self.store.wait(keys, timedelta(seconds=min(left, _POLL_S) if watch_closed else left))
+                break
+            except _STORE_ERRORS as exc:
+                self.engine.remaining(what)
+                if not watch_closed:
+                    raise TransportError(f"{self.engine.name} engine: lost the rendezvous while {what}: "
+                                         f"{exc}") from exc
+            if self.is_set("closed"):
+                raise TransportError(f"{self.engine.name} engine: the sender gave up on sync {self.number} "
+                                     f"while this receiver was {what}")
+        self._written.extend(keys)
+
+    def is_set(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except _STORE_ERRORS as exc:
+            raise TransportError(f"{self.engine.name} engine: lost the rendezvous while checking {key!r}: "
+                                 f"{exc}") from exc
+
+    def close(self, *, sender: bool, clean: bool) -> None:
+        """The sender marks the sync closed; after a clean sync it also drops the sync's keys.
+
+        A failed sync keeps its keys: a receiver still reading one must fail by itself, not wait.
+        """
+        if not sender:
+            return
+        self.store.set("closed", b"1")
+        if clean:
+            for key in dict.fromkeys(self._written):
+                if key != "closed":
+                    self.store.delete_key(key)
+
+
+class StoreLink:
+    """An engine's connection to the rendezvous store, kept from one sync to the next."""
+
+    def __init__(self, engine: CheckpointEngine) -> None:
+        self.engine = engine
+        self.base: Any = None
+        self.address: tuple[str, int] | None = None
+        self.number = 0
+
+    def begin(self, topology: Topology) -> ControlStore:
+        """The control store of this process's next sync; opens it when this is the sender."""
+        rdv = topology.rendezvous
+        if rdv is None:
+            raise TransportError(f"{self.engine.name} engine: a sync across processes needs a Rendezvous")
+        if self.address != (rdv.host, rdv.port):
+            self.drop()
+        if topology.is_sender:
+            return self._open(rdv)
+        while True:
+            try:
+                return self._join(rdv)
+            except _STORE_ERRORS:
+                self.drop()
+                time.sleep(_RETRY_S)
+
+    def _open(self, rdv: Rendezvous) -> ControlStore:
+        import torch.distributed as dist
+
+        if self.base is None:
+            timeout = timedelta(seconds=self.engine.remaining("opening the rendezvous"))
+            try:
+                self.base = dist.TCPStore(rdv.host, rdv.port, None, True, timeout, wait_for_workers=False)
+            except _STORE_ERRORS as exc:
+                raise TransportError(f"{self.engine.name} engine: cannot host the rendezvous on "
+                                     f"{rdv.host}:{rdv.port}: {exc}") from exc
+            self.address = (rdv.host, rdv.port)
+        self.number += 1
+        control = ControlStore(self.engine, self.base, self.number)
+        self.base.set("latest", str(self.number))
+        control.set("open", b"1")
+        return control
+
+    def _join(self, rdv: Rendezvous) -> ControlStore:
+        """Raises the store's own errors, so `begin` reconnects (the sender may have restarted)."""
+        import torch.distributed as dist
+
+        what = f"joining a sync at {rdv.host}:{rdv.port}"
+        if self.base is None:
+            timeout = timedelta(seconds=self.engine.remaining(what))
+            self.base = dist.TCPStore(rdv.host, rdv.port, None, False, timeout, wait_for_workers=False)
+            self.address = (rdv.host, rdv.port)
+            self.number = 0
+        if self.number:
+            number = self.number + 1
+        else:
+            self.base.wait(["latest"], timedelta(seconds=self.engine.remaining(what)))
+            number = int(self.base.get("latest"))
+        while dist.PrefixStore(f"sync{number}", self.base).check(["closed"]):
+            number += 1
+        control = ControlStore(self.engine, self.base, number)
+        control.store.wait(["open"], timedelta(seconds=self.engine.remaining(what)))
+        self.number = number
+        return control
+
+    def drop(self) -> None:
+        self.base = None
+        self.address = None
+        self.number = 0

@@ -1,0 +1,56 @@
+"""`naive`: trainer and rollout in one process (a colocated, hybrid engine).
+
+Nothing crosses a process boundary, so there are no buckets and no checksums: each receiver
+is handed the trainer's tensors (cast to the rollout dtype when one is set) one at a time,
+and copies them into its own weights as `load_weights` does. Any number of in-process
+receivers may read one send.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from backends.engines.base import CheckpointEngine, Incoming, SyncStats
+from backends.engines.registry import CheckpointEngineRegistry
+from lifecycle.errors import EngineError
+
+
+@CheckpointEngineRegistry.register("naive")
+class NaiveEngine(CheckpointEngine):
+    """Hands tensors over by reference within one process."""
+
+    in_process = True
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._sent: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+
+    def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
+        start = time.perf_counter()
+        pairs = [(name, tensor.detach()) for name, tensor in named_tensors]
+        self._sent = (version, pairs)
+        size = sum(tensor.numel() * self.wire_dtype(tensor).itemsize for _, tensor in pairs)
+        return SyncStats(backend=self.name, version=version, bytes=size, buckets=0, tensors=len(pairs),
+                         receivers=0, seconds=time.perf_counter() - start)
+
+    def receive_weights(self, version: int | None = None) -> Incoming:
+        if self._sent is None:
+            raise EngineError("naive engine: nothing was sent in this process; call send_weights first")
+        sent_version, pairs = self._sent
+        if version is not None and version != sent_version:
+            raise EngineError(f"naive engine: expected weights v{version}, the sender sent v{sent_version}")
+        incoming = Incoming(self.name, sent_version)
+        return incoming.feed(self._stream(pairs, incoming))
+
+    def _stream(self, pairs: list[tuple[str, torch.Tensor]], incoming: Incoming) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in pairs:
+            yield name, tensor.to(self.wire_dtype(tensor))
+        incoming.complete = True
+
+    def finalize(self) -> None:
+        self._sent = None
+        super().finalize()

@@ -1,0 +1,36 @@
+"""`nccl`: buckets in CUDA memory, broadcast by a private NCCL group. Imports without CUDA."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from backends.engines.base import Topology
+from backends.engines.collective import DeviceGroupEngine
+from backends.engines.registry import CheckpointEngineRegistry
+from lifecycle.errors import ConfigError
+
+
+@CheckpointEngineRegistry.register("nccl")
+class NcclEngine(DeviceGroupEngine):
+    """One GPU per rank (NCCL refuses two ranks on one device); the current device by default."""
+
+    @classmethod
+    def check_available(cls) -> None:
+        import torch.distributed as dist
+
+        if not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()):
+            raise ConfigError("engine.backend", "checkpoint engine 'nccl' needs the package torch built with "
+                                                f"CUDA and NCCL, and a visible GPU; this is torch {torch.__version__}")
+
+    def _current_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _make_group(self, store: Any, topology: Topology, timeout: timedelta) -> Any:
+        import torch.distributed as dist
+
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, topology.rank, topology.world_size, options)

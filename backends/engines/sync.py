@@ -1,0 +1,144 @@
+"""Both ends of a weight sync: `WeightSync` for the trainer's `lc.sync_weights(target)`, and
+`receive_into` for the rollout worker that receives.
+
+The trainer's target is a `Rendezvous` for engines that cross processes (every rollout
+process runs `receive_into` against the same one), or the rollout object(s) themselves for the
+in-process `naive` engine. The rollout is paused while weights land, and marked stale when a
+sync fails part-way: it may hold some new tensors and some old ones, and must not serve them
+as either version. The next sync sends every tensor again, so it repairs that.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from backends.engines.base import CheckpointEngine, Rendezvous, SyncStats
+from backends.engines.registry import CheckpointEngineRegistry
+from lifecycle.errors import EngineError
+from lifecycle.types import RolloutTarget
+
+if TYPE_CHECKING:
+    from lifecycle.config import EngineConfig
+
+
+class WeightSync:
+    """The `WeightSyncer` a `Lifecycle` drives: one engine session per sync, finalized in `finally`."""
+
+    def __init__(self, engine: CheckpointEngine, *, profile_dir: str | os.PathLike[str] | None = None) -> None:
+        self.engine = engine
+        self.profile_dir = profile_dir
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model: Any = None) -> WeightSync:
+        """The engine `config.backend` names; `auto` picks by the device `model`'s weights are on."""
+        name = CheckpointEngineRegistry.resolve(config.backend, device_type(model))
+        engine = CheckpointEngineRegistry.get(name).from_config(config)
+        return cls(engine, profile_dir=config.profile_dir if config.profile else None)
+
+    def sync(self, named_tensors: Iterable[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        with profiled(self.profile_dir, f"weight_sync_{self.engine.name}_v{version}_send"):
+            if self.engine.in_process:
+                stats = self._sync_local(named_tensors, target, version)
+            else:
+                stats = self._sync_remote(named_tensors, target, version)
+        stats.seconds = time.perf_counter() - start
+        return stats.figures()
+
+    def _sync_remote(self, named_tensors: Iterable[tuple[str, Any]], target: Any, version: int) -> SyncStats:
+        if not isinstance(target, Rendezvous):
+            raise EngineError(f"{self.engine.name} engine sends to other processes: sync_weights needs a "
+                              f"Rendezvous(host, port, receivers) as its target, got {type(target).__name__}")
+        with self.engine.session(target, rank=0):
+            return self.engine.send_weights(named_tensors, version)
+
+    def _sync_local(self, named_tensors: Iterable[tuple[str, Any]], target: Any, version: int) -> SyncStats:
+        rollouts: Sequence[Any] = target if isinstance(target, (list, tuple)) else [target]
+        with self.engine.session(None, rank=0):
+            stats = self.engine.send_weights(named_tensors, version)
+            for rollout in rollouts:
+                receive_into(self.engine, rollout, version=version)
+        stats.receivers = len(rollouts)
+        return stats
+
+    def close(self) -> None:
+        self.engine.finalize()
+
+
+def receive_into(
+    engine: CheckpointEngine,
+    rollout: RolloutTarget,
+    rendezvous: Rendezvous | None = None,
+    *,
+    rank: int = 1,
+    version: int | None = None,
+    profile_dir: str | os.PathLike[str] | None = None,
+) -> int:
+    """The rollout side of one sync: pause, receive and verify, load, take the version, resume.
+
+    Returns the version received. On any failure the rollout is marked stale and the error
+    propagates; it is resumed either way. `version=None` accepts what the sender sends.
+    """
+    rollout.pause()
+    try:
+        with profiled(profile_dir, f"weight_sync_{engine.name}_receive_rank{rank}"):
+            if engine.in_process:
+                received = _load(engine, rollout, version)
+            else:
+                with engine.session(rendezvous, rank):
+                    received = _load(engine, rollout, version)
+        rollout.weights_version = received
+        rollout.stale = False
+        return received
+    except BaseException:
+        rollout.mark_stale()
+        raise
+    finally:
+        rollout.resume()
+
+
+def _load(engine: CheckpointEngine, rollout: RolloutTarget, version: int | None) -> int:
+    incoming = engine.receive_weights(version)
+    try:
+        rollout.load_weights(incoming)
+    except BaseException as exc:
+        incoming.abort(f"the rollout's load_weights raised {type(exc).__name__}: {exc}")
+        raise
+    if not incoming.complete:
+        incoming.abort(f"the rollout's load_weights returned after {incoming.tensors} tensors")
+        raise EngineError(f"{engine.name} engine: the rollout's load_weights returned after {incoming.tensors} "
+                          "tensors, before the last one; it holds a partial update")
+    return incoming.version
+
+
+@contextmanager
+def profiled(folder: str | os.PathLike[str] | None, label: str) -> Iterator[None]:
+    """Record a torch.profiler trace of the block into `folder` (Chrome trace JSON); None: off."""
+    if folder is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities)
+    try:
+        with profiler:
+            yield
+    finally:
+        profiler.export_chrome_trace(str(out / f"{label}_pid{os.getpid()}.json"))
+
+
+def device_type(model: Any) -> str:
+    """The device type of a module's first parameter; cpu for anything else."""
+    parameters = getattr(model, "parameters", None)
+    first = next(iter(parameters()), None) if callable(parameters) else None
+    return "cpu" if first is None else first.device.type

@@ -1,0 +1,203 @@
+"""Weight-sync throughput: our engines against the transport's own limits, in one run.
+
+One sender (this process) and one receiver (a spawned process) on this host. The weights
+are `--gib` GiB of float32 tensors (default 1 GiB in 4096 tensors of mixed sizes: two
+embedding-like tensors of 1/16 of the total each, the rest log-uniform over three decades).
+
+- gloo engine against (a) one broadcast of a single flat tensor of the same bytes over a
+  gloo group (the transport's limit) and (b) one broadcast per tensor (the naive way);
+- shm engine against one memcpy of the same bytes (torch `copy_`, this process).
+
+Engine times run from the first byte packed to the last receiver's verdict (every bucket
+verified against its checksum); the group's setup is timed apart, as the baselines' is not
+timed at all. The receiver takes every tensor (a view into a verified bucket) and does not
+copy it into a model: that copy is the rollout's own `load_weights`, the same whichever way
+the bytes came.
+
+    python examples/bench/weight_sync.py                   # 1 GiB, 64 MiB buckets
+    python examples/bench/weight_sync.py --gib 0.25 --repeat 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from backends.engines import CheckpointEngine, CheckpointEngineRegistry, Rendezvous, receive_into
+
+HOST = "127.0.0.1"
+ENGINES = ("gloo", "shm")
+
+
+def make_tensors(total: int, count: int) -> list[tuple[str, torch.Tensor]]:
+    """`count` float32 tensors of mixed sizes adding up to `total` bytes (a multiple of 4)."""
+    rng = np.random.default_rng(0)
+    embed = total // 16 // 4
+    weights = np.exp(rng.uniform(0.0, np.log(1000.0), count - 2))
+    rest = total // 4 - 2 * embed
+    sizes = np.maximum(1, (weights / weights.sum() * rest).astype(np.int64))
+    sizes[np.argmax(sizes)] += rest - int(sizes.sum())
+    numels = [embed, embed, *sizes.tolist()]
+    return [(f"layer.{i}.weight", torch.rand(n)) for i, n in enumerate(numels)]
+
+
+class _Reader:
+    """A rollout that takes every tensor (already verified by the engine) and keeps nothing."""
+
+    weights_version = 0
+    stale = False
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def mark_stale(self) -> None:
+        self.stale = True
+
+    def load_weights(self, named_tensors: Any) -> None:
+        for _ in named_tensors:
+            pass
+
+
+def _group(port: int, rank: int) -> Any:
+    store = dist.TCPStore(HOST, port, 2, rank == 0, timedelta(seconds=120))
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=120)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+    return store, dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def _barrier(group: Any) -> None:
+    group.allreduce([torch.zeros(1)]).wait()
+
+
+def _broadcast(group: Any, tensors: list[torch.Tensor]) -> None:
+    for tensor in tensors:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        group.broadcast([tensor], options).wait()
+
+
+def _engine(name: str, bucket: int) -> CheckpointEngine:
+    return CheckpointEngineRegistry.new(name, bucket_bytes=bucket, timeout_s=600)
+
+
+def receiver(args: argparse.Namespace, ports: tuple[int, int]) -> None:
+    torch.set_num_threads(args.threads)
+    tensors = make_tensors(args.total, args.tensors)
+    flat = torch.empty(args.total, dtype=torch.uint8)
+    landing = [torch.empty_like(t) for _, t in tensors]
+    _, group = _group(ports[0], 1)
+    engines = {name: _engine(name, args.bucket) for name in ENGINES}
+    for _ in range(args.repeat + 1):
+        for name in ("flat", "per_tensor", *ENGINES):
+            _barrier(group)
+            if name == "flat":
+                _broadcast(group, [flat])
+            elif name == "per_tensor":
+                _broadcast(group, landing)
+            else:
+                receive_into(engines[name], _Reader(), Rendezvous(HOST, ports[1]), rank=1)
+            _barrier(group)
+
+
+def _timed_engine(engine: CheckpointEngine, port: int, tensors: list[tuple[str, torch.Tensor]],
+                  version: int) -> tuple[float, float]:
+    """(setup seconds, transfer seconds) of one engine sync, sender side."""
+    start = time.perf_counter()
+    with engine.session(Rendezvous(HOST, port), rank=0):
+        ready = time.perf_counter()
+        engine.send_weights(tensors, version)
+        done = time.perf_counter()
+    return ready - start, done - ready
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def sender(args: argparse.Namespace, ports: tuple[int, int]) -> dict[str, list[float]]:
+    tensors = make_tensors(args.total, args.tensors)
+    flat = torch.empty(args.total, dtype=torch.uint8).fill_(7)
+    copy_dst = torch.empty_like(flat)
+    _, group = _group(ports[0], 0)
+    engines = {name: _engine(name, args.bucket) for name in ENGINES}
+    times: dict[str, list[float]] = {k: [] for k in ("flat", "per_tensor", *ENGINES, "memcpy", "setup")}
+    for rep in range(args.repeat + 1):
+        got: dict[str, float] = {}
+        for name in ("flat", "per_tensor", *ENGINES):
+            _barrier(group)
+            if name == "flat":
+                got[name] = _timed(lambda: (_broadcast(group, [flat]), _barrier(group)))
+                continue
+            if name == "per_tensor":
+                got[name] = _timed(lambda: (_broadcast(group, [t for _, t in tensors]), _barrier(group)))
+                continue
+            got["setup"], got[name] = _timed_engine(engines[name], ports[1], tensors, rep + 1)
+            _barrier(group)
+        got["memcpy"] = _timed(lambda: ctypes.memmove(copy_dst.data_ptr(), flat.data_ptr(), args.total))
+        if rep:  # the first round touches every buffer once; first touches are not transfers
+            for key, seconds in got.items():
+                times[key].append(seconds)
+    return times
+
+
+def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
+    gbps = {k: args.total / statistics.median(v) / 1e9 for k, v in times.items() if k != "setup"}
+    print(f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors, buckets of "
+          f"{args.bucket / 2**20:g} MiB, median of {args.repeat}, torch threads {args.threads}")
+    for key, label in (("gloo", "gloo engine"), ("flat", "(a) one flat broadcast"),
+                       ("per_tensor", "(b) one broadcast per tensor"), ("shm", "shm engine"),
+                       ("memcpy", "one memcpy")):
+        spread = ", ".join(f"{args.total / s / 1e9:.2f}" for s in times[key])
+        print(f"  {label:32s} {gbps[key]:7.2f} GB/s   (runs: {spread})")
+    print(f"  engine group setup (not in the figures above): {statistics.median(times['setup']) * 1e3:.1f} ms")
+    checks = (("gloo / (a) flat broadcast", gbps["gloo"] / gbps["flat"], 0.9),
+              ("gloo / (b) per-tensor broadcast", gbps["gloo"] / gbps["per_tensor"], 5.0),
+              ("shm / memcpy", gbps["shm"] / gbps["memcpy"], 0.7))
+    for label, ratio, target in checks:
+        print(f"  {label:32s} {ratio:6.2f}x   target >= {target:g}x: {'met' if ratio >= target else 'NOT met'}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=1.0, help="total weight bytes, in GiB")
+    parser.add_argument("--tensors", type=int, default=4096)
+    parser.add_argument("--bucket-mib", type=float, default=64.0, help="engine.bucket_bytes, in MiB")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
+    args = parser.parse_args()
+    args.total = int(args.gib * 2**30) // 4 * 4
+    args.bucket = int(args.bucket_mib * 2**20)
+    torch.set_num_threads(args.threads)
+    ports = (_free_port(), _free_port())
+    child = mp.get_context("spawn").Process(target=receiver, args=(args, ports), daemon=True)
+    child.start()
+    try:
+        times = sender(args, ports)
+    finally:
+        child.join(60)
+    report(args, times)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""What the engine tests share: a tiny Qwen2, a rollout around it, and a sync run in threads.
+
+Thread runs put the sender in the test's thread and each receiver in a thread of its own, all
+in this process: the engines still meet through their real store and process groups on
+loopback, in milliseconds instead of a process spawn. Every thread has a deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from backends.engines import CheckpointEngine, CheckpointEngineRegistry, Rendezvous, WeightSync, receive_into
+from lifecycle.testing import MemoryRollout
+from tests.backends.dist_util import free_port
+
+TINY_QWEN2 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+PROMPT = [[3, 14, 15, 92, 65, 35]]
+
+
+def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)).eval()
+
+
+def train_step(model: torch.nn.Module, seed: int) -> None:
+    """One AdamW step on random tokens: every weight moves."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, TINY_QWEN2["vocab_size"], (4, 16), generator=gen)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    model.eval()
+
+
+def greedy(model: torch.nn.Module) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor(PROMPT), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    return [int(t) for t in out[0]]
+
+
+def digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    state = xxhash.xxh3_64()
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        state.update(name.encode())
+        state.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return state.hexdigest()
+
+
+class ModelRollout(MemoryRollout):
+    """A rollout serving a transformers model; `load_weights` copies into it by name."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                state[name].copy_(tensor)
+
+    def generate(self) -> list[int]:
+        """Greedy tokens; refuses, like `serve`, while stale or paused."""
+        self.serve()
+        return greedy(self.model)
+
+
+@dataclass
+class Run:
+    """What one threaded sync did on each side: figures or the error, per side."""
+
+    figures: dict[str, Any] | None = None
+    error: BaseException | None = None
+    versions: list[int | None] = field(default_factory=list)
+    errors: list[BaseException | None] = field(default_factory=list)
+
+
+def new_engine(name: str, **kwargs: Any) -> CheckpointEngine:
+    kwargs.setdefault("bucket_bytes", 4096)
+    kwargs.setdefault("timeout_s", 10.0)
+    return CheckpointEngineRegistry.new(name, **kwargs)
+
+
+def sync_threads(sender: CheckpointEngine | WeightSync, receivers: list[CheckpointEngine],
+                 named: list[tuple[str, torch.Tensor]], rollouts: list[Any] | None = None, *,
+                 version: int = 1, port: int | None = None, deadline_s: float = 30.0) -> Run:
+    """One sync: `sender` on this thread, receiver i (rank i + 1) on a thread of its own."""
+    rdv = Rendezvous("127.0.0.1", port or free_port(), receivers=len(receivers))
+    rollouts = rollouts if rollouts is not None else [MemoryRollout() for _ in receivers]
+    run = Run(versions=[None] * len(receivers), errors=[None] * len(receivers))
+
+    def receive(i: int) -> None:
+        try:
+            run.versions[i] = receive_into(receivers[i], rollouts[i], rdv, rank=i + 1)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            run.errors[i] = exc
+
+    threads = [threading.Thread(target=receive, args=(i,), daemon=True) for i in range(len(receivers))]
+    for thread in threads:
+        thread.start()
+    syncer = sender if isinstance(sender, WeightSync) else WeightSync(sender)
+    try:
+        run.figures = syncer.sync(iter(named), rdv, version)
+    except BaseException as exc:  # noqa: BLE001 - handed to the test
+        run.error = exc
+    for thread in threads:
+        thread.join(deadline_s)
+    hung = [i + 1 for i, thread in enumerate(threads) if thread.is_alive()]
+    if hung:
+        raise AssertionError(f"receiver rank(s) {hung} still running after {deadline_s}s")
+    return run
+
+
+def mixed_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Every shape of trouble: dtypes, a 0-d, an empty, a non-contiguous, a big one to chunk."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        ("embed.weight", torch.randn(300, 16, generator=gen)),
+        ("norm.weight", torch.rand(16, generator=gen, dtype=torch.float64)),
+        ("half", torch.randn(33, generator=gen).half()),
+        ("bf16", torch.randn(7, 5, generator=gen).bfloat16()),
+        ("ids", torch.randint(0, 1 << 40, (9,), generator=gen)),
+        ("mask", torch.rand(3, 4, generator=gen) > 0.5),
+        ("scalar", torch.tensor(2.5)),
+        ("empty", torch.empty(0, 3)),
+        ("transposed", torch.randn(6, 10, generator=gen).t()),
+        ("bytes", torch.randint(0, 255, (77,), generator=gen, dtype=torch.uint8)),
+    ]

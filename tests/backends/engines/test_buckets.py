@@ -1,0 +1,107 @@
+"""Plans, bucket layouts, headers and checksums, without any transport."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.engines.buckets import (
+    ALIGN, HEADER_BYTES, MAGIC, Layout, Plan, TensorMeta, align, make_plan, read_header, word_sum_digest,
+    write_header, xxh3_digest,
+)
+from lifecycle.errors import EngineError
+from tests.backends.engines.kit import mixed_tensors
+
+
+def _metas(named: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+    return [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in named]
+
+
+def _slots(bucket_bytes: int) -> list[torch.Tensor]:
+    return [torch.zeros(HEADER_BYTES + align(bucket_bytes), dtype=torch.uint8) for _ in range(2)]
+
+
+def _round_trip(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[Plan, dict[str, torch.Tensor]]:
+    """Pack each bucket and unpack it before the next one overwrites its slot, like the pipeline."""
+    plan = make_plan(_metas(named), bucket_bytes, verify=True)
+    sender = Layout(plan, _slots(bucket_bytes))
+    receiver = Layout(plan, sender.slots)
+    out: dict[str, torch.Tensor] = {}
+    for k in range(len(plan.buckets)):
+        sender.pack(k, [t for _, t in named])
+        out.update((name, t.clone()) for name, t in receiver.unpack(k))
+    return plan, out
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 100, 4096, 1 << 20])
+def test_every_dtype_and_shape_survives_packing_at_any_bucket_size(bucket_bytes: int) -> None:
+    named = mixed_tensors()
+    _, out = _round_trip(named, bucket_bytes)
+    assert list(out) == [name for name, _ in named]
+    for name, tensor in named:
+        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape
+        assert torch.equal(out[name], tensor), name
+
+
+def test_a_tensor_larger_than_a_bucket_is_split_into_chunks_and_rejoined() -> None:
+    big = torch.arange(5000, dtype=torch.float32)
+    plan, out = _round_trip([("small", torch.ones(3)), ("big", big), ("after", torch.zeros(2))], 4096)
+    pieces = [p for bucket in plan.buckets for p in bucket if p.index == 1]
+    assert len(pieces) == 5 and sum(p.nbytes for p in pieces) == big.numel() * 4
+    assert [p.start for p in pieces] == sorted(p.start for p in pieces)
+    assert all(p.nbytes % 4 == 0 for p in pieces)
+    assert torch.equal(out["big"], big)
+
+
+def test_a_tensor_that_fits_a_bucket_is_never_split_and_every_piece_is_aligned() -> None:
+    plan = make_plan(_metas([(f"t{i}", torch.ones(300)) for i in range(10)]), 4096, verify=True)
+    assert all(p.offset % ALIGN == 0 and p.offset + p.nbytes <= 4096 for bucket in plan.buckets for p in bucket)
+    assert sorted(p.index for bucket in plan.buckets for p in bucket) == list(range(10))
+    assert all(plan.used(k) <= align(4096) for k in range(len(plan.buckets)))
+
+
+def test_packing_casts_floating_tensors_to_the_wire_dtype_and_leaves_integers() -> None:
+    named = [("w", torch.randn(10)), ("ids", torch.arange(4))]
+    metas = [TensorMeta("w", torch.bfloat16, (10,)), TensorMeta("ids", torch.int64, (4,))]
+    plan = make_plan(metas, 1024, verify=True)
+    layout = Layout(plan, _slots(1024))
+    layout.pack(0, [t for _, t in named])
+    out = dict(layout.unpack(0))
+    assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], named[0][1].bfloat16())
+    assert torch.equal(out["ids"], named[1][1])
+
+
+def test_layout_views_live_inside_the_two_slots() -> None:
+    plan = make_plan(_metas(mixed_tensors()), 256, verify=True)
+    slots = _slots(256)
+    layout = Layout(plan, slots)
+    owners = {slot.untyped_storage().data_ptr() for slot in slots}
+    assert all(v.untyped_storage().data_ptr() in owners for views in layout.views for v in views)
+    assert layout.fits(slots) and not layout.fits(_slots(256))
+
+
+def test_a_plan_survives_its_wire_form_and_an_out_of_bounds_one_is_refused() -> None:
+    plan = make_plan(_metas(mixed_tensors()), 512, verify=False)
+    assert Plan.from_bytes(plan.to_bytes(), "gloo") == plan
+    bad = plan.to_bytes().replace(b'"bucket_bytes":512', b'"bucket_bytes":64')
+    with pytest.raises(EngineError, match=r"gloo engine: plan piece .* out of bounds"):
+        Plan.from_bytes(bad, "gloo")
+    with pytest.raises(EngineError, match="gloo engine: the sender's plan is malformed"):
+        Plan.from_bytes(b'{"tensors": [["x", "not_a_dtype", [1]]]}', "gloo")
+
+
+def test_header_round_trips_unsigned_64_bit_checksums() -> None:
+    slot = torch.zeros(HEADER_BYTES + 64, dtype=torch.uint8)
+    write_header(slot, 7, 3, 64, (1 << 64) - 5)
+    assert read_header(slot) == (MAGIC, 7, 3, 64, (1 << 64) - 5)
+
+
+@pytest.mark.parametrize("checksum", [xxh3_digest, word_sum_digest])
+def test_checksums_catch_a_flipped_bit_and_swapped_blocks(checksum: object) -> None:
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    base = checksum(data)  # type: ignore[operator]
+    flipped = data.clone()
+    flipped[12345] ^= 1
+    swapped = torch.cat([data[1 << 20:2 << 20], data[:1 << 20], data[2 << 20:]])
+    assert checksum(flipped) != base and checksum(swapped) != base  # type: ignore[operator]
+    assert checksum(data.clone()) == base  # type: ignore[operator]

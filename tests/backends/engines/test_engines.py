@@ -1,0 +1,272 @@
+"""The engines end to end in one process: the sender on the test's thread, receivers on threads.
+
+They still meet through a real rendezvous store and real gloo groups or shared memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from backends.engines import CheckpointEngine, Rendezvous, WeightSync, receive_into
+from backends.engines.buckets import HEADER_BYTES, align
+from backends.engines.gloo import GlooEngine
+from backends.engines.shm import ShmEngine
+from lifecycle import Lifecycle, State
+from lifecycle.errors import EngineError
+from lifecycle.testing import MemoryCheckpointer, MemoryRollout
+from tests.backends.dist_util import free_port
+from tests.backends.engines.kit import mixed_tensors, new_engine, sync_threads
+
+TRANSPORTS = ["gloo", "shm"]
+CLASSES: dict[str, type[CheckpointEngine]] = {"gloo": GlooEngine, "shm": ShmEngine}
+
+
+def _assert_delivered(rollout: MemoryRollout, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+    assert rollout.weights_version == version and not rollout.stale and not rollout.paused
+    served = rollout.serve()
+    for name, tensor in named:
+        assert served[name].dtype == tensor.dtype and torch.equal(served[name], tensor), name
+
+
+def _corrupting(name: str, bucket: int) -> CheckpointEngine:
+    """A sender whose bucket `bucket` has one byte flipped after its checksum was written."""
+
+    class Corrupting(CLASSES[name]):  # type: ignore[valid-type,misc]
+        corrupt: int | None = bucket
+
+        def _start_send(self, k: int, nbytes: int) -> Any:
+            if k == self.corrupt:
+                self.slots[k % 2][HEADER_BYTES + 5] ^= 0xFF
+            return super()._start_send(k, nbytes)
+
+    return Corrupting(bucket_bytes=4096, timeout_s=10)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_one_sender_delivers_every_tensor_to_every_receiver(name: str) -> None:
+    named = mixed_tensors()
+    rollouts = [MemoryRollout(), MemoryRollout()]
+    run = sync_threads(new_engine(name), [new_engine(name), new_engine(name)], named, rollouts, version=3)
+    assert run.error is None and run.errors == [None, None] and run.versions == [3, 3]
+    for rollout in rollouts:
+        _assert_delivered(rollout, named, 3)
+        assert rollout.calls == ["pause", "load_weights", "resume"]
+    figures = run.figures or {}
+    assert figures["backend"] == name and figures["receivers"] == 2 and figures["tensors"] == len(named)
+    assert figures["bytes"] == sum(t.numel() * t.element_size() for _, t in named)
+    assert figures["buckets"] > 4 and figures["seconds"] > 0 and figures["gbps"] >= 0
+
+
+def test_the_rollout_dtype_applies_to_floating_tensors_only() -> None:
+    named = mixed_tensors()
+    rollout = MemoryRollout()
+    run = sync_threads(new_engine("gloo", rollout_dtype="bfloat16"), [new_engine("gloo")], named, [rollout])
+    assert run.error is None
+    for name, tensor in named:
+        got = rollout.weights[name]
+        wanted = tensor.bfloat16() if tensor.is_floating_point() else tensor
+        assert got.dtype == wanted.dtype and torch.equal(got, wanted), name
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_each_side_holds_two_buckets_and_keeps_them_from_one_sync_to_the_next(name: str) -> None:
+    sender, receiver = new_engine(name), new_engine(name)
+    port = free_port()
+    seen = []
+    for version in (1, 2):
+        assert sync_threads(sender, [receiver], mixed_tensors(version), version=version, port=port).error is None
+        for engine in (sender, receiver):
+            assert [s.numel() for s in engine.slots] == [HEADER_BYTES + align(4096)] * 2  # type: ignore[attr-defined]
+        seen.append([s.data_ptr() for e in (sender, receiver) for s in e.slots])  # type: ignore[attr-defined]
+    assert seen[0] == seen[1]
+    sender.close()  # type: ignore[attr-defined]
+    assert sender.slots == []  # type: ignore[attr-defined]
+
+
+def test_packing_the_next_bucket_overlaps_the_transfer_of_this_one() -> None:
+    events: list[tuple[str, int]] = []
+
+    class Recording(GlooEngine):
+        def _start_send(self, k: int, nbytes: int) -> Any:
+            events.append(("packed", k))
+            return super()._start_send(k, nbytes)
+
+        def _wait(self, handle: Any, what: str) -> None:
+            super()._wait(handle, what)
+            events.append(("sent", int(what.split()[1])))
+
+    assert sync_threads(Recording(bucket_bytes=4096), [new_engine("gloo")], mixed_tensors()).error is None
+    buckets = max(k for kind, k in events if kind == "packed") + 1
+    assert buckets > 4
+    for k in range(1, buckets):
+        assert events.index(("packed", k)) < events.index(("sent", k - 1)), k
+    for k in range(2, buckets):
+        assert events.index(("sent", k - 2)) < events.index(("packed", k)), k
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_corrupted_bucket_applies_nothing_fails_both_sides_and_the_next_sync_repairs(name: str) -> None:
+    sender, receivers = _corrupting(name, bucket=0), [new_engine(name), new_engine(name)]
+    rollouts = [MemoryRollout(), MemoryRollout()]
+    port = free_port()
+    run = sync_threads(sender, receivers, mixed_tensors(), rollouts, version=1, port=port)
+    assert isinstance(run.error, EngineError)
+    assert f"{name} engine: 2 of 2 receiver(s) rejected weights v1" in str(run.error)
+    assert "rank 1: " in str(run.error) and "bucket 0 of" in str(run.error) and "failed its checksum" in str(run.error)
+    for rollout, error in zip(rollouts, run.errors):
+        assert isinstance(error, EngineError) and "nothing from it was applied" in str(error)
+        assert rollout.weights == {} and rollout.stale and not rollout.paused and rollout.weights_version == 0
+        with pytest.raises(RuntimeError, match="stale"):
+            rollout.serve()
+    sender.corrupt = None  # type: ignore[attr-defined]
+    run = sync_threads(sender, receivers, mixed_tensors(), rollouts, version=1, port=port)
+    assert run.error is None and run.versions == [1, 1]
+    for rollout in rollouts:
+        _assert_delivered(rollout, mixed_tensors(), 1)
+
+
+def test_a_corrupted_later_bucket_keeps_its_tensors_out_and_leaves_the_rollout_stale() -> None:
+    rollout = MemoryRollout()
+    run = sync_threads(_corrupting("gloo", bucket=2), [new_engine("gloo")], mixed_tensors(), [rollout])
+    assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
+    held = str(run.errors[0]).split("it holds ")[1].split(", ")
+    assert held and not set(held) & set(rollout.weights)
+    assert rollout.stale
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_sender_failing_mid_send_fails_its_receivers_quickly_and_leaves_them_stale(name: str) -> None:
+    class Crashing(CLASSES[name]):  # type: ignore[valid-type,misc]
+        def _send_bucket(self, layout: Any, k: int, tensors: Any, version: int) -> Any:
+            if k == 3:
+                raise RuntimeError("trainer crashed while packing bucket 3")
+            return super()._send_bucket(layout, k, tensors, version)
+
+    rollouts = [MemoryRollout(), MemoryRollout()]
+    start = time.monotonic()
+    receivers = [new_engine(name, timeout_s=20), new_engine(name, timeout_s=20)]
+    run = sync_threads(Crashing(bucket_bytes=4096, timeout_s=20), receivers, mixed_tensors(), rollouts)
+    assert time.monotonic() - start < 5
+    assert isinstance(run.error, RuntimeError) and "bucket 3" in str(run.error)
+    assert all(isinstance(error, EngineError) for error in run.errors)
+    assert all(rollout.stale and not rollout.paused for rollout in rollouts)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_receiver_that_never_comes_fails_the_sender_within_the_timeout(name: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=f"{name} engine: .*(timeout_s=1.5|could not form)"):
+        WeightSync(new_engine(name, timeout_s=1.5)).sync(iter(mixed_tensors()), Rendezvous("127.0.0.1", free_port()), 1)
+    assert time.monotonic() - start < 4
+
+
+def test_a_rollout_whose_load_weights_raises_fails_the_sync_with_its_reason() -> None:
+    class Broken(MemoryRollout):
+        def load_weights(self, named_tensors: Any) -> None:
+            for i, _ in enumerate(named_tensors):
+                if i == 2:
+                    raise ValueError("no parameter named 'half'")
+
+    good, broken = MemoryRollout(), Broken()
+    run = sync_threads(new_engine("gloo"), [new_engine("gloo"), new_engine("gloo")], mixed_tensors(), [good, broken])
+    assert isinstance(run.error, EngineError) and "1 of 2 receiver(s)" in str(run.error)
+    assert "rank 2: the rollout's load_weights raised ValueError: no parameter named 'half'" in str(run.error)
+    assert isinstance(run.errors[1], ValueError) and broken.stale
+    assert run.errors[0] is None and good.weights_version == 1 and not good.stale
+
+
+def test_a_rollout_that_stops_reading_early_is_a_partial_update() -> None:
+    class Lazy(MemoryRollout):
+        def load_weights(self, named_tensors: Any) -> None:
+            next(named_tensors)
+
+    rollout = Lazy()
+    run = sync_threads(new_engine("shm"), [new_engine("shm")], mixed_tensors(), [rollout])
+    assert isinstance(run.errors[0], EngineError) and "returned after 1 tensors" in str(run.errors[0])
+    assert isinstance(run.error, EngineError) and "returned after 1 tensors" in str(run.error)
+    assert rollout.stale
+
+
+def test_a_receiver_expecting_another_version_refuses_and_says_so() -> None:
+    rdv = Rendezvous("127.0.0.1", free_port())
+    rollout = MemoryRollout()
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            receive_into(new_engine("gloo"), rollout, rdv, version=5)
+        except EngineError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    with pytest.raises(EngineError, match="expected weights v5, the sender sends v1"):
+        WeightSync(new_engine("gloo")).sync(iter(mixed_tensors()), rdv, 1)
+    thread.join(10)
+    assert errors and rollout.stale and rollout.weights == {}
+
+
+def test_an_engine_across_processes_needs_a_rendezvous_target() -> None:
+    with pytest.raises(EngineError, match="gloo engine sends to other processes: .* got MemoryRollout"):
+        WeightSync(new_engine("gloo")).sync(iter(mixed_tensors()), MemoryRollout(), 1)
+
+
+def _lifecycle(config: dict[str, Any], **kwargs: Any) -> Lifecycle:
+    lc = Lifecycle(config, model=torch.nn.Linear(40, 30), checkpointer=MemoryCheckpointer(), **kwargs)
+    lc.init_load()
+    return lc
+
+
+def test_the_naive_engine_feeds_every_in_process_rollout_and_both_sides_take_the_version() -> None:
+    lc = _lifecycle({"engine": {"backend": "naive", "rollout_dtype": "float16"}})
+    rollouts = [MemoryRollout(), MemoryRollout()]
+    assert lc.sync_weights(rollouts) == 1 == lc.progress.weights_version
+    for rollout in rollouts:
+        assert rollout.weights_version == 1 and not rollout.stale
+        assert torch.equal(rollout.serve()["weight"], lc.parts.model.weight.half())
+    assert lc.history[-1].figures["receivers"] == 2
+
+
+def test_sync_weights_leaves_one_record_with_the_transfer_figures() -> None:
+    lc = _lifecycle({"engine": {"backend": "gloo", "bucket_bytes": 1024, "timeout_s": 10}})
+    with capture_logs() as logs:
+        version = _sync_lc(lc, free_port())
+    (record,) = [r for r in logs if r["event"] == "lifecycle.transition"]
+    assert record["trigger"] == "sync_weights" and record["ok"] and record["version"] == version == 1
+    assert record["backend"] == "gloo" and record["bytes"] == (40 * 30 + 30) * 4
+    assert record["buckets"] >= 5 and record["seconds"] > 0 and "gbps" in record and record["receivers"] == 1
+
+
+def _sync_lc(lc: Lifecycle, port: int) -> int:
+    rollout = MemoryRollout()
+    thread = threading.Thread(target=receive_into, args=(new_engine("gloo"), rollout, Rendezvous("127.0.0.1", port)),
+                              daemon=True)
+    thread.start()
+    version = lc.sync_weights(Rendezvous("127.0.0.1", port))
+    thread.join(10)
+    assert rollout.weights_version == version and lc.state is State.READY
+    return version
+
+
+def test_profiling_writes_a_trace_of_each_sync_into_the_configured_folder(tmp_path: Path) -> None:
+    lc = _lifecycle({"engine": {"backend": "naive", "profile": True, "profile_dir": str(tmp_path / "traces")}})
+    lc.sync_weights(MemoryRollout())
+    traces = list((tmp_path / "traces").glob("weight_sync_naive_v1_send_pid*.json"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+
+def test_a_failed_sync_fails_the_lifecycle_and_the_next_one_after_resume_succeeds() -> None:
+    lc = _lifecycle({"engine": {"backend": "gloo", "timeout_s": 1}})
+    lc.save(0)
+    with pytest.raises(EngineError):
+        lc.sync_weights(Rendezvous("127.0.0.1", free_port()))
+    assert lc.state is State.FAILED and lc.progress.weights_version == 0
+    lc.resume()
+    assert _sync_lc(lc, free_port()) == 1
