@@ -188,6 +188,10 @@ class CheckpointEngine:
         """Tear down everything of this sync; safe to call twice and after a failure."""
         self.topology = None
 
+    def close(self) -> None:
+        """Release everything kept between syncs; the engine may be used again after."""
+        self.finalize()
+
     @contextmanager
     def session(self, rendezvous: Rendezvous | None, rank: int) -> Iterator[Topology]:
         """prepare -> build_topology -> init_process_group, and finalize however it ends."""

@@ -4,7 +4,9 @@ The sender hosts one store on the rendezvous address for as long as its engine l
 sync writes under its own prefix `sync{n}/`, opened with an `open` key and marked `closed`
 when the sender is done with it. A receiver remembers the last sync it took part in and
 joins the next one; a receiver that is new (or whose sender restarted) joins the newest sync
-that is not closed, or waits for the one after. Keeping the store avoids reconnecting, and
+that is not closed. Joining claims the receiver's rank in that sync atomically: a process
+that replaces a dead rollout finds the rank claimed by its predecessor and waits for the next
+sync instead of walking into the middle of one. Keeping the store avoids reconnecting, and
 with it racing a closing store, on every sync.
 """
 
@@ -78,18 +80,18 @@ class ControlStore:
             raise TransportError(f"{self.engine.name} engine: lost the rendezvous while checking {key!r}: "
                                  f"{exc}") from exc
 
-    def close(self, *, sender: bool, clean: bool) -> None:
+    def close(self, topology: Topology, *, clean: bool) -> None:
         """The sender marks the sync closed; after a clean sync it also drops the sync's keys.
 
         A failed sync keeps its keys: a receiver still reading one must fail by itself, not wait.
         """
-        if not sender:
+        if not topology.is_sender:
             return
         self.store.set("closed", b"1")
         if clean:
-            for key in dict.fromkeys(self._written):
-                if key != "closed":
-                    self.store.delete_key(key)
+            claims = [f"joined/{rank}" for rank in topology.receivers]
+            for key in dict.fromkeys([*self._written, *claims]):
+                self.store.delete_key(key)
 
 
 class StoreLink:
@@ -112,7 +114,7 @@ class StoreLink:
             return self._open(rdv)
         while True:
             try:
-                return self._join(rdv)
+                return self._join(rdv, topology.rank)
             except _STORE_ERRORS:
                 self.drop()
                 time.sleep(_RETRY_S)
@@ -134,7 +136,7 @@ class StoreLink:
         control.set("open", b"1")
         return control
 
-    def _join(self, rdv: Rendezvous) -> ControlStore:
+    def _join(self, rdv: Rendezvous, rank: int) -> ControlStore:
         """Raises the store's own errors, so `begin` reconnects (the sender may have restarted)."""
         import torch.distributed as dist
 
@@ -149,12 +151,14 @@ class StoreLink:
         else:
             self.base.wait(["latest"], timedelta(seconds=self.engine.remaining(what)))
             number = int(self.base.get("latest"))
-        while dist.PrefixStore(f"sync{number}", self.base).check(["closed"]):
+        while True:
+            control = ControlStore(self.engine, self.base, number)
+            if not control.store.check(["closed"]):
+                control.store.wait(["open"], timedelta(seconds=self.engine.remaining(what)))
+                if control.store.add(f"joined/{rank}", 1) == 1:
+                    self.number = number
+                    return control
             number += 1
-        control = ControlStore(self.engine, self.base, number)
-        control.store.wait(["open"], timedelta(seconds=self.engine.remaining(what)))
-        self.number = number
-        return control
 
     def drop(self) -> None:
         self.base = None

@@ -138,8 +138,8 @@ class BucketEngine(CheckpointEngine):
             self._receiver = None
             self._in_flight.clear()
             self._disconnect()
-            if self.control is not None:
-                self.control.close(sender=topology is not None and topology.is_sender, clean=self._clean)
+            if self.control is not None and topology is not None:
+                self.control.close(topology, clean=self._clean)
             self.control = None
             self._prepared = False
             if not self.keeps_buckets:

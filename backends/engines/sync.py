@@ -69,7 +69,8 @@ class WeightSync:
         return stats
 
     def close(self) -> None:
-        self.engine.finalize()
+        """Called by `Lifecycle.close()`: the engine gives back its buckets and rendezvous."""
+        self.engine.close()
 
 
 def receive_into(

@@ -7,9 +7,13 @@ loopback, in milliseconds instead of a process spawn. Every thread has a deadlin
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -136,3 +140,26 @@ def mixed_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
         ("transposed", torch.randn(6, 10, generator=gen).t()),
         ("bytes", torch.randint(0, 255, (77,), generator=gen, dtype=torch.uint8)),
     ]
+
+
+def read_case(path: str | os.PathLike[str]) -> dict[str, Any]:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def die_mid_receive(case_path: str) -> None:
+    """A rollout process (rank 2) that SIGKILLs itself after taking three tensors of a sync.
+
+    It holds no model (one that dies needs none), so it starts without importing transformers.
+    """
+    case = read_case(case_path)
+
+    class Dying(MemoryRollout):
+        def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for i, _ in enumerate(named_tensors):
+                if i == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    rollout = Dying()
+    Path(case["victim_ready"]).touch()
+    receive_into(new_engine(case["engine"], **case["options"]), rollout,
+                 Rendezvous("127.0.0.1", case["port"], receivers=2), rank=2)
