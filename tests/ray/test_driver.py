@@ -26,6 +26,7 @@ from lifecycle.types import Parts
 from tests.ray.recipe import DigitsRecipe
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
 ROLES = ["actor", "critic"]
 
 
