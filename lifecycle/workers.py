@@ -164,6 +164,7 @@ class TrainerWorker(_Worker):
             engine = WeightSync.from_config(LifecycleConfig.coerce(spec.config).engine, parts.model)
         super().__init__(spec, parts, engine)
         self._commits: list[dict[str, Any]] = []
+        self._address: tuple[str, int] | None = None
 
     def start(self) -> int | None:
         """Resume from the newest complete step, or init-load when there is none."""
@@ -211,13 +212,15 @@ class TrainerWorker(_Worker):
         return list(self._commits)
 
     def rendezvous(self, receivers: int, host: str) -> Any:
-        """Where this sync's receivers meet the sender: `host` and a port free on it right now."""
+        """Where the receivers meet this sender: `host` and a port that was free on it when first
+        asked; the same for every sync of this worker, so the engine keeps its store open."""
         from backends.engines import Rendezvous
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        return Rendezvous(host, port, receivers)
+        if self._address is None or self._address[0] != host:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                self._address = (host, int(s.getsockname()[1]))
+        return Rendezvous(host, self._address[1], receivers)
 
     def sync(self, target: Any) -> dict[str, Any]:
         version = self.lc.sync_weights(target)
