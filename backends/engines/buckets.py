@@ -10,8 +10,9 @@ pack bucket k+1 while bucket k is on the wire.
 
 from __future__ import annotations
 
+import ctypes
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from lifecycle.errors import EngineError
 
 ALIGN = 64
 HEADER_BYTES = 64
+_FEED_BYTES = 4 << 20
 MAGIC = 0x4C43_5753_0000_0001
 _MASK = (1 << 64) - 1
 _DTYPES: dict[str, torch.dtype] = {
@@ -162,15 +164,32 @@ class Layout:
     def fits(self, slots: Sequence[torch.Tensor]) -> bool:
         return len(slots) == len(self.slots) and all(a is b for a, b in zip(slots, self.slots))
 
-    def pack(self, k: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy bucket k's pieces into its slot, casting to the wire dtype."""
+    def pack(self, k: int, tensors: Sequence[torch.Tensor],
+             packed: Callable[[torch.Tensor], object] | None = None) -> None:
+        """Copy bucket k's pieces into its slot, casting to the wire dtype.
+
+        `packed` is handed the bucket's data region in consecutive slices, every few MiB as
+        they are filled and up to `used(k)`, so a checksum can run while the rest is packed.
+        Host to host in the same dtype from contiguous memory, a piece is one memmove:
+        torch's `copy_` spreads every copy over its OpenMP threads, which on cores that also
+        run the transport (gloo's threads, the receivers) costs more than it gains.
+        """
+        slot = self.slots[k % len(self.slots)]
+        data, host, fed = slot[HEADER_BYTES:], slot.device.type == "cpu", 0
         for p, dst in zip(self.plan.buckets[k], self.views[k]):
             src = tensors[p.index].detach()
-            if p.nbytes == self.plan.tensors[p.index].nbytes:
+            if host and src.device.type == "cpu" and src.dtype == dst.dtype and src.is_contiguous():
+                ctypes.memmove(dst.data_ptr(), src.data_ptr() + p.start, p.nbytes)
+            elif p.nbytes == self.plan.tensors[p.index].nbytes:
                 dst.copy_(src)
             else:
                 step = dst.element_size()
                 dst.copy_(src.reshape(-1)[p.start // step:(p.start + p.nbytes) // step])
+            if packed is not None and p.offset + p.nbytes - fed >= _FEED_BYTES:
+                packed(data[fed:p.offset + p.nbytes])
+                fed = p.offset + p.nbytes
+        if packed is not None:
+            packed(data[fed:self.plan.used(k)])
 
     def reset(self) -> None:
         """Forget chunks of a tensor an aborted receive left half-joined."""

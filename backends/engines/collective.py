@@ -7,13 +7,14 @@ half-way cannot leave a broken group behind for the next one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from backends.engines.base import Topology, TransportError
-from backends.engines.buckets import word_sum_digest
+from backends.engines.buckets import HEADER_BYTES, Layout, word_sum_digest
 from backends.engines.pipeline import SLOTS, BucketEngine
 
 
@@ -75,7 +76,13 @@ class GroupEngine(BucketEngine):
 
 
 class DeviceGroupEngine(GroupEngine):
-    """Buckets in accelerator memory; checksums are computed on the device, with no host copy."""
+    """Buckets in accelerator memory; checksums are computed on the device, with no host copy.
+
+    The buckets go back to the caching allocator after each sync, where re-allocating them is
+    cheap, so a colocated rollout has that memory between syncs.
+    """
+
+    keeps_buckets = False
 
     def __init__(self, *, device: int | str | torch.device | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -90,3 +97,8 @@ class DeviceGroupEngine(GroupEngine):
 
     def _digest(self, data: torch.Tensor) -> int:
         return word_sum_digest(data)
+
+    def _pack(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor], verify: bool) -> int:
+        layout.pack(k, tensors)
+        used = layout.plan.used(k)
+        return self._digest(self.slots[k % SLOTS][HEADER_BYTES:HEADER_BYTES + used]) if verify else 0

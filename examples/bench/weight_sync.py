@@ -93,12 +93,12 @@ def _engine(name: str, bucket: int) -> CheckpointEngine:
     return CheckpointEngineRegistry.new(name, bucket_bytes=bucket, timeout_s=600)
 
 
-def receiver(args: argparse.Namespace, ports: tuple[int, int]) -> None:
+def receiver(args: argparse.Namespace, ports: dict[str, int]) -> None:
     torch.set_num_threads(args.threads)
     tensors = make_tensors(args.total, args.tensors)
     flat = torch.empty(args.total, dtype=torch.uint8)
     landing = [torch.empty_like(t) for _, t in tensors]
-    _, group = _group(ports[0], 1)
+    _, group = _group(ports["group"], 1)
     engines = {name: _engine(name, args.bucket) for name in ENGINES}
     for _ in range(args.repeat + 1):
         for name in ("flat", "per_tensor", *ENGINES):
@@ -108,7 +108,7 @@ def receiver(args: argparse.Namespace, ports: tuple[int, int]) -> None:
             elif name == "per_tensor":
                 _broadcast(group, landing)
             else:
-                receive_into(engines[name], _Reader(), Rendezvous(HOST, ports[1]), rank=1)
+                receive_into(engines[name], _Reader(), Rendezvous(HOST, ports[name]), rank=1)
             _barrier(group)
 
 
@@ -129,11 +129,11 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def sender(args: argparse.Namespace, ports: tuple[int, int]) -> dict[str, list[float]]:
+def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[float]]:
     tensors = make_tensors(args.total, args.tensors)
     flat = torch.empty(args.total, dtype=torch.uint8).fill_(7)
     copy_dst = torch.empty_like(flat)
-    _, group = _group(ports[0], 0)
+    _, group = _group(ports["group"], 0)
     engines = {name: _engine(name, args.bucket) for name in ENGINES}
     times: dict[str, list[float]] = {k: [] for k in ("flat", "per_tensor", *ENGINES, "memcpy", "setup")}
     for rep in range(args.repeat + 1):
@@ -146,7 +146,7 @@ def sender(args: argparse.Namespace, ports: tuple[int, int]) -> dict[str, list[f
             if name == "per_tensor":
                 got[name] = _timed(lambda: (_broadcast(group, [t for _, t in tensors]), _barrier(group)))
                 continue
-            got["setup"], got[name] = _timed_engine(engines[name], ports[1], tensors, rep + 1)
+            got["setup"], got[name] = _timed_engine(engines[name], ports[name], tensors, rep + 1)
             _barrier(group)
         got["memcpy"] = _timed(lambda: ctypes.memmove(copy_dst.data_ptr(), flat.data_ptr(), args.total))
         if rep:  # the first round touches every buffer once; first touches are not transfers
@@ -189,7 +189,7 @@ def main() -> None:
     args.total = int(args.gib * 2**30) // 4 * 4
     args.bucket = int(args.bucket_mib * 2**20)
     torch.set_num_threads(args.threads)
-    ports = (_free_port(), _free_port())
+    ports = {key: _free_port() for key in ("group", *ENGINES)}
     child = mp.get_context("spawn").Process(target=receiver, args=(args, ports), daemon=True)
     child.start()
     try:

@@ -105,3 +105,19 @@ def test_checksums_catch_a_flipped_bit_and_swapped_blocks(checksum: object) -> N
     swapped = torch.cat([data[1 << 20:2 << 20], data[:1 << 20], data[2 << 20:]])
     assert checksum(flipped) != base and checksum(swapped) != base  # type: ignore[operator]
     assert checksum(data.clone()) == base  # type: ignore[operator]
+
+
+def test_packing_hands_out_the_data_region_in_order_once_so_a_streamed_checksum_matches() -> None:
+    named = [(f"t{i}", torch.randn(100_000 + i)) for i in range(50)]
+    bucket = 8 << 20
+    plan = make_plan(_metas(named), bucket, verify=True)
+    layout = Layout(plan, _slots(bucket))
+    handed_out = 0
+    for k in range(len(plan.buckets)):
+        slices: list[torch.Tensor] = []
+        layout.pack(k, [t for _, t in named], slices.append)
+        data = layout.slots[k % 2][HEADER_BYTES:HEADER_BYTES + plan.used(k)]
+        assert torch.equal(torch.cat(slices), data) and slices[0].data_ptr() == data.data_ptr()
+        assert all(a.data_ptr() + a.numel() == b.data_ptr() for a, b in zip(slices, slices[1:]))
+        handed_out += len(slices)
+    assert handed_out > len(plan.buckets)
