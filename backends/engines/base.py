@@ -1,10 +1,10 @@
-"""The checkpoint-engine protocol, what one sync reports, and the per-sync rendezvous store.
+"""The checkpoint-engine protocol, and what one sync takes and reports.
 
 Every engine is driven the same way on both sides of a sync:
 
     engine.prepare()                          # allocate the two buckets, return metadata
     engine.build_topology(rendezvous, rank)   # rank 0 sends, ranks 1..N receive
-    engine.init_process_group()               # meet the peers of this one sync
+    engine.init_process_group()               # meet this sync's peers; its clock starts
     engine.send_weights(named, version)       # rank 0
     for name, tensor in engine.receive_weights(version): ...   # ranks 1..N
     engine.finalize()                         # always, in a finally: tear the group down
@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
 
 import torch
 
+from lifecycle.config import ROLLOUT_DTYPES as DTYPE_NAMES
 from lifecycle.errors import EngineError
 
 if TYPE_CHECKING:
     from lifecycle.config import EngineConfig
 
 DEFAULT_BUCKET_BYTES = 2 * 1024**3
-ROLLOUT_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-}
+ROLLOUT_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class TransportError(EngineError):

@@ -41,7 +41,7 @@ class ControlStore:
         try:
             self.store.set(key, value)
         except _STORE_ERRORS as exc:
-            raise TransportError(f"{self.engine.name} engine: lost the rendezvous while setting {key!r}: {exc}") from exc
+            raise self._lost(f"setting {key!r}", exc) from exc
         self._written.append(key)
 
     def get(self, key: str) -> bytes:
@@ -49,7 +49,11 @@ class ControlStore:
         try:
             return bytes(self.store.get(key))
         except _STORE_ERRORS as exc:
-            raise TransportError(f"{self.engine.name} engine: lost the rendezvous while reading {key!r}: {exc}") from exc
+            raise self._lost(f"reading {key!r}", exc) from exc
+
+    def _lost(self, what: str, exc: BaseException) -> TransportError:
+        return TransportError(f"{self.engine.name} engine: lost the rendezvous of sync {self.number} while "
+                              f"{what}: {exc}")
 
     def wait(self, keys: list[str], *, watch_closed: bool = False) -> None:
         """Block until every key is set, at most until the sync's deadline.
@@ -66,8 +70,7 @@ class ControlStore:
             except _STORE_ERRORS as exc:
                 self.engine.remaining(what)
                 if not watch_closed:
-                    raise TransportError(f"{self.engine.name} engine: lost the rendezvous while {what}: "
-                                         f"{exc}") from exc
+                    raise self._lost(what, exc) from exc
             if self.is_set("closed"):
                 raise TransportError(f"{self.engine.name} engine: the sender gave up on sync {self.number} "
                                      f"while this receiver was {what}")
@@ -77,8 +80,7 @@ class ControlStore:
         try:
             return bool(self.store.check([key]))
         except _STORE_ERRORS as exc:
-            raise TransportError(f"{self.engine.name} engine: lost the rendezvous while checking {key!r}: "
-                                 f"{exc}") from exc
+            raise self._lost(f"checking {key!r}", exc) from exc
 
     def close(self, topology: Topology, *, clean: bool) -> None:
         """The sender marks the sync closed; after a clean sync it also drops the sync's keys.

@@ -60,6 +60,9 @@ class WeightSync:
             return self.engine.send_weights(named_tensors, version)
 
     def _sync_local(self, named_tensors: Iterable[tuple[str, Any]], target: Any, version: int) -> SyncStats:
+        if isinstance(target, Rendezvous):
+            raise EngineError(f"{self.engine.name} engine runs in one process: sync_weights needs the rollout "
+                              "object(s) as its target, not a Rendezvous")
         rollouts: Sequence[Any] = target if isinstance(target, (list, tuple)) else [target]
         with self.engine.session(None, rank=0):
             stats = self.engine.send_weights(named_tensors, version)

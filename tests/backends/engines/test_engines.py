@@ -213,9 +213,11 @@ def test_a_receiver_expecting_another_version_refuses_and_says_so() -> None:
     assert errors and rollout.stale and rollout.weights == {}
 
 
-def test_an_engine_across_processes_needs_a_rendezvous_target() -> None:
+def test_an_engine_across_processes_needs_a_rendezvous_target_and_naive_the_rollouts() -> None:
     with pytest.raises(EngineError, match="gloo engine sends to other processes: .* got MemoryRollout"):
         WeightSync(new_engine("gloo")).sync(iter(mixed_tensors()), MemoryRollout(), 1)
+    with pytest.raises(EngineError, match="naive engine runs in one process: .* not a Rendezvous"):
+        WeightSync(new_engine("naive")).sync(iter(mixed_tensors()), Rendezvous("127.0.0.1", 1), 1)
 
 
 def _lifecycle(config: dict[str, Any], **kwargs: Any) -> Lifecycle:
