@@ -89,8 +89,8 @@ def _broadcast(group: Any, tensors: list[torch.Tensor]) -> None:
         group.broadcast([tensor], options).wait()
 
 
-def _engine(name: str, bucket: int) -> CheckpointEngine:
-    return CheckpointEngineRegistry.new(name, bucket_bytes=bucket, timeout_s=600)
+def _engine(name: str, args: argparse.Namespace) -> CheckpointEngine:
+    return CheckpointEngineRegistry.new(name, bucket_bytes=args.bucket, verify=args.verify, timeout_s=600)
 
 
 def receiver(args: argparse.Namespace, ports: dict[str, int]) -> None:
@@ -99,7 +99,7 @@ def receiver(args: argparse.Namespace, ports: dict[str, int]) -> None:
     flat = torch.empty(args.total, dtype=torch.uint8)
     landing = [torch.empty_like(t) for _, t in tensors]
     _, group = _group(ports["group"], 1)
-    engines = {name: _engine(name, args.bucket) for name in ENGINES}
+    engines = {name: _engine(name, args) for name in ENGINES}
     for _ in range(args.repeat + 1):
         for name in ("flat", "per_tensor", *ENGINES):
             _barrier(group)
@@ -134,7 +134,7 @@ def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[fl
     flat = torch.empty(args.total, dtype=torch.uint8).fill_(7)
     copy_dst = torch.empty_like(flat)
     _, group = _group(ports["group"], 0)
-    engines = {name: _engine(name, args.bucket) for name in ENGINES}
+    engines = {name: _engine(name, args) for name in ENGINES}
     times: dict[str, list[float]] = {k: [] for k in ("flat", "per_tensor", *ENGINES, "memcpy", "setup")}
     for rep in range(args.repeat + 1):
         got: dict[str, float] = {}
@@ -158,7 +158,8 @@ def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[fl
 def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     gbps = {k: args.total / statistics.median(v) / 1e9 for k, v in times.items() if k != "setup"}
     print(f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors, buckets of "
-          f"{args.bucket / 2**20:g} MiB, median of {args.repeat}, torch threads {args.threads}")
+          f"{args.bucket / 2**20:g} MiB, checksums {'on' if args.verify else 'off'}, median of {args.repeat}, "
+          f"torch threads {args.threads}")
     for key, label in (("gloo", "gloo engine"), ("flat", "(a) one flat broadcast"),
                        ("per_tensor", "(b) one broadcast per tensor"), ("shm", "shm engine"),
                        ("memcpy", "one memcpy")):
@@ -184,6 +185,8 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=4096)
     parser.add_argument("--bucket-mib", type=float, default=64.0, help="engine.bucket_bytes, in MiB")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                        help="engine.verify: checksum every bucket")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
     args = parser.parse_args()
     args.total = int(args.gib * 2**30) // 4 * 4
