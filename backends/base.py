@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import socket
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -46,6 +47,14 @@ def current_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS just handed out on `host`, for a rendezvous; a race with another binder
+    before it is used is possible but rare, and fails loudly at bind time."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def listed(problems: list[str]) -> str:

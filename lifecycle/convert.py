@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 from lifecycle.errors import ConfigError, LifecycleError
+from backends.base import free_port
 from lifecycle.checkpointer import folder_figures
 
 FORMATS = ("hf", "dist_ckpt")
@@ -130,18 +130,12 @@ def _wait(procs: list[mp.process.BaseProcess]) -> None:
         p.join()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def convert(job: ConvertJob) -> Path:
     """Run the conversion; DST exists afterwards only if every rank succeeded."""
     fmt, arch = check(job)
     staging = job.dst.parent / f".{job.dst.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, job, fmt, arch, staging, port), name=f"convert-rank{r}")
              for r in range(job.world_size)]

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from concurrent.futures import Future
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -214,12 +213,11 @@ class TrainerWorker(_Worker):
     def rendezvous(self, receivers: int, host: str) -> Any:
         """Where the receivers meet this sender: `host` and a port that was free on it when first
         asked; the same for every sync of this worker, so the engine keeps its store open."""
+        from backends.base import free_port
         from backends.engines import Rendezvous
 
         if self._address is None or self._address[0] != host:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((host, 0))
-                self._address = (host, int(s.getsockname()[1]))
+            self._address = (host, free_port(host))
         return Rendezvous(host, self._address[1], receivers)
 
     def sync(self, target: Any) -> dict[str, Any]:

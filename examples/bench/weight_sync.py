@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import multiprocessing as mp
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from backends.base import free_port
 from backends.engines import CheckpointEngine, CheckpointEngineRegistry, Rendezvous, receive_into
 
 HOST = "127.0.0.1"
@@ -173,12 +173,6 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
         print(f"  {label:32s} {ratio:6.2f}x   target >= {target:g}x: {'met' if ratio >= target else 'NOT met'}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.0, help="total weight bytes, in GiB")
@@ -192,7 +186,7 @@ def main() -> None:
     args.total = int(args.gib * 2**30) // 4 * 4
     args.bucket = int(args.bucket_mib * 2**20)
     torch.set_num_threads(args.threads)
-    ports = {key: _free_port() for key in ("group", *ENGINES)}
+    ports = {key: free_port(HOST) for key in ("group", *ENGINES)}
     child = mp.get_context("spawn").Process(target=receiver, args=(args, ports), daemon=True)
     child.start()
     try:

@@ -12,7 +12,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -23,15 +22,10 @@ from typing import Any
 
 import pytest
 
+from backends.base import free_port
+
 RankFn = Callable[[int, int, Path], Any]
 """fn(rank, world_size, tmp_path) -> a JSON-serialisable value; must be a module-level function."""
-
-
-def free_port() -> int:
-    """A port the OS just handed out; the tiny race with other binders is acceptable in tests."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _result_file(tmp_path: Path, rank: int) -> Path:

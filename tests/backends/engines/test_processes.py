@@ -104,7 +104,7 @@ def _kill_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
     model = tiny_qwen2()
     if rank == 2:
         victim = subprocess.Popen([sys.executable, "-c", "import sys; from tests.backends.engines.kit import "
-                                   f"die_mid_receive; die_mid_receive(sys.argv[1])", str(case_path)], cwd=REPO)
+                                   "die_mid_receive; die_mid_receive(sys.argv[1])", str(case_path)], cwd=REPO)
         while not Path(case["victim_ready"]).exists() and victim.poll() is None:
             time.sleep(0.05)
     dist.barrier()
