@@ -5,8 +5,8 @@
 
 The task: after a prompt of lowercase letters and one digit, answer with digits that count on
 from it ("...q7" -> "8901..."). Each answer token earns 0.5 for being a digit and 0.5 more
-for following the previous one; random weights earn about 0.02, and PPO brings that near
-0.8 in a few dozen steps. The actor, the critic and a rollout worker are Ray actors (a local
+for following the previous one; random weights earn about 0.02, and PPO brings that to
+about 0.88 by step 60. The actor, the critic and a rollout worker are Ray actors (a local
 Ray by default); every step the rollout generates, both trainers update, the actor's new
 weights go to the rollout over gloo, and every few steps both trainers save (in the
 background, unless --sync-save). Midway the actor's process is SIGKILLed: the driver rebuilds

@@ -215,10 +215,6 @@ class BackgroundSaver:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: tuple[int, Future[SaveInfo]] | None = None
 
-    @property
-    def pending_step(self) -> int | None:
-        return None if self._pending is None else self._pending[0]
-
     def submit(self, step: int, work: Callable[[], SaveInfo]) -> Future[SaveInfo]:
         if self._pending is not None:
             raise CheckpointError(f"role {self.role}: step {self._pending[0]} is still being saved; wait() first")

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from lifecycle.trace import write_trace_events
 
 
 @dataclass(kw_only=True, slots=True)
@@ -132,11 +133,7 @@ def merge_traces(folder: Path, out: Path, spans: Sequence[Mapping[str, Any]]) ->
             continue  # a worker killed while it rewrote its file: its last complete copy is gone too
         events += [_meta("process_name", pid, path.stem), _meta("process_sort_index", pid, pid)]
         events += [{**e, "pid": pid} for e in worker if e.get("ph") != "M" or e.get("name") == "thread_name"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    os.replace(tmp, out)
-    return out
+    return write_trace_events(events, out)
 
 
 def _meta(name: str, pid: int, value: Any) -> dict[str, Any]:

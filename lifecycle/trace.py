@@ -31,13 +31,17 @@ def chrome_trace_events(history: Iterable[Transition], *, role: str, rank: int) 
     return events
 
 
+def write_trace_events(events: list[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """A Chrome trace file, replaced atomically: a reader never sees half of one."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    os.replace(tmp, target)
+    return target
+
+
 def write_chrome_trace(
     history: Iterable[Transition], path: str | os.PathLike[str], *, role: str, rank: int
 ) -> Path:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    trace = {"traceEvents": chrome_trace_events(history, role=role, rank=rank), "displayTimeUnit": "ms"}
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(trace))
-    os.replace(tmp, target)
-    return target
+    return write_trace_events(chrome_trace_events(history, role=role, rank=rank), path)

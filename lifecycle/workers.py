@@ -10,22 +10,24 @@ position is part of its checkpoint, so a resumed run draws the very prompts it w
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from concurrent.futures import Future
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from lifecycle.core import Lifecycle, Observer
 from lifecycle.errors import EngineError, LifecycleError
 from lifecycle.phase import Transition
-from lifecycle.trace import chrome_trace_events
+from lifecycle.trace import chrome_trace_events, write_trace_events
 from lifecycle.types import Parts, SaveInfo
+
+if TYPE_CHECKING:
+    from backends.engines import WeightSync
 
 ROLLOUT = "rollout"
 
@@ -94,21 +96,18 @@ class TraceFile(Observer):
         self.write(lc)
 
     def write(self, lc: Lifecycle) -> None:
-        events = chrome_trace_events(lc.history, role=lc.role, rank=lc.rank) + self.extra
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-        os.replace(tmp, self.path)
+        write_trace_events(chrome_trace_events(lc.history, role=lc.role, rank=lc.rank) + self.extra, self.path)
 
 
 class _Worker:
     """What trainers and rollouts share: process set-up, the lifecycle, the trace file."""
 
-    def __init__(self, spec: WorkerSpec, parts: Parts, engine: Any = None) -> None:
+    def __init__(self, spec: WorkerSpec, parts: Parts) -> None:
         self.spec = spec
         self.events: list[dict[str, Any]] = []
         self.lc = Lifecycle(spec.config, role=spec.role, model=parts.model, optimizer=parts.optimizer,
                             lr_scheduler=parts.lr_scheduler, dataloader=parts.dataloader, rank=0,
-                            world_size=1, engine=engine)
+                            world_size=1)
         self.trace: TraceFile | None = None
         if spec.trace_dir is not None:
             Path(spec.trace_dir).mkdir(parents=True, exist_ok=True)
@@ -154,14 +153,9 @@ class TrainerWorker(_Worker):
         setup_process(spec)
         recipe = spec.recipe
         self.policy = spec.role == recipe.roles[0]
-        parts = recipe.build(spec.role)
-        engine = None
+        super().__init__(spec, recipe.build(spec.role))
         if self.policy:
-            from backends.engines import WeightSync
-            from lifecycle.config import LifecycleConfig
-
-            engine = WeightSync.from_config(LifecycleConfig.coerce(spec.config).engine, parts.model)
-        super().__init__(spec, parts, engine)
+            self.lc.engine  # noqa: B018 - built now, so a bad engine config fails at start-up
         self._commits: list[dict[str, Any]] = []
         self._address: tuple[str, int] | None = None
 
@@ -202,14 +196,6 @@ class TrainerWorker(_Worker):
         if done.exception() is None:
             self._commits.append(_save_figures(done.result()))
 
-    def commits(self, wait: bool = False) -> list[dict[str, Any]]:
-        """Figures of the saves committed so far (after waiting for one in flight, with `wait`)."""
-        if wait:
-            waiter = getattr(self.lc.checkpointer, "wait", None)
-            if waiter is not None:
-                waiter()
-        return list(self._commits)
-
     def rendezvous(self, receivers: int, host: str) -> Any:
         """Where the receivers meet this sender: `host` and a port that was free on it when first
         asked; the same for every sync of this worker, so the engine keeps its store open."""
@@ -246,10 +232,8 @@ class RolloutWorker(_Worker):
         setup_process(spec)
         parts = spec.recipe.build(ROLLOUT)
         super().__init__(spec, Parts(model=parts.model))
-        from backends.engines import WeightSync
-        from lifecycle.config import LifecycleConfig
-
-        self.engine = WeightSync.from_config(LifecycleConfig.coerce(spec.config).engine, parts.model).engine
+        sync = cast("WeightSync", self.lc.engine)
+        self.engine, self.profile_dir = sync.engine, sync.profile_dir
         self.weights_version = 0
         self.stale = True
         """A new rollout holds no policy weights yet: it must be synced before it generates."""
@@ -285,7 +269,8 @@ class RolloutWorker(_Worker):
 
         start = time.time()
         try:
-            return receive_into(self.engine, self, rendezvous, rank=rank, version=version)
+            return receive_into(self.engine, self, rendezvous, rank=rank, version=version,
+                                profile_dir=self.profile_dir)
         finally:
             self._span("receive_weights", start, version=self.weights_version, stale=self.stale)
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from lifecycle.data import ResumableBatchSampler
 from lifecycle.types import Parts
+from tests.backends.megatron_util import TINY_QWEN2
 
 PROMPT, RESPONSE = 4, 4
 DIGITS = torch.arange(48, 58)
@@ -23,9 +24,7 @@ def tiny_qwen2(kind: str) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         tie_word_embeddings=True, num_labels=1)
+    config = Qwen2Config(**TINY_QWEN2, max_position_embeddings=32, tie_word_embeddings=True, num_labels=1)
     return Qwen2ForTokenClassification(config) if kind == "critic" else Qwen2ForCausalLM(config)
 
 
