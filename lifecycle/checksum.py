@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -29,25 +29,44 @@ _expected: ContextVar[tuple[Mapping[str, str], set[str]] | None] = ContextVar("l
 
 
 class Hasher:
-    """Feeds buffers, in order, to one xxh3 state on a worker thread (xxh3 releases the GIL)."""
+    """Feeds buffers, in order, to one xxh3 state on a worker thread (xxh3 releases the GIL).
 
-    def __init__(self) -> None:
+    Without `executor` each hasher starts a worker of its own and stops it when done. A caller
+    that hashes run after run (an engine, one bucket at a time) passes its own executor
+    instead of starting and joining a thread per run, and shuts it down itself. That
+    executor must run one task at a time, in order (`ThreadPoolExecutor(max_workers=1)`).
+    """
+
+    def __init__(self, executor: ThreadPoolExecutor | None = None) -> None:
         self._state = xxhash.xxh3_64()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum")
-        self._last: Future[None] | None = None
+        self._owned = executor is None
+        self._pool = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum")
+        self._pending: list[Future[None]] = []
 
     def feed(self, buffer: memoryview | bytes) -> None:
-        """The buffer must not change until `digest()` returns."""
-        self._last = self._pool.submit(self._state.update, buffer)
+        """The buffer must not change until `digest()` or `abandon()` returns."""
+        self._pending.append(self._pool.submit(self._state.update, buffer))
 
     def digest(self) -> str:
-        self._pool.shutdown(wait=True)
-        if self._last is not None:
-            self._last.result()
+        try:
+            for future in self._pending:
+                future.result()
+        finally:
+            self._done(cancel=False)
         return self._state.hexdigest()
 
     def abandon(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Drop what was not hashed yet; returns once the worker no longer reads any buffer."""
+        self._done(cancel=True)
+
+    def _done(self, cancel: bool) -> None:
+        if cancel:
+            for future in self._pending:
+                future.cancel()
+        wait(self._pending)
+        self._pending.clear()
+        if self._owned:
+            self._pool.shutdown(wait=True)
 
 
 def file_digest(path: Path, *, fsync: bool = False) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 from lifecycle.core import GLOBAL_OBSERVERS, Lifecycle, Observer
 from lifecycle.machine import State
 from lifecycle.phase import Transition
-from lifecycle.types import Parts, Progress, SaveInfo
+from lifecycle.types import Parts, Progress, SaveInfo, updating
 
 
 class InjectedFailure(RuntimeError):
@@ -104,8 +104,10 @@ class MemoryRollout:
         self.paused = True
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Keeps each tensor as it arrives, so a sync failing part-way leaves what it handed out."""
         self.calls.append("load_weights")
-        self.weights.update({name: tensor.detach().clone() for name, tensor in named_tensors})
+        for name, tensor in named_tensors:
+            self.weights[name] = tensor.detach().clone()
 
     def resume(self) -> None:
         self.calls.append("resume")
@@ -125,19 +127,12 @@ class MemoryEngine(_FailureSwitch):
 
     def sync(self, named_tensors: Iterator[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
         self.hit("pause", version)
-        target.pause()
-        try:
+        with updating(target) as landed:
             self.hit("transfer", version)
             received = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
             self.hit("apply", version)
             target.load_weights(received)
-            target.weights_version = version
-            target.stale = False
-        except BaseException:
-            target.mark_stale()
-            raise
-        finally:
-            target.resume()
+            landed(version)
         self.hit("resume", version)
         return {"backend": "memory", "bytes": sum(t.numel() * t.element_size() for _, t in received)}
 

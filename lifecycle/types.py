@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
@@ -97,3 +99,26 @@ class RolloutTarget(Protocol):
     def resume(self) -> None: ...
 
     def mark_stale(self) -> None: ...
+
+
+@contextmanager
+def updating(rollout: RolloutTarget) -> Iterator[Callable[[int], None]]:
+    """The bracket around every weight update of a rollout: paused while weights land.
+
+    Yields `landed(version)`, which the block calls once the last tensor is in: the rollout
+    takes that version and serves again. If the block raises, the rollout may hold some new
+    tensors and some old ones, so it is marked stale. It is resumed either way.
+    """
+
+    def landed(version: int) -> None:
+        rollout.weights_version = version
+        rollout.stale = False
+
+    rollout.pause()
+    try:
+        yield landed
+    except BaseException:
+        rollout.mark_stale()
+        raise
+    finally:
+        rollout.resume()

@@ -2,7 +2,7 @@
 
 Every engine is driven the same way on both sides of a sync:
 
-    engine.prepare()                          # allocate the two buckets, return metadata
+    engine.prepare()                          # get ready, return metadata
     engine.build_topology(rendezvous, rank)   # rank 0 sends, ranks 1..N receive
     engine.init_process_group()               # meet this sync's peers; its clock starts
     engine.send_weights(named, version)       # rank 0

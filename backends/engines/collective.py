@@ -91,6 +91,16 @@ class DeviceGroupEngine(GroupEngine):
     def _current_device(self) -> torch.device:
         raise NotImplementedError
 
+    def _group_class(self) -> Any:
+        """The device library's process-group class (ProcessGroupNCCL, ProcessGroupHCCL), imported here."""
+        raise NotImplementedError
+
+    def _make_group(self, store: Any, topology: Topology, timeout: timedelta) -> Any:
+        group_class = self._group_class()
+        options = group_class.Options()
+        options._timeout = timeout
+        return group_class(store, topology.rank, topology.world_size, options)
+
     def prepare(self) -> dict[str, Any]:
         self.device = self._current_device() if self._requested is None else torch.device(self._requested)
         return super().prepare()

@@ -21,7 +21,8 @@ class GlooEngine(GroupEngine):
 
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
-        options._devices = [_device(topology.rendezvous.host if topology.rendezvous else "127.0.0.1")]
+        # Never None here: StoreLink.begin refuses a topology without a rendezvous before any group forms.
+        options._devices = [_device(topology.rendezvous.host)]  # type: ignore[union-attr]
         return dist.ProcessGroupGloo(store, topology.rank, topology.world_size, options)
 
 

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from datetime import timedelta
 from typing import Any
 
 import torch
 
-from backends.engines.base import Topology
 from backends.engines.collective import DeviceGroupEngine
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import ConfigError
@@ -32,8 +30,5 @@ class HcclEngine(DeviceGroupEngine):
         importlib.import_module("torch_npu")
         return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
 
-    def _make_group(self, store: Any, topology: Topology, timeout: timedelta) -> Any:
-        c10d = importlib.import_module("torch_npu._C._distributed_c10d")
-        options = c10d.ProcessGroupHCCL.Options()
-        options._timeout = timeout
-        return c10d.ProcessGroupHCCL(store, topology.rank, topology.world_size, options)
+    def _group_class(self) -> Any:
+        return importlib.import_module("torch_npu._C._distributed_c10d").ProcessGroupHCCL

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
 
-from backends.engines.base import Topology
 from backends.engines.collective import DeviceGroupEngine
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import ConfigError
@@ -28,9 +26,7 @@ class NcclEngine(DeviceGroupEngine):
     def _current_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
 
-    def _make_group(self, store: Any, topology: Topology, timeout: timedelta) -> Any:
+    def _group_class(self) -> Any:
         import torch.distributed as dist
 
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, topology.rank, topology.world_size, options)
+        return dist.ProcessGroupNCCL

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -52,6 +53,8 @@ class BucketEngine(CheckpointEngine):
         self._layout: Layout | None = None
         self._receiver: _Receiver | None = None
         self._prepared = False
+        self._hashing: ThreadPoolExecutor | None = None
+        """The one worker that checksums the buckets this engine packs; started on first use."""
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 
@@ -89,12 +92,15 @@ class BucketEngine(CheckpointEngine):
         """Pack bucket k; returns its checksum (0 unverified), the same `_digest` gives.
 
         xxh3 runs on a worker thread over each slice as soon as it is packed, so on a host
-        the checksum costs a second core's time instead of a pass after the copy.
+        the checksum costs a second core's time instead of a pass after the copy. The worker
+        is the engine's own, from one bucket and one sync to the next, until `close()`.
         """
         if not verify:
             layout.pack(k, tensors)
             return 0
-        hasher = Hasher()
+        if self._hashing is None:
+            self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-checksum")
+        hasher = Hasher(self._hashing)
         try:
             layout.pack(k, tensors, lambda region: hasher.feed(region.numpy()))
         except BaseException:
@@ -105,7 +111,7 @@ class BucketEngine(CheckpointEngine):
     # -- the protocol -------------------------------------------------------------------------
 
     def prepare(self) -> dict[str, Any]:
-        self._ensure_slots(self.bucket_bytes)
+        """Allocates nothing: the buckets' size is known only once the plan is (see `_send_layout`)."""
         self._prepared = True
         return {**super().prepare(), "slots": SLOTS, "device": str(self.device)}
 
@@ -166,9 +172,12 @@ class BucketEngine(CheckpointEngine):
             super().finalize()
 
     def close(self) -> None:
-        """Finalize, give the buckets back, and leave the rendezvous store."""
+        """Finalize, give the buckets back, stop the checksum worker, and leave the rendezvous store."""
         self.finalize()
         self._free_buckets()
+        if self._hashing is not None:
+            self._hashing.shutdown(wait=True)
+            self._hashing = None
         self._link.drop()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -178,6 +187,8 @@ class BucketEngine(CheckpointEngine):
         self._layout = None
 
     def _send_layout(self, metas: list[TensorMeta]) -> Layout:
+        """The sender's buckets take its own `bucket_bytes`; a receiver's, the plan's (`_receive_layout`)."""
+        self._ensure_slots(self.bucket_bytes)
         layout = self._layout
         if (layout is None or not layout.fits(self.slots) or layout.plan.tensors != metas
                 or layout.plan.bucket_bytes != self.bucket_bytes or layout.plan.verify != self.verify):

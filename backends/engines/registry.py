@@ -53,7 +53,20 @@ class CheckpointEngineRegistry:
     @classmethod
     def names(cls) -> list[str]:
         """Every engine that can be asked for, installed dependency or not."""
-        return sorted(set(_BUILTIN) | set(cls._registered) | set(_entry_points()))
+        return cls._known(_entry_points())
+
+    @classmethod
+    def _known(cls, entry_points: dict[str, EntryPoint]) -> list[str]:
+        return sorted(set(_BUILTIN) | set(cls._registered) | set(entry_points))
+
+    @classmethod
+    def _from_entry_point(cls, name: str) -> Any:
+        """Scans the installed entry points once, for the engine and, if it is not there, the message."""
+        found = _entry_points()
+        if name not in found:
+            raise ConfigError(_KEY, f"unknown checkpoint engine {name!r}; known: {', '.join(cls._known(found))}, "
+                                    "or an import path 'pkg.module:Class'")
+        return found[name].load()
 
     @classmethod
     def get(cls, name: str) -> type[CheckpointEngine]:
@@ -64,11 +77,8 @@ class CheckpointEngineRegistry:
             engine = _load(_BUILTIN[name], name)
         elif ":" in name:
             engine = _load(name, name)
-        elif name in _entry_points():
-            engine = _entry_points()[name].load()
         else:
-            raise ConfigError(_KEY, f"unknown checkpoint engine {name!r}; known: {', '.join(cls.names())}, "
-                                    "or an import path 'pkg.module:Class'")
+            engine = cls._from_entry_point(name)
         _check_class(engine, name)
         engine.check_available()
         return engine

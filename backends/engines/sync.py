@@ -22,7 +22,7 @@ import torch
 from backends.engines.base import CheckpointEngine, Rendezvous, SyncStats
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import EngineError
-from lifecycle.types import RolloutTarget
+from lifecycle.types import RolloutTarget, updating
 
 if TYPE_CHECKING:
     from lifecycle.config import EngineConfig
@@ -90,22 +90,15 @@ def receive_into(
     Returns the version received. On any failure the rollout is marked stale and the error
     propagates; it is resumed either way. `version=None` accepts what the sender sends.
     """
-    rollout.pause()
-    try:
+    with updating(rollout) as landed:
         with profiled(profile_dir, f"weight_sync_{engine.name}_receive_rank{rank}"):
             if engine.in_process:
                 received = _load(engine, rollout, version)
             else:
                 with engine.session(rendezvous, rank):
                     received = _load(engine, rollout, version)
-        rollout.weights_version = received
-        rollout.stale = False
-        return received
-    except BaseException:
-        rollout.mark_stale()
-        raise
-    finally:
-        rollout.resume()
+        landed(received)
+    return received
 
 
 def _load(engine: CheckpointEngine, rollout: RolloutTarget, version: int | None) -> int:

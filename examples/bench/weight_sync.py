@@ -6,7 +6,8 @@ embedding-like tensors of 1/16 of the total each, the rest log-uniform over thre
 
 - gloo engine against (a) one broadcast of a single flat tensor of the same bytes over a
   gloo group (the transport's limit) and (b) one broadcast per tensor (the naive way);
-- shm engine against one memcpy of the same bytes (torch `copy_`, this process).
+- shm engine against one memcpy of the same bytes (`ctypes.memmove` between two flat tensors,
+  this process).
 
 Engine times run from the first byte packed to the last receiver's verdict (every bucket
 verified against its checksum); the group's setup is timed apart, as the baselines' is not

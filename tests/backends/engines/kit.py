@@ -22,9 +22,8 @@ import xxhash
 from backends.engines import CheckpointEngine, CheckpointEngineRegistry, Rendezvous, WeightSync, receive_into
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
+from tests.backends.megatron_util import TINY_QWEN2
 
-TINY_QWEN2 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
 PROMPT = [[3, 14, 15, 92, 65, 35]]
 
 

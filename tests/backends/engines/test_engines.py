@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from backends.engines import CheckpointEngine, Rendezvous, WeightSync, receive_into
+from backends.engines import CheckpointEngine, Rendezvous, SyncStats, WeightSync, receive_into
 from backends.engines.buckets import HEADER_BYTES, align
 from backends.engines.gloo import GlooEngine
 from backends.engines.shm import ShmEngine
@@ -61,7 +62,14 @@ def test_one_sender_delivers_every_tensor_to_every_receiver(name: str) -> None:
     figures = run.figures or {}
     assert figures["backend"] == name and figures["receivers"] == 2 and figures["tensors"] == len(named)
     assert figures["bytes"] == sum(t.numel() * t.element_size() for _, t in named)
-    assert figures["buckets"] > 4 and figures["seconds"] > 0 and figures["gbps"] >= 0
+    assert figures["buckets"] > 4 and figures["seconds"] > 0
+    assert figures["gbps"] == pytest.approx(figures["bytes"] / figures["seconds"] / 1e9, abs=1e-3)
+
+
+def test_the_figures_give_the_throughput_in_gigabytes_per_second() -> None:
+    stats = SyncStats(backend="gloo", version=1, bytes=3 * 10**9, buckets=2, tensors=4, receivers=1, seconds=2.0)
+    assert stats.figures()["gbps"] == 1.5
+    assert replace(stats, seconds=0.0).figures()["gbps"] == 0.0
 
 
 def test_the_rollout_dtype_applies_to_floating_tensors_only() -> None:
@@ -88,6 +96,33 @@ def test_each_side_holds_two_buckets_and_keeps_them_from_one_sync_to_the_next(na
     assert seen[0] == seen[1]
     sender.close()  # type: ignore[attr-defined]
     assert sender.slots == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_receiver_sizes_its_buckets_from_the_senders_plan_once(name: str) -> None:
+    sender, receiver = new_engine(name), new_engine(name, bucket_bytes=1 << 20)
+    port = free_port()
+    seen = []
+    for version in (1, 2):
+        assert sync_threads(sender, [receiver], mixed_tensors(version), version=version, port=port).error is None
+        assert [s.numel() for s in receiver.slots] == [HEADER_BYTES + align(4096)] * 2  # type: ignore[attr-defined]
+        seen.append([s.data_ptr() for s in receiver.slots])  # type: ignore[attr-defined]
+    assert seen[0] == seen[1]
+    sender.close()  # type: ignore[attr-defined]
+
+
+def test_the_sender_checksums_every_bucket_on_one_worker_until_close() -> None:
+    sender = new_engine("gloo")
+    port = free_port()
+    workers = []
+    for version in (1, 2):
+        assert sync_threads(sender, [new_engine("gloo")], mixed_tensors(version), version=version, port=port).error is None
+        workers.append(sender._hashing)  # type: ignore[attr-defined]
+    assert workers[0] is not None and workers[0] is workers[1]
+    sender.close()
+    assert sender._hashing is None  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="shutdown"):
+        workers[0].submit(int)
 
 
 def test_packing_the_next_bucket_overlaps_the_transfer_of_this_one() -> None:
@@ -133,11 +168,17 @@ def test_a_corrupted_bucket_applies_nothing_fails_both_sides_and_the_next_sync_r
 
 
 def test_a_corrupted_later_bucket_keeps_its_tensors_out_and_leaves_the_rollout_stale() -> None:
+    whole = [(name, torch.randn(700, generator=torch.Generator().manual_seed(i)))
+             for i, name in enumerate(("first", "second", "third"))]
+    named = whole + mixed_tensors()
     rollout = MemoryRollout()
-    run = sync_threads(_corrupting("gloo", bucket=2), [new_engine("gloo")], mixed_tensors(), [rollout])
+    run = sync_threads(_corrupting("gloo", bucket=2), [new_engine("gloo")], named, [rollout])
     assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
     held = str(run.errors[0]).split("it holds ")[1].split(", ")
-    assert held and not set(held) & set(rollout.weights)
+    assert held == ["third", "embed.weight"] and not set(held) & set(rollout.weights)
+    assert set(rollout.weights) == {"first", "second"}
+    for name, tensor in whole[:2]:
+        assert torch.equal(rollout.weights[name], tensor), name
     assert rollout.stale
 
 

@@ -92,10 +92,20 @@ def test_register_adds_a_name(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_an_entry_point_adds_a_name(monkeypatch: pytest.MonkeyPatch) -> None:
     point = EntryPoint("outside", "tests.backends.engines.custom_engine:OutsideEngine",
                        registry_module.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(registry_module, "entry_points",
-                        lambda group: [point] if group == registry_module.ENTRY_POINT_GROUP else [])
+    scans: list[str] = []
+
+    def entry_points(group: str) -> list[EntryPoint]:
+        scans.append(group)
+        return [point] if group == registry_module.ENTRY_POINT_GROUP else []
+
+    monkeypatch.setattr(registry_module, "entry_points", entry_points)
     assert "outside" in CheckpointEngineRegistry.names()
+    scans.clear()
     assert CheckpointEngineRegistry.get("outside") is OutsideEngine
+    assert len(scans) == 1
+    with pytest.raises(ConfigError, match="unknown checkpoint engine 'smoke_signal'; known: .*outside"):
+        CheckpointEngineRegistry.get("smoke_signal")
+    assert len(scans) == 2
 
 
 def test_lifecycle_builds_its_engine_from_config_with_auto_picking_gloo_for_a_cpu_model() -> None:
