@@ -23,7 +23,7 @@ import yaml
 from lifecycle.errors import ConfigError
 
 __all__ = [
-    "ENGINE_BACKENDS", "ROLLOUT_DTYPES", "CheckpointConfig", "Content", "EngineConfig", "Format",
+    "APPLY_MODES", "ENGINE_BACKENDS", "ROLLOUT_DTYPES", "CheckpointConfig", "Content", "EngineConfig", "Format",
     "LifecycleConfig", "LoadConfig", "PreLoadConfig", "ResumeConfig", "ResumeMode", "SaveConfig",
 ]
 
@@ -56,6 +56,7 @@ class ResumeMode(str, Enum):
 
 ENGINE_BACKENDS: tuple[str, ...] = ("auto", "gloo", "nccl", "hccl", "shm", "naive")
 ROLLOUT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+APPLY_MODES: tuple[str, ...] = ("atomic", "streamed")
 
 _MEGATRON, _TORCH = "Megatron", "plain-torch"
 _FAMILIES: dict[Format, str] = {
@@ -269,6 +270,10 @@ class EngineConfig(_Section):
     """Largest transfer bucket; bounds the extra memory one sync needs."""
     verify: bool = True
     """Checksum each bucket so a corrupt transfer fails loudly instead of serving bad weights."""
+    apply: str = field(default="atomic", metadata=_rule(choices=APPLY_MODES))
+    """When a receiver hands tensors to its rollout: `atomic` once every bucket of the sync has
+    verified (it holds the whole sync meanwhile), `streamed` bucket by bucket (two buckets held;
+    a later bad bucket leaves earlier ones applied and the rollout stale)."""
     timeout_s: float = field(default=300.0, metadata=_rule(gt=0))
     """Seconds one sync may take before it is an error."""
     rollout_dtype: str | None = field(default=None, metadata=_rule(choices=ROLLOUT_DTYPES))

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
 
 import torch
 
+from lifecycle.config import APPLY_MODES
 from lifecycle.config import ROLLOUT_DTYPES as DTYPE_NAMES
 from lifecycle.errors import EngineError
 
@@ -92,10 +93,12 @@ class SyncStats:
 
 
 class Incoming(Iterator[tuple[str, torch.Tensor]]):
-    """The named tensors of one sync, streamed bucket by bucket as they verify.
+    """The named tensors of one sync: with `apply="atomic"`, the first arrives once every
+    bucket has verified; with `"streamed"`, bucket by bucket as each verifies.
 
-    A tensor that fitted in one bucket is a view into that bucket: it is valid until the
-    iteration moves on to the next bucket, so a consumer copies it (as `load_weights` does).
+    A tensor that fitted in one bucket is a view into the engine's buffer: streamed, it is
+    valid until the iteration moves on to the next bucket; atomic, until the sync ends. A
+    consumer copies it (as `load_weights` does).
     `complete` turns true once the last tensor was read.
     """
 
@@ -138,13 +141,17 @@ class CheckpointEngine:
         verify: bool = True,
         timeout_s: float = 300.0,
         rollout_dtype: str | torch.dtype | None = None,
+        apply: str = "atomic",
     ) -> None:
         if bucket_bytes < 64:
             raise EngineError(f"{self.name} engine: bucket_bytes must be at least 64, got {bucket_bytes}")
         if not timeout_s > 0:
             raise EngineError(f"{self.name} engine: timeout_s must be > 0, got {timeout_s}")
+        if apply not in APPLY_MODES:
+            raise EngineError(f"{self.name} engine: apply must be one of {', '.join(APPLY_MODES)}, got {apply!r}")
         self.bucket_bytes = bucket_bytes
         self.verify = verify
+        self.apply = apply
         self.timeout_s = float(timeout_s)
         self.rollout_dtype = _dtype(rollout_dtype, self.name)
         self.topology: Topology | None = None
@@ -157,11 +164,11 @@ class CheckpointEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> CheckpointEngine:
         return cls(bucket_bytes=config.bucket_bytes, verify=config.verify, timeout_s=config.timeout_s,
-                   rollout_dtype=config.rollout_dtype, **kwargs)
+                   rollout_dtype=config.rollout_dtype, apply=config.apply, **kwargs)
 
     def prepare(self) -> dict[str, Any]:
         """Allocate what the engine holds across a sync; returns metadata for logs."""
-        return {"backend": self.name, "bucket_bytes": self.bucket_bytes, "verify": self.verify}
+        return {"backend": self.name, "bucket_bytes": self.bucket_bytes, "verify": self.verify, "apply": self.apply}
 
     def build_topology(self, rendezvous: Rendezvous | None, rank: int) -> Topology:
         world_size = 1 if rendezvous is None else rendezvous.receivers + 1

@@ -54,7 +54,7 @@ class GroupEngine(BucketEngine):
         options = dist.BroadcastOptions()
         options.rootRank = 0
         try:
-            return self.group.broadcast([self.slots[k % SLOTS][:nbytes]], options)
+            return self.group.broadcast([self.slots[k % len(self.slots)][:nbytes]], options)
         except RuntimeError as exc:
             raise TransportError(f"{self.name} engine: bucket {k} could not start: {exc}") from exc
 

@@ -1,9 +1,16 @@
 """The double-buffered bucket pipeline every transport engine shares (gloo, nccl, hccl, shm).
 
-Two bucket slots per side. The sender packs bucket k into slot k % 2 while bucket k - 1 is on
+The sender has two bucket slots: it packs bucket k into slot k % 2 while bucket k - 1 is on
 the wire, and waits for bucket k - 2's transfer before it overwrites that slot. A receiver
-has buckets k and k + 1 posted; it verifies bucket k, hands out its tensors, and only then
-posts bucket k + 2 into the slot k used. So no side ever holds more than two buckets.
+has buckets k and k + 1 posted and verifies each as it lands. What it does next is its
+`apply` mode:
+
+- `streamed`: two slots, like the sender. It hands out bucket k's tensors and only then
+  posts bucket k + 2 into the slot k used, so it never holds more than two buckets; a bad
+  bucket k leaves buckets before it applied.
+- `atomic` (the default): one buffer per bucket of the sync, each bucket received straight
+  into its own (shm copies it out of the shared slot). It hands out the first tensor only
+  once the last bucket has verified, so a bad bucket anywhere means nothing is applied.
 
 The small messages (plan, statuses, and for shm the per-bucket signals) go through a
 `ControlStore`; a subclass supplies only the data plane: slots, start send / receive, wait.
@@ -13,6 +20,7 @@ applying it and reports why, so the sender fails with the reason instead of a ti
 
 from __future__ import annotations
 
+import ctypes
 import json
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -58,12 +66,17 @@ class BucketEngine(CheckpointEngine):
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 
-    def _ensure_slots(self, bucket_bytes: int) -> None:
-        """Two slots able to hold a bucket of `bucket_bytes`; kept when they already can."""
+    def _ensure_slots(self, bucket_bytes: int, count: int = SLOTS) -> None:
+        """`count` slots able to hold a bucket of `bucket_bytes`; kept when they already are."""
         size = HEADER_BYTES + align(bucket_bytes)
-        if len(self.slots) != SLOTS or self.slots[0].numel() != size:
+        if len(self.slots) != count or self.slots[0].numel() != size:
             self.slots = []
-            self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(SLOTS)]
+            self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(count)]
+
+    def _staging(self, layout: Layout) -> Layout:
+        """Where an atomic receive keeps every bucket until the last one verifies: by default
+        the slots themselves, one per bucket (see `_receive_layout`)."""
+        return layout
 
     def _connect(self, topology: Topology) -> None:
         """Form the data plane once the control store is up."""
@@ -197,9 +210,9 @@ class BucketEngine(CheckpointEngine):
 
     def _receive_layout(self, raw: bytes) -> Layout:
         layout = self._layout
-        if layout is None or layout.raw != raw or not layout.fits(self.slots):
-            plan = Plan.from_bytes(raw, self.name)
-            self._ensure_slots(plan.bucket_bytes)
+        plan = layout.plan if layout is not None and layout.raw == raw else Plan.from_bytes(raw, self.name)
+        self._ensure_slots(plan.bucket_bytes, len(plan.buckets) if self.apply == "atomic" else SLOTS)
+        if layout is None or layout.plan is not plan or not layout.fits(self.slots):
             layout = self._layout = Layout(plan, self.slots)
         layout.reset()
         return layout
@@ -259,7 +272,7 @@ class _Inbox:
     def take(self, k: int) -> torch.Tensor:
         self.engine._wait(self.pending.pop(k), f"bucket {k} of {self.count}")
         self.current = k
-        return self.engine.slots[k % SLOTS]
+        return self.engine.slots[k % len(self.engine.slots)]
 
     def done(self, k: int) -> None:
         self.current = None
@@ -298,12 +311,15 @@ class _Receiver:
             if expected is not None and expected != self.version:
                 raise EngineError(f"{self.engine.name} engine: expected weights v{expected}, "
                                   f"the sender sends v{self.version}")
-            for k in range(self.inbox.count):
-                slot = self.inbox.take(k)
-                with record_function(f"verify bucket {k}"):
-                    self._verify(k, slot)
-                yield from self.layout.unpack(k)
-                self.inbox.done(k)
+            if self.engine.apply == "atomic":
+                layout = self._receive_all()
+                for k in range(self.inbox.count):
+                    yield from layout.unpack(k)
+            else:
+                for k in range(self.inbox.count):
+                    self._verify(k, self.inbox.take(k))
+                    yield from self.layout.unpack(k)
+                    self.inbox.done(k)
             self.incoming.complete = True
         except TransportError as exc:
             self.link_failed = True
@@ -315,7 +331,23 @@ class _Receiver:
         finally:
             self.finish()
 
+    def _receive_all(self) -> Layout:
+        """Every bucket received and verified, kept where the returned layout reads them."""
+        staging = self.engine._staging(self.layout)
+        for k in range(self.inbox.count):
+            slot = self.inbox.take(k)
+            self._verify(k, slot)
+            if staging is not self.layout:
+                nbytes = HEADER_BYTES + self.plan.used(k)
+                ctypes.memmove(staging.slots[k].data_ptr(), slot.data_ptr(), nbytes)
+            self.inbox.done(k)
+        return staging
+
     def _verify(self, k: int, slot: torch.Tensor) -> None:
+        with record_function(f"verify bucket {k}"):
+            self._check(k, slot)
+
+    def _check(self, k: int, slot: torch.Tensor) -> None:
         name, count = self.engine.name, self.inbox.count
         magic, version, index, used, digest = read_header(slot)
         expected = (MAGIC, self.version, k, self.plan.used(k))

@@ -1,7 +1,8 @@
 """`shm`: one host; the sender packs into shared-memory buckets that every receiver maps.
 
-No byte of weights goes through a socket: each receiver verifies and reads the sender's
-bucket in place. The two buckets are files in /dev/shm, reserved up front with
+No byte of weights goes through a socket. A streamed receiver verifies and reads the
+sender's bucket in place; an atomic one (the default) verifies it and copies it into private
+memory, handed out once every bucket has verified. The two shared buckets are files in /dev/shm, reserved up front with
 `posix_fallocate` (a full /dev/shm is an error when the sync starts, not a SIGBUS half-way),
 kept from one sync to the next, and unlinked by the sender's `close()` or at its exit; files
 of a sender that was killed are removed by the next sender on this host. The per-bucket
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from backends.engines.base import Topology
-from backends.engines.buckets import HEADER_BYTES, align
+from backends.engines.buckets import HEADER_BYTES, Layout, align
 from backends.engines.pipeline import SLOTS, BucketEngine
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import EngineError
@@ -38,9 +39,22 @@ class ShmEngine(BucketEngine):
         self.shm_dir = Path(shm_dir) if shm_dir is not None else _default_dir()
         self._paths: list[str] = []
         self._unlink: weakref.finalize | None = None
+        self._staged: Layout | None = None
 
-    def _ensure_slots(self, bucket_bytes: int) -> None:
+    def _ensure_slots(self, bucket_bytes: int, count: int = SLOTS) -> None:
         """Nothing here: the sender creates the shared buckets once the group forms, receivers map them."""
+
+    def _staging(self, layout: Layout) -> Layout:
+        """An atomic receiver's private buffers, one per bucket: the shared slots are the
+        sender's to refill. Kept from one sync to the next while the plan stays the same."""
+        staged = self._staged
+        if staged is None or staged.plan is not layout.plan:
+            size = HEADER_BYTES + align(layout.plan.bucket_bytes)
+            self._staged = None
+            buffers = [torch.empty(size, dtype=torch.uint8) for _ in layout.plan.buckets]
+            staged = self._staged = Layout(layout.plan, buffers)
+        staged.reset()
+        return staged
 
     def _connect(self, topology: Topology) -> None:
         control = self._control()
@@ -71,6 +85,7 @@ class ShmEngine(BucketEngine):
 
     def _free_buckets(self) -> None:
         super()._free_buckets()
+        self._staged = None
         if self._unlink is not None:
             self._unlink()
         self._unlink = None

@@ -146,19 +146,19 @@ def read_case(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def die_mid_receive(case_path: str) -> None:
-    """A rollout process (rank 2) that SIGKILLs itself after taking three tensors of a sync.
+    """A rollout process (rank 2) that SIGKILLs itself once bucket 3 of a sync has landed.
 
     It holds no model (one that dies needs none), so it starts without importing transformers.
     """
     case = read_case(case_path)
+    engine = new_engine(case["engine"], **case["options"])
+    release = engine._release  # type: ignore[attr-defined]
 
-    class Dying(MemoryRollout):
-        def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-            for i, _ in enumerate(named_tensors):
-                if i == 3:
-                    os.kill(os.getpid(), signal.SIGKILL)
+    def release_or_die(k: int) -> None:
+        if k == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        release(k)
 
-    rollout = Dying()
+    engine._release = release_or_die  # type: ignore[attr-defined]
     Path(case["victim_ready"]).touch()
-    receive_into(new_engine(case["engine"], **case["options"]), rollout,
-                 Rendezvous("127.0.0.1", case["port"], receivers=2), rank=2)
+    receive_into(engine, MemoryRollout(), Rendezvous("127.0.0.1", case["port"], receivers=2), rank=2)

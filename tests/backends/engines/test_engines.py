@@ -84,8 +84,8 @@ def test_the_rollout_dtype_applies_to_floating_tensors_only() -> None:
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_each_side_holds_two_buckets_and_keeps_them_from_one_sync_to_the_next(name: str) -> None:
-    sender, receiver = new_engine(name), new_engine(name)
+def test_streamed_each_side_holds_two_buckets_and_keeps_them_from_one_sync_to_the_next(name: str) -> None:
+    sender, receiver = new_engine(name), new_engine(name, apply="streamed")
     port = free_port()
     seen = []
     for version in (1, 2):
@@ -99,8 +99,24 @@ def test_each_side_holds_two_buckets_and_keeps_them_from_one_sync_to_the_next(na
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
+def test_an_atomic_receiver_holds_one_bucket_buffer_per_bucket_and_keeps_them(name: str) -> None:
+    sender, receiver = new_engine(name), new_engine(name)
+    port = free_port()
+    seen = []
+    for version in (1, 2):
+        run = sync_threads(sender, [receiver], mixed_tensors(version), version=version, port=port)
+        assert run.error is None and run.figures is not None
+        held = receiver._staging(receiver._layout).slots  # type: ignore[attr-defined]
+        assert [s.numel() for s in held] == [HEADER_BYTES + align(4096)] * run.figures["buckets"]
+        assert [s.numel() for s in sender.slots] == [HEADER_BYTES + align(4096)] * 2  # type: ignore[attr-defined]
+        seen.append([s.data_ptr() for s in held])
+    assert seen[0] == seen[1]
+    sender.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
 def test_a_receiver_sizes_its_buckets_from_the_senders_plan_once(name: str) -> None:
-    sender, receiver = new_engine(name), new_engine(name, bucket_bytes=1 << 20)
+    sender, receiver = new_engine(name), new_engine(name, bucket_bytes=1 << 20, apply="streamed")
     port = free_port()
     seen = []
     for version in (1, 2):
@@ -167,12 +183,30 @@ def test_a_corrupted_bucket_applies_nothing_fails_both_sides_and_the_next_sync_r
         _assert_delivered(rollout, mixed_tensors(), 1)
 
 
-def test_a_corrupted_later_bucket_keeps_its_tensors_out_and_leaves_the_rollout_stale() -> None:
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_by_default_a_corrupted_last_bucket_applies_nothing_at_all(name: str) -> None:
+    named = mixed_tensors()
+    rollout = MemoryRollout()
+    rollout.load_weights(mixed_tensors(seed=7))
+    rollout.weights_version = 7
+    before = {key: value.clone() for key, value in rollout.weights.items()}
+    buckets = sync_threads(new_engine(name), [new_engine(name)], named).figures["buckets"]  # type: ignore[index]
+    assert buckets > 4
+    run = sync_threads(_corrupting(name, bucket=buckets - 1), [new_engine(name)], named, [rollout], version=8)
+    assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
+    assert f"bucket {buckets - 1} of {buckets} failed its checksum" in str(run.errors[0])
+    assert rollout.weights.keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(rollout.weights[key], value), key
+    assert rollout.stale and rollout.weights_version == 7
+
+
+def test_streamed_a_corrupted_later_bucket_keeps_its_tensors_out_and_leaves_the_rollout_stale() -> None:
     whole = [(name, torch.randn(700, generator=torch.Generator().manual_seed(i)))
              for i, name in enumerate(("first", "second", "third"))]
     named = whole + mixed_tensors()
     rollout = MemoryRollout()
-    run = sync_threads(_corrupting("gloo", bucket=2), [new_engine("gloo")], named, [rollout])
+    run = sync_threads(_corrupting("gloo", bucket=2), [new_engine("gloo", apply="streamed")], named, [rollout])
     assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
     held = str(run.errors[0]).split("it holds ")[1].split(", ")
     assert held == ["third", "embed.weight"] and not set(held) & set(rollout.weights)
