@@ -6,7 +6,6 @@ Also the small batch helpers the driver uses to spread a step's prompts over its
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lifecycle.trace import write_trace_events
+from lifecycle.trace import read_events, write_trace_events
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,12 +124,9 @@ def merge_traces(folder: Path, out: Path, spans: Sequence[Mapping[str, Any]]) ->
         events.append({"ph": "X", "name": span["name"], "cat": "driver", "pid": 0, "tid": 0,
                        "ts": round(span["start"] * 1e6, 3), "dur": round((span["end"] - span["start"]) * 1e6, 3),
                        "args": {"step": span["step"], "incarnation": span["incarnation"]}})
-    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
     for pid, path in enumerate(files, start=1):
-        try:
-            worker = json.loads(path.read_text(encoding="utf-8"))["traceEvents"]
-        except (OSError, ValueError, KeyError):
-            continue  # a worker killed while it rewrote its file: its last complete copy is gone too
+        worker = read_events(path)
         events += [_meta("process_name", pid, path.stem), _meta("process_sort_index", pid, pid)]
         events += [{**e, "pid": pid} for e in worker if e.get("ph") != "M" or e.get("name") == "thread_name"]
     return write_trace_events(events, out)

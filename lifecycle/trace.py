@@ -12,22 +12,62 @@ from lifecycle.phase import Transition
 
 def chrome_trace_events(history: Iterable[Transition], *, role: str, rank: int) -> list[dict[str, Any]]:
     """Complete ('X') events, one per transition: process = rank, thread = role."""
-    events: list[dict[str, Any]] = [
+    return process_events(role, rank) + [transition_event(record, rank) for record in history]
+
+
+def process_events(role: str, rank: int) -> list[dict[str, Any]]:
+    """The metadata events that name a trace's process (the rank) and thread (the role)."""
+    return [
         {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
         {"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": role}},
     ]
-    for record in history:
-        args: dict[str, Any] = {
-            "src": record.src.name, "dst": record.dst.name, "step": record.step, "ok": record.ok,
-            "path": " -> ".join(state.name for state in record.path),
-        }
-        if record.error:
-            args["error"] = record.error
-        args.update({k: v for k, v in record.figures.items() if isinstance(v, (str, int, float, bool))})
-        events.append({
-            "ph": "X", "name": record.trigger, "cat": "lifecycle", "pid": rank, "tid": 0,
-            "ts": round(record.start * 1e6, 3), "dur": round(record.duration_s * 1e6, 3), "args": args,
-        })
+
+
+def transition_event(record: Transition, rank: int) -> dict[str, Any]:
+    """One transition as a complete ('X') event with its edge, step, outcome and figures."""
+    args: dict[str, Any] = {
+        "src": record.src.name, "dst": record.dst.name, "step": record.step, "ok": record.ok,
+        "path": " -> ".join(state.name for state in record.path),
+    }
+    if record.error:
+        args["error"] = record.error
+    args.update({k: v for k, v in record.figures.items() if isinstance(v, (str, int, float, bool))})
+    return {
+        "ph": "X", "name": record.trigger, "cat": "lifecycle", "pid": rank, "tid": 0,
+        "ts": round(record.start * 1e6, 3), "dur": round(record.duration_s * 1e6, 3), "args": args,
+    }
+
+
+class EventLog:
+    """A trace kept as JSON lines, one event appended and flushed at a time.
+
+    Each event costs one small write however long the process runs, and a process killed
+    mid-write loses at most the line it was writing (`read_events` skips it).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, role: str, rank: int) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open while the worker lives
+        for event in process_events(role, rank):
+            self.append(event)
+
+    def append(self, event: dict[str, Any]) -> None:
+        self._file.write(json.dumps(event) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The events of an `EventLog` file; a torn last line (its writer was killed) is left out."""
+    events = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
     return events
 
 

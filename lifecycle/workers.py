@@ -23,7 +23,7 @@ import torch
 from lifecycle.core import Lifecycle, Observer
 from lifecycle.errors import EngineError, LifecycleError
 from lifecycle.phase import Transition
-from lifecycle.trace import chrome_trace_events, write_trace_events
+from lifecycle.trace import EventLog, transition_event
 from lifecycle.types import Parts, SaveInfo
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class WorkerSpec:
     log_dir: str | None = None
     """JSON-lines log file folder for this worker; None leaves logging as the process has it."""
     trace_dir: str | None = None
-    """Folder for a Chrome trace of this worker, rewritten after every transition; None: no file."""
+    """Folder for this worker's trace events (`{file_stem}.jsonl`, one appended per event); None: no file."""
     threads: int | None = None
     """torch intra-op threads; None keeps what the process has (Ray sets OMP_NUM_THREADS)."""
 
@@ -86,17 +86,13 @@ class WorkerSpec:
 
 
 class TraceFile(Observer):
-    """Keeps a worker's Chrome trace on disk, so it outlives a worker that is killed."""
+    """Keeps a worker's trace events on disk as they happen, so they outlive a worker that is killed."""
 
-    def __init__(self, path: Path, extra: list[dict[str, Any]]) -> None:
-        self.path = path
-        self.extra = extra
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
 
     def on_transition(self, lc: Lifecycle, record: Transition) -> None:
-        self.write(lc)
-
-    def write(self, lc: Lifecycle) -> None:
-        write_trace_events(chrome_trace_events(lc.history, role=lc.role, rank=lc.rank) + self.extra, self.path)
+        self.log.append(transition_event(record, lc.rank))
 
 
 class _Worker:
@@ -104,14 +100,13 @@ class _Worker:
 
     def __init__(self, spec: WorkerSpec, parts: Parts) -> None:
         self.spec = spec
-        self.events: list[dict[str, Any]] = []
         self.lc = Lifecycle(spec.config, role=spec.role, model=parts.model, optimizer=parts.optimizer,
                             lr_scheduler=parts.lr_scheduler, dataloader=parts.dataloader, rank=0,
                             world_size=1)
         self.trace: TraceFile | None = None
         if spec.trace_dir is not None:
-            Path(spec.trace_dir).mkdir(parents=True, exist_ok=True)
-            self.trace = TraceFile(Path(spec.trace_dir) / f"{spec.file_stem}.json", self.events)
+            log = EventLog(Path(spec.trace_dir) / f"{spec.file_stem}.jsonl", role=spec.role, rank=0)
+            self.trace = TraceFile(log)
             self.lc.add_observer(self.trace)
 
     def pid(self) -> int:
@@ -128,11 +123,10 @@ class _Worker:
 
     def _span(self, name: str, start: float, **args: Any) -> None:
         """A trace event for work that is not a lifecycle transition (generate, receive)."""
-        self.events.append({"ph": "X", "name": name, "cat": "worker", "pid": 0, "tid": 0,
-                            "ts": round(start * 1e6, 3), "dur": round((time.time() - start) * 1e6, 3),
-                            "args": args})
         if self.trace is not None:
-            self.trace.write(self.lc)
+            self.trace.log.append({"ph": "X", "name": name, "cat": "worker", "pid": 0, "tid": 0,
+                                   "ts": round(start * 1e6, 3), "dur": round((time.time() - start) * 1e6, 3),
+                                   "args": args})
 
 
 def setup_process(spec: WorkerSpec) -> None:

@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 from lifecycle import InvalidTransition, Lifecycle, State
 from lifecycle.logging import configure
 from lifecycle.testing import InjectedFailure, MemoryRollout
+from lifecycle.trace import EventLog, read_events, transition_event
 
 FIELDS = {"trigger", "src", "dst", "role", "rank", "step", "duration_s", "ok"}
 
@@ -104,6 +105,26 @@ def test_importing_the_library_does_not_configure_logging() -> None:
     code = "import structlog, lifecycle, lifecycle.testing; print(structlog.is_configured())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_an_event_log_appends_each_transition_and_a_torn_last_line_is_left_out(
+    lc: Lifecycle, tmp_path: Path
+) -> None:
+    path = tmp_path / "worker.jsonl"
+    log = EventLog(path, role="actor", rank=3)
+    lc.init_load()
+    for step in (1, 2):
+        before = path.read_bytes()
+        with lc.train_step(step):
+            pass
+        log.append(transition_event(lc.history[-1], lc.rank))
+        assert path.read_bytes().startswith(before) and path.stat().st_size > len(before)
+    log.close()
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write('{"ph": "X", "name": "sa')  # a writer killed half-way through its line
+    events = read_events(path)
+    assert [e["args"]["name"] for e in events if e["ph"] == "M"] == ["rank 3", "actor"]
+    assert [(e["name"], e["args"]["step"]) for e in events if e["ph"] == "X"] == [("train_step", 1), ("train_step", 2)]
 
 
 def test_chrome_trace_has_one_complete_event_per_transition(lc: Lifecycle, tmp_path: Path) -> None:

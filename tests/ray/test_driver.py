@@ -7,7 +7,6 @@ nothing depends on timing.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -21,6 +20,7 @@ from structlog.testing import capture_logs
 from lifecycle.driver import Driver, DriverConfig, DriverHooks
 from lifecycle.manifest import MANIFEST
 from lifecycle.run_report import RunSummary
+from lifecycle.trace import read_events
 from lifecycle.store import CheckpointStore
 from lifecycle.types import Parts
 from tests.ray.recipe import DigitsRecipe
@@ -170,8 +170,8 @@ class RolloutDiesMidSync(Sabotaged):
 
 
 def rollout_events(work: Path, incarnation: int) -> list[dict[str, Any]]:
-    [trace] = (work / "traces").glob(f"rollout0-{incarnation}-pid*.json")
-    events = json.loads(trace.read_text())["traceEvents"]
+    [trace] = (work / "traces").glob(f"rollout0-{incarnation}-pid*.jsonl")
+    events = read_events(trace)
     return [e for e in events if e.get("cat") == "worker"]
 
 

@@ -76,4 +76,4 @@ def test_rollout_refuses_to_generate_until_a_whole_sync_has_landed(tmp_path: Pat
     sent, received = sync(trainer, rollout)
     assert received == sent["version"] == 2 and rollout.status()["stale"] is False
     assert rollout.generate(prompts, 2, 2)["reward"].shape == (4,)
-    assert (tmp_path / "traces").is_dir() and len(list((tmp_path / "traces").glob("*.json"))) == 2
+    assert (tmp_path / "traces").is_dir() and len(list((tmp_path / "traces").glob("*.jsonl"))) == 2
