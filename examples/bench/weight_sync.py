@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from backends.base import free_port
 from backends.engines import CheckpointEngine, CheckpointEngineRegistry, Rendezvous, receive_into
+from lifecycle.config import APPLY_MODES
 
 HOST = "127.0.0.1"
 ENGINES = ("gloo", "shm")
@@ -91,7 +92,8 @@ def _broadcast(group: Any, tensors: list[torch.Tensor]) -> None:
 
 
 def _engine(name: str, args: argparse.Namespace) -> CheckpointEngine:
-    return CheckpointEngineRegistry.new(name, bucket_bytes=args.bucket, verify=args.verify, timeout_s=600)
+    return CheckpointEngineRegistry.new(name, bucket_bytes=args.bucket, verify=args.verify, apply=args.apply,
+                                        timeout_s=600)
 
 
 def receiver(args: argparse.Namespace, ports: dict[str, int]) -> None:
@@ -159,8 +161,8 @@ def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[fl
 def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     gbps = {k: args.total / statistics.median(v) / 1e9 for k, v in times.items() if k != "setup"}
     print(f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors, buckets of "
-          f"{args.bucket / 2**20:g} MiB, checksums {'on' if args.verify else 'off'}, median of {args.repeat}, "
-          f"torch threads {args.threads}")
+          f"{args.bucket / 2**20:g} MiB, checksums {'on' if args.verify else 'off'}, apply {args.apply}, "
+          f"median of {args.repeat}, torch threads {args.threads}")
     for key, label in (("gloo", "gloo engine"), ("flat", "(a) one flat broadcast"),
                        ("per_tensor", "(b) one broadcast per tensor"), ("shm", "shm engine"),
                        ("memcpy", "one memcpy")):
@@ -182,6 +184,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                         help="engine.verify: checksum every bucket")
+    parser.add_argument("--apply", choices=APPLY_MODES, default="atomic",
+                        help="engine.apply of the receiver: atomic holds the whole sync, streamed two buckets")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
     args = parser.parse_args()
     args.total = int(args.gib * 2**30) // 4 * 4
