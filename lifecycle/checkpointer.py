@@ -23,7 +23,7 @@ from lifecycle.config import LifecycleConfig
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.extra import load_extra, save_extra
 from lifecycle.checksum import ALGORITHM, check_unverified, expecting
-from lifecycle.manifest import MANIFEST, check_folder, read_manifest_file, resolve_inside
+from lifecycle.manifest import MANIFEST, check_folder, checksum_of, read_manifest_file, resolve_inside
 from lifecycle.store import CheckpointStore, check_role
 from lifecycle.types import Parts, Progress, SaveInfo
 
@@ -302,7 +302,7 @@ class DiskCheckpointer:
             raise CheckpointError(f"{folder}: cannot resume from step {step}:\n  " + "\n  ".join(problems))
         manifest = read_manifest_file(folder)
         self._check_hash(parts, manifest, folder)
-        digests = {folder / f["path"]: f[ALGORITHM] for f in manifest["files"] if f["path"] in later}
+        digests = {folder / f["path"]: checksum_of(f)[1] for f in manifest["files"] if f["path"] in later}
         try:
             with expecting(digests) as verified:
                 progress = self._load_contents(parts, manifest, folder, step)
@@ -316,7 +316,11 @@ class DiskCheckpointer:
         return progress
 
     def _verified_while_reading(self, manifest: dict[str, Any]) -> set[str]:
-        """Weight files whose backend checks the digest as it reads them: no separate pass."""
+        """Weight files whose backend checks the digest as it reads them: no separate pass.
+
+        Only files the manifest checksums with the current `ALGORITHM`, the one readers compute;
+        older manifests are hashed apart, before loading.
+        """
         later: set[str] = set()
         for entry in manifest["contents"].values():
             try:
@@ -325,7 +329,8 @@ class DiskCheckpointer:
                 fused = False
             prefix = entry["folder"].rstrip("/") + "/"
             later.update(f["path"] for f in manifest["files"]
-                         if fused and f["path"].startswith(prefix) and f["path"].endswith(".safetensors"))
+                         if fused and f["path"].startswith(prefix) and f["path"].endswith(".safetensors")
+                         and checksum_of(f)[0] == ALGORITHM)
         return later
 
     def _resolve_path(self, path: Path) -> tuple[Path, int]:

@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from lifecycle.checksum import ALGORITHM, file_digest, known_digest
+from lifecycle.checksum import ALGORITHM, ALGORITHMS, file_digest, known_digest
 from lifecycle.errors import CheckpointError
 
 MANIFEST = "manifest.json"
@@ -63,12 +63,24 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def _hash_all(folder: Path, rels: list[str], *, fsync: bool, progress: Progress | None) -> dict[str, str]:
-    sizes = {rel: (folder / rel).stat().st_size for rel in rels}
+def checksum_of(entry: Mapping[str, Any]) -> tuple[str, str]:
+    """(algorithm, digest) of a manifest's file entry: the first of `ALGORITHMS` it names."""
+    for algorithm in ALGORITHMS:
+        if isinstance(digest := entry.get(algorithm), str):
+            return algorithm, digest
+    raise CheckpointError(f"file entry {entry.get('path')!r} names none of the checksums {list(ALGORITHMS)}")
+
+
+def _hash_all(
+    folder: Path, algorithms: Mapping[str, str], *, fsync: bool, progress: Progress | None
+) -> dict[str, str]:
+    """Digest of each file `algorithms` names (relative path: algorithm), files hashed side by side."""
+    sizes = {rel: (folder / rel).stat().st_size for rel in algorithms}
     total, done = sum(sizes.values()), 0
     out: dict[str, str] = {}
-    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(rels)))) as pool:
-        futures = {pool.submit(file_digest, folder / rel, fsync=fsync): rel for rel in rels}
+    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(algorithms)))) as pool:
+        futures = {pool.submit(file_digest, folder / rel, fsync=fsync, algorithm=algorithm): rel
+                   for rel, algorithm in algorithms.items()}
         for fut in as_completed(futures):
             rel = futures[fut]
             out[rel] = fut.result()
@@ -88,7 +100,7 @@ def _digests(folder: Path, rels: list[str], *, fsync: bool) -> dict[str, str]:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    out.update(_hash_all(folder, [rel for rel in rels if rel not in out], fsync=fsync, progress=None))
+    out.update(_hash_all(folder, {rel: ALGORITHM for rel in rels if rel not in out}, fsync=fsync, progress=None))
     return out
 
 
@@ -190,9 +202,9 @@ def _shape_problems(data: dict[str, Any]) -> list[str]:
             problems.append(f"contents[{name!r}] needs string 'backend' and 'folder'")
     for i, entry in enumerate(data["files"]):
         ok = (isinstance(entry, dict) and isinstance(entry.get("path"), str)
-              and type(entry.get("size")) is int and isinstance(entry.get(ALGORITHM), str))
+              and type(entry.get("size")) is int and any(isinstance(entry.get(a), str) for a in ALGORITHMS))
         if not ok:
-            problems.append(f"files[{i}] needs 'path' (str), 'size' (int) and {ALGORITHM!r} (str)")
+            problems.append(f"files[{i}] needs 'path' (str), 'size' (int) and one of {list(ALGORITHMS)} (str)")
     return problems
 
 
@@ -243,20 +255,22 @@ def check_folder(
         problems.extend(f"{folder / rel}: file not listed in {mpath}"
                         for rel in _walk(folder) if rel != MANIFEST and rel not in listed)
     if deep and not problems:
-        rels = [rel for rel in to_hash if rel not in verified_later]
-        digests = _hash_all(folder, rels, fsync=False, progress=progress)
+        wanted = {rel: checksum for rel, checksum in to_hash.items() if rel not in verified_later}
+        digests = _hash_all(folder, {rel: algorithm for rel, (algorithm, _) in wanted.items()},
+                            fsync=False, progress=progress)
         problems.extend(
-            f"{folder / rel}: checksum {digests[rel]} != manifest {to_hash[rel]}"
-            for rel in rels if digests[rel] != to_hash[rel].lower()
+            f"{folder / rel}: checksum {digests[rel]} != manifest {want}"
+            for rel, (_, want) in wanted.items() if digests[rel] != want.lower()
         )
     return problems
 
 
 def _check_listed(
     folder: Path, files: Iterable[dict[str, Any]], problems: list[str]
-) -> tuple[set[str], dict[str, str]]:
+) -> tuple[set[str], dict[str, tuple[str, str]]]:
+    """Listed paths, and (algorithm, digest) of each listed file whose presence and size check out."""
     listed: set[str] = set()
-    to_hash: dict[str, str] = {}
+    to_hash: dict[str, tuple[str, str]] = {}
     for entry in files:
         rel = entry["path"]
         listed.add(rel)
@@ -277,5 +291,5 @@ def _check_listed(
         elif size != entry["size"]:
             problems.append(f"{target}: size {size} != manifest {entry['size']}")
         else:
-            to_hash[rel] = entry[ALGORITHM]
+            to_hash[rel] = checksum_of(entry)
     return listed, to_hash

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -9,8 +12,9 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from backends.safetensors_io import read_file, write_file
-from lifecycle.checksum import expecting, file_digest, known_digest
+import backends.safetensors_io as sio
+from backends.safetensors_io import read_file, read_header, write_file
+from lifecycle.checksum import PIECE_BYTES, expecting, file_digest, known_digest
 from lifecycle.errors import CheckpointError
 
 
@@ -28,10 +32,23 @@ def tensors() -> dict[str, torch.Tensor]:
     }
 
 
+def big() -> dict[str, torch.Tensor]:
+    """Tensors over two and a half pieces, one of them across a piece boundary."""
+    torch.manual_seed(1)
+    return {"a": torch.randn(PIECE_BYTES // 4 + 1000), "b": torch.randn(3, PIECE_BYTES // 8),
+            "c": torch.randn(PIECE_BYTES // 16).bfloat16()}
+
+
+def tree_digest(data: bytes) -> str:
+    """The manifest's checksum written out plainly: xxh3_64 of each piece's little-endian xxh3_64."""
+    pieces = [data[i:i + PIECE_BYTES] for i in range(0, len(data), PIECE_BYTES)]
+    return xxhash.xxh3_64(b"".join(xxhash.xxh3_64_intdigest(p).to_bytes(8, "little") for p in pieces)).hexdigest()
+
+
 def test_written_file_loads_with_safetensors_and_the_digest_is_the_whole_file(tmp_path: Path) -> None:
     path = tmp_path / "a.safetensors"
     digest = write_file(path, tensors(), {"format": "pt"})
-    assert digest == xxhash.xxh3_64(path.read_bytes()).hexdigest() == file_digest(path)
+    assert digest == tree_digest(path.read_bytes()) == file_digest(path)
     loaded = load_file(str(path))
     assert all(torch.equal(loaded[k], v) for k, v in tensors().items())
 
@@ -91,3 +108,84 @@ def test_a_remembered_digest_is_forgotten_when_the_file_changes(tmp_path: Path) 
     write_file(path, tensors())
     path.write_bytes(path.read_bytes() + b"x")
     assert known_digest(path) is None
+
+
+def test_the_digest_of_a_file_of_several_pieces_is_the_tree_of_its_pieces(tmp_path: Path) -> None:
+    path = tmp_path / "h.safetensors"
+    digest = write_file(path, big())
+    data = path.read_bytes()
+    assert 2 * PIECE_BYTES < len(data) < 3 * PIECE_BYTES
+    assert digest == tree_digest(data) == file_digest(path)
+    assert file_digest(path, algorithm="xxh3_64") == xxhash.xxh3_64(data).hexdigest()
+    into = {k: torch.zeros_like(v) for k, v in big().items()}
+    read_file(path, into, expect=digest)
+    assert all(torch.equal(into[k], v) for k, v in big().items())
+
+
+@pytest.mark.parametrize("where", ["header", 4000, PIECE_BYTES - 1, PIECE_BYTES, 2 * PIECE_BYTES + 5, -1])
+def test_a_flipped_byte_in_any_piece_or_the_header_is_caught(tmp_path: Path, where: int | str) -> None:
+    path = tmp_path / "i.safetensors"
+    digest = write_file(path, big(), {"format": "pt"})
+    data = bytearray(path.read_bytes())
+    at = data.index(b'"pt"') + 1 if where == "header" else int(where)
+    data[at] ^= 0x20 if where == "header" else 0x01  # "pt" to "Pt": a header that still parses
+    path.write_bytes(bytes(data))
+    assert file_digest(path) != digest
+    with pytest.raises(CheckpointError, match=f"i.safetensors: checksum [0-9a-f]+ != manifest {digest}"):
+        read_file(path, expect=digest)
+
+
+def test_a_file_truncated_after_its_header_was_read_is_a_checkpoint_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "j.safetensors"
+    write_file(path, big())
+    header = read_header(path)
+    monkeypatch.setattr(sio, "read_header", lambda _: header)
+    with open(path, "r+b") as fh:
+        fh.truncate(PIECE_BYTES + 100)
+    into = {k: torch.zeros_like(v) for k, v in big().items()}
+    with pytest.raises(CheckpointError, match="j.safetensors.*truncated"):
+        read_file(path, into)
+
+
+def test_a_truncated_file_read_into_a_model_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "k.safetensors"
+    write_file(path, big())
+    path.write_bytes(path.read_bytes()[:-1])
+    into = {k: torch.zeros_like(v) for k, v in big().items()}
+    with pytest.raises(CheckpointError, match="k.safetensors.*truncated"):
+        read_file(path, into)
+
+
+def test_short_writes_go_on_from_where_they_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pwritev = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, buffers, offset: pwritev(fd, [buffers[0][:100_000]], offset))
+    path = tmp_path / "l.safetensors"
+    digest = write_file(path, big())
+    monkeypatch.undo()
+    assert digest == tree_digest(path.read_bytes())
+    out = read_file(path, expect=digest)
+    assert all(torch.equal(out[k], v) for k, v in big().items())
+
+
+def test_a_foreign_file_with_gaps_between_tensors_reads_and_verifies(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    header = {"x": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]},
+              "y": {"dtype": "I64", "shape": [1], "data_offsets": [16, 24]}}
+    encoded = json.dumps(header).encode()
+    body = b"gap" + struct.pack("<2f", 1.5, -2.0) + b"gap!!" + struct.pack("<q", 7) + b"tail"
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + body)
+    into = {"x": torch.zeros(2)}
+    out = read_file(path, into, expect=tree_digest(path.read_bytes()))
+    assert torch.equal(into["x"], torch.tensor([1.5, -2.0])) and out["y"].tolist() == [7]
+
+
+def test_tensors_that_share_bytes_are_refused_naming_the_file_and_tensor(tmp_path: Path) -> None:
+    path = tmp_path / "n.safetensors"
+    header = {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "y": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + struct.pack("<2f", 1.0, 2.0))
+    with pytest.raises(CheckpointError, match="n.safetensors: tensor 'y' overlaps"):
+        read_file(path)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lifecycle import CheckpointError, Lifecycle, State
-from lifecycle.checksum import file_digest
+from lifecycle.checksum import ALGORITHM, file_digest
 from lifecycle.manifest import MANIFEST
 from lifecycle.store import TRACKER, CheckpointStore
 
@@ -89,7 +89,7 @@ def resign(folder: Path) -> None:
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
                    if p.is_file() and p.name != MANIFEST)
     manifest["files"] = [{"path": rel, "size": (folder / rel).stat().st_size,
-                          "xxh3_64": file_digest(folder / rel)} for rel in files]
+                          ALGORITHM: file_digest(folder / rel)} for rel in files]
     path.write_text(json.dumps(manifest))
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from backends.hf import HFBackend
 from lifecycle import Lifecycle, LifecycleConfig
 from lifecycle.checkpointer import DiskCheckpointer, model_config_hash
+from lifecycle.checksum import PLAIN, file_digest
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.store import TRACKER
 from lifecycle.types import Parts, Progress
@@ -145,6 +146,28 @@ def test_resume_refuses_a_corrupt_step_and_then_a_load_of_the_possibly_overwritt
         ckpt.resume(target)
     with pytest.raises(CheckpointError, match="partly overwritten"):
         ckpt.load_initial(target)
+
+
+def test_a_manifest_naming_the_plain_xxh3_checksum_still_resumes_and_still_catches_a_flipped_byte(
+    tmp_path: Path,
+) -> None:
+    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+    saved = parts()
+    save_steps(ckpt, saved, [1])
+    folder = tmp_path / "global_step_1" / "actor"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"] = [{"path": f["path"], "size": f["size"], PLAIN: file_digest(folder / f["path"], algorithm=PLAIN)}
+                         for f in manifest["files"]]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    target = parts(seed=5)
+    assert ckpt.resume(target).step == 1
+    assert all(torch.equal(a, b) for a, b in zip(saved.model.state_dict().values(), target.model.state_dict().values()))
+    weights = folder / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="(?s)cannot resume from step 1.*model.safetensors: checksum"):
+        ckpt.resume(parts(seed=5))
 
 
 def test_planted_pickle_in_extra_is_refused_and_never_executed(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 from lifecycle.errors import CheckpointError, ConfigError
 import xxhash
 
-from lifecycle.checksum import file_digest
+from lifecycle.checksum import ALGORITHM, PIECE_BYTES, PLAIN, file_digest
 from lifecycle.store import TRACKER, CheckpointStore
 
 MANIFEST_KEYS = {"format_version", "step", "role", "created_at", "contents", "parallel",
@@ -67,18 +67,21 @@ def test_manifest_records_files_contents_and_versions(tmp_path: Path) -> None:
     assert data["step"] == 3 and data["role"] == "actor" and data["format_version"] == 1
     assert data["contents"] == {"model": {"backend": "hf", "folder": "model"},
                                 "hf_model": {"backend": "hf", "folder": "model"}}
-    assert data["files"] == [{"path": "model/a.bin", "size": 3000,
-                              "xxh3_64": xxhash.xxh3_64(b"abc" * 1000).hexdigest()}]
+    one_piece = xxhash.xxh3_64_intdigest(b"abc" * 1000).to_bytes(8, "little")
+    assert data["files"] == [{"path": "model/a.bin", "size": 3000, ALGORITHM: xxhash.xxh3_64(one_piece).hexdigest()}]
     assert data["parallel"] == {"world_size": 1, "tp": 1}
     assert data["model_config_hash"] == "h1" and data["meta"] == {"k": "v"}
     assert {"torch", "safetensors", "trainer_lifecycle", "python"} <= set(data["versions"])
     assert datetime.fromisoformat(data["created_at"]).utcoffset().total_seconds() == 0
 
 
-def test_digest_of_a_file_larger_than_a_chunk_matches_one_pass(tmp_path: Path) -> None:
+def test_digest_of_a_file_larger_than_a_chunk_matches_one_pass_and_the_tree_of_its_pieces(tmp_path: Path) -> None:
     data = os.urandom(1024) * (65 * 1024 + 3)  # crosses the 64 MiB chunk boundary
     (tmp_path / "big").write_bytes(data)
-    assert file_digest(tmp_path / "big") == xxhash.xxh3_64(data).hexdigest()
+    assert file_digest(tmp_path / "big", algorithm=PLAIN) == xxhash.xxh3_64(data).hexdigest()
+    pieces = b"".join(xxhash.xxh3_64_intdigest(data[i:i + PIECE_BYTES]).to_bytes(8, "little")
+                      for i in range(0, len(data), PIECE_BYTES))
+    assert file_digest(tmp_path / "big") == xxhash.xxh3_64(pieces).hexdigest()
 
 
 def test_staging_left_by_crash_is_cleared_and_never_complete(tmp_path: Path) -> None:
@@ -166,6 +169,19 @@ def test_cheap_validation_checks_sizes_deep_checks_checksums(tmp_path: Path) -> 
     assert len(problems) == 1 and str(weights) in problems[0] and "checksum" in problems[0]
     weights.write_bytes(b"x" * 99)
     assert "size 99 != manifest 100" in store.validate(1, "actor", deep=False)[0]
+
+
+def test_a_manifest_naming_the_plain_xxh3_checksum_is_checked_with_it(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    final = commit(store, 1)
+    files = manifest_of(final)["files"]
+    rewrite_manifest(final, files=[{"path": f["path"], "size": f["size"],
+                                    PLAIN: xxhash.xxh3_64((final / f["path"]).read_bytes()).hexdigest()}
+                                   for f in files])
+    assert store.validate(1, "actor", deep=True) == []
+    (final / "model" / "weights.bin").write_bytes(b"x" * 100)
+    problems = store.validate(1, "actor", deep=True)
+    assert len(problems) == 1 and "weights.bin: checksum" in problems[0]
 
 
 def test_missing_listed_file_is_a_problem(tmp_path: Path) -> None:
