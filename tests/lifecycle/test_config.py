@@ -42,6 +42,7 @@ engine:
   backend: my_pkg.engines:FastEngine
   bucket_bytes: 1024
   verify: false
+  apply: streamed
   timeout_s: 12
   rollout_dtype: bfloat16
   profile: true
@@ -65,6 +66,7 @@ def _custom_dict() -> dict[str, Any]:
             "backend": "my_pkg.engines:FastEngine",
             "bucket_bytes": 1024,
             "verify": False,
+            "apply": "streamed",
             "timeout_s": 12,
             "rollout_dtype": "bfloat16",
             "profile": True,
@@ -250,7 +252,7 @@ def test_async_underscore_is_not_a_dict_key() -> None:
         (
             {"engine": {"bucket": 1}},
             "engine.bucket",
-            "backend, bucket_bytes, profile, profile_dir, rollout_dtype, timeout_s, verify",
+            "apply, backend, bucket_bytes, profile, profile_dir, rollout_dtype, timeout_s, verify",
         ),
     ],
 )
@@ -334,6 +336,7 @@ def test_enum_members_are_accepted_as_values() -> None:
         ({"engine": {"timeout_s": True}}, "engine.timeout_s", "expected a number, got True (bool)"),
         ({"engine": {"timeout_s": "300"}}, "engine.timeout_s", "expected a number, got '300' (str)"),
         ({"engine": {"verify": "yes"}}, "engine.verify", "expected a boolean, got 'yes' (str)"),
+        ({"engine": {"apply": "lazy"}}, "engine.apply", "lazy"),
         ({"engine": {"profile": 1}}, "engine.profile", "expected a boolean, got 1 (int)"),
         ({"resume": {"strict": None}}, "resume.strict", "expected a boolean, got None (NoneType)"),
         ({"checkpoint": {"save": {"async": "no"}}}, "checkpoint.save.async", "expected a boolean, got 'no'"),
