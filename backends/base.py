@@ -49,6 +49,18 @@ def current_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def failed_ranks(failed: bool, group: Any = None) -> int:
+    """How many ranks of `group` (the default group when None) report a failure; every rank
+    must call it. Without a process group of more than one rank, this rank's own count."""
+    import torch
+    import torch.distributed as dist
+
+    count = torch.tensor([int(failed)])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(count, group=group)
+    return int(count.item())
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port the OS just handed out on `host`, for a rendezvous; a race with another binder
     before it is used is possible but rare, and fails loudly at bind time."""

@@ -23,7 +23,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 from torch import nn
 
-from backends.base import current_rank
+from backends.base import current_rank, failed_ranks
 from backends.hf import write_hf_folder
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.phase import DELETE, temporarily
@@ -265,15 +265,11 @@ def load_sharded(state: dict[str, Any], folder: Path) -> dict[str, Any]:
 def agree(problem: str | None) -> None:
     """Raise on every rank when any rank has a problem, so none is left waiting in a
     collective for a peer that has already given up."""
-    import torch.distributed as dist
-
-    failed = torch.tensor([0 if problem is None else 1])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(failed)
+    failed = failed_ranks(problem is not None)
     if problem is not None:
         raise CheckpointError(problem)
-    if int(failed.item()):
-        raise CheckpointError(f"{int(failed.item())} other rank(s) refused the checkpoint (see their errors)")
+    if failed:
+        raise CheckpointError(f"{failed} other rank(s) refused the checkpoint (see their errors)")
 
 
 def _jsonable(value: Any) -> bool:

@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
-from backends.base import FormatBackend, backend_class
+from backends.base import FormatBackend, backend_class, failed_ranks
 from lifecycle.async_save import BackgroundSaver, PendingSave
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import CheckpointError, ConfigError
@@ -28,6 +28,7 @@ from lifecycle.store import CheckpointStore, check_role
 from lifecycle.types import Parts, Progress, SaveInfo
 
 HashFn = Callable[[Parts], str | None]
+_T = TypeVar("_T")
 EXTRA_BACKEND = "extra"
 _RANK_DIR = re.compile(r"rank_([0-9]+)")
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
@@ -56,13 +57,16 @@ def model_config_hash(parts: Parts) -> str | None:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
 
 
-def check_parts(config: LifecycleConfig, parts: Parts) -> None:
+def check_parts(config: LifecycleConfig, parts: Parts, world_size: int = 1) -> None:
     """Refuse at construction what a backend could only refuse mid-save (hf_model from a
-    dist_ckpt model without a bridge): each format in use checks the model it will get, and
-    may wrap it (a bare GPTModel becomes a MegatronModel) in `parts`."""
+    dist_ckpt model without a bridge, an async save the format cannot do): each format in use
+    checks the model it will get, and may wrap it (a bare GPTModel becomes a MegatronModel)
+    in `parts`."""
+    ckpt = config.checkpoint
+    if ckpt.save.async_:
+        check_async(backend_class(_value(ckpt.save.format)), world_size)
     if parts.model is None:
         return
-    ckpt = config.checkpoint
     uses = [("checkpoint.save.format", ckpt.save.format, [_value(c) for c in ckpt.save.contents]),
             ("checkpoint.load.format", ckpt.load_format, [])]
     if ckpt.pre_load.path:
@@ -71,6 +75,19 @@ def check_parts(config: LifecycleConfig, parts: Parts) -> None:
         check = getattr(backend_class(_value(fmt)), "check_model", None)
         if check is not None:
             parts.model = check(parts.model, contents, key)
+
+
+def check_async(backend: type[FormatBackend], world_size: int) -> None:
+    """`ConfigError` on `checkpoint.save.async` when `backend` cannot save in the background."""
+    if not backend.supports_async:
+        raise ConfigError("checkpoint.save.async", f"format {backend.name!r} cannot write in the background; "
+                          "set checkpoint.save.async to false")
+    if world_size > 1 and backend.parallel_invariant:
+        raise ConfigError(
+            "checkpoint.save.async",
+            f"format {backend.name!r} saves with collectives on every rank, which in the background would "
+            f"interleave with training's own; with world_size {world_size} set checkpoint.save.async to false",
+        )
 
 
 def folder_figures(folder: Path) -> tuple[int, int]:
@@ -107,6 +124,8 @@ class DiskCheckpointer:
         """Set when a failed load may have left the model's weights half-replaced."""
         self._background: BackgroundSaver | None = None
         self._background_store: CheckpointStore | None = None
+        self._background_group: Any = None
+        """The gloo group the background commit's barriers and agreement run on (several ranks)."""
 
     @property
     def store(self) -> CheckpointStore:
@@ -163,18 +182,48 @@ class DiskCheckpointer:
             raise CheckpointError(f"{committed}: cannot load initial weights:\n  " + "\n  ".join(problems))
 
     def save(self, step: int, parts: Parts, progress: Progress) -> SaveInfo:
-        """Write and commit `step`; with `save.async`, return once the state is copied to host."""
-        self.wait()
+        """Write and commit `step`; with `save.async`, return once the state is copied to host.
+
+        The figures' `seconds` include waiting for the previous async save's commit: all of it
+        is time the training loop stood still."""
         started = time.perf_counter()
+        self.wait()
         name = _value(self.config.checkpoint.save.format)
         backend = backend_class(name)()
-        background = self._async_saver(backend, name) if self.config.checkpoint.save.async_ else None
+        background = self._async_saver(backend) if self.config.checkpoint.save.async_ else None
         staging = self.store.staging(step, self.role)
         model_hash = (self._hash_fn or model_config_hash)(parts)
         if background is not None:
             return self._save_async(background, backend, staging, step, parts, progress, model_hash, started)
-        contents, folders = self._write_contents(backend, name, staging, parts, progress)
+        contents, folders = self._agreed(step, lambda: self._write_contents(backend, name, staging, parts, progress))
         return self._commit(self.store, step, name, contents, folders, model_hash, started)
+
+    def _agreed(self, step: int, write: Callable[[], _T], group: Any = None) -> _T:
+        """`write()` on every rank, then a count of the ranks whose write failed.
+
+        A rank that failed (rank 0 alone writing the HF files, say) would otherwise never reach
+        the commit barrier, and its peers would wait there until the process group's timeout.
+        The failed rank raises its own error, the others a `CheckpointError` naming the step.
+        """
+        if not self._collective:
+            return write()
+        try:
+            result = write()
+        except BaseException:
+            failed_ranks(True, group)
+            raise
+        if failed := failed_ranks(False, group):
+            raise CheckpointError(f"save of step {step} (role {self.role}): {failed} other rank(s) failed to "
+                                  "write their part (see their errors); nothing was committed")
+        return result
+
+    @property
+    def _collective(self) -> bool:
+        """Whether this save spans ranks of a process group (a caller's own barrier: not ours to use)."""
+        import torch.distributed as dist
+
+        return (self.world_size > 1 and self._barrier is None and dist.is_available()
+                and dist.is_initialized())
 
     def _commit(
         self, store: CheckpointStore, step: int, name: str, contents: dict[str, str], folders: dict[str, str],
@@ -197,13 +246,15 @@ class DiskCheckpointer:
         rest is written from a host copy on the background thread, then committed there."""
         name = backend.name
         wanted = [_value(c) for c in self.config.checkpoint.save.contents]
-        now = self._write_contents(backend, name, staging, parts, progress, only={"extra"})
+        now = self._agreed(step, lambda: self._write_contents(backend, name, staging, parts, progress,
+                                                              only={"extra"}))
         frozen = background.copier.snapshot(parts)
         store = self._commit_store()
 
         def write_and_commit() -> SaveInfo:
-            later = self._write_contents(backend, name, staging, frozen, progress,
-                                         only={c for c in wanted if c != "extra"})
+            later = self._agreed(step, lambda: self._write_contents(backend, name, staging, frozen, progress,
+                                                                    only={c for c in wanted if c != "extra"}),
+                                 group=self._background_group)
             contents, folders = {**later[0], **now[0]}, {**later[1], **now[1]}
             return self._commit(store, step, name, contents, folders, model_hash, started)
 
@@ -212,16 +263,8 @@ class DiskCheckpointer:
                            bytes=background.copier.bytes, seconds=time.perf_counter() - started,
                            committed=committed)
 
-    def _async_saver(self, backend: FormatBackend, name: str) -> BackgroundSaver:
-        if not backend.supports_async:
-            raise ConfigError("checkpoint.save.async", f"format {name!r} cannot write in the background; "
-                              "set checkpoint.save.async to false")
-        if self.world_size > 1 and backend.parallel_invariant:
-            raise ConfigError(
-                "checkpoint.save.async",
-                f"format {name!r} saves with collectives on every rank, which in the background would "
-                f"interleave with training's own; with world_size {self.world_size} set checkpoint.save.async to false",
-            )
+    def _async_saver(self, backend: FormatBackend) -> BackgroundSaver:
+        check_async(type(backend), self.world_size)
         if self._background is None:
             self._background = BackgroundSaver(self.role)
         return self._background
@@ -233,7 +276,7 @@ class DiskCheckpointer:
         if self._background_store is None:
             import torch.distributed as dist
 
-            group = dist.new_group(backend="gloo")
+            group = self._background_group = dist.new_group(backend="gloo")
             self._background_store = CheckpointStore(self.store.root, rank=self.rank, world_size=self.world_size,
                                                      barrier=partial(dist.barrier, group=group))
         return self._background_store

@@ -118,10 +118,10 @@ class Lifecycle:
         self.progress = Progress()
         self.observers: list[Observer] = list(observers)
         self._history: deque[Transition] = deque(maxlen=history_limit)
-        if checkpointer is None and model is not None:
+        if checkpointer is None:
             from lifecycle.checkpointer import check_parts
 
-            check_parts(self.config, self.parts)
+            check_parts(self.config, self.parts, self.world_size)
         self._checkpointer = checkpointer
         self._engine = engine
         self._phase: Phase | None = None

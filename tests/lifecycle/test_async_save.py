@@ -221,16 +221,22 @@ def test_resume_after_a_failed_step_waits_for_the_pending_commit(tmp_path: Path,
     lc.close()
 
 
-def test_async_refuses_formats_that_cannot_write_in_the_background(monkeypatch: pytest.MonkeyPatch) -> None:
-    def checkpointer(fmt: str, world_size: int) -> DiskCheckpointer:
-        config = LifecycleConfig.from_dict({"checkpoint": {"root": "unused", "save": {"format": fmt, "async": True}}})
-        return DiskCheckpointer(config, role=ROLE, world_size=world_size, barrier=lambda: None)
+def test_async_refuses_at_construction_formats_that_cannot_write_in_the_background(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def build(fmt: str, world_size: int) -> Lifecycle:
+        config = {"checkpoint": {"root": "unused", "save": {"format": fmt, "async": True}}}
+        return Lifecycle(config, role=ROLE, model=nn.Linear(2, 2), rank=0, world_size=world_size)
 
     with pytest.raises(ConfigError, match="checkpoint.save.async: format 'torch_dcp' saves with collectives"):
-        checkpointer("torch_dcp", 2).save(1, Parts(model=nn.Linear(2, 2)), Progress(step=1))
+        build("torch_dcp", 2)
+    build("torch_dcp", 1)
     monkeypatch.setattr(backend_class("hf"), "supports_async", False)
     with pytest.raises(ConfigError, match="format 'hf' cannot write in the background"):
-        checkpointer("hf", 1).save(1, Parts(model=nn.Linear(2, 2)), Progress(step=1))
+        build("hf", 1)
+    config = LifecycleConfig.from_dict({"checkpoint": {"root": "unused", "save": {"format": "hf", "async": True}}})
+    with pytest.raises(ConfigError, match="format 'hf' cannot write in the background"):
+        DiskCheckpointer(config, role=ROLE).save(1, Parts(model=nn.Linear(2, 2)), Progress(step=1))
 
 
 def test_host_copy_reuses_its_buffers_and_keeps_tied_weights_tied() -> None:

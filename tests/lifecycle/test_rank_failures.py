@@ -1,0 +1,67 @@
+"""A rank whose part of a save fails stops its peers at once, instead of leaving them in the
+commit barrier until the process group's timeout; nothing is committed, the previous step
+stays the newest. Two gloo ranks; `hf` writes the weights from rank 0 alone, so a rank-0
+failure is the case that used to leave rank 1 waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lifecycle.store import CheckpointStore
+from tests.backends.dist_util import run_ranks
+from tests.lifecycle.test_crash import ROLE, fill, lifecycle_at
+
+PG_TIMEOUT_S = 30.0
+"""What `run_ranks` gives the group (half its deadline): a rank left in a barrier waits this long."""
+
+
+def _rank0_write_fails(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from backends.hf import HFBackend
+
+    background = (tmp_path / "async").exists()
+    lc, model = lifecycle_at(tmp_path / "ckpt", save={"async": background})
+    lc.init_load()
+    fill(model, 1)
+    _saved(lc.save(1))
+    if rank == 0:
+        def disk_full(self: HFBackend, model: Any, folder: Path) -> None:
+            raise OSError("No space left on device (injected)")
+
+        HFBackend.save_model = disk_full  # type: ignore[method-assign]
+    fill(model, 2)
+    started = time.monotonic()
+    error = None
+    try:
+        _saved(lc.save(2))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - started
+    dist.barrier()  # both ranks go on, as a training loop would: a rank that exited would unblock its peer
+    return {"error": error, "seconds": seconds, "state": lc.state.name,
+            "newest": CheckpointStore(tmp_path / "ckpt").newest_complete([ROLE])}
+
+
+def _saved(info: Any) -> None:
+    """An async save returns a `PendingSave`: wait for its commit (or its failure)."""
+    if hasattr(info, "wait"):
+        info.wait(PG_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_rank_whose_write_fails_stops_its_peers_before_the_commit(mode: str, tmp_path: Path) -> None:
+    if mode == "async":
+        (tmp_path / "async").mkdir()
+    failing, peer = run_ranks(_rank0_write_fails, tmp_path, world_size=2, timeout_s=2 * PG_TIMEOUT_S)
+    assert "No space left on device (injected)" in failing["error"]
+    assert peer["error"].startswith("CheckpointError: ") and "1 other rank(s)" in peer["error"]
+    assert "step 2" in peer["error"]
+    for rank in (failing, peer):
+        assert rank["seconds"] < PG_TIMEOUT_S / 3 and rank["newest"] == 1
+    assert failing["state"] == peer["state"] == ("FAILED" if mode == "sync" else "READY")
