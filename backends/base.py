@@ -55,9 +55,13 @@ def failed_ranks(failed: bool, group: Any = None) -> int:
     import torch
     import torch.distributed as dist
 
-    count = torch.tensor([int(failed)])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(count, group=group)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+        return int(failed)
+    backend = str(dist.get_backend(group))
+    device = (torch.device("cpu") if "gloo" in backend or "mpi" in backend
+              else torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index()))
+    count = torch.tensor([int(failed)], device=device)
+    dist.all_reduce(count, group=group)
     return int(count.item())
 
 

@@ -193,7 +193,8 @@ class FrozenModule(nn.Module):
 class PendingSave(SaveInfo):
     """What an async save returns at once: the step and path it will commit, and a handle to wait on.
 
-    `bytes` and `seconds` are the host copy's; `wait()` returns the committed save's own figures.
+    `bytes` are the host copy's, `seconds` the training loop's stall (waiting for the previous
+    commit, writing `extra/`, the host copy); `wait()` returns the committed save's own figures.
     """
 
     committed: Future[SaveInfo] = field(repr=False, compare=False)
@@ -203,7 +204,7 @@ class PendingSave(SaveInfo):
         return self.committed.result(timeout)
 
     def figures(self) -> dict[str, Any]:
-        return {**SaveInfo.figures(self), "async": True, "copy_s": round(self.seconds, 6)}
+        return {**SaveInfo.figures(self), "async": True, "stall_s": round(self.seconds, 6)}
 
 
 class BackgroundSaver:

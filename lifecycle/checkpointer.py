@@ -204,6 +204,8 @@ class DiskCheckpointer:
         A rank that failed (rank 0 alone writing the HF files, say) would otherwise never reach
         the commit barrier, and its peers would wait there until the process group's timeout.
         The failed rank raises its own error, the others a `CheckpointError` naming the step.
+        Not covered: a failure on one rank before the write (creating the staging folder) or
+        after the commit (retention); peers then wait for it until the group's timeout.
         """
         if not self._collective:
             return write()
@@ -246,10 +248,13 @@ class DiskCheckpointer:
         rest is written from a host copy on the background thread, then committed there."""
         name = backend.name
         wanted = [_value(c) for c in self.config.checkpoint.save.contents]
-        now = self._agreed(step, lambda: self._write_contents(backend, name, staging, parts, progress,
-                                                              only={"extra"}))
-        frozen = background.copier.snapshot(parts)
         store = self._commit_store()
+
+        def extra_and_copy() -> tuple[tuple[dict[str, str], dict[str, str]], Parts]:
+            return (self._write_contents(backend, name, staging, parts, progress, only={"extra"}),
+                    background.copier.snapshot(parts))
+
+        now, frozen = self._agreed(step, extra_and_copy)
 
         def write_and_commit() -> SaveInfo:
             later = self._agreed(step, lambda: self._write_contents(backend, name, staging, frozen, progress,

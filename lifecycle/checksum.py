@@ -48,16 +48,14 @@ _expected: ContextVar[tuple[Mapping[str, str], set[str]] | None] = ContextVar("l
 class Hasher:
     """Feeds buffers, in order, to one xxh3 state on a worker thread (xxh3 releases the GIL).
 
-    Without `executor` each hasher starts a worker of its own and stops it when done. A caller
-    that hashes run after run (an engine, one bucket at a time) passes its own executor
-    instead of starting and joining a thread per run, and shuts it down itself. That
-    executor must run one task at a time, in order (`ThreadPoolExecutor(max_workers=1)`).
+    The caller hashes run after run (an engine, one bucket at a time) on its own executor,
+    instead of starting and joining a thread per run, and shuts it down itself. That executor
+    must run one task at a time, in order (`ThreadPoolExecutor(max_workers=1)`).
     """
 
-    def __init__(self, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, executor: ThreadPoolExecutor) -> None:
         self._state = xxhash.xxh3_64()
-        self._owned = executor is None
-        self._pool = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum")
+        self._pool = executor
         self._pending: list[Future[None]] = []
 
     def feed(self, buffer: memoryview | bytes) -> None:
@@ -82,8 +80,6 @@ class Hasher:
                 future.cancel()
         wait(self._pending)
         self._pending.clear()
-        if self._owned:
-            self._pool.shutdown(wait=True)
 
 
 def piece_digest(buffers: Iterable[memoryview | bytes]) -> int:

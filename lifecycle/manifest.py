@@ -20,7 +20,8 @@ from lifecycle.checksum import ALGORITHM, ALGORITHMS, file_digest, known_digest
 from lifecycle.errors import CheckpointError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: file checksums are keyed by their algorithm's name (1: always `xxh3_64`); both are read."""
 HASH_THREADS = 2
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
@@ -196,6 +197,9 @@ def _shape_problems(data: dict[str, Any]) -> list[str]:
             problems.append(f"key {key!r} has type {type(value).__name__}")
     if problems:
         return problems
+    if not 1 <= data["format_version"] <= FORMAT_VERSION:
+        return [f"format_version {data['format_version']} is not one this version reads (1 to {FORMAT_VERSION}): "
+                "written by a newer release?"]
     for name, entry in data["contents"].items():
         if not (isinstance(entry, dict) and isinstance(entry.get("backend"), str)
                 and isinstance(entry.get("folder"), str)):

@@ -126,7 +126,10 @@ def merge_traces(folder: Path, out: Path, spans: Sequence[Mapping[str, Any]]) ->
                        "args": {"step": span["step"], "incarnation": span["incarnation"]}})
     files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
     for pid, path in enumerate(files, start=1):
-        worker = read_events(path)
+        try:
+            worker = read_events(path)
+        except OSError:
+            continue  # gone or unreadable: the summary goes on without that worker's row
         events += [_meta("process_name", pid, path.stem), _meta("process_sort_index", pid, pid)]
         events += [{**e, "pid": pid} for e in worker if e.get("ph") != "M" or e.get("name") == "thread_name"]
     return write_trace_events(events, out)

@@ -121,6 +121,12 @@ class _Worker:
     def state(self) -> str:
         return self.lc.state.name
 
+    def close(self) -> Any:
+        """Close the lifecycle (waits for a save in flight) and the trace log."""
+        self.lc.close()
+        if self.trace is not None:
+            self.trace.log.close()
+
     def _span(self, name: str, start: float, **args: Any) -> None:
         """A trace event for work that is not a lifecycle transition (generate, receive)."""
         if self.trace is not None:
@@ -206,7 +212,7 @@ class TrainerWorker(_Worker):
 
     def close(self) -> list[dict[str, Any]]:
         """Close the lifecycle (waits for a save in flight); returns the committed saves' figures."""
-        self.lc.close()
+        super().close()
         return list(self._commits)
 
 

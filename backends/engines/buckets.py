@@ -141,11 +141,11 @@ def make_plan(metas: Sequence[TensorMeta], bucket_bytes: int, verify: bool) -> P
 
 
 class Layout:
-    """A plan bound to the two bucket slots: one typed view per piece, built once and reused.
+    """A plan bound to bucket slots: one typed view per piece, built once and reused.
 
-    Bucket k lives in slot k % 2. Building the views costs a few microseconds per tensor;
-    for thousands of tensors that is as much as copying their bytes, so both sides keep the
-    layout while the plan and the slots stay the same.
+    Bucket k lives in slot k % len(slots) (two slots, or one per bucket). Building the views
+    costs a few microseconds per tensor; for thousands of tensors that is as much as copying
+    their bytes, so both sides keep the layout while the plan and the slots stay the same.
     """
 
     def __init__(self, plan: Plan, slots: Sequence[torch.Tensor]) -> None:

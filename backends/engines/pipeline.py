@@ -47,7 +47,7 @@ class BucketEngine(CheckpointEngine):
 
     device: torch.device = torch.device("cpu")
     keeps_buckets: bool = True
-    """Keep the two buckets from one sync to the next (until `close()`): first-touching fresh
+    """Keep the bucket buffers from one sync to the next (until `close()`): first-touching fresh
     host memory costs more than the copy into it, so CPU engines allocate once."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -66,12 +66,13 @@ class BucketEngine(CheckpointEngine):
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 
-    def _ensure_slots(self, bucket_bytes: int, count: int = SLOTS) -> None:
-        """`count` slots able to hold a bucket of `bucket_bytes`; kept when they already are."""
-        size = HEADER_BYTES + align(bucket_bytes)
-        if len(self.slots) != count or self.slots[0].numel() != size:
+    def _ensure_slots(self, sizes: Sequence[int]) -> None:
+        """One slot per entry of `sizes`, each holding a header and that many data bytes; kept
+        when they already are so."""
+        wanted = [HEADER_BYTES + align(size) for size in sizes]
+        if [slot.numel() for slot in self.slots] != wanted:
             self.slots = []
-            self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(count)]
+            self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in wanted]
 
     def _staging(self, layout: Layout) -> Layout:
         """Where an atomic receive keeps every bucket until the last one verifies: by default
@@ -126,7 +127,7 @@ class BucketEngine(CheckpointEngine):
     def prepare(self) -> dict[str, Any]:
         """Allocates nothing: the buckets' size is known only once the plan is (see `_send_layout`)."""
         self._prepared = True
-        return {**super().prepare(), "slots": SLOTS, "device": str(self.device)}
+        return {**super().prepare(), "device": str(self.device)}
 
     def init_process_group(self) -> None:
         super().init_process_group()
@@ -201,7 +202,7 @@ class BucketEngine(CheckpointEngine):
 
     def _send_layout(self, metas: list[TensorMeta]) -> Layout:
         """The sender's buckets take its own `bucket_bytes`; a receiver's, the plan's (`_receive_layout`)."""
-        self._ensure_slots(self.bucket_bytes)
+        self._ensure_slots([self.bucket_bytes] * SLOTS)
         layout = self._layout
         if (layout is None or not layout.fits(self.slots) or layout.plan.tensors != metas
                 or layout.plan.bucket_bytes != self.bucket_bytes or layout.plan.verify != self.verify):
@@ -211,7 +212,7 @@ class BucketEngine(CheckpointEngine):
     def _receive_layout(self, raw: bytes) -> Layout:
         layout = self._layout
         plan = layout.plan if layout is not None and layout.raw == raw else Plan.from_bytes(raw, self.name)
-        self._ensure_slots(plan.bucket_bytes, len(plan.buckets) if self.apply == "atomic" else SLOTS)
+        self._ensure_slots(receive_sizes(plan, self.apply))
         if layout is None or layout.plan is not plan or not layout.fits(self.slots):
             layout = self._layout = Layout(plan, self.slots)
         layout.reset()
@@ -251,8 +252,17 @@ class BucketEngine(CheckpointEngine):
         return self.control
 
 
+def receive_sizes(plan: Plan, apply: str) -> list[int]:
+    """The data bytes of each slot a receiver needs: two of a whole bucket streamed, each
+    bucket's own size atomic (a short last bucket takes only what it uses)."""
+    if apply == "atomic":
+        return [plan.used(k) for k in range(len(plan.buckets))]
+    return [plan.bucket_bytes] * SLOTS
+
+
 class _Inbox:
-    """A receiver's two slots: bucket k lands in slot k % 2, posted once bucket k - 2 is done."""
+    """A receiver's slots: bucket k lands in slot k % len(slots) (two slots streamed, one per
+    bucket atomic), and is posted once bucket k - 2 is done."""
 
     def __init__(self, engine: BucketEngine, plan: Plan) -> None:
         self.engine = engine

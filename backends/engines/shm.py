@@ -19,13 +19,14 @@ import tempfile
 import uuid
 import weakref
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from backends.engines.base import Topology
 from backends.engines.buckets import HEADER_BYTES, Layout, align
-from backends.engines.pipeline import SLOTS, BucketEngine
+from backends.engines.pipeline import SLOTS, BucketEngine, receive_sizes
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import EngineError
 
@@ -41,7 +42,7 @@ class ShmEngine(BucketEngine):
         self._unlink: weakref.finalize | None = None
         self._staged: Layout | None = None
 
-    def _ensure_slots(self, bucket_bytes: int, count: int = SLOTS) -> None:
+    def _ensure_slots(self, sizes: Sequence[int]) -> None:
         """Nothing here: the sender creates the shared buckets once the group forms, receivers map them."""
 
     def _staging(self, layout: Layout) -> Layout:
@@ -49,9 +50,9 @@ class ShmEngine(BucketEngine):
         sender's to refill. Kept from one sync to the next while the plan stays the same."""
         staged = self._staged
         if staged is None or staged.plan is not layout.plan:
-            size = HEADER_BYTES + align(layout.plan.bucket_bytes)
             self._staged = None
-            buffers = [torch.empty(size, dtype=torch.uint8) for _ in layout.plan.buckets]
+            buffers = [torch.empty(HEADER_BYTES + align(size), dtype=torch.uint8)
+                       for size in receive_sizes(layout.plan, "atomic")]
             staged = self._staged = Layout(layout.plan, buffers)
         staged.reset()
         return staged

@@ -2,7 +2,7 @@
 
     python examples/bench/save_load.py [--gib 1.0] [--tensors 200] [--repeats 3] [--formats hf torch_dcp]
 
-hf: `lc.save` / `lc.resume` (staging, manifest with crc32 of every file, fsync, rename,
+hf: `lc.save` / `lc.resume` (staging, manifest with the checksum of every file, rename,
 tracker; resume verifies every checksum and loads into the model) against
 `safetensors.torch.save_file` / `load_file` + `load_state_dict`: both end with the weights
 in a model. torch_dcp: the same lifecycle calls against `dcp.save` / `dcp.load` in place. Prints GB/s of each and the ratio; best of

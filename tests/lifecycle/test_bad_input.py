@@ -23,7 +23,7 @@ from torch import nn
 
 from lifecycle import CheckpointError, Lifecycle, State
 from lifecycle.checksum import ALGORITHM, file_digest
-from lifecycle.manifest import MANIFEST
+from lifecycle.manifest import MANIFEST, check_folder
 from lifecycle.store import TRACKER, CheckpointStore
 
 ROLE = "actor"
@@ -183,6 +183,12 @@ def test_step_without_a_valid_manifest_is_skipped_for_the_older_one(root: Path, 
     else:
         path.write_text(manifest)
     resumes_at(root, 1)
+
+
+def test_a_manifest_from_a_newer_format_is_skipped_and_named_by_verify(root: Path) -> None:
+    edit_manifest(step_folder(root), format_version=99)
+    resumes_at(root, 1)
+    assert any("format_version 99" in p for p in check_folder(step_folder(root), deep=False))
 
 
 def test_staging_folder_of_an_interrupted_save_is_skipped(root: Path) -> None:

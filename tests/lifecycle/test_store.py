@@ -64,7 +64,7 @@ def test_manifest_records_files_contents_and_versions(tmp_path: Path) -> None:
                          parallel={"world_size": 1, "tp": 1}, model_config_hash="h1", extra_meta={"k": "v"})
     data = manifest_of(final)
     assert set(data) == MANIFEST_KEYS
-    assert data["step"] == 3 and data["role"] == "actor" and data["format_version"] == 1
+    assert data["step"] == 3 and data["role"] == "actor" and data["format_version"] == 2
     assert data["contents"] == {"model": {"backend": "hf", "folder": "model"},
                                 "hf_model": {"backend": "hf", "folder": "model"}}
     one_piece = xxhash.xxh3_64_intdigest(b"abc" * 1000).to_bytes(8, "little")
