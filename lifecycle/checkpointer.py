@@ -341,11 +341,12 @@ class DiskCheckpointer:
             if found is None:
                 return None
             folder, step = self.store.role_dir(found, self.role), found
+        verify = self.config.checkpoint.load.verify
         try:
-            later = self._verified_while_reading(read_manifest_file(folder))
+            later = self._verified_while_reading(read_manifest_file(folder)) if verify else set()
         except CheckpointError as exc:
             raise CheckpointError(f"{folder}: cannot resume from step {step}: {exc}") from exc
-        problems = check_folder(folder, deep=True, expect_step=step, expect_role=self.role, verified_later=later)
+        problems = check_folder(folder, deep=verify, expect_step=step, expect_role=self.role, verified_later=later)
         if problems:
             raise CheckpointError(f"{folder}: cannot resume from step {step}:\n  " + "\n  ".join(problems))
         manifest = read_manifest_file(folder)
@@ -360,7 +361,8 @@ class DiskCheckpointer:
             raise CheckpointError(f"{folder}: cannot resume from step {step}: {exc}") from exc
         self._overwritten = None
         self.protect(step)
-        structlog.get_logger().info("checkpoint.resumed", role=self.role, step=step, path=str(folder))
+        structlog.get_logger().info("checkpoint.resumed", role=self.role, step=step, path=str(folder),
+                                    checksums_verified=verify)
         return progress
 
     def _verified_while_reading(self, manifest: dict[str, Any]) -> set[str]:

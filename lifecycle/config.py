@@ -133,6 +133,9 @@ class LoadConfig(_Section):
         default_factory=lambda: list(_ALL_CONTENTS), metadata=_rule(non_empty=True, unique=True)
     )
     """Parts of the step folder to restore."""
+    verify: bool = True
+    """Check every file's checksum while resuming. Presence and sizes are always checked;
+    false trusts the bytes on disk, for loads at the raw read speed."""
 
     def _check(self) -> None:
         if Content.HF_MODEL in self.contents:

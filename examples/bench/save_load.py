@@ -50,7 +50,7 @@ def best(fn: Callable[[], None], repeats: int, before: Callable[[], None]) -> fl
     return min(times)
 
 
-def bench_format(fmt: str, sizes: list[int], work: Path, repeats: int) -> dict[str, float]:
+def bench_format(fmt: str, sizes: list[int], work: Path, repeats: int, verify: bool = True) -> dict[str, float]:
     source = Blob(sizes)
     target = Blob(sizes, fill=0.0)
     raw_target = Blob(sizes, fill=0.0)
@@ -58,7 +58,7 @@ def bench_format(fmt: str, sizes: list[int], work: Path, repeats: int) -> dict[s
     root = work / f"lifecycle_{fmt}"
     raw_dir = work / f"raw_{fmt}"
     config = {"checkpoint": {"root": str(root), "save": {"format": fmt, "contents": ["model"]},
-                             "load": {"contents": ["model"]}}}
+                             "load": {"contents": ["model"], "verify": verify}}}
     saver = Lifecycle(config, role="actor", model=source)
     saver.init_load()
     step = iter(range(1, 10_000))
@@ -116,15 +116,18 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--formats", nargs="+", default=["hf", "torch_dcp"])
+    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                        help="checkpoint.load.verify: check every checksum on resume")
     parser.add_argument("--dir", type=Path, help="work folder (default: a temp folder, removed after)")
     args = parser.parse_args()
     sizes = tensor_sizes(int(args.gib * 1024**3), args.tensors)
     nbytes = 4 * sum(sizes)
     work = args.dir or Path(tempfile.mkdtemp(prefix="bench-save-load-"))
-    print(f"{len(sizes)} float32 tensors, {nbytes / 1e9:.3f} GB, best of {args.repeats}, in {work}")
+    print(f"{len(sizes)} float32 tensors, {nbytes / 1e9:.3f} GB, best of {args.repeats}, "
+          f"resume checksums {'verified' if args.verify else 'not verified'}, in {work}")
     try:
         for fmt in args.formats:
-            r = bench_format(fmt, sizes, work, args.repeats)
+            r = bench_format(fmt, sizes, work, args.repeats, args.verify)
             raw_name = "save_file/load_file" if fmt == "hf" else "dcp.save/dcp.load"
             for op in ("save", "load"):
                 lc_gbps, raw_gbps = nbytes / r[f"lc_{op}"] / 1e9, nbytes / r[f"raw_{op}"] / 1e9

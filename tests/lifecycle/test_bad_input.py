@@ -53,10 +53,10 @@ def has_weights_of(model: nn.Module, step: int) -> bool:
     return all(torch.equal(p, torch.full_like(p, step * 10 + i)) for i, p in enumerate(model.parameters()))
 
 
-def lifecycle_at(root: Path, model: nn.Module | None = None, **resume: Any) -> Lifecycle:
+def lifecycle_at(root: Path, model: nn.Module | None = None, verify: bool = True, **resume: Any) -> Lifecycle:
     model = Net() if model is None else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    cfg = {"checkpoint": {"root": str(root)}, "resume": resume}
+    cfg = {"checkpoint": {"root": str(root), "load": {"verify": verify}}, "resume": resume}
     return Lifecycle(cfg, role=ROLE, model=model, optimizer=optimizer)
 
 
@@ -165,6 +165,17 @@ def test_flipped_bytes_of_the_same_size_fail_the_checksum(root: Path) -> None:
     shutil.rmtree(root / "global_step_1")
     with pytest.raises(CheckpointError, match="partly overwritten by a failed resume.*pre_load.path"):
         lc.resume()
+
+
+def test_with_load_verify_off_flipped_bytes_load_but_a_truncated_file_is_still_refused(root: Path) -> None:
+    path = step_folder(root) / WEIGHTS
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    lc = lifecycle_at(root, verify=False)
+    assert lc.resume() == 2 and lc.state is State.READY
+    path.write_bytes(bytes(data[:-8]))
+    refused(lifecycle_at(root, verify=False), "cannot resume from step 2", str(path), "size")
 
 
 @pytest.mark.parametrize("rel", [WEIGHTS, "optimizer/optimizer.safetensors", EXTRA_JSON])

@@ -35,7 +35,7 @@ checkpoint:
   keep_last: 3
   fsync: true
   pre_load: {format: mbridge, path: /weights}
-  load: {contents: [model]}
+  load: {contents: [model], verify: false}
   save: {format: dist_ckpt, contents: [model, optimizer], async: true}
 resume: {mode: path, path: /ckpt/global_step_7, strict: false}
 engine:
@@ -58,7 +58,7 @@ def _custom_dict() -> dict[str, Any]:
             "keep_last": 3,
             "fsync": True,
             "pre_load": {"format": "mbridge", "path": "/weights"},
-            "load": {"contents": ["model"]},
+            "load": {"contents": ["model"], "verify": False},
             "save": {"format": "dist_ckpt", "contents": ["model", "optimizer"], "async": True},
         },
         "resume": {"mode": "path", "path": "/ckpt/global_step_7", "strict": False},
@@ -126,7 +126,7 @@ def test_dict_yaml_and_kwargs_build_the_same_config(tmp_path: Path) -> None:
             keep_last=3,
             fsync=True,
             pre_load=PreLoadConfig(format=Format.MBRIDGE, path="/weights"),
-            load=LoadConfig(contents=[Content.MODEL]),
+            load=LoadConfig(contents=[Content.MODEL], verify=False),
             save=SaveConfig(format="dist_ckpt", contents=["model", "optimizer"], async_=True),
         ),
         resume=ResumeConfig(mode="path", path="/ckpt/global_step_7", strict=False),
@@ -246,7 +246,7 @@ def test_async_underscore_is_not_a_dict_key() -> None:
         ({"chekpoint": {}}, "chekpoint", "checkpoint, engine, resume"),
         ({"checkpoint": {"sav": {}}}, "checkpoint.sav", "fsync, keep_last, load, pre_load, roles, root, save"),
         ({"checkpoint": {"pre_load": {"fmt": "hf"}}}, "checkpoint.pre_load.fmt", "format, path"),
-        ({"checkpoint": {"load": {"content": []}}}, "checkpoint.load.content", "contents, format"),
+        ({"checkpoint": {"load": {"content": []}}}, "checkpoint.load.content", "contents, format, verify"),
         ({"checkpoint": {"save": {"fromat": "hf"}}}, "checkpoint.save.fromat", "async, contents, format"),
         ({"resume": {"mod": "auto"}}, "resume.mod", "mode, path, strict"),
         (
