@@ -72,7 +72,14 @@ class BucketEngine(CheckpointEngine):
         wanted = [HEADER_BYTES + align(size) for size in sizes]
         if [slot.numel() for slot in self.slots] != wanted:
             self.slots = []
-            self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in wanted]
+            try:
+                self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in wanted]
+            except RuntimeError as exc:  # torch.OutOfMemoryError on a device, a plain RuntimeError on the host
+                raise EngineError(
+                    f"{self.name} engine: {len(wanted)} bucket buffer(s), {sum(wanted)} bytes, do not fit on "
+                    f"{self.device} (engine.apply={self.apply!r}: an atomic receiver holds the whole sync, a "
+                    f"streamed one two buckets; engine.bucket_bytes sets their size): {exc}"
+                ) from exc
 
     def _staging(self, layout: Layout) -> Layout:
         """Where an atomic receive keeps every bucket until the last one verifies: by default

@@ -117,6 +117,21 @@ def test_an_atomic_receiver_holds_one_buffer_per_bucket_sized_to_it_and_keeps_th
     receiver.close()
 
 
+def test_buffers_that_do_not_fit_fail_the_receiver_naming_engine_apply_and_the_sender_quickly() -> None:
+    class NoRoom(GlooEngine):
+        def _ensure_slots(self, sizes: Any) -> None:
+            super()._ensure_slots([1 << 50] * len(sizes))  # a PiB per bucket: the allocator refuses
+
+    rollout = MemoryRollout()
+    start = time.monotonic()
+    run = sync_threads(new_engine("gloo", timeout_s=20), [NoRoom(bucket_bytes=4096, timeout_s=20)],
+                       mixed_tensors(), [rollout])
+    assert time.monotonic() - start < 10
+    assert isinstance(run.errors[0], EngineError) and "do not fit on cpu" in str(run.errors[0])
+    assert "engine.apply='atomic'" in str(run.errors[0]) and isinstance(run.error, EngineError)
+    assert rollout.stale and rollout.weights == {}
+
+
 @pytest.mark.parametrize("apply", ["atomic", "streamed"])
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_an_empty_sync_delivers_the_version_and_nothing_else(name: str, apply: str) -> None:
