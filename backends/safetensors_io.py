@@ -22,6 +22,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,11 +75,22 @@ def write_file(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappin
     prefix = struct.pack("<Q", len(encoded)) + encoded
     pieces = _by_piece([memoryview(prefix), *(_raw(tensor) for tensor in prepared.values())])
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    stop = threading.Event()
+
+    def digest_of(index: int) -> int:
+        if stop.is_set():
+            raise CheckpointError(f"{path}: the write failed; its checksum is abandoned")
+        return piece_digest(pieces[index])
+
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum") as pool:
-            hashing = pool.submit(tree_digest, len(pieces), lambda i: piece_digest(pieces[i]))
-            for index, piece in enumerate(pieces):
-                _write_all(path, fd, piece, index * PIECE_BYTES)
+            hashing = pool.submit(tree_digest, len(pieces), digest_of)
+            try:
+                for index, piece in enumerate(pieces):
+                    _write_all(path, fd, piece, index * PIECE_BYTES)
+            except BaseException:
+                stop.set()  # the hashing threads stop at their next piece instead of hashing the rest
+                raise
             digest = hashing.result()
     finally:
         os.close(fd)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,28 @@ def test_short_writes_go_on_from_where_they_stopped(tmp_path: Path, monkeypatch:
     assert digest == tree_digest(path.read_bytes())
     out = read_file(path, expect=digest)
     assert all(torch.equal(out[k], v) for k, v in big().items())
+
+
+def test_a_failed_write_raises_its_error_without_hashing_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hashed: list[int] = []
+    piece_digest = sio.piece_digest
+
+    def counting(buffers: list[memoryview]) -> int:
+        hashed.append(1)
+        time.sleep(0.01)  # slower than the write's failure: what is hashed after it shows
+        return piece_digest(buffers)
+
+    def disk_full(fd: int, buffers: list[memoryview], offset: int) -> int:
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(sio, "piece_digest", counting)
+    monkeypatch.setattr(os, "pwritev", disk_full)
+    tensors = {f"t{i}": torch.zeros(PIECE_BYTES // 4) for i in range(16)}
+    with pytest.raises(OSError, match="No space left on device"):
+        write_file(tmp_path / "full.safetensors", tensors)
+    assert len(hashed) < 8  # of 17 pieces: the hashing threads stopped at their next piece
 
 
 def test_a_foreign_file_with_gaps_between_tensors_reads_and_verifies(tmp_path: Path) -> None:
