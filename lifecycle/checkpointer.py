@@ -191,11 +191,14 @@ class DiskCheckpointer:
         name = _value(self.config.checkpoint.save.format)
         backend = backend_class(name)()
         background = self._async_saver(backend) if self.config.checkpoint.save.async_ else None
-        staging = self.store.staging(step, self.role)
         model_hash = (self._hash_fn or model_config_hash)(parts)
         if background is not None:
-            return self._save_async(background, backend, staging, step, parts, progress, model_hash, started)
-        contents, folders = self._agreed(step, lambda: self._write_contents(backend, name, staging, parts, progress))
+            return self._save_async(background, backend, step, parts, progress, model_hash, started)
+
+        def write() -> tuple[dict[str, str], dict[str, str]]:
+            return self._write_contents(backend, name, self.store.staging(step, self.role), parts, progress)
+
+        contents, folders = self._agreed(step, write)
         return self._commit(self.store, step, name, contents, folders, model_hash, started)
 
     def _agreed(self, step: int, write: Callable[[], _T], group: Any = None) -> _T:
@@ -204,8 +207,9 @@ class DiskCheckpointer:
         A rank that failed (rank 0 alone writing the HF files, say) would otherwise never reach
         the commit barrier, and its peers would wait there until the process group's timeout.
         The failed rank raises its own error, the others a `CheckpointError` naming the step.
-        Not covered: a failure on one rank before the write (creating the staging folder) or
-        after the commit (retention); peers then wait for it until the group's timeout.
+        `write` creates the staging folder too (rank 0 does, between barriers it always reaches).
+        Not covered: a failure on one rank after the commit (retention); peers do not wait for
+        that one, but it is raised on that rank only.
         """
         if not self._collective:
             return write()
@@ -241,8 +245,8 @@ class DiskCheckpointer:
                         seconds=time.perf_counter() - started)
 
     def _save_async(
-        self, background: BackgroundSaver, backend: FormatBackend, staging: Path, step: int, parts: Parts,
-        progress: Progress, model_hash: str | None, started: float,
+        self, background: BackgroundSaver, backend: FormatBackend, step: int, parts: Parts, progress: Progress,
+        model_hash: str | None, started: float,
     ) -> PendingSave:
         """`extra` (RNG states, data position) is written now, as it stands at this step; the
         rest is written from a host copy on the background thread, then committed there."""
@@ -250,11 +254,12 @@ class DiskCheckpointer:
         wanted = [_value(c) for c in self.config.checkpoint.save.contents]
         store = self._commit_store()
 
-        def extra_and_copy() -> tuple[tuple[dict[str, str], dict[str, str]], Parts]:
-            return (self._write_contents(backend, name, staging, parts, progress, only={"extra"}),
+        def extra_and_copy() -> tuple[Path, tuple[dict[str, str], dict[str, str]], Parts]:
+            staging = self.store.staging(step, self.role)
+            return (staging, self._write_contents(backend, name, staging, parts, progress, only={"extra"}),
                     background.copier.snapshot(parts))
 
-        now, frozen = self._agreed(step, extra_and_copy)
+        staging, now, frozen = self._agreed(step, extra_and_copy)
 
         def write_and_commit() -> SaveInfo:
             later = self._agreed(step, lambda: self._write_contents(backend, name, staging, frozen, progress,

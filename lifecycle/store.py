@@ -109,11 +109,13 @@ class CheckpointStore:
     def staging(self, step: int, role: str) -> Path:
         """Inside the step folder, so the final rename never crosses a filesystem."""
         path = self.step_dir(step) / f".staging-{check_role(role)}"
-        if self.rank == 0:
-            if path.exists():
-                shutil.rmtree(path)
-            path.mkdir(parents=True)
-        self._sync()
+        try:
+            if self.rank == 0:
+                if path.exists():
+                    shutil.rmtree(path)
+                path.mkdir(parents=True)
+        finally:
+            self._sync()  # reached by rank 0 even when it failed, so its peers never wait for it here
         return path
 
     def commit(

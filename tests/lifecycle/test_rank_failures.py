@@ -1,7 +1,7 @@
-"""A rank whose part of a save fails stops its peers at once, instead of leaving them in the
-commit barrier until the process group's timeout; nothing is committed, the previous step
-stays the newest. Two gloo ranks; `hf` writes the weights from rank 0 alone, so a rank-0
-failure is the case that used to leave rank 1 waiting.
+"""A rank whose part of a save fails (its write, or creating the staging folder) stops its
+peers at once, instead of leaving them in a barrier until the process group's timeout;
+nothing is committed, the previous step stays the newest. Two gloo ranks; `hf` writes the
+weights from rank 0 alone, so a rank-0 failure is the case that used to leave rank 1 waiting.
 """
 
 from __future__ import annotations
@@ -26,15 +26,25 @@ def _rank0_write_fails(rank: int, world_size: int, tmp_path: Path) -> dict[str, 
     from backends.hf import HFBackend
 
     background = (tmp_path / "async").exists()
+    where = (tmp_path / "where").read_text()
     lc, model = lifecycle_at(tmp_path / "ckpt", save={"async": background})
     lc.init_load()
     fill(model, 1)
     _saved(lc.save(1))
-    if rank == 0:
+    if rank == 0 and where == "write":
         def disk_full(self: HFBackend, model: Any, folder: Path) -> None:
             raise OSError("No space left on device (injected)")
 
         HFBackend.save_model = disk_full  # type: ignore[method-assign]
+    if rank == 0 and where == "staging":
+        mkdir = Path.mkdir
+
+        def refused(self: Path, *args: Any, **kwargs: Any) -> None:
+            if self.name.startswith(".staging-"):
+                raise PermissionError(f"[Errno 13] Permission denied (injected): {self}")
+            mkdir(self, *args, **kwargs)
+
+        Path.mkdir = refused  # type: ignore[method-assign]
     fill(model, 2)
     started = time.monotonic()
     error = None
@@ -54,14 +64,18 @@ def _saved(info: Any) -> None:
         info.wait(PG_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_rank_whose_write_fails_stops_its_peers_before_the_commit(mode: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("mode", "where"), [("sync", "write"), ("async", "write"), ("sync", "staging"),
+                                             ("async", "staging")])
+def test_a_rank_whose_write_fails_stops_its_peers_before_the_commit(mode: str, where: str, tmp_path: Path) -> None:
     if mode == "async":
         (tmp_path / "async").mkdir()
+    (tmp_path / "where").write_text(where)
     failing, peer = run_ranks(_rank0_write_fails, tmp_path, world_size=2, timeout_s=2 * PG_TIMEOUT_S)
-    assert "No space left on device (injected)" in failing["error"]
+    injected = "No space left on device (injected)" if where == "write" else "Permission denied (injected)"
+    assert injected in failing["error"]
     assert peer["error"].startswith("CheckpointError: ") and "1 other rank(s)" in peer["error"]
     assert "step 2" in peer["error"]
     for rank in (failing, peer):
         assert rank["seconds"] < PG_TIMEOUT_S / 3 and rank["newest"] == 1
-    assert failing["state"] == peer["state"] == ("FAILED" if mode == "sync" else "READY")
+    failed_in_the_background = mode == "async" and where == "write"
+    assert failing["state"] == peer["state"] == ("READY" if failed_in_the_background else "FAILED")
