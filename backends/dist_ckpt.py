@@ -9,7 +9,8 @@ out like the parameters they belong to. Hyper-parameters, the optimizer step and
 scheduler go to `optimizer.json` (no pickle).
 
 Like DCP, Megatron's sharded format keeps a pickled `.metadata`; the checkpointer verifies a
-committed checkpoint's checksums before any load, so only committed bytes are unpickled.
+committed checkpoint's checksums (sizes only with `checkpoint.load.verify: false`) before any
+load, so only committed bytes are unpickled.
 """
 
 from __future__ import annotations

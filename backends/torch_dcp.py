@@ -9,8 +9,9 @@ because DCP would pickle them and unpickle them on load with `torch.load(weights
 One pickle remains, and it is DCP's own: the `.metadata` file that says which bytes of which
 file hold which tensor. In torch 2.13 `FileSystemReader.read_metadata` reads it with a plain
 `pickle.load`, and no DCP reader without it exists short of inventing a format. What limits
-the risk: the checkpointer verifies the manifest's sizes and crc32 checksums before any load,
-so only a `.metadata` that this library wrote and committed is ever read; metadata that is
+the risk: the checkpointer verifies the manifest's sizes and checksums before any load (sizes
+only with `checkpoint.load.verify: false`), so only a `.metadata` that this library wrote and
+committed is ever read; metadata that is
 not a DCP `Metadata`, names non-tensor entries (which DCP would `torch.load` with
 `weights_only=False`) or points at a file outside the folder is refused before DCP reads a
 byte of data. Tensor data itself is read by DCP with `torch.load(weights_only=True)`.
