@@ -23,10 +23,9 @@ from backends.megatron import (
     library_errors,
     write_hf_export,
 )
-from backends.hf import INDEX
+from backends.hf import _weight_files
 from backends.safetensors_io import read_header
 from lifecycle.errors import CheckpointError
-from lifecycle.jsontree import read_json
 
 _ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "tie_word_embeddings")
@@ -47,10 +46,8 @@ def _architecture_problem(bridge: Any, folder: Path) -> str | None:
 
 
 def _stored_names(folder: Path) -> set[str]:
-    index = folder / INDEX
-    if index.is_file():
-        return set(read_json(index).get("weight_map", {}))
-    return {name for path in folder.glob("*.safetensors") for name in read_header(path)[0]}
+    """Every tensor name the folder's weight files hold (the index's, else each file's header)."""
+    return {name for path, names in _weight_files(folder) for name in (names or read_header(path)[0])}
 
 
 def _missing_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None:

@@ -348,13 +348,14 @@ class DiskCheckpointer:
             folder, step = self.store.role_dir(found, self.role), found
         verify = self.config.checkpoint.load.verify
         try:
-            later = self._verified_while_reading(read_manifest_file(folder)) if verify else set()
+            manifest = read_manifest_file(folder)
         except CheckpointError as exc:
             raise CheckpointError(f"{folder}: cannot resume from step {step}: {exc}") from exc
-        problems = check_folder(folder, deep=verify, expect_step=step, expect_role=self.role, verified_later=later)
+        later = self._verified_while_reading(manifest) if verify else set()
+        problems = check_folder(folder, deep=verify, expect_step=step, expect_role=self.role, verified_later=later,
+                                manifest=manifest)
         if problems:
             raise CheckpointError(f"{folder}: cannot resume from step {step}:\n  " + "\n  ".join(problems))
-        manifest = read_manifest_file(folder)
         self._check_hash(parts, manifest, folder)
         digests = {folder / f["path"]: checksum_of(f)[1] for f in manifest["files"] if f["path"] in later}
         try:

@@ -16,11 +16,10 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 from lifecycle.errors import ConfigError, LifecycleError
 from backends.base import free_port
-from lifecycle.checkpointer import folder_figures
 
 FORMATS = ("hf", "dist_ckpt")
 
@@ -77,13 +76,15 @@ def check(job: ConvertJob) -> tuple[str, Path]:
     return fmt, architecture(job, fmt)
 
 
-def _say(rank: int, out: TextIO, started: float, message: str) -> None:
+def _say(rank: int, out: TextIO, started: float, message: str | Callable[[], str]) -> None:
+    """Progress from rank 0 only; a callable message is built there alone (it may walk folders)."""
     if rank == 0:
-        print(f"[convert {time.perf_counter() - started:6.1f}s] {message}", file=out, flush=True)
+        text = message() if callable(message) else message
+        print(f"[convert {time.perf_counter() - started:6.1f}s] {text}", file=out, flush=True)
 
 
-def _folder_bytes(folder: Path) -> int:
-    return folder_figures(folder)[0]
+def _folder_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
 
 
 def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, port: int) -> None:
@@ -105,12 +106,12 @@ def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, 
         _say(rank, sys.stderr, started, f"building the model from {arch / 'config.json'} at TP{job.tp} PP{job.pp}")
         model = build_model(arch, tp=job.tp, pp=job.pp)
         reader, writer = (MBridgeBackend(), DistCkptBackend()) if fmt == "hf" else (DistCkptBackend(), MBridgeBackend())
-        _say(rank, sys.stderr, started, f"loading {job.src} ({fmt}, {_folder_bytes(job.src) / 1e6:.1f} MB)")
+        _say(rank, sys.stderr, started, lambda: f"loading {job.src} ({fmt}, {_folder_mb(job.src):.1f} MB)")
         reader.load_model(model, job.src)
         _say(rank, sys.stderr, started, f"writing {job.to} into {job.dst}")
         writer.save_model(model, staging)
         dist.barrier()
-        _say(rank, sys.stderr, started, f"written: {_folder_bytes(staging) / 1e6:.1f} MB")
+        _say(rank, sys.stderr, started, lambda: f"written: {_folder_mb(staging):.1f} MB")
     except LifecycleError as exc:
         print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -213,10 +213,9 @@ class Driver:
             for i, name in enumerate(self.rollout_names):
                 self.workers[name] = self._actor(RolloutWorker, ROLLOUT, self._spec(ROLLOUT, i))
             self.pids = dict(zip(self.workers, self._gather([(n, w.pid.remote()) for n, w in self.workers.items()])))
-            nodes = set(self._gather([(n, w.node.remote()) for n, w in self.workers.items()]))
+            nodes = dict(zip(self.workers, self._gather([(n, w.node.remote()) for n, w in self.workers.items()])))
             here = ray.util.get_node_ip_address()
-            policy_node = self._gather([(self.roles[0], self.workers[self.roles[0]].node.remote())])[0]
-            self._host = "127.0.0.1" if nodes == {here} else policy_node
+            self._host = "127.0.0.1" if set(nodes.values()) == {here} else nodes[self.roles[0]]
             steps = self._gather([(r, self.workers[r].start.remote()) for r in self.roles])
         if len(set(steps)) != 1:
             raise LifecycleError(f"trainers resumed at different steps {dict(zip(self.roles, steps))}; every role "
@@ -282,6 +281,7 @@ class Driver:
 
         names = {ref: name for name, ref in calls}
         pending = [ref for _, ref in calls]
+        results: dict[Any, Any] = {}
         deadline = time.monotonic() + self.settings.call_timeout_s
         phase, step = self._phase
         while pending:
@@ -290,11 +290,11 @@ class Driver:
                 stuck = GetTimeoutError(f"no answer within call_timeout_s={self.settings.call_timeout_s:g}")
                 raise WorkerFailed(names[pending[0]], phase, step, stuck)
             try:
-                ray.get(ready[0])
+                results[ready[0]] = ray.get(ready[0])
             except RayError as exc:
                 dead = self._dead_among(pending, names) if not isinstance(exc, RayActorError) else None
                 raise WorkerFailed(dead or names[ready[0]], phase, step, exc) from exc
-        return ray.get([ref for _, ref in calls])
+        return [results[ref] for _, ref in calls]
 
     def _dead_among(self, refs: list[Any], names: Mapping[Any, str], grace_s: float = 3.0) -> str | None:
         """A worker whose call is still out and turns out dead: the cause, when another call failed."""

@@ -234,17 +234,21 @@ def check_folder(
     expect_role: str | None = None,
     progress: Progress | None = None,
     verified_later: Collection[str] = (),
+    manifest: dict[str, Any] | None = None,
 ) -> list[str]:
     """Every reason not to trust `folder`.
 
     Cheap mode (presence and sizes) decides completeness; deep mode adds checksums and
     unlisted files, so a tampered step is refused loudly at resume instead of skipped.
     Files in `verified_later` are left to the reader that checks them while loading.
+    `manifest`: the folder's manifest when the caller has already read it.
     """
-    try:
-        data = read_manifest_file(folder)
-    except CheckpointError as exc:
-        return [str(exc)]
+    if manifest is None:
+        try:
+            manifest = read_manifest_file(folder)
+        except CheckpointError as exc:
+            return [str(exc)]
+    data = manifest  # the name the checks below use
     mpath = folder / MANIFEST
     problems: list[str] = []
     if expect_step is not None and data["step"] != expect_step:

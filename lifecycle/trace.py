@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from lifecycle.core import Lifecycle, Observer
+from lifecycle.manifest import write_text_atomic
 from lifecycle.phase import Transition
 
 
@@ -60,6 +62,17 @@ class EventLog:
         self._file.close()
 
 
+class TraceFile(Observer):
+    """An observer (`lc.add_observer`) that appends each transition to an `EventLog` as it
+    happens, so a worker's trace outlives the worker when it is killed."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+
+    def on_transition(self, lc: Lifecycle, record: Transition) -> None:
+        self.log.append(transition_event(record, lc.rank))
+
+
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The events of an `EventLog` file; a torn last line (its writer was killed) is left out."""
     events = []
@@ -75,9 +88,7 @@ def write_trace_events(events: list[dict[str, Any]], path: str | os.PathLike[str
     """A Chrome trace file, replaced atomically: a reader never sees half of one."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    os.replace(tmp, target)
+    write_text_atomic(target, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return target
 
 

@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
-from lifecycle.core import Lifecycle, Observer
+from lifecycle.core import Lifecycle
 from lifecycle.errors import EngineError, LifecycleError
-from lifecycle.phase import Transition
-from lifecycle.trace import EventLog, transition_event
+from lifecycle.trace import EventLog, TraceFile
 from lifecycle.types import Parts, SaveInfo
 
 if TYPE_CHECKING:
@@ -83,16 +82,6 @@ class WorkerSpec:
     @property
     def file_stem(self) -> str:
         return f"{self.name}-{self.incarnation}-pid{os.getpid()}"
-
-
-class TraceFile(Observer):
-    """Keeps a worker's trace events on disk as they happen, so they outlive a worker that is killed."""
-
-    def __init__(self, log: EventLog) -> None:
-        self.log = log
-
-    def on_transition(self, lc: Lifecycle, record: Transition) -> None:
-        self.log.append(transition_event(record, lc.rank))
 
 
 class _Worker:

@@ -102,8 +102,7 @@ class Incoming(Iterator[tuple[str, torch.Tensor]]):
     `complete` turns true once the last tensor was read.
     """
 
-    def __init__(self, engine: str, version: int) -> None:
-        self.engine = engine
+    def __init__(self, version: int) -> None:
         self.version = version
         self.tensors = 0
         self.complete = False

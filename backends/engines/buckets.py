@@ -25,12 +25,14 @@ HEADER_BYTES = 64
 _FEED_BYTES = 4 << 20
 MAGIC = 0x4C43_5753_0000_0001
 _MASK = (1 << 64) - 1
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-              torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-              torch.float8_e4m3fn, torch.float8_e5m2)
-}
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The torch dtype a plan names ("float32", "uint16", ...): every dtype torch has travels."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
 
 
 def align(n: int) -> int:
@@ -96,7 +98,7 @@ class Plan:
     def from_bytes(cls, raw: bytes, engine: str) -> Plan:
         try:
             data = json.loads(raw)
-            tensors = [TensorMeta(name, _DTYPES[dtype], tuple(int(s) for s in shape))
+            tensors = [TensorMeta(name, _dtype(dtype), tuple(int(s) for s in shape))
                        for name, dtype, shape in data["tensors"]]
             buckets = [[Piece(*(int(v) for v in piece)) for piece in bucket] for bucket in data["buckets"]]
             plan = cls(int(data["bucket_bytes"]), bool(data["verify"]), tensors, buckets)

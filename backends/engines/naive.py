@@ -43,7 +43,7 @@ class NaiveEngine(CheckpointEngine):
         sent_version, pairs = self._sent
         if version is not None and version != sent_version:
             raise EngineError(f"naive engine: expected weights v{version}, the sender sent v{sent_version}")
-        incoming = Incoming(self.name, sent_version)
+        incoming = Incoming(sent_version)
         return incoming.feed(self._stream(pairs, incoming))
 
     def _stream(self, pairs: list[tuple[str, torch.Tensor]], incoming: Incoming) -> Iterator[tuple[str, torch.Tensor]]:

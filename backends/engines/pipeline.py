@@ -69,17 +69,22 @@ class BucketEngine(CheckpointEngine):
     def _ensure_slots(self, sizes: Sequence[int]) -> None:
         """One slot per entry of `sizes`, each holding a header and that many data bytes; kept
         when they already are so."""
-        wanted = [HEADER_BYTES + align(size) for size in sizes]
-        if [slot.numel() for slot in self.slots] != wanted:
+        if [slot.numel() for slot in self.slots] != [HEADER_BYTES + align(size) for size in sizes]:
             self.slots = []
-            try:
-                self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in wanted]
-            except RuntimeError as exc:  # torch.OutOfMemoryError on a device, a plain RuntimeError on the host
-                raise EngineError(
-                    f"{self.name} engine: {len(wanted)} bucket buffer(s), {sum(wanted)} bytes, do not fit on "
-                    f"{self.device} (engine.apply={self.apply!r}: an atomic receiver holds the whole sync, a "
-                    f"streamed one two buckets; engine.bucket_bytes sets their size): {exc}"
-                ) from exc
+            self.slots = self._allocate(sizes, self.device)
+
+    def _allocate(self, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+        """Bucket buffers of a header plus `sizes` data bytes each; an `EngineError` that says
+        what to change when they do not fit."""
+        wanted = [HEADER_BYTES + align(size) for size in sizes]
+        try:
+            return [torch.empty(size, dtype=torch.uint8, device=device) for size in wanted]
+        except RuntimeError as exc:  # torch.OutOfMemoryError on a device, a plain RuntimeError on the host
+            raise EngineError(
+                f"{self.name} engine: {len(wanted)} bucket buffer(s), {sum(wanted)} bytes, do not fit on "
+                f"{device} (engine.apply={self.apply!r}: an atomic receiver holds the whole sync, a "
+                f"streamed one two buckets; engine.bucket_bytes sets their size): {exc}"
+            ) from exc
 
     def _staging(self, layout: Layout) -> Layout:
         """Where an atomic receive keeps every bucket until the last one verifies: by default
@@ -169,7 +174,7 @@ class BucketEngine(CheckpointEngine):
         topology, control = self._topology(sender=False), self._control()
         sent = int(control.get("version"))
         layout = self._receive_layout(control.get("plan"))
-        incoming = Incoming(self.name, sent)
+        incoming = Incoming(sent)
         self._receiver = _Receiver(self, topology, layout, sent, incoming)
         return incoming.feed(self._receiver.run(version))
 

@@ -51,8 +51,7 @@ class ShmEngine(BucketEngine):
         staged = self._staged
         if staged is None or staged.plan is not layout.plan:
             self._staged = None
-            buffers = [torch.empty(HEADER_BYTES + align(size), dtype=torch.uint8)
-                       for size in receive_sizes(layout.plan, "atomic")]
+            buffers = self._allocate(receive_sizes(layout.plan, "atomic"), torch.device("cpu"))
             staged = self._staged = Layout(layout.plan, buffers)
         staged.reset()
         return staged

@@ -5,8 +5,9 @@
 hf: `lc.save` / `lc.resume` (staging, manifest with the checksum of every file, rename,
 tracker; resume verifies every checksum and loads into the model) against
 `safetensors.torch.save_file` / `load_file` + `load_state_dict`: both end with the weights
-in a model. torch_dcp: the same lifecycle calls against `dcp.save` / `dcp.load` in place. Prints GB/s of each and the ratio; best of
-`--repeats` runs, alternating lifecycle and raw, in one process.
+in a model. torch_dcp: the same lifecycle calls against `dcp.save` / `dcp.load` in place.
+Prints GB/s of each and the ratio; best of `--repeats` runs (the lifecycle's, then the raw
+call's), in one process.
 """
 
 from __future__ import annotations

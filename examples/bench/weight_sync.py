@@ -138,7 +138,8 @@ def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[fl
     copy_dst = torch.empty_like(flat)
     _, group = _group(ports["group"], 0)
     engines = {name: _engine(name, args) for name in ENGINES}
-    times: dict[str, list[float]] = {k: [] for k in ("flat", "per_tensor", *ENGINES, "memcpy", "setup")}
+    times: dict[str, list[float]] = {k: [] for k in ("flat", "per_tensor", *ENGINES, "memcpy",
+                                                   *(f"{name}_setup" for name in ENGINES))}
     for rep in range(args.repeat + 1):
         got: dict[str, float] = {}
         for name in ("flat", "per_tensor", *ENGINES):
@@ -149,7 +150,7 @@ def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[fl
             if name == "per_tensor":
                 got[name] = _timed(lambda: (_broadcast(group, [t for _, t in tensors]), _barrier(group)))
                 continue
-            got["setup"], got[name] = _timed_engine(engines[name], ports[name], tensors, rep + 1)
+            got[f"{name}_setup"], got[name] = _timed_engine(engines[name], ports[name], tensors, rep + 1)
             _barrier(group)
         got["memcpy"] = _timed(lambda: ctypes.memmove(copy_dst.data_ptr(), flat.data_ptr(), args.total))
         if rep:  # the first round touches every buffer once; first touches are not transfers
@@ -159,7 +160,7 @@ def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[fl
 
 
 def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
-    gbps = {k: args.total / statistics.median(v) / 1e9 for k, v in times.items() if k != "setup"}
+    gbps = {k: args.total / statistics.median(v) / 1e9 for k, v in times.items() if not k.endswith("_setup")}
     print(f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors, buckets of "
           f"{args.bucket / 2**20:g} MiB, checksums {'on' if args.verify else 'off'}, apply {args.apply}, "
           f"median of {args.repeat}, torch threads {args.threads}")
@@ -168,7 +169,9 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
                        ("memcpy", "one memcpy")):
         spread = ", ".join(f"{args.total / s / 1e9:.2f}" for s in times[key])
         print(f"  {label:32s} {gbps[key]:7.2f} GB/s   (runs: {spread})")
-    print(f"  engine group setup (not in the figures above): {statistics.median(times['setup']) * 1e3:.1f} ms")
+    for name in ENGINES:
+        print(f"  {name} engine setup (not in the figures above): "
+              f"{statistics.median(times[f'{name}_setup']) * 1e3:.1f} ms")
     checks = (("gloo / (a) flat broadcast", gbps["gloo"] / gbps["flat"], 0.9),
               ("gloo / (b) per-tensor broadcast", gbps["gloo"] / gbps["per_tensor"], 5.0),
               ("shm / memcpy", gbps["shm"] / gbps["memcpy"], 0.7))

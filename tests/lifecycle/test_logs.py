@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from lifecycle import InvalidTransition, Lifecycle, State
 from lifecycle.logging import configure
 from lifecycle.testing import InjectedFailure, MemoryRollout
-from lifecycle.trace import EventLog, read_events, transition_event
+from lifecycle.trace import EventLog, TraceFile, read_events
 
 FIELDS = {"trigger", "src", "dst", "role", "rank", "step", "duration_s", "ok"}
 
@@ -113,11 +113,11 @@ def test_an_event_log_appends_each_transition_and_a_torn_last_line_is_left_out(
     path = tmp_path / "worker.jsonl"
     log = EventLog(path, role="actor", rank=3)
     lc.init_load()
+    lc.add_observer(TraceFile(log))
     for step in (1, 2):
         before = path.read_bytes()
         with lc.train_step(step):
             pass
-        log.append(transition_event(lc.history[-1], lc.rank))
         assert path.read_bytes().startswith(before) and path.stat().st_size > len(before)
     log.close()
     with open(path, "a", encoding="utf-8") as fh:

@@ -7,6 +7,7 @@ weights from rank 0 alone, so a rank-0 failure is the case that used to leave ra
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,12 @@ PG_TIMEOUT_S = 30.0
 """What `run_ranks` gives the group (half its deadline): a rank left in a barrier waits this long."""
 
 
-def _rank0_write_fails(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+def _rank0_write_fails(rank: int, world_size: int, tmp_path: Path, *, mode: str, where: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from backends.hf import HFBackend
 
-    background = (tmp_path / "async").exists()
-    where = (tmp_path / "where").read_text()
-    lc, model = lifecycle_at(tmp_path / "ckpt", save={"async": background})
+    lc, model = lifecycle_at(tmp_path / "ckpt", save={"async": mode == "async"})
     lc.init_load()
     fill(model, 1)
     _saved(lc.save(1))
@@ -67,10 +66,8 @@ def _saved(info: Any) -> None:
 @pytest.mark.parametrize(("mode", "where"), [("sync", "write"), ("async", "write"), ("sync", "staging"),
                                              ("async", "staging")])
 def test_a_rank_whose_write_fails_stops_its_peers_before_the_commit(mode: str, where: str, tmp_path: Path) -> None:
-    if mode == "async":
-        (tmp_path / "async").mkdir()
-    (tmp_path / "where").write_text(where)
-    failing, peer = run_ranks(_rank0_write_fails, tmp_path, world_size=2, timeout_s=2 * PG_TIMEOUT_S)
+    rank_fn = partial(_rank0_write_fails, mode=mode, where=where)
+    failing, peer = run_ranks(rank_fn, tmp_path, world_size=2, timeout_s=2 * PG_TIMEOUT_S)
     injected = "No space left on device (injected)" if where == "write" else "Permission denied (injected)"
     assert injected in failing["error"]
     assert peer["error"].startswith("CheckpointError: ") and "1 other rank(s)" in peer["error"]

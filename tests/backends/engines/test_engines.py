@@ -141,7 +141,7 @@ def test_an_empty_sync_delivers_the_version_and_nothing_else(name: str, apply: s
     assert rollout.weights == {} and rollout.weights_version == 4 and not rollout.stale
 
 
-@pytest.mark.parametrize("name", TRANSPORTS)
+@pytest.mark.parametrize("name", ["gloo"])  # shm receivers map the sender's buckets: nothing to size
 def test_a_receiver_sizes_its_buckets_from_the_senders_plan_once(name: str) -> None:
     sender, receiver = new_engine(name), new_engine(name, bucket_bytes=1 << 20, apply="streamed")
     port = free_port()
