@@ -1,30 +1,32 @@
 """Typed lifecycle config, so a bad key fails at start-up with its full dotted path, not mid-run.
 
-Each section validates itself in `__post_init__` from its type hints and per-field rules: kwargs,
-nested dicts and YAML all go through that one path.
+Each section validates itself in `__post_init__` from its type hints and per-field rules
+(`lifecycle.config_rules`): kwargs, nested dicts and YAML all go through that one path, and a
+value that cannot work (an infinite timeout, a bucket no engine can pack, a role that is no
+folder name, an empty path) is refused there rather than in the middle of a save or a sync.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import types
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import Field, dataclass, field, fields, is_dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
-from functools import cache
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any
 
 import structlog
 import yaml
 
-from lifecycle.errors import ConfigError
+from lifecycle.boundary import read_bytes, role_problem
+from lifecycle.config_rules import Section, build, describe, path_problem, place_sections, rule, validate
+from lifecycle.errors import CheckpointError, ConfigError
 
 __all__ = [
-    "APPLY_MODES", "ENGINE_BACKENDS", "ROLLOUT_DTYPES", "CheckpointConfig", "Content", "EngineConfig", "Format",
-    "LifecycleConfig", "LoadConfig", "PreLoadConfig", "ResumeConfig", "ResumeMode", "SaveConfig",
+    "APPLY_MODES", "CONFIG_FILE_LIMIT", "ENGINE_BACKENDS", "MAX_BUCKET_BYTES", "MAX_KEEP_LAST", "MAX_TIMEOUT_S",
+    "MIN_BUCKET_BYTES", "ROLLOUT_DTYPES", "CheckpointConfig", "Content", "EngineConfig", "Format", "LifecycleConfig",
+    "LoadConfig", "OnDamaged", "PreLoadConfig", "ResumeConfig", "ResumeMode", "SaveConfig",
 ]
 
 
@@ -54,9 +56,29 @@ class ResumeMode(str, Enum):
     PATH = "path"
 
 
+class OnDamaged(str, Enum):
+    """What resume does with a newest step that fails verification: step past it, or stop."""
+
+    FALLBACK = "fallback"
+    REFUSE = "refuse"
+
+
 ENGINE_BACKENDS: tuple[str, ...] = ("auto", "gloo", "nccl", "hccl", "shm", "naive")
 ROLLOUT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 APPLY_MODES: tuple[str, ...] = ("atomic", "streamed")
+
+MIN_BUCKET_BYTES: int = 64
+"""Smallest bucket an engine can pack (one aligned piece); the engines refuse less when built."""
+MAX_BUCKET_BYTES: int = 1 << 40
+"""1 TiB: a sender allocates two buckets up front, and no device or host here holds two of more."""
+MAX_TIMEOUT_S: float = 7 * 24 * 3600.0
+"""A week: a sync still running then has hung, and a deadline this far out stays well inside what
+`timedelta`, threading waits and the transports' steady-clock arithmetic can hold."""
+MAX_KEEP_LAST: int = 10**18
+"""Step folders have at most 18 digits, so no root can hold more steps than this."""
+CONFIG_FILE_LIMIT: int = 1 << 20
+"""Bytes a YAML config file may hold: a real one is a few KiB, and a wrong path (a log, a device
+file) is refused instead of read whole."""
 
 _MEGATRON, _TORCH = "Megatron", "plain-torch"
 _FAMILIES: dict[Format, str] = {
@@ -65,72 +87,24 @@ _FAMILIES: dict[Format, str] = {
 _ALL_CONTENTS: tuple[Content, ...] = (Content.MODEL, Content.OPTIMIZER, Content.EXTRA)
 
 
-@dataclass(frozen=True, slots=True)
-class _Rule:
-    """Constraints beyond a field's type, kept as data so one validator serves every field."""
-
-    key: str | None = None
-    """External (dict/YAML) name when the attribute name cannot be used, e.g. a Python keyword."""
-    ge: float | None = None
-    """Inclusive lower bound."""
-    gt: float | None = None
-    """Exclusive lower bound."""
-    choices: tuple[str, ...] = ()
-    """Allowed string values; `pattern` may admit more."""
-    pattern: str | None = None
-    """Regex each string (or list item) must fully match, unless it is one of `choices`."""
-    shape: str = ""
-    """Words for `pattern` in error messages, since users should not have to read a regex."""
-    unique: bool = False
-    """A list may not repeat an item."""
-    non_empty: bool = False
-    """A list must hold at least one item."""
-    deprecated: bool = False
-    """Accepted and translated, but neither listed among the valid keys nor dumped."""
-
-
-_NO_RULE = _Rule()
-
-
-def _rule(**kwargs: Any) -> dict[str, _Rule]:
-    return {"rule": _Rule(**kwargs)}
-
-
-class _Section:
-    """Shared behaviour of config sections: validate on construction, dump to plain data."""
-
-    __slots__ = ()
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-    def _check(self) -> None:
-        """Cross-field rules of the section; runs after every field is coerced."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able data that `from_dict` turns back into an equal config."""
-        return {_key_of(f): _plain(getattr(self, f.name)) for f in fields(self)  # type: ignore[arg-type]
-                if not f.metadata.get("rule", _NO_RULE).deprecated}
-
-
 @dataclass(kw_only=True, slots=True)
-class PreLoadConfig(_Section):
+class PreLoadConfig(Section):
     """Weights for the first load, before any checkpoint of this run exists."""
 
     format: Format | None = None
     """Layout of the weights at `path`; None: mbridge for a Megatron save format, else hf."""
-    path: str | None = None
+    path: str | None = field(default=None, metadata=rule(problem=path_problem))
     """Folder of the initial weights; None keeps the model's own initialisation."""
 
 
 @dataclass(kw_only=True, slots=True)
-class LoadConfig(_Section):
+class LoadConfig(Section):
     """How resume reads a step folder."""
 
     format: Format | None = None
     """Layout to read; None reads whatever `save.format` writes."""
     contents: list[Content] = field(
-        default_factory=lambda: list(_ALL_CONTENTS), metadata=_rule(non_empty=True, unique=True)
+        default_factory=lambda: list(_ALL_CONTENTS), metadata=rule(non_empty=True, unique=True)
     )
     """Parts of the step folder to restore."""
     verify: bool = True
@@ -146,33 +120,29 @@ class LoadConfig(_Section):
 
 
 @dataclass(kw_only=True, slots=True)
-class SaveConfig(_Section):
+class SaveConfig(Section):
     """How each step folder is written."""
 
     format: Format = Format.HF
     """Layout of the saved model weights."""
     contents: list[Content] = field(
-        default_factory=lambda: list(_ALL_CONTENTS), metadata=_rule(non_empty=True, unique=True)
+        default_factory=lambda: list(_ALL_CONTENTS), metadata=rule(non_empty=True, unique=True)
     )
     """Parts written into each step folder."""
-    async_: bool = field(default=False, metadata=_rule(key="async"))
+    async_: bool = field(default=False, metadata=rule(key="async"))
     """Write in the background so training resumes before the files are on disk."""
 
 
 @dataclass(kw_only=True, slots=True)
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """Where checkpoints live and how they are loaded and saved."""
 
-    root: str | None = None
+    root: str | None = field(default=None, metadata=rule(problem=path_problem))
     """Folder holding the global_step_N/ folders; None disables saving and resuming."""
-    roles: list[str] = field(
-        default_factory=list,
-        metadata=_rule(
-            unique=True, pattern=r"[A-Za-z0-9_.-]+", shape="a name of letters, digits, '_', '.' or '-'"
-        ),
-    )
-    """Roles a step must hold to count as complete; empty means only this worker's role."""
-    keep_last: int | None = field(default=None, metadata=_rule(ge=1))
+    roles: list[str] = field(default_factory=list, metadata=rule(unique=True, problem=role_problem))
+    """Roles a step must hold to count as complete; empty means only this worker's role. Each is
+    a folder name, checked by the same rule the checkpoint store applies."""
+    keep_last: int | None = field(default=None, metadata=rule(ge=1, le=MAX_KEEP_LAST))
     """Number of newest complete steps to keep; None keeps all."""
     fsync: bool = False
     """fsync every file before the commit: survives power loss on a local disk, at a full flush's cost."""
@@ -182,9 +152,9 @@ class CheckpointConfig(_Section):
     """How resume reads a step."""
     save: SaveConfig = field(default_factory=SaveConfig)
     """How a step is written."""
-    use_dist_checkpointing: bool | None = field(default=None, metadata=_rule(deprecated=True))
+    use_dist_checkpointing: bool | None = field(default=None, metadata=rule(deprecated=True))
     """Deprecated (verl's flag): true means pre_load.format and save.format dist_ckpt."""
-    use_mbridge: bool | None = field(default=None, metadata=_rule(deprecated=True))
+    use_mbridge: bool | None = field(default=None, metadata=rule(deprecated=True))
     """Deprecated (verl's flag): true means pre_load.format and save.format mbridge."""
 
     @property
@@ -235,15 +205,19 @@ class CheckpointConfig(_Section):
 
 
 @dataclass(kw_only=True, slots=True)
-class ResumeConfig(_Section):
+class ResumeConfig(Section):
     """Whether and from where a restarted worker picks up training."""
 
     mode: ResumeMode = ResumeMode.AUTO
     """auto: newest complete step under checkpoint.root; disable: start fresh; path: the step at `path`."""
-    path: str | None = None
+    path: str | None = field(default=None, metadata=rule(problem=path_problem))
     """Step folder to resume from; only with mode 'path'."""
     strict: bool = True
     """Refuse a checkpoint whose model-config hash differs from the running model's."""
+    on_damaged: OnDamaged = OnDamaged.FALLBACK
+    """What resume.mode auto does when the newest committed step fails verification: fallback
+    renames it aside (global_step_N.damaged-<time>) and resumes the next newest complete step;
+    refuse stops with the error. resume.mode path always refuses."""
 
     def _check(self) -> None:
         if self.mode is ResumeMode.PATH and self.path is None:
@@ -257,33 +231,33 @@ class ResumeConfig(_Section):
 
 
 @dataclass(kw_only=True, slots=True)
-class EngineConfig(_Section):
+class EngineConfig(Section):
     """The weight-sync engine that moves trained weights to the rollout workers."""
 
     backend: str = field(
         default="auto",
-        metadata=_rule(
+        metadata=rule(
             choices=ENGINE_BACKENDS,
             pattern=r"[A-Za-z_][\w.]*:[A-Za-z_]\w*",
             shape="an import path 'pkg.module:Name'",
         ),
     )
     """Built-in engine name, or an import path to a custom engine class."""
-    bucket_bytes: int = field(default=2 * 1024**3, metadata=_rule(gt=0))
+    bucket_bytes: int = field(default=2 * 1024**3, metadata=rule(ge=MIN_BUCKET_BYTES, le=MAX_BUCKET_BYTES))
     """Largest transfer bucket; bounds the extra memory one sync needs."""
     verify: bool = True
     """Checksum each bucket so a corrupt transfer fails loudly instead of serving bad weights."""
-    apply: str = field(default="atomic", metadata=_rule(choices=APPLY_MODES))
+    apply: str = field(default="atomic", metadata=rule(choices=APPLY_MODES))
     """When a receiver hands tensors to its rollout: `atomic` once every bucket of the sync has
     verified (it holds the whole sync meanwhile), `streamed` bucket by bucket (two buckets held;
     a later bad bucket leaves earlier ones applied and the rollout stale)."""
-    timeout_s: float = field(default=300.0, metadata=_rule(gt=0))
+    timeout_s: float = field(default=300.0, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
     """Seconds one sync may take before it is an error."""
-    rollout_dtype: str | None = field(default=None, metadata=_rule(choices=ROLLOUT_DTYPES))
+    rollout_dtype: str | None = field(default=None, metadata=rule(choices=ROLLOUT_DTYPES))
     """Dtype the rollout side expects; None sends the trainer's dtype unchanged."""
     profile: bool = False
     """Record a profiler trace of each sync."""
-    profile_dir: str | None = None
+    profile_dir: str | None = field(default=None, metadata=rule(problem=path_problem))
     """Folder for profiler traces; required when `profile` is true."""
 
     def _check(self) -> None:
@@ -294,7 +268,7 @@ class EngineConfig(_Section):
 
 
 @dataclass(kw_only=True, slots=True)
-class LifecycleConfig(_Section):
+class LifecycleConfig(Section):
     """Everything one trainer worker's lifecycle needs to know."""
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -307,22 +281,15 @@ class LifecycleConfig(_Section):
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any] | None) -> LifecycleConfig:
         """Build from parsed data (plain dict, converted DictConfig); None or empty gives defaults."""
-        return _build(cls, {} if mapping is None else mapping)
+        return build(cls, {} if mapping is None else mapping)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> LifecycleConfig:
         """Build from a YAML file; file-level errors name the file since there is no key yet."""
         name = os.fspath(path)
-        try:
-            text = Path(name).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(name, f"cannot read config file: {exc.strerror or exc}") from exc
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(name, f"not valid YAML: {exc}") from exc
+        data = _parse_yaml(name, _read_config_file(name))
         if data is not None and not isinstance(data, Mapping):
-            raise ConfigError(name, f"the top level must be a mapping of sections, got {_describe(data)}")
+            raise ConfigError(name, f"the top level must be a mapping of sections, got {describe(data)}")
         return cls.from_dict(data)
 
     @classmethod
@@ -333,130 +300,68 @@ class LifecycleConfig(_Section):
         if source is None or isinstance(source, Mapping):
             return cls.from_dict(source)
         if isinstance(source, cls):
+            validate(source)
             return source
         if isinstance(source, (str, os.PathLike)):
             return cls.from_yaml(source)
         raise ConfigError(
-            "", f"expected a LifecycleConfig, a mapping, a YAML path or None, got {_describe(source)}"
+            "", f"expected a LifecycleConfig, a mapping, a YAML path or None, got {describe(source)}"
         )
 
 
-def _describe(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
+def _read_config_file(name: str) -> str:
+    """The file's text through the filesystem boundary: a FIFO or device at the path is refused
+    instead of blocking, a huge file unread. The path is resolved first, since a config file may
+    be a symlink (Kubernetes mounts ConfigMaps so); only its target must be a regular file."""
+    if problem := path_problem(name):
+        raise ConfigError(name or repr(name), f"cannot read config file: {problem}")
+    try:
+        real = Path(name).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise ConfigError(name, f"cannot read config file: {exc}") from exc
+    try:
+        data = read_bytes(real, CONFIG_FILE_LIMIT, "config file")
+    except CheckpointError as exc:
+        raise ConfigError(name, f"cannot read config file: {str(exc).removeprefix(f'{real}: ')}") from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(name, f"not UTF-8 text: cannot decode byte {exc.start} ({data[exc.start]:#04x})") from exc
 
 
-def _join(prefix: str, key: object) -> str:
-    return f"{prefix}.{key}" if prefix else str(key)
+_YAML_DEPTH_LIMIT = 32
+"""Levels of nesting a config file may have; the tree itself is four deep (a list in a section)."""
 
 
-def _key_of(f: Field[Any]) -> str:
-    return f.metadata.get("rule", _NO_RULE).key or f.name
+class _ShallowLoader(yaml.SafeLoader):
+    """`SafeLoader` that stops at `_YAML_DEPTH_LIMIT` levels: PyYAML's composer recurses once per
+    level, so deeper input would end in a `RecursionError` after seconds of work."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > _YAML_DEPTH_LIMIT:
+                mark = self.peek_event().start_mark
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {_YAML_DEPTH_LIMIT} levels", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
-
-
-@cache
-def _keys(cls: type) -> dict[str, str]:
-    return {_key_of(f): f.name for f in fields(cls)}
-
-
-def _deprecated(cls: type, name: str) -> bool:
-    return any(f.name == name and f.metadata.get("rule", _NO_RULE).deprecated for f in fields(cls))
-
-
-def _build(cls: type[Any], data: object) -> Any:
-    """Turn a mapping into a section, rejecting unknown keys with the section's valid ones."""
-    path = _PATHS[cls]
-    if not isinstance(data, Mapping):
-        raise ConfigError(path, f"expected a mapping for section {path or 'config'}, got {_describe(data)}")
-    keys = _keys(cls)
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in keys:
-            listed = sorted(k for k, name in keys.items() if not _deprecated(cls, name))
-            raise ConfigError(_join(path, key), f"unknown key; valid keys: {', '.join(listed)}")
-        kwargs[keys[key]] = value
-    return cls(**kwargs)
-
-
-def _validate(section: _Section) -> None:
-    """The one validation path: coerce every field by its type hint, apply its rule, then cross-check."""
-    path = _PATHS[type(section)]
-    hints = _hints(type(section))
-    for f in fields(section):  # type: ignore[arg-type]
-        key = _join(path, _key_of(f))
-        value = _coerce(getattr(section, f.name), hints[f.name], key)
-        if value is not None:
-            _apply_rule(value, f.metadata.get("rule", _NO_RULE), key)
-        setattr(section, f.name, value)
-    section._check()
-
-
-_SCALARS: dict[type, tuple[str, tuple[type, ...]]] = {
-    bool: ("a boolean", (bool,)),
-    int: ("an integer", (int,)),
-    float: ("a number", (int, float)),
-    str: ("a string", (str,)),
-}
-
-
-def _coerce(value: object, hint: Any, key: str, where: str = "") -> Any:
-    """Convert `value` to the hinted type, accepting the plain forms YAML and dicts produce.
-
-    A section given as None takes its defaults, since that is what an emptied YAML block parses to.
-    """
-    if get_origin(hint) in (Union, types.UnionType):
-        inner = [arg for arg in get_args(hint) if arg is not type(None)]
-        return None if value is None else _coerce(value, inner[0], key, where)
-    if get_origin(hint) is list:
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise ConfigError(key, f"expected a list, got {_describe(value)}")
-        return [_coerce(v, get_args(hint)[0], key, f"item {i}: ") for i, v in enumerate(value)]
-    if isinstance(hint, type) and issubclass(hint, Enum):
-        choices = [member.value for member in hint]
-        if isinstance(value, str) and value in choices:
-            return hint(value)
-        raise ConfigError(key, f"{where}expected one of {', '.join(choices)}, got {_describe(value)}")
-    if hint in _SCALARS:
-        what, accepted = _SCALARS[hint]
-        if isinstance(value, bool) and hint is not bool or not isinstance(value, accepted):
-            raise ConfigError(key, f"{where}expected {what}, got {_describe(value)}")
-        return float(value) if hint is float else value  # type: ignore[arg-type]
-    if is_dataclass(hint):
-        return value if isinstance(value, hint) else _build(hint, {} if value is None else value)
-    raise ConfigError(key, f"no coercion for field type {hint!r}")
-
-
-def _apply_rule(value: Any, rule: _Rule, key: str) -> None:
-    """Check the data-driven constraints of one coerced, non-None field value."""
-    if rule.ge is not None and not value >= rule.ge:
-        raise ConfigError(key, f"must be >= {rule.ge:g}, got {value!r}")
-    if rule.gt is not None and not value > rule.gt:
-        raise ConfigError(key, f"must be > {rule.gt:g}, got {value!r}")
-    if isinstance(value, list):
-        if rule.non_empty and not value:
-            raise ConfigError(key, "must list at least one item")
-        seen: set[Any] = set()
-        for i, item in enumerate(value):
-            if rule.unique and item in seen:
-                raise ConfigError(key, f"item {i}: duplicate {getattr(item, 'value', item)!r}")
-            seen.add(item)
-            _check_string(item, rule, key, f"item {i}: ")
-    elif isinstance(value, str):
-        _check_string(value, rule, key, "")
-
-
-def _check_string(value: str, rule: _Rule, key: str, where: str) -> None:
-    if (not rule.choices and rule.pattern is None) or value in rule.choices:
-        return
-    if rule.pattern is not None and re.fullmatch(rule.pattern, value):
-        return
-    wanted = [f"one of {', '.join(rule.choices)}"] if rule.choices else []
-    wanted += [rule.shape] if rule.pattern is not None else []
-    raise ConfigError(key, f"{where}expected {' or '.join(wanted)}, got {value!r}")
+def _parse_yaml(name: str, text: str) -> object:
+    """Safe YAML, with the parser's own exceptions as `ConfigError`s naming the file: past
+    `YAMLError`, PyYAML raises `ValueError` on values such as a date of month 13 or an integer of
+    more than 4300 digits (and `RecursionError` if called with little stack left)."""
+    try:
+        return yaml.load(text, Loader=_ShallowLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(name, f"not valid YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise ConfigError(name, "not valid YAML: nested too deeply to parse") from exc
+    except (ValueError, ArithmeticError) as exc:
+        raise ConfigError(name, f"not valid YAML: a value cannot be read: {exc}") from exc
 
 
 def _same_family(key: str, fmt: Format, other_key: str, other: Format) -> None:
@@ -469,23 +374,4 @@ def _same_family(key: str, fmt: Format, other_key: str, other: Format) -> None:
         )
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, _Section):
-        return value.to_dict()
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _section_paths(cls: type, path: str, out: dict[type, str]) -> dict[type, str]:
-    """Each section class sits at exactly one place in the tree, so its dotted path is fixed."""
-    out[cls] = path
-    for name, hint in _hints(cls).items():
-        if isinstance(hint, type) and issubclass(hint, _Section):
-            _section_paths(hint, _join(path, name), out)
-    return out
-
-
-_PATHS: dict[type, str] = _section_paths(LifecycleConfig, "", {})
+place_sections(LifecycleConfig)

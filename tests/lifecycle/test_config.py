@@ -8,13 +8,16 @@ from typing import Any
 
 import pytest
 
+from lifecycle.boundary import role_problem
 from lifecycle.config import (
+    MIN_BUCKET_BYTES,
     CheckpointConfig,
     Content,
     EngineConfig,
     Format,
     LifecycleConfig,
     LoadConfig,
+    OnDamaged,
     PreLoadConfig,
     ResumeConfig,
     ResumeMode,
@@ -61,7 +64,7 @@ def _custom_dict() -> dict[str, Any]:
             "load": {"contents": ["model"], "verify": False},
             "save": {"format": "dist_ckpt", "contents": ["model", "optimizer"], "async": True},
         },
-        "resume": {"mode": "path", "path": "/ckpt/global_step_7", "strict": False},
+        "resume": {"mode": "path", "path": "/ckpt/global_step_7", "strict": False, "on_damaged": "fallback"},
         "engine": {
             "backend": "my_pkg.engines:FastEngine",
             "bucket_bytes": 1024,
@@ -101,6 +104,7 @@ def test_defaults_match_the_documented_values() -> None:
     assert ckpt.save.contents == [Content.MODEL, Content.OPTIMIZER, Content.EXTRA]
     assert ckpt.save.async_ is False
     assert (cfg.resume.mode, cfg.resume.path, cfg.resume.strict) == (ResumeMode.AUTO, None, True)
+    assert cfg.resume.on_damaged is OnDamaged.FALLBACK
     eng = cfg.engine
     assert (eng.backend, eng.bucket_bytes, eng.verify, eng.timeout_s) == ("auto", 2 * 1024**3, True, 300.0)
     assert (eng.rollout_dtype, eng.profile, eng.profile_dir) == (None, False, None)
@@ -248,7 +252,7 @@ def test_async_underscore_is_not_a_dict_key() -> None:
         ({"checkpoint": {"pre_load": {"fmt": "hf"}}}, "checkpoint.pre_load.fmt", "format, path"),
         ({"checkpoint": {"load": {"content": []}}}, "checkpoint.load.content", "contents, format, verify"),
         ({"checkpoint": {"save": {"fromat": "hf"}}}, "checkpoint.save.fromat", "async, contents, format"),
-        ({"resume": {"mod": "auto"}}, "resume.mod", "mode, path, strict"),
+        ({"resume": {"mod": "auto"}}, "resume.mod", "mode, on_damaged, path, strict"),
         (
             {"engine": {"bucket": 1}},
             "engine.bucket",
@@ -380,11 +384,12 @@ def test_config_error_is_a_value_error() -> None:
     [
         ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last", "must be >= 1, got 0"),
         ({"checkpoint": {"keep_last": -2}}, "checkpoint.keep_last", "must be >= 1, got -2"),
-        ({"engine": {"bucket_bytes": 0}}, "engine.bucket_bytes", "must be > 0, got 0"),
-        ({"engine": {"bucket_bytes": -1}}, "engine.bucket_bytes", "must be > 0, got -1"),
+        ({"engine": {"bucket_bytes": 0}}, "engine.bucket_bytes", "must be >= 64, got 0"),
+        ({"engine": {"bucket_bytes": -1}}, "engine.bucket_bytes", "must be >= 64, got -1"),
+        ({"engine": {"bucket_bytes": 63}}, "engine.bucket_bytes", "must be >= 64, got 63"),
         ({"engine": {"timeout_s": 0}}, "engine.timeout_s", "must be > 0, got 0.0"),
         ({"engine": {"timeout_s": -1.5}}, "engine.timeout_s", "must be > 0, got -1.5"),
-        ({"engine": {"timeout_s": float("nan")}}, "engine.timeout_s", "must be > 0, got nan"),
+        ({"engine": {"timeout_s": float("nan")}}, "engine.timeout_s", "expected a finite number, got nan (float)"),
     ],
 )
 def test_out_of_range_number_is_an_error(data: dict[str, Any], key: str, message: str) -> None:
@@ -393,19 +398,20 @@ def test_out_of_range_number_is_an_error(data: dict[str, Any], key: str, message
 
 
 def test_range_boundaries_are_accepted() -> None:
-    cfg = LifecycleConfig(checkpoint={"keep_last": 1}, engine={"bucket_bytes": 1, "timeout_s": 0.001})
-    assert (cfg.checkpoint.keep_last, cfg.engine.bucket_bytes) == (1, 1)
+    cfg = LifecycleConfig(checkpoint={"keep_last": 1}, engine={"bucket_bytes": MIN_BUCKET_BYTES, "timeout_s": 0.001})
+    assert (cfg.checkpoint.keep_last, cfg.engine.bucket_bytes) == (1, MIN_BUCKET_BYTES)
 
 
-@pytest.mark.parametrize("role", ["actor critic", "actor/critic", "", "akteur-ä"])
-def test_role_with_characters_outside_the_allowed_set_is_an_error(role: str) -> None:
+@pytest.mark.parametrize("role", ["actor critic", "actor/critic", "", "akteur-ä", ".", "..", ".hidden", "-x",
+                                  "a" * 129, "a\x00b"])
+def test_role_that_is_not_a_safe_folder_name_is_an_error(role: str) -> None:
     err = _error({"checkpoint": {"roles": ["actor", role]}})
     assert err.key == "checkpoint.roles"
-    assert f"item 1: expected a name of letters, digits, '_', '.' or '-', got {role!r}" in str(err)
+    assert str(err) == f"checkpoint.roles: item 1: {role_problem(role)}"
 
 
 def test_roles_with_letters_digits_dots_dashes_underscores_are_accepted() -> None:
-    roles = ["actor", "critic.v2", "ref-1", "reward_model", "A9"]
+    roles = ["actor", "critic.v2", "ref-1", "reward_model", "A9", "_x", "a" * 128]
     assert LifecycleConfig(checkpoint={"roles": roles}).checkpoint.roles == roles
 
 

@@ -1,0 +1,223 @@
+"""The filesystem boundary: every name and path read from a checkpoint root passes here.
+
+A checkpoint root is input like any other: a manifest, a tracker, a step folder or a planted
+file may have been written by a crash, a broken tool or an attacker. Before anything is
+opened, a path is checked as a string (no NUL byte, no over-long name, no way out of its
+folder) and then with `lstat` (a regular file, or a real directory, never a symlink at the
+step and role level, never a FIFO, device or socket), so an open can neither block nor be
+led elsewhere. Files are opened with `O_NOFOLLOW | O_NONBLOCK` and checked again on the open
+descriptor. Every `OSError` leaves as a `CheckpointError` that names the file and carries the
+errno's own text (disk full says disk full).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+from lifecycle.errors import CheckpointError
+
+NAME_MAX = 255
+"""Bytes in one path component (Linux, macOS and every common filesystem)."""
+PATH_MAX = 4096
+"""Bytes in a whole path (Linux)."""
+STEP_PREFIX = "global_step_"
+_STEP_RE = re.compile(r"global_step_(0|[1-9][0-9]{0,17})")
+"""Canonical step folders only: no sign, no zero padding, at most 18 digits (fits int64)."""
+_PADDED_RE = re.compile(r"global_step_[0-9]+")
+
+
+def os_error(exc: OSError, what: str, path: str | os.PathLike[str] | None = None) -> CheckpointError:
+    """`exc` as a `CheckpointError`: the file, what was being done, and the errno's text."""
+    where = exc.filename if exc.filename is not None else path
+    code = errno.errorcode.get(exc.errno or 0)
+    text = exc.strerror or str(exc) or type(exc).__name__
+    prefix = f"{os.fsdecode(where)}: " if where is not None else ""
+    return CheckpointError(f"{prefix}{what}: {text}" + (f" ({code})" if code else ""))
+
+
+@contextmanager
+def os_errors(what: str, path: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    """Turn an `OSError` (or a path Python refuses, such as one with a NUL byte) raised in the
+    block into a `CheckpointError` naming the file and `what` was being done."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise os_error(exc, what, path) from exc
+    except ValueError as exc:  # "embedded null byte" and friends, from os.* on a bad path
+        where = f"{os.fsdecode(path)}: " if path is not None else ""
+        raise CheckpointError(f"{where}{what}: {exc}") from exc
+
+
+def _size(text: str) -> int | None:
+    """Bytes `text` takes as a file name, None when it cannot be one (a lone surrogate)."""
+    try:
+        return len(os.fsencode(text))
+    except UnicodeError:
+        return None
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot be one path component, or None when it can."""
+    if not name or name in (".", ".."):
+        return f"{name!r} is not a file name"
+    if "\x00" in name:
+        return f"{name!r} holds a NUL byte"
+    if "/" in name or "\\" in name:
+        return f"{name!r} holds a path separator"
+    size = _size(name)
+    if size is None:
+        return f"{name!r} cannot be encoded as a file name"
+    if size > NAME_MAX:
+        return f"name of {size} bytes is longer than {NAME_MAX}"
+    return None
+
+
+def rel_problem(rel: str) -> str | None:
+    """Why an untrusted relative path (posix, from a manifest) cannot name a file inside its
+    folder, or None when it can."""
+    if not isinstance(rel, str) or not rel:
+        return f"{rel!r} is not a relative path"
+    if "\x00" in rel:
+        return f"{rel!r} holds a NUL byte"
+    if "\\" in rel or PurePosixPath(rel).is_absolute():
+        return f"{rel!r} is not a relative posix path"
+    size = _size(rel)
+    if size is not None and size > PATH_MAX:
+        return f"path of {size} bytes is longer than {PATH_MAX}"
+    for part in rel.split("/"):
+        if part == "..":
+            return f"{rel!r} leaves its folder"
+        if problem := name_problem(part):
+            return f"{rel!r}: {problem}"
+    return None
+
+
+def inside(folder: Path, rel: str) -> Path:
+    """The path `rel` names inside `folder`: refused when the string is malformed or the path,
+    symlinks resolved, would lead out of `folder`."""
+    if problem := rel_problem(rel):
+        raise CheckpointError(f"{folder}: {problem}")
+    target = folder / rel
+    try:
+        escapes = not target.resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{target}: cannot resolve: {exc}") from exc
+    if escapes:
+        raise CheckpointError(f"{folder}: {rel!r} leads out of the folder")
+    return target
+
+
+def kind(mode: int) -> str:
+    """A file type in words, for messages."""
+    for test, word in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symlink"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return word
+    return "special file"
+
+
+def lstat(path: Path, what: str = "cannot stat") -> os.stat_result | None:
+    """`os.lstat`, None when nothing is there (or a path component is not a folder)."""
+    try:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise os_error(exc, what, path) from exc
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {what}: {exc}") from exc
+
+
+def regular_size(path: Path) -> int:
+    """Size of the regular file at `path`; a `CheckpointError` for anything else or nothing."""
+    st = lstat(path)
+    if st is None:
+        raise CheckpointError(f"{path}: missing")
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: a {kind(st.st_mode)}, not a regular file")
+    return st.st_size
+
+
+def real_dir(path: Path, what: str) -> bool:
+    """True for a folder that is not a symlink, False when nothing is there; `CheckpointError`
+    naming `what` the folder is for when something else is (a symlink, a file, a FIFO)."""
+    st = lstat(path)
+    if st is None:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{path}: {what} is a {kind(st.st_mode)}, not a folder; refusing to follow it")
+    return True
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open a regular file for reading without following a symlink and without blocking on a
+    FIFO; the descriptor is checked to be a regular file before anything is read."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    with os_errors("cannot open", path):
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CheckpointError(f"{path}: a symlink, not a regular file; refusing to follow it") from exc
+            raise
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise CheckpointError(f"{path}: a {kind(mode)}, not a regular file")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+
+
+def read_bytes(path: Path, limit: int, what: str) -> bytes:
+    """The whole of a small regular file; one larger than `limit` bytes is refused unread."""
+    with open_regular(path) as fh, os_errors(f"cannot read {what}", path):
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{path}: {what} is larger than {limit} bytes; refusing to read it")
+    return data
+
+
+def parse_step(name: str) -> int | None:
+    """The step a folder name stands for: `global_step_<digits>`, canonical only."""
+    match = _STEP_RE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def step_name_problem(name: str) -> str | None:
+    """Why a name that looks like a step folder is not one (zero padding, too many digits)."""
+    if parse_step(name) is None and _PADDED_RE.fullmatch(name):
+        return "not a canonical step folder name (global_step_<number>, no zero padding, at most 18 digits)"
+    return None
+
+
+def parse_step_number(text: str, where: Path) -> int:
+    """A step number written in a file (the tracker): digits only, at most 18 of them."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 18):
+        raise CheckpointError(f"{where}: must hold a step number, found {text[:40]!r}")
+    return int(text)
+
+
+ROLE_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+"""A role is a folder name: letters, digits, `_ . -`, not starting with `.` or `-`, at most 128."""
+_ROLE_RE = re.compile(ROLE_PATTERN)
+
+
+def role_problem(role: object) -> str | None:
+    """Why `role` cannot name a role folder (and its staging and lock files), or None."""
+    if not isinstance(role, str) or not _ROLE_RE.fullmatch(role):
+        return (f"{role!r} is not a valid role name (letters, digits, '_', '.' or '-', not starting with "
+                "'.' or '-', at most 128 characters)")
+    return None

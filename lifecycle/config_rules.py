@@ -1,0 +1,281 @@
+"""How a config section checks itself: per-field rules kept as data, one coercion driven by the
+type hints, and error messages that stay short and printable whatever value they quote.
+
+Apart from `lifecycle.config` so that module reads as the list of keys; nothing here knows a key.
+Whatever the input (a YAML file, a dict from another tool, a hostile mapping), the only
+exception that leaves is a `ConfigError` naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import reprlib
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import Field, dataclass, fields, is_dataclass
+from enum import Enum
+from functools import cache
+from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+
+from lifecycle.boundary import NAME_MAX, PATH_MAX
+from lifecycle.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """Constraints beyond a field's type, kept as data so one validator serves every field."""
+
+    key: str | None = None
+    """External (dict/YAML) name when the attribute name cannot be used, e.g. a Python keyword."""
+    ge: float | None = None
+    """Inclusive lower bound."""
+    gt: float | None = None
+    """Exclusive lower bound."""
+    le: float | None = None
+    """Inclusive upper bound, for values past which nothing can work (allocation, clock arithmetic)."""
+    choices: tuple[str, ...] = ()
+    """Allowed string values; `pattern` may admit more."""
+    pattern: str | None = None
+    """Regex each string (or list item) must fully match, unless it is one of `choices`."""
+    shape: str = ""
+    """Words for `pattern` in error messages, since users should not have to read a regex."""
+    problem: Callable[[str], str | None] | None = None
+    """Says why a string (or list item) is unusable, or None: lets a rule owned elsewhere (the
+    filesystem boundary's role names) apply here unchanged, so config and store cannot disagree."""
+    unique: bool = False
+    """A list may not repeat an item."""
+    non_empty: bool = False
+    """A list must hold at least one item."""
+    deprecated: bool = False
+    """Accepted and translated, but neither listed among the valid keys nor dumped."""
+
+
+NO_RULE = Rule()
+
+
+def rule(**kwargs: Any) -> dict[str, Rule]:
+    """Field metadata carrying a `Rule`: `field(metadata=rule(ge=1))`."""
+    return {"rule": Rule(**kwargs)}
+
+
+class Section:
+    """Shared behaviour of config sections: validate on construction, dump to plain data."""
+
+    __slots__ = ()
+    _prefix: ClassVar[str] = ""
+    """Dotted path of the section in the tree, set by `place_sections`; errors start from it."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def _check(self) -> None:
+        """Cross-field rules of the section; runs after every field is coerced."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data that `from_dict` turns back into an equal config."""
+        return {_key_of(f): _plain(getattr(self, f.name)) for f in fields(self)  # type: ignore[arg-type]
+                if not f.metadata.get("rule", NO_RULE).deprecated}
+
+
+def place_sections(cls: type[Section], prefix: str = "") -> None:
+    """Give each section class its dotted path; each sits at exactly one place in the tree."""
+    cls._prefix = prefix
+    for name, hint in _hints(cls).items():
+        if isinstance(hint, type) and issubclass(hint, Section):
+            place_sections(hint, join(prefix, name))
+
+
+class _Short(reprlib.Repr):
+    """`reprlib` with tight limits, so a quoted value cannot recurse (deep nesting), explode (a
+    YAML alias bomb) or fail (`repr` of an integer past 4300 digits raises `ValueError`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, 80, 80, 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        bits = x.bit_length()
+        return f"<integer of {bits} bits>" if bits > 2000 else super().repr_int(x, level)
+
+
+_SHORT = _Short()
+
+
+def short(value: object) -> str:
+    """A bounded `repr` of any value, for messages; it never raises and never recurses deeply."""
+    return _SHORT.repr(value)
+
+
+def describe(value: object) -> str:
+    return f"{short(value)} ({type(value).__name__})"
+
+
+def join(prefix: str, key: object) -> str:
+    """The dotted key; a key that would not read as one (not a string, empty, unprintable, padded,
+    huge) is quoted, so a message cannot hide it or forge a line of its own."""
+    readable = isinstance(key, str) and key != "" and key.strip() == key and key.isprintable() and len(key) <= 80
+    text = key if readable else short(key)
+    return f"{prefix}.{text}" if prefix else text
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` cannot name a file or folder on any system this runs on, or None."""
+    if not path:
+        return "an empty path would mean the current folder; give a folder or leave the key unset"
+    if "\x00" in path:
+        return f"{short(path)} holds a NUL byte, which no path can"
+    try:
+        encoded = os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        return f"{short(path)} cannot be encoded as a file name: {exc.reason}"
+    if len(encoded) > PATH_MAX:
+        return f"a path of {len(encoded)} bytes is longer than {PATH_MAX}"
+    if any(len(part) > NAME_MAX for part in encoded.split(b"/")):
+        return f"{short(path)} has a component longer than {NAME_MAX} bytes"
+    return None
+
+
+def _key_of(f: Field[Any]) -> str:
+    return f.metadata.get("rule", NO_RULE).key or f.name
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+@cache
+def _keys(cls: type) -> dict[str, str]:
+    return {_key_of(f): f.name for f in fields(cls)}
+
+
+def _deprecated(cls: type, name: str) -> bool:
+    return any(f.name == name and f.metadata.get("rule", NO_RULE).deprecated for f in fields(cls))
+
+
+def build(cls: type[Any], data: object) -> Any:
+    """Turn a mapping into a section, rejecting unknown keys with the section's valid ones."""
+    path = cls._prefix
+    if not isinstance(data, Mapping):
+        raise ConfigError(path, f"expected a mapping for section {path or 'config'}, got {describe(data)}")
+    keys = _keys(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise ConfigError(join(path, key), f"a key must be a string, got {describe(key)}")
+        if key not in keys:
+            listed = sorted(k for k, name in keys.items() if not _deprecated(cls, name))
+            raise ConfigError(join(path, key), f"unknown key; valid keys: {', '.join(listed)}")
+        kwargs[keys[key]] = value
+    return cls(**kwargs)
+
+
+def validate(section: Section) -> None:
+    """The one validation path: coerce every field by its type hint, apply its rule, then cross-check."""
+    hints = _hints(type(section))
+    for f in fields(section):  # type: ignore[arg-type]
+        key = join(section._prefix, _key_of(f))
+        value = _coerce(getattr(section, f.name), hints[f.name], key)
+        if value is not None:
+            _apply_rule(value, f.metadata.get("rule", NO_RULE), key)
+        setattr(section, f.name, value)
+    section._check()
+
+
+_SCALARS: dict[type, tuple[str, tuple[type, ...]]] = {
+    bool: ("a boolean", (bool,)),
+    int: ("an integer", (int,)),
+    float: ("a number", (int, float)),
+    str: ("a string", (str,)),
+}
+
+
+def _coerce(value: object, hint: Any, key: str, where: str = "") -> Any:
+    """Convert `value` to the hinted type, accepting the plain forms YAML and dicts produce.
+
+    A section given as None takes its defaults, since that is what an emptied YAML block parses to.
+    A section given as an instance is checked again: it may have been changed since it was built.
+    """
+    if get_origin(hint) in (Union, types.UnionType):
+        inner = [arg for arg in get_args(hint) if arg is not type(None)]
+        return None if value is None else _coerce(value, inner[0], key, where)
+    if get_origin(hint) is list:
+        if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
+            raise ConfigError(key, f"expected a list, got {describe(value)}")
+        return [_coerce(v, get_args(hint)[0], key, f"item {i}: ") for i, v in enumerate(value)]
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        choices = [member.value for member in hint]
+        if isinstance(value, str) and value in choices:
+            return hint(value)
+        raise ConfigError(key, f"{where}expected one of {', '.join(choices)}, got {describe(value)}")
+    if hint in _SCALARS:
+        what, accepted = _SCALARS[hint]
+        if isinstance(value, bool) and hint is not bool or not isinstance(value, accepted):
+            raise ConfigError(key, f"{where}expected {what}, got {describe(value)}")
+        return _finite(value, key, where) if hint is float else value  # type: ignore[arg-type]
+    if is_dataclass(hint):
+        if isinstance(value, hint):
+            validate(value)  # type: ignore[arg-type]
+            return value
+        return build(hint, {} if value is None else value)
+    raise ConfigError(key, f"no coercion for field type {hint!r}")
+
+
+def _finite(value: float, key: str, where: str) -> float:
+    """`value` as a float; infinity and NaN (or an int too big for a float) cannot be a time or a size."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(key, f"{where}expected a finite number, got {describe(value)}")
+    return number
+
+
+def _bound(number: float) -> str:
+    return f"{number:g}" if isinstance(number, float) else str(number)
+
+
+def _apply_rule(value: Any, rule: Rule, key: str) -> None:
+    """Check the data-driven constraints of one coerced, non-None field value."""
+    if rule.ge is not None and not value >= rule.ge:
+        raise ConfigError(key, f"must be >= {_bound(rule.ge)}, got {short(value)}")
+    if rule.gt is not None and not value > rule.gt:
+        raise ConfigError(key, f"must be > {_bound(rule.gt)}, got {short(value)}")
+    if rule.le is not None and not value <= rule.le:
+        raise ConfigError(key, f"must be <= {_bound(rule.le)}, got {short(value)}")
+    if isinstance(value, list):
+        if rule.non_empty and not value:
+            raise ConfigError(key, "must list at least one item")
+        seen: set[Any] = set()
+        for i, item in enumerate(value):
+            if rule.unique and item in seen:
+                raise ConfigError(key, f"item {i}: duplicate {short(getattr(item, 'value', item))}")
+            seen.add(item)
+            _check_string(item, rule, key, f"item {i}: ")
+    elif isinstance(value, str):
+        _check_string(value, rule, key, "")
+
+
+def _check_string(value: str, rule: Rule, key: str, where: str) -> None:
+    if rule.problem is not None and (problem := rule.problem(value)):
+        raise ConfigError(key, f"{where}{problem}")
+    if (not rule.choices and rule.pattern is None) or value in rule.choices:
+        return
+    if rule.pattern is not None and re.fullmatch(rule.pattern, value):
+        return
+    wanted = [f"one of {', '.join(rule.choices)}"] if rule.choices else []
+    wanted += [rule.shape] if rule.pattern is not None else []
+    raise ConfigError(key, f"{where}expected {' or '.join(wanted)}, got {short(value)}")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Section):
+        return value.to_dict()
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value

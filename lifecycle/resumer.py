@@ -1,0 +1,220 @@
+"""Resume: find the step to restart from, verify it, load it, and decide what damage means.
+
+`resume.mode` is decided here once: `disable` loads nothing, `path` loads the one step it
+names or refuses, `auto` walks the committed steps from the newest. A step whose files are
+missing, short, unreadable or fail their checksums is *damaged*; one whose files are intact
+but do not fit the model or the config is *refused*. With `resume.on_damaged: fallback` (in
+`auto`) a damaged step is renamed aside and the next newest one is tried; a refusal always
+stops resume, and so does running out of steps once any step was set aside.
+
+Every role and rank must land on the same step. Ranks agree through the process group (the
+worst outcome of any rank holds for all). Roles in other processes agree through the disk:
+with `fallback` each role checks every role's folder of a step, not only its own, so each
+reaches the same verdict on the same bytes, and a step one role renames aside is gone for all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from backends.base import backend_class, reduce_int
+from lifecycle.boundary import os_errors, parse_step, real_dir
+from lifecycle.checksum import ALGORITHM, check_unverified, expecting
+from lifecycle.config import LifecycleConfig
+from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint
+from lifecycle.manifest import MANIFEST, check_folder, checksum_of, read_manifest_file
+from lifecycle.store import CheckpointStore
+from lifecycle.types import Parts, Progress
+
+Loader = Callable[[Parts, dict[str, Any], Path, int], Progress]
+HashFn = Callable[[Parts], str | None]
+
+
+class Verdict(IntEnum):
+    """One rank's outcome for one step; ranks agree on the worst (the largest)."""
+
+    OK = 0
+    DAMAGED = 1
+    REFUSED = 2
+
+
+def _value(item: Any) -> str:
+    return str(getattr(item, "value", item))
+
+
+class Resumer:
+    """Picks, verifies and loads the step one role resumes from; see the module docstring."""
+
+    def __init__(
+        self, config: LifecycleConfig, store: Callable[[], CheckpointStore], *, role: str, roles: list[str],
+        rank: int, collective: Callable[[], bool], model_hash: HashFn, load: Loader,
+    ) -> None:
+        self.config = config
+        self._store = store
+        self.role = role
+        self.roles = roles
+        self.rank = rank
+        self._collective = collective
+        self._model_hash = model_hash
+        self._load = load
+        self.overwritten: str | None = None
+        """Set when a failed load may have left the model's weights half-replaced."""
+
+    def resume(self, parts: Parts) -> tuple[int, Progress] | None:
+        """(step, progress) resumed from, or None when there is nothing to resume from."""
+        mode = _value(self.config.resume.mode)
+        if mode == "disable":
+            return None
+        if mode == "path":
+            folder, step = self._resolve_path(Path(str(self.config.resume.path)))
+            return step, self._one(parts, folder, step, fallback=False)
+        if self.config.checkpoint.root is None:
+            return None
+        return self._auto(parts, fallback=_value(self.config.resume.on_damaged) == "fallback")
+
+    def _auto(self, parts: Parts, *, fallback: bool) -> tuple[int, Progress] | None:
+        store = self._store()
+        below: int | None = None
+        set_aside: list[str] = []
+        while True:
+            found = store.newest_committed(self.roles, below=below)
+            step = self._agreed_step(found)
+            if step is None:
+                break
+            try:
+                return step, self._one(parts, store.role_dir(step, self.role), step, fallback=fallback)
+            except DamagedCheckpoint as exc:
+                aside = store.quarantine(step, exc.problems) if self.rank == 0 else None
+                set_aside.append(f"step {step}, now {aside or 'set aside by rank 0'}:\n    "
+                                 + "\n    ".join(exc.problems[:10]))
+                below = step
+        earlier = store.quarantined()
+        if set_aside or earlier:
+            found = "\n  ".join(set_aside) if set_aside else "earlier: " + ", ".join(earlier)
+            raise CheckpointError(
+                f"{store.root}: no undamaged checkpoint is left to resume from; resume refuses rather than start "
+                f"fresh over damaged ones (repair or remove them, or set resume.mode to disable to start "
+                f"fresh). Set aside as damaged:\n  {found}"
+            )
+        return None
+
+    def _agreed_step(self, found: int | None) -> int | None:
+        """Ranks that saw the disk at different moments take the oldest step any of them saw."""
+        if not self._collective():
+            return found
+        agreed = reduce_int(-1 if found is None else found, "min")
+        return None if agreed < 0 else agreed
+
+    def _agree(self, verdict: Verdict) -> Verdict:
+        return Verdict(reduce_int(int(verdict), "max")) if self._collective() else verdict
+
+    def _one(self, parts: Parts, folder: Path, step: int, *, fallback: bool) -> Progress:
+        """Verify and load one step; `DamagedCheckpoint` (with `fallback`) for one to set aside."""
+        verify = self.config.checkpoint.load.verify
+        verdict, problems, manifest, later = Verdict.OK, [], None, set[str]()
+        try:
+            manifest = read_manifest_file(folder)
+            later = self._verified_while_reading(manifest) if verify else set()
+            problems = check_folder(folder, deep=verify, expect_step=step, expect_role=self.role,
+                                    verified_later=later, manifest=manifest)
+            if fallback and not problems:
+                problems = self._other_roles(step, deep=verify)
+        except CheckpointError as exc:
+            problems = [str(exc)]
+        if problems:
+            verdict = Verdict.DAMAGED
+        elif (refusal := self._hash_refusal(parts, manifest, folder)) is not None:
+            verdict, problems = Verdict.REFUSED, [refusal]
+        agreed = self._agree(verdict)
+        if agreed is Verdict.OK:
+            progress, verdict, problems = self._load_verified(parts, manifest, folder, step, later)
+            agreed = self._agree(verdict)
+        if agreed is Verdict.OK:
+            self.overwritten = None
+            return progress
+        what = f"{folder}: cannot resume from step {step}"
+        detail = "\n  ".join(problems) if problems else "another rank refused it (see its error)"
+        if agreed is Verdict.DAMAGED and fallback:
+            raise DamagedCheckpoint(f"{what}:\n  {detail}", problems or [f"{folder}: damaged on another rank"])
+        raise CheckpointError(f"{what}:\n  {detail}")
+
+    def _load_verified(
+        self, parts: Parts, manifest: Any, folder: Path, step: int, later: set[str],
+    ) -> tuple[Progress, Verdict, list[str]]:
+        """Load, checking the fused files' digests; a failure is damage when a full check of
+        the folder now finds something wrong with its files, else a refusal."""
+        digests = {folder / f["path"]: checksum_of(f)[1] for f in manifest["files"] if f["path"] in later}
+        try:
+            with os_errors(f"cannot read step {step}", folder):
+                with expecting(digests) as verified:
+                    progress = self._load(parts, manifest, folder, step)
+                check_unverified(digests, verified)
+        except CheckpointError as exc:
+            self.overwritten = f"a failed resume from {folder}"
+            damage = check_folder(folder, deep=True, expect_step=step, expect_role=self.role, manifest=manifest)
+            if damage:
+                return Progress(), Verdict.DAMAGED, damage
+            return Progress(), Verdict.REFUSED, [str(exc)]
+        return progress, Verdict.OK, []
+
+    def _other_roles(self, step: int, *, deep: bool) -> list[str]:
+        """The same check of every other role's folder, so every role reaches one verdict
+        (rank 0 of a process group checks; the verdict is agreed)."""
+        if self._collective() and self.rank != 0:
+            return []
+        store = self._store()
+        problems: list[str] = []
+        for role in self.roles:
+            if role != self.role:
+                problems += store.validate(step, role, deep=deep)
+        return problems
+
+    def _hash_refusal(self, parts: Parts, manifest: Any, folder: Path) -> str | None:
+        if not self.config.resume.strict or manifest is None:
+            return None
+        saved, current = manifest["model_config_hash"], self._model_hash(parts)
+        if saved is not None and current is not None and saved != current:
+            return (f"{folder / MANIFEST}: model-config hash {saved} differs from the running model's "
+                    f"{current}; set resume.strict=false to load anyway")
+        return None
+
+    def _verified_while_reading(self, manifest: dict[str, Any]) -> set[str]:
+        """Weight files whose backend checks the digest as it reads them: no separate pass.
+
+        Only files the manifest checksums with the current `ALGORITHM`, the one readers compute;
+        older manifests are hashed apart, before loading.
+        """
+        later: set[str] = set()
+        for entry in manifest["contents"].values():
+            try:
+                fused = backend_class(entry["backend"]).verifies_reads
+            except ConfigError:
+                fused = False
+            prefix = entry["folder"].rstrip("/") + "/"
+            later.update(f["path"] for f in manifest["files"]
+                         if fused and f["path"].startswith(prefix) and f["path"].endswith(".safetensors")
+                         and checksum_of(f)[0] == ALGORITHM)
+        return later
+
+    def _resolve_path(self, path: Path) -> tuple[Path, int]:
+        """resume.path may name the step folder or this role's folder inside it."""
+        with os_errors("cannot read resume.path", path):
+            if (path / MANIFEST).is_file():
+                folder = path
+            elif real_dir(path / self.role, f"the folder of role {self.role!r}"):
+                folder = path / self.role
+            else:
+                raise CheckpointError(f"{path}: resume.path is neither a committed role folder nor a "
+                                      f"global_step_N folder holding role {self.role!r}")
+        step = parse_step(folder.parent.name)
+        return folder, read_manifest_file(folder)["step"] if step is None else step
+
+
+def log_resumed(role: str, step: int, folder: Path, verify: bool) -> None:
+    structlog.get_logger().info("checkpoint.resumed", role=role, step=step, path=str(folder),
+                                checksums_verified=verify)
