@@ -16,13 +16,14 @@ half-way leaves nothing behind that could poison the next one.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from lifecycle.config import APPLY_MODES
+from lifecycle.config import APPLY_MODES, MAX_BUCKET_BYTES, MAX_TIMEOUT_S, MIN_BUCKET_BYTES
 from lifecycle.config import ROLLOUT_DTYPES as DTYPE_NAMES
 from lifecycle.errors import EngineError
 
@@ -142,10 +143,11 @@ class CheckpointEngine:
         rollout_dtype: str | torch.dtype | None = None,
         apply: str = "atomic",
     ) -> None:
-        if bucket_bytes < 64:
-            raise EngineError(f"{self.name} engine: bucket_bytes must be at least 64, got {bucket_bytes}")
-        if not timeout_s > 0:
-            raise EngineError(f"{self.name} engine: timeout_s must be > 0, got {timeout_s}")
+        if not MIN_BUCKET_BYTES <= bucket_bytes <= MAX_BUCKET_BYTES:
+            raise EngineError(f"{self.name} engine: bucket_bytes must be in {MIN_BUCKET_BYTES}..{MAX_BUCKET_BYTES} "
+                              f"(64 B..1 TiB), got {bucket_bytes}")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise EngineError(f"{self.name} engine: timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {timeout_s}")
         if apply not in APPLY_MODES:
             raise EngineError(f"{self.name} engine: apply must be one of {', '.join(APPLY_MODES)}, got {apply!r}")
         self.bucket_bytes = bucket_bytes
@@ -186,7 +188,9 @@ class CheckpointEngine:
     def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         raise NotImplementedError
 
-    def receive_weights(self, version: int | None = None) -> Incoming:
+    def receive_weights(self, version: int | None = None, *, expected: Collection[str] | None = None) -> Incoming:
+        """The sync's named tensors. `expected`: names the rollout must get; a sync that leaves
+        any out is refused before the first tensor is handed out (see `missing`)."""
         raise NotImplementedError
 
     def finalize(self) -> None:
@@ -225,6 +229,18 @@ class CheckpointEngine:
         return f"{type(self).__name__}(bucket_bytes={self.bucket_bytes}, verify={self.verify})"
 
 
+def missing(expected: Collection[str] | None, names: Iterable[str]) -> str | None:
+    """Why a sync of `names` does not do for a rollout that expects `expected`; None when it does."""
+    if expected is None:
+        return None
+    have = set(names)
+    absent = [name for name in expected if name not in have]
+    if not absent:
+        return None
+    listed = ", ".join(repr(name) for name in absent[:5]) + (f" and {len(absent) - 5} more" if len(absent) > 5 else "")
+    return f"it leaves out {len(absent)} of the {len(expected)} weight(s) this rollout expects: {listed}"
+
+
 def _dtype(value: str | torch.dtype | None, engine: str) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         return value
@@ -236,6 +252,6 @@ def _dtype(value: str | torch.dtype | None, engine: str) -> torch.dtype | None:
 
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "CheckpointEngine", "Incoming", "Rendezvous", "SyncStats",
-    "Topology", "TransportError",
+    "DEFAULT_BUCKET_BYTES", "MAX_BUCKET_BYTES", "MIN_BUCKET_BYTES", "CheckpointEngine", "Incoming", "Rendezvous",
+    "SyncStats", "Topology", "TransportError",
 ]

@@ -1,145 +1,29 @@
-"""Flat transfer buckets: the plan both sides agree on, packing, checksums, and rejoining chunks.
+"""Flat transfer buckets: packing by the plan both sides agree on, checksums, and rejoining chunks.
 
 A bucket is one flat byte buffer: a 64-byte header (magic, version, bucket index, bytes used,
 checksum) and then the tensors, each at a 64-byte aligned offset. A tensor that fits in a
 bucket travels whole; one larger than a bucket is split into chunks across consecutive
 buckets and rejoined by the receiver. The plan (names, dtypes, shapes, where every piece
-sits) is computed from tensor metadata alone, before any byte is packed, so the sender can
-pack bucket k+1 while bucket k is on the wire.
+sits; `plan.py`) is computed from tensor metadata alone, before any byte is packed, so the
+sender can pack bucket k+1 while bucket k is on the wire.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import xxhash
 
-from lifecycle.errors import EngineError
+from backends.engines.plan import ALIGN, Piece, Plan, TensorMeta, align, make_plan
 
-ALIGN = 64
 HEADER_BYTES = 64
+SLOTS = 2
+"""The sender's bucket slots, and a streamed receiver's: bucket k lives in slot k % 2."""
 _FEED_BYTES = 4 << 20
 MAGIC = 0x4C43_5753_0000_0001
 _MASK = (1 << 64) - 1
-
-
-def _dtype(name: str) -> torch.dtype:
-    """The torch dtype a plan names ("float32", "uint16", ...): every dtype torch has travels."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype")
-    return dtype
-
-
-def align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """A tensor as it travels: its name, wire dtype and shape."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.dtype.itemsize
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Bytes [start, start + nbytes) of tensor `index`, at `offset` of a bucket's data region."""
-
-    index: int
-    offset: int
-    start: int
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Where every byte of one sync travels; sent ahead of the first bucket.
-
-    It depends only on the tensors' names, dtypes and shapes, so a trainer whose weights keep
-    their shapes sends the same plan every sync, and both sides reuse what they built from it.
-    """
-
-    bucket_bytes: int
-    verify: bool
-    tensors: list[TensorMeta]
-    buckets: list[list[Piece]]
-
-    def used(self, k: int) -> int:
-        """Bytes of bucket k's data region that travel (aligned, so checksums see whole words)."""
-        last = self.buckets[k][-1]
-        return align(last.offset + last.nbytes)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(meta.nbytes for meta in self.tensors)
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({
-            "bucket_bytes": self.bucket_bytes, "verify": self.verify,
-            "tensors": [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape)] for m in self.tensors],
-            "buckets": [[[p.index, p.offset, p.start, p.nbytes] for p in bucket] for bucket in self.buckets],
-        }, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, engine: str) -> Plan:
-        try:
-            data = json.loads(raw)
-            tensors = [TensorMeta(name, _dtype(dtype), tuple(int(s) for s in shape))
-                       for name, dtype, shape in data["tensors"]]
-            buckets = [[Piece(*(int(v) for v in piece)) for piece in bucket] for bucket in data["buckets"]]
-            plan = cls(int(data["bucket_bytes"]), bool(data["verify"]), tensors, buckets)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EngineError(f"{engine} engine: the sender's plan is malformed: {exc!r}") from exc
-        plan._check(engine)
-        return plan
-
-    def _check(self, engine: str) -> None:
-        """A receiver writes where the plan says: refuse any piece that would land out of bounds."""
-        for k, bucket in enumerate(self.buckets):
-            for p in bucket:
-                if not (0 <= p.index < len(self.tensors) and p.offset % ALIGN == 0 and p.start >= 0
-                        and 0 <= p.nbytes and p.offset + p.nbytes <= self.bucket_bytes
-                        and p.start + p.nbytes <= self.tensors[p.index].nbytes):
-                    raise EngineError(f"{engine} engine: plan piece {p} of bucket {k} is out of bounds")
-
-
-def make_plan(metas: Sequence[TensorMeta], bucket_bytes: int, verify: bool) -> Plan:
-    """Lay tensors out in order: whole when they fit a bucket, else in chunks filling buckets."""
-    buckets: list[list[Piece]] = [[]]
-    used = 0
-    for index, meta in enumerate(metas):
-        size, step = meta.nbytes, meta.dtype.itemsize
-        if size <= bucket_bytes and align(used) + size > bucket_bytes:
-            buckets.append([])
-            used = 0
-        start = 0
-        while True:
-            offset = align(used)
-            room = (bucket_bytes - offset) // step * step
-            if room <= 0:
-                buckets.append([])
-                used = 0
-                continue
-            n = min(room, size - start)
-            buckets[-1].append(Piece(index, offset, start, n))
-            used, start = offset + n, start + n
-            if start >= size:
-                break
-    return Plan(bucket_bytes, verify, list(metas), [b for b in buckets if b])
 
 
 class Layout:
@@ -251,3 +135,9 @@ def word_sum_digest(data: torch.Tensor) -> int:
     weighted = (sums * weights).sum() + tail * (full + 1)
     a, b = (int(v) & _MASK for v in torch.stack([plain, weighted]).tolist())
     return ((a * 0x9E37_79B9_7F4A_7C15) & _MASK) ^ b
+
+
+__all__ = [
+    "ALIGN", "HEADER_BYTES", "MAGIC", "SLOTS", "Layout", "Piece", "Plan", "TensorMeta", "align", "make_plan",
+    "read_header", "word_sum_digest", "write_header", "xxh3_digest",
+]

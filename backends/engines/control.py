@@ -1,4 +1,4 @@
-"""The small messages of a sync (version, plan, statuses, shm's bucket signals) over a TCPStore.
+"""The small messages of a sync (version, plan, answers, shm's bucket signals) over a TCPStore.
 
 The sender hosts one store on the rendezvous address for as long as its engine lives; each
 sync writes under its own prefix `sync{n}/`, opened with an `open` key and marked `closed`
@@ -12,6 +12,7 @@ with it racing a closing store, on every sync.
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,23 @@ if TYPE_CHECKING:
 _RETRY_S = 0.05
 _POLL_S = 0.25
 _STORE_ERRORS = (RuntimeError, OSError)
+
+
+def answer(error: str | None) -> bytes:
+    """A receiver's answer to the sender (`accepted/{rank}`, `status/{rank}`, shm's
+    `mapped/{rank}`): ok, or the reason it is not."""
+    return json.dumps({"ok": error is None, "error": error}).encode()
+
+
+def read_answer(raw: bytes) -> str | None:
+    """The reason in an answer, None when it says ok; an unreadable answer is a reason too."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or type(data.get("ok")) is not bool:
+        return f"sent an unreadable answer {raw[:80]!r}"
+    return None if data["ok"] else str(data.get("error"))
 
 
 class ControlStore:
@@ -44,8 +62,8 @@ class ControlStore:
             raise self._lost(f"setting {key!r}", exc) from exc
         self._written.append(key)
 
-    def get(self, key: str) -> bytes:
-        self.wait([key])
+    def get(self, key: str, *, watch_closed: bool = False) -> bytes:
+        self.wait([key], watch_closed=watch_closed)
         try:
             return bytes(self.store.get(key))
         except _STORE_ERRORS as exc:

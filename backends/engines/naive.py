@@ -9,12 +9,12 @@ receivers may read one send.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from backends.engines.base import CheckpointEngine, Incoming, SyncStats
+from backends.engines.base import CheckpointEngine, Incoming, SyncStats, missing
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import EngineError
 
@@ -37,12 +37,15 @@ class NaiveEngine(CheckpointEngine):
         return SyncStats(backend=self.name, version=version, bytes=size, buckets=0, tensors=len(pairs),
                          receivers=0, seconds=time.perf_counter() - start)
 
-    def receive_weights(self, version: int | None = None) -> Incoming:
+    def receive_weights(self, version: int | None = None, *, expected: Collection[str] | None = None) -> Incoming:
         if self._sent is None:
             raise EngineError("naive engine: nothing was sent in this process; call send_weights first")
         sent_version, pairs = self._sent
         if version is not None and version != sent_version:
             raise EngineError(f"naive engine: expected weights v{version}, the sender sent v{sent_version}")
+        gaps = missing(expected, (name for name, _ in pairs))
+        if gaps is not None:
+            raise EngineError(f"naive engine: the rollout refuses weights v{sent_version}: {gaps}")
         incoming = Incoming(sent_version)
         return incoming.feed(self._stream(pairs, incoming))
 

@@ -12,18 +12,20 @@ has buckets k and k + 1 posted and verifies each as it lands. What it does next 
   into its own (shm copies it out of the shared slot). It hands out the first tensor only
   once the last bucket has verified, so a bad bucket anywhere means nothing is applied.
 
-The small messages (plan, statuses, and for shm the per-bucket signals) go through a
+The small messages (plan, answers, and for shm the per-bucket signals) go through a
 `ControlStore`; a subclass supplies only the data plane: slots, start send / receive, wait.
-A receiver that rejects a bucket, or whose rollout stops reading, drains the rest without
-applying it and reports why, so the sender fails with the reason instead of a timeout.
+The receiver decides: it checks the sender's plan (`plan.check_plan`) against its own
+settings (its `verify` wins), allocates for it, and answers `accepted/{rank}`; the sender
+waits for every answer before bucket 0 moves, so a refused plan fails both sides at once and
+applies nothing. A receiver that rejects a bucket, or whose rollout stops reading, drains
+the rest without applying it and reports why (`status/{rank}`), so the sender fails with
+the reason instead of a timeout.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,15 +33,15 @@ import structlog
 import torch
 from torch.profiler import record_function
 
-from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError
+from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
 from backends.engines.buckets import (
-    HEADER_BYTES, MAGIC, Layout, Plan, TensorMeta, align, make_plan, read_header, write_header, xxh3_digest,
+    HEADER_BYTES, SLOTS, Layout, Plan, TensorMeta, align, make_plan, write_header, xxh3_digest,
 )
-from backends.engines.control import ControlStore, StoreLink
+from backends.engines.control import ControlStore, StoreLink, answer, read_answer
+from backends.engines.plan import PlanRefused, check_plan, parse_plan
+from backends.engines.receiver import Receiver, receive_sizes, sent_version
 from lifecycle.checksum import Hasher
 from lifecycle.errors import EngineError
-
-SLOTS = 2
 
 
 class BucketEngine(CheckpointEngine):
@@ -59,7 +61,7 @@ class BucketEngine(CheckpointEngine):
         self._in_flight: list[Any] = []
         """Transfers in progress; dropped before the group, since each one keeps its sockets open."""
         self._layout: Layout | None = None
-        self._receiver: _Receiver | None = None
+        self._receiver: Receiver | None = None
         self._prepared = False
         self._hashing: ThreadPoolExecutor | None = None
         """The one worker that checksums the buckets this engine packs; started on first use."""
@@ -156,6 +158,7 @@ class BucketEngine(CheckpointEngine):
         layout = self._send_layout([TensorMeta(name, self.wire_dtype(t), tuple(t.shape)) for name, t in pairs])
         control.set("version", str(version))
         control.set("plan", layout.raw)
+        self._await_answers("accepted", f"refused the plan of weights v{version}")
         count = len(layout.plan.buckets)
         in_flight = self._in_flight = [None] * SLOTS
         for k in range(count):
@@ -164,19 +167,18 @@ class BucketEngine(CheckpointEngine):
             in_flight[k % SLOTS] = self._send_bucket(layout, k, tensors, version)
         for k in range(max(0, count - SLOTS), count):
             self._wait(in_flight[k % SLOTS], f"bucket {k} of {count}")
-        self._collect_statuses(topology, version)
+        self._await_answers("status", f"rejected weights v{version}")
         self._clean = True
         return SyncStats(backend=self.name, version=version, bytes=layout.plan.total_bytes, buckets=count,
                          tensors=len(pairs), receivers=len(topology.receivers),
                          seconds=time.perf_counter() - start)
 
-    def receive_weights(self, version: int | None = None) -> Incoming:
-        topology, control = self._topology(sender=False), self._control()
-        sent = int(control.get("version"))
-        layout = self._receive_layout(control.get("plan"))
+    def receive_weights(self, version: int | None = None, *, expected: Collection[str] | None = None) -> Incoming:
+        topology = self._topology(sender=False)
+        sent, layout = self._accept(topology.rank, version, expected)
         incoming = Incoming(sent)
-        self._receiver = _Receiver(self, topology, layout, sent, incoming)
-        return incoming.feed(self._receiver.run(version))
+        self._receiver = Receiver(self, topology, layout, sent, incoming)
+        return incoming.feed(self._receiver.run())
 
     def finalize(self) -> None:
         topology = self.topology
@@ -218,17 +220,63 @@ class BucketEngine(CheckpointEngine):
         layout = self._layout
         if (layout is None or not layout.fits(self.slots) or layout.plan.tensors != metas
                 or layout.plan.bucket_bytes != self.bucket_bytes or layout.plan.verify != self.verify):
-            layout = self._layout = Layout(make_plan(metas, self.bucket_bytes, self.verify), self.slots)
+            plan = make_plan(metas, self.bucket_bytes, self.verify)
+            try:
+                check_plan(plan)
+            except PlanRefused as exc:
+                raise EngineError(f"{self.name} engine: these weights cannot travel: {exc}") from None
+            layout = self._layout = Layout(plan, self.slots)
         return layout
 
-    def _receive_layout(self, raw: bytes) -> Layout:
+    def _accept(self, rank: int, version: int | None, expected: Collection[str] | None) -> tuple[int, Layout]:
+        """Take the sender's version and plan, or refuse them, and answer `accepted/{rank}` either
+        way before any bucket moves: the sender waits for every answer (`_await_answers`)."""
+        control, sent = self._control(), None
+        try:
+            sent = sent_version(control.get("version", watch_closed=True))
+            if version is not None and version != sent:
+                raise PlanRefused(f"expected weights v{version}, the sender sends v{sent}")
+            layout = self._receive_layout(control.get("plan", watch_closed=True), expected)
+        except TransportError:
+            raise
+        except Exception as exc:
+            self._answer(f"accepted/{rank}", str(exc))
+            if isinstance(exc, PlanRefused):
+                what = "the sender's plan" if sent is None else f"the plan of weights v{sent}"
+                raise EngineError(f"{self.name} engine: rank {rank} refuses {what}: {exc}") from None
+            raise
+        control.set(f"accepted/{rank}", answer(None))
+        return sent, layout
+
+    def _receive_layout(self, raw: bytes, expected: Collection[str] | None) -> Layout:
+        """Check the plan (a plan identical to the last one was checked then) against this
+        receiver's own settings before allocating for it: its `verify` wins over the plan's."""
         layout = self._layout
-        plan = layout.plan if layout is not None and layout.raw == raw else Plan.from_bytes(raw, self.name)
-        self._ensure_slots(receive_sizes(plan, self.apply))
+        plan = layout.plan if layout is not None and layout.raw == raw else parse_plan(raw)
+        if self.verify and not plan.verify:
+            raise PlanRefused("it sends no checksums (the sender's engine.verify is false) and this receiver "
+                              "verifies every bucket (its engine.verify is true)")
+        gaps = missing(expected, (meta.name for meta in plan.tensors))
+        if gaps is not None:
+            raise PlanRefused(gaps)
+        self._receive_slots(plan)
         if layout is None or layout.plan is not plan or not layout.fits(self.slots):
             layout = self._layout = Layout(plan, self.slots)
         layout.reset()
+        if self.apply == "atomic":
+            self._staging(layout)
         return layout
+
+    def _receive_slots(self, plan: Plan) -> None:
+        """Have the slots a receive of `plan` lands in; shm checks the sender's instead."""
+        self._ensure_slots(receive_sizes(plan, self.apply))
+
+    def _answer(self, key: str, error: str | None) -> None:
+        """Tell the sender; a receiver whose link is gone logs that the answer was lost."""
+        try:
+            self._control().set(key, answer(error))
+        except EngineError as exc:
+            structlog.get_logger().warning("engine.answer_not_sent", engine=self.name, key=key, error=str(exc))
 
     def _send_bucket(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor], version: int) -> Any:
         slot = self.slots[k % SLOTS]
@@ -237,17 +285,16 @@ class BucketEngine(CheckpointEngine):
             write_header(slot, version, k, layout.plan.used(k), digest)
         return self._start_send(k, HEADER_BYTES + layout.plan.used(k))
 
-    def _collect_statuses(self, topology: Topology, version: int) -> None:
-        keys = [f"status/{rank}" for rank in topology.receivers]
-        self._control().wait(keys)
-        problems = []
-        for rank, key in zip(topology.receivers, keys):
-            status = json.loads(self._control().get(key))
-            if not status["ok"]:
-                problems.append(f"rank {rank}: {status['error']}")
+    def _await_answers(self, key: str, what: str) -> None:
+        """Wait for every receiver's `{key}/{rank}`; an `EngineError` naming each that said no."""
+        receivers, control = self._topology(sender=True).receivers, self._control()
+        keys = [f"{key}/{rank}" for rank in receivers]
+        control.wait(keys)
+        problems = [f"rank {rank}: {error}" for rank, k in zip(receivers, keys)
+                    if (error := read_answer(control.get(k))) is not None]
         if problems:
-            raise EngineError(f"{self.name} engine: {len(problems)} of {len(keys)} receiver(s) rejected "
-                              f"weights v{version}: " + "; ".join(problems))
+            raise EngineError(f"{self.name} engine: {len(problems)} of {len(keys)} receiver(s) {what}: "
+                              + "; ".join(problems))
 
     def _topology(self, sender: bool | None = None) -> Topology:
         topology = self.topology
@@ -262,144 +309,3 @@ class BucketEngine(CheckpointEngine):
         if self.control is None:
             raise EngineError(f"{self.name} engine: call init_process_group() first")
         return self.control
-
-
-def receive_sizes(plan: Plan, apply: str) -> list[int]:
-    """The data bytes of each slot a receiver needs: two of a whole bucket streamed, each
-    bucket's own size atomic (a short last bucket takes only what it uses)."""
-    if apply == "atomic":
-        return [plan.used(k) for k in range(len(plan.buckets))]
-    return [plan.bucket_bytes] * SLOTS
-
-
-class _Inbox:
-    """A receiver's slots: bucket k lands in slot k % len(slots) (two slots streamed, one per
-    bucket atomic), and is posted once bucket k - 2 is done."""
-
-    def __init__(self, engine: BucketEngine, plan: Plan) -> None:
-        self.engine = engine
-        self.plan = plan
-        self.count = len(plan.buckets)
-        self.pending: dict[int, Any] = {}
-        self.next = 0
-        self.current: int | None = None
-        for _ in range(min(SLOTS, self.count)):
-            self._post()
-
-    def _post(self) -> None:
-        if self.next < self.count:
-            self.pending[self.next] = self.engine._start_recv(self.next, HEADER_BYTES + self.plan.used(self.next))
-            self.next += 1
-
-    def take(self, k: int) -> torch.Tensor:
-        self.engine._wait(self.pending.pop(k), f"bucket {k} of {self.count}")
-        self.current = k
-        return self.engine.slots[k % len(self.engine.slots)]
-
-    def done(self, k: int) -> None:
-        self.current = None
-        self.engine._release(k)
-        self._post()
-
-    def drain(self) -> None:
-        """Receive the rest without looking at it, so the sender's transfers complete."""
-        if self.current is not None:
-            self.done(self.current)
-        while self.pending:
-            k = min(self.pending)
-            self.take(k)
-            self.done(k)
-
-
-class _Receiver:
-    """One receive: verify each bucket before its tensors are handed out; report the outcome."""
-
-    def __init__(self, engine: BucketEngine, topology: Topology, layout: Layout, version: int,
-                 incoming: Incoming) -> None:
-        self.engine = engine
-        self.rank = topology.rank
-        self.layout = layout
-        self.plan = layout.plan
-        self.version = version
-        self.incoming = incoming
-        self.inbox = _Inbox(engine, layout.plan)
-        self.error: str | None = None
-        self.link_failed = False
-        self.finished = False
-
-    def run(self, expected: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Raises before the first tensor when the sender sends another version than `expected`."""
-        try:
-            if expected is not None and expected != self.version:
-                raise EngineError(f"{self.engine.name} engine: expected weights v{expected}, "
-                                  f"the sender sends v{self.version}")
-            if self.engine.apply == "atomic":
-                layout = self._receive_all()
-                for k in range(self.inbox.count):
-                    yield from layout.unpack(k)
-            else:
-                for k in range(self.inbox.count):
-                    self._verify(k, self.inbox.take(k))
-                    yield from self.layout.unpack(k)
-                    self.inbox.done(k)
-            self.incoming.complete = True
-        except TransportError as exc:
-            self.link_failed = True
-            self.error = str(exc)
-            raise
-        except EngineError as exc:
-            self.error = str(exc)
-            raise
-        finally:
-            self.finish()
-
-    def _receive_all(self) -> Layout:
-        """Every bucket received and verified, kept where the returned layout reads them."""
-        staging = self.engine._staging(self.layout)
-        for k in range(self.inbox.count):
-            slot = self.inbox.take(k)
-            self._verify(k, slot)
-            if staging is not self.layout:
-                nbytes = HEADER_BYTES + self.plan.used(k)
-                ctypes.memmove(staging.slots[k].data_ptr(), slot.data_ptr(), nbytes)
-            self.inbox.done(k)
-        return staging
-
-    def _verify(self, k: int, slot: torch.Tensor) -> None:
-        with record_function(f"verify bucket {k}"):
-            self._check(k, slot)
-
-    def _check(self, k: int, slot: torch.Tensor) -> None:
-        name, count = self.engine.name, self.inbox.count
-        magic, version, index, used, digest = read_header(slot)
-        expected = (MAGIC, self.version, k, self.plan.used(k))
-        if (magic, version, index, used) != expected:
-            raise EngineError(f"{name} engine: bucket {k} of {count} arrived with a bad header "
-                              f"(magic {magic:#x}, v{version}, bucket {index}, {used} bytes); expected "
-                              f"v{expected[1]}, bucket {k}, {expected[3]} bytes; nothing from it was applied")
-        if self.plan.verify:
-            actual = self.engine._digest(slot[HEADER_BYTES:HEADER_BYTES + used])
-            if actual != digest:
-                names = self.layout.names(k)
-                held = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-                raise EngineError(f"{name} engine: bucket {k} of {count} failed its checksum (sent "
-                                  f"{digest:016x}, received {actual:016x}); nothing from it was applied; "
-                                  f"it holds {held}")
-
-    def finish(self) -> None:
-        """Drain what is left and tell the sender how it went; at most once, never raises."""
-        if self.finished:
-            return
-        self.finished = True
-        if self.link_failed:
-            return
-        ok = self.incoming.complete and self.error is None
-        error = self.error or self.incoming.stop_reason or (
-            f"the rollout stopped reading after {self.incoming.tensors} of {len(self.plan.tensors)} tensors")
-        try:
-            if not ok:
-                self.inbox.drain()
-            self.engine._control().set(f"status/{self.rank}", json.dumps({"ok": ok, "error": None if ok else error}))
-        except EngineError as exc:
-            structlog.get_logger().warning("engine.status_not_sent", engine=self.engine.name,
-                                           rank=self.rank, error=str(exc))

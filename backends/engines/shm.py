@@ -8,6 +8,11 @@ kept from one sync to the next, and unlinked by the sender's `close()` or at its
 of a sender that was killed are removed by the next sender on this host. The per-bucket
 signals ("bucket k is ready", "rank r is done with bucket k") are keys of the sync's control
 store.
+
+A receiver maps what the sender publishes read-write, so it maps nothing else: a published
+path must name a regular file (no link, no device) directly inside the receiver's own
+`shm_dir`, named as this engine names its buckets, and of the size the plan's buckets need.
+A receiver that refuses says so under `mapped/{rank}`, and the sender fails at once.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
+import stat
 import tempfile
 import uuid
 import weakref
@@ -24,9 +31,11 @@ from typing import Any
 
 import torch
 
-from backends.engines.base import Topology
-from backends.engines.buckets import HEADER_BYTES, Layout, align
-from backends.engines.pipeline import SLOTS, BucketEngine, receive_sizes
+from backends.engines.base import MIN_BUCKET_BYTES, Topology, TransportError
+from backends.engines.buckets import ALIGN, HEADER_BYTES, SLOTS, Layout, Plan, align
+from backends.engines.pipeline import BucketEngine
+from backends.engines.plan import PlanRefused
+from backends.engines.receiver import receive_sizes
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import EngineError
 
@@ -62,13 +71,29 @@ class ShmEngine(BucketEngine):
             if not self.slots or self.slots[0].numel() != HEADER_BYTES + align(self.bucket_bytes):
                 self._create(HEADER_BYTES + align(self.bucket_bytes))
             control.set("slots", json.dumps(self._paths))
-            control.wait([f"mapped/{rank}" for rank in topology.receivers])
+            self._await_answers("mapped", "could not map the shared buckets")
             return
-        paths = json.loads(control.get("slots"))
-        if paths != self._paths:
-            self.slots = [_map(Path(path)) for path in paths]
-            self._paths = paths
-        control.set(f"mapped/{topology.rank}", b"1")
+        try:
+            paths = _published(control.get("slots", watch_closed=True), self.shm_dir)
+            if paths != self._paths:
+                self.slots, self._paths = [], []
+                self.slots = [_map(Path(path), folder=self.shm_dir) for path in paths]
+                self._paths = paths
+        except TransportError:
+            raise
+        except EngineError as exc:
+            reason = str(exc).removeprefix("shm engine: ")
+            self._answer(f"mapped/{topology.rank}", reason)
+            raise EngineError(f"shm engine: rank {topology.rank} refuses the sender's shared buckets: {reason}") from None
+        self._answer(f"mapped/{topology.rank}", None)
+
+    def _receive_slots(self, plan: Plan) -> None:
+        """The shared buckets must hold the plan's: a receiver reads and copies them up to `bucket_bytes`."""
+        wanted = HEADER_BYTES + align(plan.bucket_bytes)
+        held = [slot.numel() for slot in self.slots]
+        if held != [wanted] * SLOTS:
+            raise PlanRefused(f"its bucket_bytes={plan.bucket_bytes} needs shared buckets of {wanted} bytes; "
+                              f"the sender's hold {held}")
 
     def _create(self, size: int) -> None:
         self._free_buckets()
@@ -112,11 +137,56 @@ class ShmEngine(BucketEngine):
 _PREFIX = "trainer-lifecycle-shm-"
 
 
-def _map(path: Path, create_size: int = 0) -> torch.Tensor:
-    """Map a shared bucket read-write; with `create_size`, create it and reserve its pages first."""
+_NAME = re.compile(re.escape(_PREFIX) + r"[0-9]+-[0-9a-f]{12}-[0-9]+")
+
+
+def _published(raw: bytes, folder: Path) -> list[str]:
+    """The sender's bucket paths, each named as `_create` names them directly inside `folder`
+    (this receiver's own shm_dir, however the sender spells it)."""
+    try:
+        paths = json.loads(raw)
+    except ValueError:
+        paths = None
+    if not (isinstance(paths, list) and len(paths) == SLOTS and all(isinstance(p, str) for p in paths)
+            and len(set(paths)) == SLOTS):
+        raise EngineError(f"the sender published {raw[:120]!r} as its buckets, not {SLOTS} distinct paths")
+    for path in paths:
+        name = Path(path).name
+        if not _NAME.fullmatch(name) or os.path.realpath(Path(path).parent) != os.path.realpath(folder):
+            raise EngineError(f"{path!r} is not a bucket of this engine directly inside {folder} "
+                              f"(named {_PREFIX}<pid>-<token>-<slot>)")
+    return paths
+
+
+def _open_shared(path: Path, folder: Path) -> int:
+    """Open a published bucket read-write through `folder` itself, refusing a link, anything but
+    a regular file, a file with other names (hard links), and a size no bucket has."""
+    folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        before = os.stat(path.name, dir_fd=folder_fd, follow_symlinks=False)
+        if not stat.S_ISREG(before.st_mode):
+            raise EngineError(f"{path} is not a regular file (a link, a folder or a device)")
+        fd = os.open(path.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder_fd)
+    finally:
+        os.close(folder_fd)
+    info = os.fstat(fd)
+    size = info.st_size - HEADER_BYTES
+    problem = ("it changed while it was opened" if (info.st_dev, info.st_ino) != (before.st_dev, before.st_ino)
+               else f"it has {info.st_nlink} names" if info.st_nlink != 1
+               else f"its {info.st_size} bytes are no bucket's size" if size < MIN_BUCKET_BYTES or size % ALIGN
+               else None)
+    if problem is not None:
+        os.close(fd)
+        raise EngineError(f"{path}: {problem}")
+    return fd
+
+
+def _map(path: Path, create_size: int = 0, folder: Path | None = None) -> torch.Tensor:
+    """Map a shared bucket read-write: with `create_size`, create it and reserve its pages first;
+    with `folder`, a bucket another process published there (see `_open_shared`)."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create_size else 0)
     try:
-        fd = os.open(path, flags, 0o600)
+        fd = _open_shared(path, folder) if folder is not None else os.open(path, flags, 0o600)
     except OSError as exc:
         raise EngineError(f"shm engine: cannot open the shared bucket {path}: {exc}") from exc
     try:

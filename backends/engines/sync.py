@@ -10,9 +10,10 @@ as either version. The next sync sends every tensor again, so it repairs that.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,26 +84,38 @@ def receive_into(
     *,
     rank: int = 1,
     version: int | None = None,
+    expected: Collection[str] | None = None,
     profile_dir: str | os.PathLike[str] | None = None,
 ) -> int:
     """The rollout side of one sync: pause, receive and verify, load, take the version, resume.
 
     Returns the version received. On any failure the rollout is marked stale and the error
     propagates; it is resumed either way. `version=None` accepts what the sender sends.
+    `expected`: the names of the weights the rollout must get; a sync that leaves any out is
+    refused before anything is applied, and the sender is told (the engine's
+    `receive_weights` must take `expected`, as every engine of this package does).
     """
+    if isinstance(expected, str):
+        raise EngineError(f"{engine.name} engine: expected= takes a collection of weight names, not the one "
+                          f"string {expected!r}")
+    if expected is not None and "expected" not in inspect.signature(engine.receive_weights).parameters:
+        raise EngineError(f"{engine.name} engine: its receive_weights takes no `expected`, so it cannot refuse a "
+                          "sync that leaves weights out; call receive_into without expected=")
     with updating(rollout) as landed:
         with profiled(profile_dir, f"weight_sync_{engine.name}_receive_rank{rank}"):
             if engine.in_process:
-                received = _load(engine, rollout, version)
+                received = _load(engine, rollout, version, expected)
             else:
                 with engine.session(rendezvous, rank):
-                    received = _load(engine, rollout, version)
+                    received = _load(engine, rollout, version, expected)
         landed(received)
     return received
 
 
-def _load(engine: CheckpointEngine, rollout: RolloutTarget, version: int | None) -> int:
-    incoming = engine.receive_weights(version)
+def _load(engine: CheckpointEngine, rollout: RolloutTarget, version: int | None,
+          expected: Collection[str] | None) -> int:
+    incoming = engine.receive_weights(version) if expected is None else engine.receive_weights(
+        version, expected=expected)
     try:
         rollout.load_weights(incoming)
     except BaseException as exc:

@@ -11,7 +11,7 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,15 +96,17 @@ def new_engine(name: str, **kwargs: Any) -> CheckpointEngine:
 
 def sync_threads(sender: CheckpointEngine | WeightSync, receivers: list[CheckpointEngine],
                  named: list[tuple[str, torch.Tensor]], rollouts: list[Any] | None = None, *,
-                 version: int = 1, port: int | None = None, deadline_s: float = 30.0) -> Run:
-    """One sync: `sender` on this thread, receiver i (rank i + 1) on a thread of its own."""
+                 version: int = 1, port: int | None = None, deadline_s: float = 30.0,
+                 expected: Collection[str] | None = None) -> Run:
+    """One sync: `sender` on this thread, receiver i (rank i + 1) on a thread of its own;
+    `expected` goes to every receiver's `receive_into`."""
     rdv = Rendezvous("127.0.0.1", port or free_port(), receivers=len(receivers))
     rollouts = rollouts if rollouts is not None else [MemoryRollout() for _ in receivers]
     run = Run(versions=[None] * len(receivers), errors=[None] * len(receivers))
 
     def receive(i: int) -> None:
         try:
-            run.versions[i] = receive_into(receivers[i], rollouts[i], rdv, rank=i + 1)
+            run.versions[i] = receive_into(receivers[i], rollouts[i], rdv, rank=i + 1, expected=expected)
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             run.errors[i] = exc
 

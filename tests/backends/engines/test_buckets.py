@@ -84,9 +84,10 @@ def test_a_plan_survives_its_wire_form_and_an_out_of_bounds_one_is_refused() -> 
     plan = make_plan(_metas(mixed_tensors()), 512, verify=False)
     assert Plan.from_bytes(plan.to_bytes(), "gloo") == plan
     bad = plan.to_bytes().replace(b'"bucket_bytes":512', b'"bucket_bytes":64')
-    with pytest.raises(EngineError, match=r"gloo engine: plan piece .* out of bounds"):
-        Plan.from_bytes(bad, "gloo")
-    with pytest.raises(EngineError, match="gloo engine: the sender's plan is malformed"):
+    with pytest.raises(EngineError, match=r"gloo engine: rank 2 refuses the sender's plan: bucket 0 piece \d+ .* "
+                                          r"past bucket_bytes=64"):
+        Plan.from_bytes(bad, "gloo", rank=2)
+    with pytest.raises(EngineError, match="gloo engine: refused the sender's plan: it must be an object with exactly"):
         Plan.from_bytes(b'{"tensors": [["x", "not_a_dtype", [1]]]}', "gloo")
 
 

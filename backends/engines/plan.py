@@ -1,0 +1,310 @@
+"""The plan of a sync: what it says, how the sender makes it, and how a receiver checks it.
+
+The plan names every tensor (name, wire dtype, shape) and where each piece of it sits in
+which bucket; the sender computes it from metadata alone and sends it ahead of bucket 0. A
+receiver sizes its buffers, builds its views and hands its rollout tensors by what the plan
+says, so it trusts none of it: `parse_plan` reads the wire form strictly (an int is an int,
+not a bool, float or string) and `check_plan` proves that every tensor is covered exactly
+once, byte for byte and in order, by aligned pieces that stay inside their buckets, before
+any buffer is allocated. A plan that fails is refused with the reason; the receiver names
+itself and tells the sender (see `pipeline.BucketEngine._accept`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backends.engines.base import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES
+from lifecycle.errors import EngineError
+
+ALIGN = 64
+_MAX_INT = (1 << 63) - 1
+"""Offsets, sizes and element counts must fit torch's int64 arithmetic."""
+_KEYS = ("bucket_bytes", "verify", "tensors", "buckets")
+
+
+class PlanRefused(EngineError):
+    """Why a receiver will not take a sync, without who says so: the engine adds its name and
+    rank on its side, and sends the bare reason to the sender."""
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """A tensor as it travels: its name, wire dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Bytes [start, start + nbytes) of tensor `index`, at `offset` of a bucket's data region."""
+
+    index: int
+    offset: int
+    start: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Where every byte of one sync travels; sent ahead of the first bucket.
+
+    It depends only on the tensors' names, dtypes and shapes, so a trainer whose weights keep
+    their shapes sends the same plan every sync, and both sides reuse what they built from it.
+    """
+
+    bucket_bytes: int
+    verify: bool
+    tensors: list[TensorMeta]
+    buckets: list[list[Piece]]
+
+    def used(self, k: int) -> int:
+        """Bytes of bucket k's data region that travel (aligned, so checksums see whole words).
+
+        The last piece ends last: `check_plan` holds every bucket's pieces in offset order."""
+        last = self.buckets[k][-1]
+        return align(last.offset + last.nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(meta.nbytes for meta in self.tensors)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({
+            "bucket_bytes": self.bucket_bytes, "verify": self.verify,
+            "tensors": [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape)] for m in self.tensors],
+            "buckets": [[[p.index, p.offset, p.start, p.nbytes] for p in bucket] for bucket in self.buckets],
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, engine: str, rank: int | None = None) -> Plan:
+        """`parse_plan`, with a refusal an `EngineError` naming the engine (and the rank)."""
+        try:
+            return parse_plan(raw)
+        except PlanRefused as exc:
+            who = f"rank {rank} refuses" if rank is not None else "refused"
+            raise EngineError(f"{engine} engine: {who} the sender's plan: {exc}") from None
+
+
+def make_plan(metas: Sequence[TensorMeta], bucket_bytes: int, verify: bool) -> Plan:
+    """Lay tensors out in order: whole when they fit a bucket, else in chunks filling buckets."""
+    buckets: list[list[Piece]] = [[]]
+    used = 0
+    for index, meta in enumerate(metas):
+        size, step = meta.nbytes, meta.dtype.itemsize
+        if size <= bucket_bytes and align(used) + size > bucket_bytes:
+            buckets.append([])
+            used = 0
+        start = 0
+        while True:
+            offset = align(used)
+            room = (bucket_bytes - offset) // step * step
+            if room <= 0:
+                buckets.append([])
+                used = 0
+                continue
+            n = min(room, size - start)
+            buckets[-1].append(Piece(index, offset, start, n))
+            used, start = offset + n, start + n
+            if start >= size:
+                break
+    return Plan(bucket_bytes, verify, list(metas), [b for b in buckets if b])
+
+
+def parse_plan(raw: bytes) -> Plan:
+    """The plan in `raw`, read strictly and checked (`check_plan`); `PlanRefused` says what is wrong."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise PlanRefused(f"it is not JSON ({type(exc).__name__}: {_show(str(exc))})") from None
+    if not isinstance(data, dict) or sorted(data) != sorted(_KEYS):
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise PlanRefused(f"it must be an object with exactly the keys {', '.join(_KEYS)}; got {_show(got)}")
+    bucket_bytes = _int(data["bucket_bytes"], "bucket_bytes", MIN_BUCKET_BYTES, MAX_BUCKET_BYTES)
+    if type(data["verify"]) is not bool:
+        raise PlanRefused(f"verify must be true or false, got {_show(data['verify'])}")
+    tensors = [_tensor(i, entry) for i, entry in enumerate(_list(data["tensors"], "tensors"))]
+    buckets = [[_piece(k, j, entry) for j, entry in enumerate(_list(bucket, f"bucket {k}"))]
+               for k, bucket in enumerate(_list(data["buckets"], "buckets"))]
+    plan = Plan(bucket_bytes, data["verify"], tensors, buckets)
+    check_plan(plan)
+    return plan
+
+
+def check_plan(plan: Plan) -> None:
+    """Refuse (`PlanRefused`) a plan that does not cover every tensor exactly once.
+
+    Every tensor has a unique non-empty name, a dtype that can travel and a shape torch can
+    build. Its pieces, in plan order, start at 0 and each where the one before ended, in whole
+    elements, up to its size: no gap, no overlap, no chunk out of order (a receiver rejoins a
+    chunked tensor in plan order and hands it out at its last chunk). A zero-byte tensor has
+    exactly one zero-byte piece. Inside a bucket, pieces are aligned, in offset order without
+    overlapping, and end within `bucket_bytes`; no bucket is empty.
+    """
+    if type(plan.bucket_bytes) is not int or not MIN_BUCKET_BYTES <= plan.bucket_bytes <= MAX_BUCKET_BYTES:
+        raise PlanRefused(f"bucket_bytes must be in {MIN_BUCKET_BYTES}..{MAX_BUCKET_BYTES}, got {plan.bucket_bytes}")
+    named: dict[str, int] = {}
+    for i, meta in enumerate(plan.tensors):
+        _check_meta(i, meta)
+        if named.setdefault(meta.name, i) != i:
+            raise PlanRefused(f"tensors {named[meta.name]} and {i} are both named {_show(meta.name)}")
+    filled = [0] * len(plan.tensors)
+    pieces = [0] * len(plan.tensors)
+    for k, bucket in enumerate(plan.buckets):
+        if not bucket:
+            raise PlanRefused(f"bucket {k} of {len(plan.buckets)} is empty")
+        end = 0
+        for j, p in enumerate(bucket):
+            if not 0 <= p.index < len(plan.tensors):
+                raise PlanRefused(f"bucket {k} piece {j} names tensor {p.index}; the plan has "
+                                  f"{len(plan.tensors)} (0..{len(plan.tensors) - 1})")
+            meta = plan.tensors[p.index]
+            where = f"bucket {k} piece {j} (tensor {p.index} {_show(meta.name)})"
+            end = _check_place(where, p, end, plan.bucket_bytes)
+            _check_piece(where, p, meta, filled[p.index], pieces[p.index])
+            filled[p.index] += p.nbytes
+            pieces[p.index] += 1
+    for i, meta in enumerate(plan.tensors):
+        if not pieces[i]:
+            raise PlanRefused(f"tensor {i} {_show(meta.name)} is in no bucket")
+        if filled[i] != meta.nbytes:
+            raise PlanRefused(f"tensor {i} {_show(meta.name)} is covered up to byte {filled[i]} of {meta.nbytes}")
+
+
+def _check_meta(i: int, meta: TensorMeta) -> None:
+    if not isinstance(meta.name, str) or not meta.name:
+        raise PlanRefused(f"tensor {i} has no name: names are non-empty strings, got {_show(meta.name)}")
+    if not isinstance(meta.dtype, torch.dtype) or not travels(meta.dtype):
+        raise PlanRefused(f"tensor {i} {_show(meta.name)} has dtype {meta.dtype}, which cannot travel "
+                          "(sub-byte and quantized dtypes cannot be copied element by element)")
+    elements = 1
+    for size in meta.shape:
+        if type(size) is not int or size < 0:
+            raise PlanRefused(f"tensor {i} {_show(meta.name)} has shape {_show(list(meta.shape))}: "
+                              "sizes are non-negative integers")
+        elements *= max(size, 1)
+    if elements * meta.dtype.itemsize > _MAX_INT:
+        raise PlanRefused(f"tensor {i} {_show(meta.name)} has shape {_show(list(meta.shape))}, "
+                          f"too large for any tensor")
+
+
+def _check_place(where: str, p: Piece, end: int, bucket_bytes: int) -> int:
+    """Piece p sits aligned in its bucket, after the piece before it (which ends at `end`);
+    returns where p ends."""
+    if p.offset % ALIGN:
+        raise PlanRefused(f"{where} sits at offset {p.offset} of its bucket, not a multiple of {ALIGN}")
+    if p.offset < end:
+        raise PlanRefused(f"{where} at offset {p.offset} overlaps the piece before it in its bucket, "
+                          f"which ends at {end}")
+    if p.offset + p.nbytes > bucket_bytes:
+        raise PlanRefused(f"{where} ends at byte {p.offset + p.nbytes} of its bucket, past "
+                          f"bucket_bytes={bucket_bytes}")
+    return p.offset + p.nbytes
+
+
+def _check_piece(where: str, p: Piece, meta: TensorMeta, filled: int, count: int) -> None:
+    """Piece p of `meta` continues its cover exactly where the pieces before it left off."""
+    if p.start != filled:
+        what = "leaves a gap after" if p.start > filled else "overlaps"
+        raise PlanRefused(f"{where} carries its bytes {p.start}..{p.start + p.nbytes}, which {what} the "
+                          f"{filled} bytes its pieces before it carry: a tensor's pieces must follow each other")
+    if p.nbytes % meta.dtype.itemsize:
+        raise PlanRefused(f"{where} carries {p.nbytes} bytes, not a whole number of {meta.dtype} "
+                          f"elements ({meta.dtype.itemsize} bytes each)")
+    if p.start + p.nbytes > meta.nbytes:
+        raise PlanRefused(f"{where} carries bytes {p.start}..{p.start + p.nbytes}, past the tensor's "
+                          f"{meta.nbytes} bytes")
+    if p.nbytes == 0 and (meta.nbytes or count):
+        raise PlanRefused(f"{where} carries no bytes: only a zero-byte tensor has one, and only one")
+
+
+@functools.cache
+def travels(dtype: torch.dtype) -> bool:
+    """Whether bucket bytes can be viewed as `dtype` and copied element by element, as a
+    receiver does to rejoin chunks: every dtype torch has except the sub-byte and quantized ones."""
+    raw = torch.zeros(ALIGN + 4 * dtype.itemsize, dtype=torch.uint8)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            whole = torch.empty(4, dtype=dtype)
+            whole[:2].copy_(raw[ALIGN:ALIGN + 2 * dtype.itemsize].view(dtype))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def wire_dtype(name: str) -> torch.dtype:
+    """The torch dtype a plan names ("float32", "uint16", ...)."""
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise PlanRefused(f"{_show(name)} is not a torch dtype")
+    return dtype
+
+
+def _tensor(i: int, entry: Any) -> TensorMeta:
+    if not (isinstance(entry, list) and len(entry) == 3):
+        raise PlanRefused(f"tensor {i} must be [name, dtype, shape], got {_show(entry)}")
+    name, dtype, shape = entry
+    if not isinstance(name, str) or not name:
+        raise PlanRefused(f"tensor {i} has no name: names are non-empty strings, got {_show(name)}")
+    if not isinstance(dtype, str):
+        raise PlanRefused(f"tensor {i} {_show(name)} has dtype {_show(dtype)}, not a dtype name")
+    if not isinstance(shape, list):
+        raise PlanRefused(f"tensor {i} {_show(name)} shape must be a list, got {_show(shape)}")
+    for d, size in enumerate(shape):
+        if not _is_int(size, 0, _MAX_INT):
+            raise PlanRefused(f"tensor {i} {_show(name)} size {d} must be an integer in 0..{_MAX_INT}, "
+                              f"got {_show(size)}")
+    return TensorMeta(name, wire_dtype(dtype), tuple(shape))
+
+
+def _piece(k: int, j: int, entry: Any) -> Piece:
+    if not (isinstance(entry, list) and len(entry) == 4):
+        raise PlanRefused(f"bucket {k} piece {j} must be [index, offset, start, nbytes], got {_show(entry)}")
+    for field, value in zip(("index", "offset", "start", "nbytes"), entry):
+        if not _is_int(value, 0, _MAX_INT):
+            raise PlanRefused(f"bucket {k} piece {j} {field} must be an integer in 0..{_MAX_INT}, got {_show(value)}")
+    return Piece(*entry)
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    """An int from the wire, not a bool, float or string that would pass for one."""
+    return type(value) is int and low <= value <= high
+
+
+def _int(value: Any, what: str, low: int, high: int) -> int:
+    if not _is_int(value, low, high):
+        raise PlanRefused(f"{what} must be an integer in {low}..{high}, got {_show(value)}")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise PlanRefused(f"{what} must be a list, got {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    """A value from the wire, quoted and cut short: a message never grows with a hostile plan."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

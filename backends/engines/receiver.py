@@ -1,0 +1,165 @@
+"""A receiver's side of one sync once it accepted the plan: its slots, and verifying each bucket
+before any tensor of it is handed out (see `pipeline` for the pipeline as a whole)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+from torch.profiler import record_function
+
+from backends.engines.base import Incoming, Topology, TransportError
+from backends.engines.buckets import HEADER_BYTES, MAGIC, SLOTS, Layout, Plan, read_header
+from backends.engines.plan import PlanRefused
+from lifecycle.errors import EngineError
+
+if TYPE_CHECKING:
+    from backends.engines.pipeline import BucketEngine
+
+
+def sent_version(raw: bytes) -> int:
+    """The version the sender published: plain decimal digits, nothing else."""
+    if not (raw.isdigit() and len(raw) <= 19):
+        raise PlanRefused(f"the sender's version {raw[:40]!r} is not a non-negative integer")
+    return int(raw)
+
+
+def receive_sizes(plan: Plan, apply: str) -> list[int]:
+    """The data bytes of each slot a receiver needs: two of a whole bucket streamed, each
+    bucket's own size atomic (a short last bucket takes only what it uses)."""
+    if apply == "atomic":
+        return [plan.used(k) for k in range(len(plan.buckets))]
+    return [plan.bucket_bytes] * SLOTS
+
+
+class Inbox:
+    """A receiver's slots: bucket k lands in slot k % len(slots) (two slots streamed, one per
+    bucket atomic), and is posted once bucket k - 2 is done."""
+
+    def __init__(self, engine: BucketEngine, plan: Plan) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.count = len(plan.buckets)
+        self.pending: dict[int, Any] = {}
+        self.next = 0
+        self.current: int | None = None
+        for _ in range(min(SLOTS, self.count)):
+            self._post()
+
+    def _post(self) -> None:
+        if self.next < self.count:
+            self.pending[self.next] = self.engine._start_recv(self.next, HEADER_BYTES + self.plan.used(self.next))
+            self.next += 1
+
+    def take(self, k: int) -> torch.Tensor:
+        self.engine._wait(self.pending.pop(k), f"bucket {k} of {self.count}")
+        self.current = k
+        return self.engine.slots[k % len(self.engine.slots)]
+
+    def done(self, k: int) -> None:
+        self.current = None
+        self.engine._release(k)
+        self._post()
+
+    def drain(self) -> None:
+        """Receive the rest without looking at it, so the sender's transfers complete."""
+        if self.current is not None:
+            self.done(self.current)
+        while self.pending:
+            k = min(self.pending)
+            self.take(k)
+            self.done(k)
+
+
+class Receiver:
+    """One receive: verify each bucket before its tensors are handed out; report the outcome."""
+
+    def __init__(self, engine: BucketEngine, topology: Topology, layout: Layout, version: int,
+                 incoming: Incoming) -> None:
+        self.engine = engine
+        self.rank = topology.rank
+        self.layout = layout
+        self.plan = layout.plan
+        self.version = version
+        self.incoming = incoming
+        self.inbox = Inbox(engine, layout.plan)
+        self.error: str | None = None
+        self.link_failed = False
+        self.finished = False
+
+    def run(self) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            if self.engine.apply == "atomic":
+                layout = self._receive_all()
+                for k in range(self.inbox.count):
+                    yield from layout.unpack(k)
+            else:
+                for k in range(self.inbox.count):
+                    self._verify(k, self.inbox.take(k))
+                    yield from self.layout.unpack(k)
+                    self.inbox.done(k)
+            self.incoming.complete = True
+        except TransportError as exc:
+            self.link_failed = True
+            self.error = str(exc)
+            raise
+        except EngineError as exc:
+            self.error = str(exc)
+            raise
+        finally:
+            self.finish()
+
+    def _receive_all(self) -> Layout:
+        """Every bucket received and verified, kept where the returned layout reads them."""
+        staging = self.engine._staging(self.layout)
+        for k in range(self.inbox.count):
+            slot = self.inbox.take(k)
+            self._verify(k, slot)
+            if staging is not self.layout:
+                nbytes = HEADER_BYTES + self.plan.used(k)
+                ctypes.memmove(staging.slots[k].data_ptr(), slot.data_ptr(), nbytes)
+            self.inbox.done(k)
+        return staging
+
+    def _verify(self, k: int, slot: torch.Tensor) -> None:
+        with record_function(f"verify bucket {k}"):
+            self._check(k, slot)
+
+    def _check(self, k: int, slot: torch.Tensor) -> None:
+        name, count = self.engine.name, self.inbox.count
+        magic, version, index, used, digest = read_header(slot)
+        expected = (MAGIC, self.version, k, self.plan.used(k))
+        if (magic, version, index, used) != expected:
+            raise EngineError(f"{name} engine: bucket {k} of {count} arrived with a bad header "
+                              f"(magic {magic:#x}, v{version}, bucket {index}, {used} bytes); expected "
+                              f"v{expected[1]}, bucket {k}, {expected[3]} bytes; nothing from it was applied")
+        if self.engine.verify:
+            actual = self.engine._digest(slot[HEADER_BYTES:HEADER_BYTES + used])
+            if actual != digest:
+                names = self.layout.names(k)
+                held = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                raise EngineError(f"{name} engine: bucket {k} of {count} failed its checksum (sent "
+                                  f"{digest:016x}, received {actual:016x}); nothing from it was applied; "
+                                  f"it holds {held}")
+
+    def finish(self) -> None:
+        """Drain what is left and tell the sender how it went; at most once, never raises."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.link_failed:
+            return
+        ok = self.incoming.complete and self.error is None
+        error = self.error or self.incoming.stop_reason or (
+            f"the rollout stopped reading after {self.incoming.tensors} of {len(self.plan.tensors)} tensors")
+        try:
+            if not ok:
+                self.inbox.drain()
+        except EngineError as exc:
+            structlog.get_logger().warning("engine.drain_failed", engine=self.engine.name, rank=self.rank,
+                                           error=str(exc))
+            return
+        self.engine._answer(f"status/{self.rank}", None if ok else error)

@@ -1,0 +1,343 @@
+"""The receiver decides: plans it will not take fail both sides at once and apply nothing.
+
+Every sync here runs over real gloo groups or shared memory, the sender on the test's thread
+and each receiver on a thread of its own. A refused plan must fail the sender and every
+receiver well before `timeout_s` (a hang guard, not a speed check), name the rank and the
+problem on both sides, and leave each rollout on its old weights and version, marked stale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from backends.engines import CheckpointEngine, Incoming, receive_into
+from backends.engines.buckets import HEADER_BYTES, align
+from backends.engines.gloo import GlooEngine
+from backends.engines.shm import _PREFIX, ShmEngine
+from lifecycle.errors import EngineError
+from lifecycle.testing import MemoryRollout
+from tests.backends.dist_util import free_port
+from tests.backends.engines.kit import Run, mixed_tensors, new_engine, sync_threads
+
+TRANSPORTS = ["gloo", "shm"]
+CLASSES: dict[str, type[CheckpointEngine]] = {"gloo": GlooEngine, "shm": ShmEngine}
+TIMEOUT_S = 30.0
+HANG_GUARD_S = 10.0
+"""A refusal that fell back to waiting out the timeout would take TIMEOUT_S."""
+
+
+def _old_rollout() -> MemoryRollout:
+    """A rollout serving v7 of other weights."""
+    rollout = MemoryRollout()
+    rollout.load_weights(mixed_tensors(seed=7))
+    rollout.weights_version = 7
+    return rollout
+
+
+def _sync(sender: CheckpointEngine, receivers: list[CheckpointEngine], rollouts: list[MemoryRollout],
+          **kwargs: Any) -> tuple[Run, float]:
+    start = time.monotonic()
+    run = sync_threads(sender, receivers, mixed_tensors(), rollouts, deadline_s=TIMEOUT_S + 5, **kwargs)
+    return run, time.monotonic() - start
+
+
+def _assert_kept_old_weights(rollout: MemoryRollout) -> None:
+    assert rollout.weights_version == 7 and rollout.stale and not rollout.paused
+    old = dict(mixed_tensors(seed=7))
+    assert rollout.weights.keys() == old.keys()
+    for key, value in old.items():
+        assert torch.equal(rollout.weights[key], value), key
+    with pytest.raises(RuntimeError, match="stale"):
+        rollout.serve()
+
+
+def _assert_refused(run: Run, elapsed: float, name: str, reason: str, rollouts: list[MemoryRollout]) -> None:
+    """Every receiver refused the plan for `reason` (a regex); the sender names each rank and why."""
+    assert elapsed < HANG_GUARD_S
+    count = len(rollouts)
+    assert isinstance(run.error, EngineError), run.error
+    sender = str(run.error)
+    assert sender.startswith(f"{name} engine: {count} of {count} receiver(s) refused the plan of weights v1: ")
+    for rank, (error, rollout) in enumerate(zip(run.errors, rollouts), start=1):
+        assert isinstance(error, EngineError), error
+        assert str(error).startswith(f"{name} engine: rank {rank} refuses the plan of weights v1: ")
+        assert re.search(reason, str(error)), str(error)
+        assert re.search(f"rank {rank}: [^;]*{reason}", sender), sender
+        _assert_kept_old_weights(rollout)
+
+
+def _hostile(name: str, edit: Callable[[dict[str, Any]], object] | bytes) -> CheckpointEngine:
+    """A sender that publishes its plan edited by `edit` (or `edit` itself, as raw bytes)."""
+
+    class Hostile(CLASSES[name]):  # type: ignore[valid-type,misc]
+        def _send_layout(self, metas: Any) -> Any:
+            layout = super()._send_layout(metas)
+            if isinstance(edit, bytes):
+                layout.raw = edit
+            else:
+                data = json.loads(layout.plan.to_bytes())
+                edit(data)
+                layout.raw = json.dumps(data).encode()
+            return layout
+
+    return Hostile(bucket_bytes=4096, timeout_s=TIMEOUT_S)
+
+
+def _engines(name: str, count: int = 2, **kwargs: Any) -> list[CheckpointEngine]:
+    return [new_engine(name, timeout_s=TIMEOUT_S, **kwargs) for _ in range(count)]
+
+
+# mixed_tensors() at 4096-byte buckets: embed.weight (tensor 0) in chunks over buckets 0..4,
+# then in bucket 4: norm.weight, half, bf16, ids, mask, scalar, empty, transposed, bytes (1..9).
+BAD_PLANS: dict[str, tuple[Callable[[dict[str, Any]], object] | bytes, str]] = {
+    "float for an int": (lambda d: d.update(bucket_bytes=4096.0), r"bucket_bytes must be an integer .* got 4096\.0"),
+    "bool for an int": (lambda d: d["buckets"][4][1].__setitem__(0, True),
+                        r"bucket 4 piece 1 index must be an integer .* got True"),
+    "string for an int": (lambda d: d["tensors"][1].__setitem__(2, ["16"]),
+                          r"tensor 1 'norm\.weight' size 0 must be an integer .* got '16'"),
+    "empty bucket": (lambda d: d["buckets"].insert(2, []), r"bucket 2 of 6 is empty"),
+    "tensor in no piece": (lambda d: d["buckets"][4].pop(6), r"tensor 6 'scalar' is in no bucket"),
+    "tensor short of its bytes": (lambda d: d["buckets"][4][1].__setitem__(3, 64),
+                                  r"tensor 1 'norm\.weight' is covered up to byte 64 of 128"),
+    "duplicate name": (lambda d: d["tensors"][9].__setitem__(0, "ids"), r"tensors 4 and 9 are both named 'ids'"),
+    "overlapping pieces": (lambda d: d["buckets"][4][2].__setitem__(1, 2816),
+                           r"bucket 4 piece 2 \(tensor 2 'half'\) at offset 2816 overlaps the piece before it"),
+    "chunks out of order": (lambda d: d["buckets"].insert(1, d["buckets"].pop(2)),
+                            r"bucket 1 piece 0 \(tensor 0 'embed\.weight'\) carries its bytes 8192\.\.12288, which"),
+    "part of an element": (lambda d: d["buckets"][4][2].__setitem__(3, 65),
+                           r"carries 65 bytes, not a whole number of torch\.float16 elements"),
+    "index out of range": (lambda d: d["buckets"][4][1].__setitem__(0, 10),
+                           r"bucket 4 piece 1 names tensor 10; the plan has 10"),
+    "not a dtype": (lambda d: d["tensors"][1].__setitem__(1, "float33"), r"'float33' is not a torch dtype"),
+    "absurd bucket_bytes": (lambda d: d.update(bucket_bytes=1 << 50),
+                            r"bucket_bytes must be an integer in 64\.\.1099511627776, got 1125899906842624"),
+    "bucket_bytes below the minimum": (lambda d: d.update(bucket_bytes=32), r"bucket_bytes .* got 32"),
+    "piece past its bucket": (lambda d: d["buckets"][4][9].__setitem__(1, 4032),
+                              r"bucket 4 piece 9 \(tensor 9 'bytes'\) ends at byte 4109 of its bucket, past"),
+    "not json": (b'{"bucket_bytes":', r"it is not JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLANS))
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_bad_plan_fails_both_sides_at_once_naming_the_problem_and_applies_nothing(name: str, case: str) -> None:
+    edit, reason = BAD_PLANS[case]
+    rollouts = [_old_rollout(), _old_rollout()]
+    receivers = _engines(name, 1) + _engines(name, 1, apply="streamed")
+    run, elapsed = _sync(_hostile(name, edit), receivers, rollouts)
+    _assert_refused(run, elapsed, name, reason, rollouts)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_receiver_that_verifies_refuses_a_plan_without_checksums_on_both_sides(name: str) -> None:
+    rollouts = [_old_rollout(), _old_rollout()]
+    run, elapsed = _sync(new_engine(name, verify=False, timeout_s=TIMEOUT_S), _engines(name), rollouts)
+    _assert_refused(run, elapsed, name, r"it sends no checksums \(the sender's engine\.verify is false\) and this "
+                                        r"receiver verifies every bucket", rollouts)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_one_refusal_fails_the_sync_for_the_receiver_that_accepted_too_and_it_applies_nothing(name: str) -> None:
+    rollouts = [_old_rollout(), _old_rollout()]
+    receivers = _engines(name, 1, verify=False) + _engines(name, 1)
+    run, elapsed = _sync(new_engine(name, verify=False, timeout_s=TIMEOUT_S), receivers, rollouts)
+    assert elapsed < HANG_GUARD_S
+    assert isinstance(run.error, EngineError)
+    assert str(run.error).startswith(f"{name} engine: 1 of 2 receiver(s) refused the plan of weights v1: rank 2: ")
+    assert "rank 1" not in str(run.error)
+    assert all(isinstance(error, EngineError) for error in run.errors)
+    for rollout in rollouts:
+        _assert_kept_old_weights(rollout)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_the_receivers_verify_decides_whether_it_checks_checksums(name: str) -> None:
+    checked: dict[bool, int] = {True: 0, False: 0}
+
+    class Counting(CLASSES[name]):  # type: ignore[valid-type,misc]
+        def _digest(self, data: torch.Tensor) -> int:
+            checked[self.verify] += 1
+            return super()._digest(data)
+
+    rollouts = [MemoryRollout(), MemoryRollout()]
+    receivers = [Counting(bucket_bytes=4096, timeout_s=TIMEOUT_S, verify=v) for v in (False, True)]
+    run, _ = _sync(new_engine(name, timeout_s=TIMEOUT_S), receivers, rollouts)
+    assert run.error is None and run.errors == [None, None]
+    assert checked[False] == 0 and checked[True] == run.figures["buckets"]  # type: ignore[index]
+    run, _ = _sync(new_engine(name, verify=False, timeout_s=TIMEOUT_S), _engines(name, 1, verify=False),
+                   [MemoryRollout()])
+    assert run.error is None and run.errors == [None]
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_the_sender_sends_bucket_0_only_once_every_receiver_accepted_the_plan(name: str) -> None:
+    times: dict[str, float] = {}
+
+    class Slow(CLASSES[name]):  # type: ignore[valid-type,misc]
+        def _receive_layout(self, raw: bytes, expected: Any) -> Any:
+            time.sleep(0.5)
+            layout = super()._receive_layout(raw, expected)
+            times["checked"] = time.monotonic()
+            return layout
+
+    class Recording(CLASSES[name]):  # type: ignore[valid-type,misc]
+        def _start_send(self, k: int, nbytes: int) -> Any:
+            times.setdefault("bucket 0", time.monotonic())
+            return super()._start_send(k, nbytes)
+
+    receivers = [new_engine(name), Slow(bucket_bytes=4096, timeout_s=TIMEOUT_S)]
+    run, _ = _sync(Recording(bucket_bytes=4096, timeout_s=TIMEOUT_S), receivers, [MemoryRollout(), MemoryRollout()])
+    assert run.error is None and run.errors == [None, None]
+    assert times["checked"] < times["bucket 0"]
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_clean_sync_drops_its_answers_a_refused_one_is_closed_and_the_next_one_lands(name: str) -> None:
+    sender, receiver, rollout = new_engine(name), new_engine(name), _old_rollout()
+    port = free_port()
+    keys = ["accepted/1", "status/1", "plan", "version"] + (["mapped/1", "slots"] if name == "shm" else [])
+
+    def stored(sync: int, key: str) -> bool:
+        return bool(sender._link.base.check([f"sync{sync}/{key}"]))  # type: ignore[attr-defined]
+
+    assert sync_threads(sender, [receiver], mixed_tensors(), [rollout], port=port).error is None
+    assert stored(1, "closed") and not any(stored(1, key) for key in keys)
+    sender.verify = False
+    run = sync_threads(sender, [receiver], mixed_tensors(), [rollout], port=port, version=2)
+    assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
+    assert stored(2, "closed") and stored(2, "accepted/1") and not stored(2, "status/1")
+    assert rollout.stale and rollout.weights_version == 1
+    sender.verify = True
+    run = sync_threads(sender, [receiver], mixed_tensors(), [rollout], port=port, version=3)
+    assert run.error is None and run.versions == [3] and not rollout.stale
+    assert stored(3, "closed") and not any(stored(3, key) for key in keys)
+    sender.close()
+    receiver.close()
+
+
+# -- the weights a rollout expects ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_rollout_refuses_a_sync_that_leaves_out_a_weight_it_expects_and_the_sender_is_told(name: str) -> None:
+    expected = {n for n, _ in mixed_tensors()} | {"lm_head.weight"}
+    rollouts = [_old_rollout(), _old_rollout()]
+    run, elapsed = _sync(new_engine(name, timeout_s=TIMEOUT_S), _engines(name), rollouts, expected=expected)
+    _assert_refused(run, elapsed, name, r"it leaves out 1 of the 11 weight\(s\) this rollout expects: "
+                                        r"'lm_head\.weight'", rollouts)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_sync_that_brings_every_expected_weight_and_more_lands(name: str) -> None:
+    rollout = MemoryRollout()
+    run, _ = _sync(new_engine(name), [new_engine(name)], [rollout], expected=["embed.weight", "ids"])
+    assert run.error is None and run.versions == [1] and len(rollout.weights) == len(mixed_tensors())
+
+
+def test_the_naive_engine_refuses_missing_weights_before_handing_any_out() -> None:
+    engine, rollout = new_engine("naive"), _old_rollout()
+    with engine.session(None, 0):
+        engine.send_weights(iter(mixed_tensors()), 1)
+        with pytest.raises(EngineError, match=r"naive engine: the rollout refuses weights v1: it leaves out 1 of "
+                                              r"the 2 weight\(s\) this rollout expects: 'lm_head\.weight'"):
+            receive_into(engine, rollout, expected=["ids", "lm_head.weight"])
+    _assert_kept_old_weights(rollout)
+
+
+def test_an_engine_whose_receive_weights_takes_no_expected_says_so() -> None:
+    class Old(GlooEngine):
+        def receive_weights(self, version: int | None = None) -> Incoming:  # type: ignore[override]
+            return super().receive_weights(version)
+
+    rollout = MemoryRollout()
+    with pytest.raises(EngineError, match=r"gloo engine: its receive_weights takes no `expected`"):
+        receive_into(Old(), rollout, None, expected=["x"])
+    assert rollout.calls == []
+
+
+# -- the shared buckets an shm receiver maps --------------------------------------------------
+
+def _bucket_name(token: str, slot: int = 0) -> str:
+    return f"{_PREFIX}{os.getpid()}-{token * 12}-{slot}"
+
+
+def _file(path: Path, size: int) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(size))
+    return str(path)
+
+
+def _link_to_target(shm: Path, target: Path, real: list[str]) -> list[str]:
+    link = shm / _bucket_name("a")
+    link.symlink_to(target)
+    return [str(link), real[1]]
+
+
+def _second_name_of_target(shm: Path, target: Path, real: list[str]) -> list[str]:
+    os.link(target, shm / _bucket_name("b"))
+    return [str(shm / _bucket_name("b")), real[1]]
+
+
+HOSTILE_SLOTS: dict[str, tuple[Callable[[Path, Path, list[str]], object], str]] = {
+    "a file outside shm_dir": (lambda shm, target, real: [str(target), real[1]],
+                               r"is not a bucket of this engine directly inside"),
+    "/etc/passwd": (lambda shm, target, real: ["/etc/passwd", real[1]], r"'/etc/passwd' is not a bucket of this engine"),
+    "a link inside shm_dir": (_link_to_target, r"is not a regular file \(a link, a folder or a device\)"),
+    "a second name of the target": (_second_name_of_target, r"it has 2 names"),
+    "a bucket in a subfolder": (lambda shm, target, real: [_file(shm / "sub" / _bucket_name("c"), 4160), real[1]],
+                                r"is not a bucket of this engine directly inside"),
+    "an empty file": (lambda shm, target, real: [_file(shm / _bucket_name("d"), 0), real[1]],
+                      r"its 0 bytes are no bucket's size"),
+    "one path": (lambda shm, target, real: [real[0]], r"not 2 distinct paths"),
+    "the same path twice": (lambda shm, target, real: [real[0], real[0]], r"not 2 distinct paths"),
+    "not a list": (lambda shm, target, real: "nope", r"not 2 distinct paths"),
+}
+
+
+def _hostile_shm(shm_dir: Path, publish: Callable[[list[str]], object]) -> ShmEngine:
+    class HostileShm(ShmEngine):
+        def _create(self, size: int) -> None:
+            super()._create(size)
+            self._paths = publish(list(self._paths))  # type: ignore[assignment]
+
+    return HostileShm(bucket_bytes=4096, timeout_s=TIMEOUT_S, shm_dir=shm_dir)
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_SLOTS))
+def test_an_shm_receiver_maps_only_buckets_of_its_own_engine_in_its_own_folder(case: str, tmp_path: Path) -> None:
+    shm_dir, target = tmp_path / "shm", tmp_path / "passwd"
+    shm_dir.mkdir()
+    target.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 130)
+    before = (target.read_bytes(), target.stat().st_mtime_ns)
+    publish, reason = HOSTILE_SLOTS[case]
+    rollout, receiver = _old_rollout(), new_engine("shm", shm_dir=shm_dir, timeout_s=TIMEOUT_S)
+    run, elapsed = _sync(_hostile_shm(shm_dir, lambda real: publish(shm_dir, target, real)), [receiver], [rollout])
+    assert elapsed < HANG_GUARD_S
+    assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
+    assert str(run.errors[0]).startswith("shm engine: rank 1 refuses the sender's shared buckets: ")
+    assert re.search(reason, str(run.errors[0])), str(run.errors[0])
+    assert str(run.error).startswith("shm engine: 1 of 1 receiver(s) could not map the shared buckets: rank 1: ")
+    assert re.search(reason, str(run.error)), str(run.error)
+    assert receiver.slots == []  # type: ignore[attr-defined]
+    assert (target.read_bytes(), target.stat().st_mtime_ns) == before
+    _assert_kept_old_weights(rollout)
+
+
+def test_an_shm_receiver_refuses_shared_buckets_smaller_than_the_plan_needs(tmp_path: Path) -> None:
+    shm_dir = tmp_path / "shm"
+    small = [_file(shm_dir / _bucket_name("e", slot), HEADER_BYTES + 128) for slot in range(2)]
+    rollout = _old_rollout()
+    run, elapsed = _sync(_hostile_shm(shm_dir, lambda real: small),
+                         [new_engine("shm", shm_dir=shm_dir, timeout_s=TIMEOUT_S)], [rollout])
+    wanted = HEADER_BYTES + align(4096)
+    _assert_refused(run, elapsed, "shm", rf"its bucket_bytes=4096 needs shared buckets of {wanted} bytes; the "
+                                         rf"sender's hold \[{HEADER_BYTES + 128}, {HEADER_BYTES + 128}\]", [rollout])
+    assert all(Path(path).read_bytes() == bytes(HEADER_BYTES + 128) for path in small)
