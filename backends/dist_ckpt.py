@@ -8,9 +8,13 @@ brings its own `sharded_state_dict`; a plain torch optimizer's per-parameter ten
 out like the parameters they belong to. Hyper-parameters, the optimizer step and the lr
 scheduler go to `optimizer.json` (no pickle).
 
-Like DCP, Megatron's sharded format keeps a pickled `.metadata`; the checkpointer verifies a
-committed checkpoint's checksums (sizes only with `checkpoint.load.verify: false`) before any
-load, so only committed bytes are unpickled.
+Megatron's sharded format is DCP underneath and keeps DCP's pickled `.metadata`. Every load
+here reads it through `backends.dcp_metadata` (Megatron's reader factory is swapped for the
+load call only), whose unpickler hands out only the DCP metadata classes, `torch.Size` and
+torch dtypes and layouts: a crafted file is refused before anything in it runs, verified by the
+manifest or not. `common.pt` is read by Megatron with `torch.load`'s default `weights_only=True`.
+Entries DCP stores as bytes (the layers' `_extra_state`) are read with `torch.load`'s
+`weights_only=True` first, and refused when that refuses them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ megatron-core and mbridge are imported here and in those two modules only, so a 
 never uses a Megatron format never pays for (or needs) them. The CPU patches follow
 ../shared/MEGATRON_ON_CPU.md: applied only when CUDA is absent, only around the call that
 needs them, and registered with the running lifecycle phase so they are undone even if the
-call never returns normally.
+call never returns normally. A load swaps Megatron's DCP reader factory the same way, so its
+pickled `.metadata` is read by `backends.dcp_metadata`'s restricted unpickler.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.strategies import torch as mcore_dcp
 from torch import nn
 
 from backends.base import current_rank, failed_ranks
+from backends.dcp_metadata import MetadataReader
 from backends.hf import write_hf_folder
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.phase import DELETE, temporarily
@@ -255,10 +258,35 @@ def save_sharded(state: dict[str, Any], folder: Path) -> None:
         dist_checkpointing.save(state, str(folder))
 
 
+def _metadata_reader(checkpoint_dir: str | Path, cache_metadata: bool = False) -> MetadataReader:
+    """Stands in for Megatron's `_get_filesystem_reader`: every reader it makes for a load reads
+    DCP's `.metadata` through the restricted unpickler, and caches it as Megatron's cached one does."""
+    return MetadataReader(checkpoint_dir)
+
+
+class _CheckedBytesPlanner(mcore_dcp.MCoreLoadPlanner):
+    """Megatron's load planner, but an entry DCP stored as bytes (a layer's `_extra_state`) is
+    first read with `torch.load(weights_only=True)`: DCP's own read of it, which follows on the
+    same in-memory bytes, runs only when that refuses nothing."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        import pickle
+
+        try:
+            torch.load(value, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+            raise CheckpointError(f"entry {read_item.dest_index.fqn!r}: refused to unpickle it: {exc}") from exc
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
 def load_sharded(state: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Megatron's torch_dist load, with DCP's pickled `.metadata` read by `backends.dcp_metadata`
+    (for this call only: Megatron's reader factory is swapped and put back in `finally`)."""
     if not (folder / "metadata.json").is_file():
         raise CheckpointError(f"{folder}: not a Megatron dist checkpoint (no metadata.json)")
-    with library_errors("megatron dist_checkpointing load", folder), cpu_safe():
+    with library_errors("megatron dist_checkpointing load", folder), cpu_safe(), \
+            temporarily(mcore_dcp, _get_filesystem_reader=_metadata_reader, MCoreLoadPlanner=_CheckedBytesPlanner):
         return dist_checkpointing.load(state, str(folder))
 
 

@@ -6,15 +6,14 @@ process group at all. Only tensors go through DCP: the optimizer's non-tensor st
 groups, hyper-parameters) and the lr scheduler's state are JSON through `lifecycle.jsontree`,
 because DCP would pickle them and unpickle them on load with `torch.load(weights_only=False)`.
 
-One pickle remains, and it is DCP's own: the `.metadata` file that says which bytes of which
-file hold which tensor. In torch 2.13 `FileSystemReader.read_metadata` reads it with a plain
-`pickle.load`, and no DCP reader without it exists short of inventing a format. What limits
-the risk: the checkpointer verifies the manifest's sizes and checksums before any load (sizes
-only with `checkpoint.load.verify: false`), so only a `.metadata` that this library wrote and
-committed is ever read; metadata that is
-not a DCP `Metadata`, names non-tensor entries (which DCP would `torch.load` with
-`weights_only=False`) or points at a file outside the folder is refused before DCP reads a
-byte of data. Tensor data itself is read by DCP with `torch.load(weights_only=True)`.
+DCP's own `.metadata`, which says which bytes of which file hold which tensor, is a pickle.
+It is never read with a plain `pickle.load` here: `backends.dcp_metadata.MetadataReader` reads
+it, for the checks below and for `dcp.load` alike (one read, one object), with an unpickler
+that hands out only the DCP metadata classes, `torch.Size` and torch dtypes and layouts, so a
+crafted file is refused before anything in it runs, whether or not the manifest was verified.
+Metadata that is not a DCP `Metadata`, names non-tensor entries (which DCP would `torch.load`
+with `weights_only=False`) or points at a file outside the folder is refused before DCP reads
+a byte of data. Tensor data itself is read by DCP with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import (
     CheckpointException,
-    FileSystemReader,
     FileSystemWriter,
     Metadata,
     TensorStorageMetadata,
@@ -43,11 +41,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from backends.base import current_rank, listed
+from backends.dcp_metadata import METADATA, MetadataReader
 from backends.hf import write_hf_folder
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, read_optimizer_json
 
-METADATA = ".metadata"
 OPTIM_JSON = "optimizer.json"
 
 
@@ -100,22 +98,13 @@ def _write(state: dict[str, torch.Tensor], folder: Path) -> None:
         raise CheckpointError(f"{folder}: torch.distributed.checkpoint save failed: {_failure(exc)}") from exc
 
 
-def _read_metadata(folder: Path) -> Metadata:
-    path = folder / METADATA
-    if not path.is_file():
+def _reader(folder: Path) -> tuple[MetadataReader, Metadata]:
+    """The reader DCP will load with, and the metadata it has already read (restricted unpickler)."""
+    if not (folder / METADATA).is_file():
         what = "no such folder" if not folder.is_dir() else f"no {METADATA} file"
         raise CheckpointError(f"{folder}: not a torch_dcp checkpoint ({what}; an unfinished save?)")
-    try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
-    except Exception as exc:  # unpickling damaged bytes can raise nearly any type
-        raise CheckpointError(f"{path}: unreadable DCP metadata (truncated?): {_failure(exc)}") from exc
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, Mapping):
-        raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
-    for info in metadata.storage_data.values():
-        name = str(getattr(info, "relative_path", ""))
-        if not name or "/" in name or "\\" in name or name in (".", ".."):
-            raise CheckpointError(f"{path}: data file {name!r} is not a file in {folder}")
-    return metadata
+    reader = MetadataReader(folder)
+    return reader, reader.read_metadata()
 
 
 def _mismatches(state: Mapping[str, torch.Tensor], metadata: Metadata, folder: Path) -> list[str]:
@@ -142,11 +131,12 @@ def _read_into(state: dict[str, torch.Tensor], folder: Path) -> None:
     The checks are the same on every rank (same files, same global shapes), so either every
     rank raises or none does, and no rank is left waiting in a DCP collective.
     """
-    problems = _mismatches(state, _read_metadata(folder), folder)
+    reader, metadata = _reader(folder)
+    problems = _mismatches(state, metadata, folder)
     if problems:
         raise CheckpointError(f"{folder}: checkpoint does not match:\n  {listed(problems)}")
     try:
-        dcp.load(state, storage_reader=FileSystemReader(str(folder)))
+        dcp.load(state, storage_reader=reader)
     except (CheckpointException, RuntimeError, ValueError, OSError) as exc:
         raise CheckpointError(f"{folder}: torch.distributed.checkpoint load failed: {_failure(exc)}") from exc
 
