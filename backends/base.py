@@ -52,17 +52,24 @@ def current_rank() -> int:
 def failed_ranks(failed: bool, group: Any = None) -> int:
     """How many ranks of `group` (the default group when None) report a failure; every rank
     must call it. Without a process group of more than one rank, this rank's own count."""
+    return reduce_int(int(failed), "sum", group)
+
+
+def reduce_int(value: int, op: str = "sum", group: Any = None) -> int:
+    """`value` reduced over the ranks of `group` (`op`: sum, max or min); every rank must call
+    it. Without a process group of more than one rank, `value` itself."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
-        return int(failed)
+        return value
     backend = str(dist.get_backend(group))
     device = (torch.device("cpu") if "gloo" in backend or "mpi" in backend
               else torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index()))
-    count = torch.tensor([int(failed)], device=device)
-    dist.all_reduce(count, group=group)
-    return int(count.item())
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=ops[op], group=group)
+    return int(tensor.item())
 
 
 def free_port(host: str = "127.0.0.1") -> int:

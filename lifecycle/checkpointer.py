@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from collections.abc import Callable, Collection, Mapping
 from functools import partial
@@ -19,18 +18,19 @@ import structlog
 
 from backends.base import FormatBackend, backend_class, failed_ranks
 from lifecycle.async_save import BackgroundSaver, PendingSave
+from lifecycle.boundary import lstat, os_errors
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import CheckpointError, ConfigError
-from lifecycle.extra import load_extra, save_extra
-from lifecycle.checksum import ALGORITHM, check_unverified, expecting
-from lifecycle.manifest import MANIFEST, check_folder, checksum_of, read_manifest_file, resolve_inside
+from lifecycle.extra import save_extra
+from lifecycle.manifest import MANIFEST, check_folder, read_manifest_file
+from lifecycle.resumer import Resumer, log_resumed
 from lifecycle.store import CheckpointStore, check_role
 from lifecycle.types import Parts, Progress, SaveInfo
+from lifecycle.writer_lock import WriterLock
 
 HashFn = Callable[[Parts], str | None]
 _T = TypeVar("_T")
 EXTRA_BACKEND = "extra"
-_RANK_DIR = re.compile(r"rank_([0-9]+)")
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
 
 
@@ -118,10 +118,14 @@ class DiskCheckpointer:
         self._barrier = barrier
         self._hash_fn = model_config_hash
         self._parallel = {"world_size": world_size, **(parallel or {})}
-        self._protected: set[int] = set()
+        self._protected: dict[int, int] = {}
+        """Step resumed from -> steps newer than it committed since; kept from retention until
+        `keep_last` newer ones are committed."""
         self._store: CheckpointStore | None = None
-        self._overwritten: str | None = None
-        """Set when a failed load may have left the model's weights half-replaced."""
+        self._resumer = Resumer(config, lambda: self.store, role=self.role, roles=self.roles, rank=rank,
+                                collective=lambda: self._collective,
+                                model_hash=self._model_hash,
+                                world_size=world_size)
         self._background: BackgroundSaver | None = None
         self._background_store: CheckpointStore | None = None
         self._background_group: Any = None
@@ -134,16 +138,37 @@ class DiskCheckpointer:
             if root is None:
                 raise ConfigError("checkpoint.root", "not set; saving and resuming need a folder")
             self._store = CheckpointStore(root, rank=self.rank, world_size=self.world_size,
-                                          barrier=self._barrier)
+                                          barrier=self._barrier, agree=self._agree_fn())
         return self._store
 
+    def _model_hash(self, parts: Parts) -> str | None:
+        return (self._hash_fn or model_config_hash)(parts)
+
+    def _agree_fn(self, group: Any = None) -> Callable[[bool], int] | None:
+        return partial(failed_ranks, group=group) if self._collective else None
+
     def protect(self, step: int) -> None:
-        """Keep `step` out of retention: it is what this worker resumed from."""
-        self._protected.add(int(step))
+        """Keep `step` out of retention until `keep_last` newer steps are committed: it is what
+        this worker resumed from, and until then the newest steps may not be its successors."""
+        self._protected[int(step)] = 0
 
     @property
     def protected(self) -> frozenset[int]:
         return frozenset(self._protected)
+
+    def _committed(self, step: int) -> set[int]:
+        """Count `step` against each protection; returns the steps still protected."""
+        keep = self.config.checkpoint.keep_last or 0
+        for protected in list(self._protected):
+            if step > protected:
+                self._protected[protected] += 1
+            if self._protected[protected] >= keep:
+                del self._protected[protected]
+        return set(self._protected)
+
+    @property
+    def _overwritten(self) -> str | None:
+        return self._resumer.overwritten
 
     def load_initial(self, parts: Parts) -> dict[str, Any]:
         pre = self.config.checkpoint.pre_load
@@ -160,24 +185,23 @@ class DiskCheckpointer:
         if not folder.is_dir():
             raise CheckpointError(f"{folder}: checkpoint.pre_load.path is not a folder")
         self._verify_pre_load(folder, name)
-        backend_class(name)().load_model(parts.model, folder)
-        self._overwritten = None
+        with os_errors("cannot read checkpoint.pre_load.path", folder):
+            backend_class(name)().load_model(parts.model, folder)
+        self._resumer.overwritten = None
         size, count = folder_figures(folder)
         return {"backend": name, "path": str(folder), "bytes": size, "files": count}
 
     def _verify_pre_load(self, folder: Path, name: str) -> None:
-        """A folder inside a committed checkpoint is verified first; DCP's pickled metadata demands it."""
-        committed = next((f for f in (folder, folder.parent) if (f / MANIFEST).is_file()), None)
-        if committed is None and name == "torch_dcp":
-            raise CheckpointError(
-                f"{folder}: a torch_dcp first load reads DCP's pickled .metadata, so it only loads from a "
-                "committed checkpoint: point checkpoint.pre_load.path at the model folder next to a manifest.json"
-            )
-        if committed is None and name == "dist_ckpt":
+        """A folder inside a committed checkpoint is verified first; any other folder is read as
+        it is, and a sharded format's loads say so (their metadata is read through an
+        allow-list, but nothing vouches for the bytes)."""
+        with os_errors("cannot read checkpoint.pre_load.path", folder):
+            committed = next((f for f in (folder, folder.parent) if lstat(f / MANIFEST) is not None), None)
+        if committed is None and name in ("torch_dcp", "dist_ckpt"):
             structlog.get_logger().warning(
                 "checkpoint.pre_load.unverified", path=str(folder), format=name,
-                reason="not a committed checkpoint: Megatron's pickled .metadata is read unverified; "
-                       "load only dist checkpoints you trust")
+                reason="not a committed checkpoint: no checksums to verify the files against; metadata is "
+                       "read through an allow-list, but load only checkpoints you trust")
         if committed is not None and (problems := check_folder(committed, deep=True)):
             raise CheckpointError(f"{committed}: cannot load initial weights:\n  " + "\n  ".join(problems))
 
@@ -185,43 +209,62 @@ class DiskCheckpointer:
         """Write and commit `step`; with `save.async`, return once the state is copied to host.
 
         The figures' `seconds` include waiting for the previous async save's commit: all of it
-        is time the training loop stood still."""
+        is time the training loop stood still. Rank 0 holds the role's writer lock from
+        staging to commit; a save that fails before its commit removes what it staged."""
         started = time.perf_counter()
         self.wait()
         name = _value(self.config.checkpoint.save.format)
         backend = backend_class(name)()
         background = self._async_saver(backend) if self.config.checkpoint.save.async_ else None
-        model_hash = (self._hash_fn or model_config_hash)(parts)
+        model_hash = self._model_hash(parts)
+        lock = self.store.writer_lock(self.role) if self.rank == 0 else None
         if background is not None:
-            return self._save_async(background, backend, step, parts, progress, model_hash, started)
+            return self._save_async(background, backend, step, parts, progress, model_hash, started, lock)
+        try:
+            def write() -> tuple[dict[str, str], dict[str, str]]:
+                staging = self.store.staging(step, self.role, lock)
+                return self._write_contents(backend, name, staging, parts, progress, step)
 
-        def write() -> tuple[dict[str, str], dict[str, str]]:
-            return self._write_contents(backend, name, self.store.staging(step, self.role), parts, progress)
+            contents, folders = self._agreed(step, write, cleanup=self._cleanup(self.store, step, lock))
+            return self._commit(self.store, step, name, contents, folders, model_hash, started, lock)
+        finally:
+            if lock is not None:
+                lock.release()
 
-        contents, folders = self._agreed(step, write)
-        return self._commit(self.store, step, name, contents, folders, model_hash, started)
+    def _cleanup(self, store: CheckpointStore, step: int, lock: WriterLock | None) -> Callable[[], None]:
+        """What a failed save leaves: its staging folder, removed by rank 0 once it holds the lock
+        (never another writer's staging)."""
+        def discard() -> None:
+            if lock is not None and lock.held:
+                store.discard_staging(step, self.role)
+        return discard
 
-    def _agreed(self, step: int, write: Callable[[], _T], group: Any = None) -> _T:
+    def _agreed(self, step: int, write: Callable[[], _T], group: Any = None,
+                cleanup: Callable[[], None] | None = None) -> _T:
         """`write()` on every rank, then a count of the ranks whose write failed.
 
         A rank that failed (rank 0 alone writing the HF files, say) would otherwise never reach
         the commit barrier, and its peers would wait there until the process group's timeout.
-        The failed rank raises its own error, the others a `CheckpointError` naming the step.
+        The failed rank raises its own error, the others a `CheckpointError` naming the step;
+        once all know, `cleanup` runs (every rank has stopped writing by then).
         `write` creates the staging folder too (rank 0 does, between barriers it always reaches).
-        Not covered: a failure on one rank after the commit (retention); peers do not wait for
-        that one, but it is raised on that rank only.
         """
-        if not self._collective:
-            return write()
         try:
-            result = write()
+            if not self._collective:
+                return write()
+            try:
+                result = write()
+            except BaseException:
+                failed_ranks(True, group)
+                raise
+            if failed := failed_ranks(False, group):
+                raise CheckpointError(f"save of step {step} (role {self.role}): {failed} other rank(s) failed to "
+                                      "write their part (see their errors); nothing was committed")
+            return result
         except BaseException:
-            failed_ranks(True, group)
+            if cleanup is not None:
+                cleanup()
             raise
-        if failed := failed_ranks(False, group):
-            raise CheckpointError(f"save of step {step} (role {self.role}): {failed} other rank(s) failed to "
-                                  "write their part (see their errors); nothing was committed")
-        return result
 
     @property
     def _collective(self) -> bool:
@@ -233,40 +276,60 @@ class DiskCheckpointer:
 
     def _commit(
         self, store: CheckpointStore, step: int, name: str, contents: dict[str, str], folders: dict[str, str],
-        model_hash: str | None, started: float,
+        model_hash: str | None, started: float, lock: WriterLock | None,
     ) -> SaveInfo:
-        final = store.commit(step, self.role, contents=contents, folders=folders, parallel=self._parallel,
-                             model_config_hash=model_hash, extra_meta={}, roles=self.roles,
-                             fsync=self.config.checkpoint.fsync)
-        store.apply_retention(self.config.checkpoint.keep_last, self.roles, self._protected | {step})
-        files = read_manifest_file(final)["files"]
-        return SaveInfo(step=step, path=final, contents=list(contents), backend=name,
-                        bytes=sum(f["size"] for f in files), files=len(files),
+        """Commit, then housekeeping that never fails the save: retention, and the figures."""
+        try:
+            final = store.commit(step, self.role, contents=contents, folders=folders, parallel=self._parallel,
+                                 model_config_hash=model_hash, extra_meta={}, roles=self.roles,
+                                 fsync=self.config.checkpoint.fsync)
+        except BaseException:
+            self._cleanup(store, step, lock)()
+            raise
+        store.apply_retention(self.config.checkpoint.keep_last, self.roles, self._committed(step) | {step})
+        size = count = 0
+        try:
+            files = read_manifest_file(final)["files"]
+            size, count = sum(f["size"] for f in files), len(files)
+        except CheckpointError as exc:
+            structlog.get_logger().warning("checkpoint.figures_unavailable", step=step, error=str(exc))
+        return SaveInfo(step=step, path=final, contents=list(contents), backend=name, bytes=size, files=count,
                         seconds=time.perf_counter() - started)
 
     def _save_async(
         self, background: BackgroundSaver, backend: FormatBackend, step: int, parts: Parts, progress: Progress,
-        model_hash: str | None, started: float,
+        model_hash: str | None, started: float, lock: WriterLock | None,
     ) -> PendingSave:
         """`extra` (RNG states, data position) is written now, as it stands at this step; the
-        rest is written from a host copy on the background thread, then committed there."""
+        rest is written from a host copy on the background thread, then committed there. The
+        writer lock goes with the save to the background and is released after its commit."""
         name = backend.name
         wanted = [_value(c) for c in self.config.checkpoint.save.contents]
         store = self._commit_store()
+        cleanup = self._cleanup(self.store, step, lock)
 
         def extra_and_copy() -> tuple[Path, tuple[dict[str, str], dict[str, str]], Parts]:
-            staging = self.store.staging(step, self.role)
-            return (staging, self._write_contents(backend, name, staging, parts, progress, only={"extra"}),
+            staging = self.store.staging(step, self.role, lock)
+            return (staging, self._write_contents(backend, name, staging, parts, progress, step, only={"extra"}),
                     background.copier.snapshot(parts))
 
-        staging, now, frozen = self._agreed(step, extra_and_copy)
+        try:
+            staging, now, frozen = self._agreed(step, extra_and_copy, cleanup=cleanup)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
 
         def write_and_commit() -> SaveInfo:
-            later = self._agreed(step, lambda: self._write_contents(backend, name, staging, frozen, progress,
-                                                                    only={c for c in wanted if c != "extra"}),
-                                 group=self._background_group)
-            contents, folders = {**later[0], **now[0]}, {**later[1], **now[1]}
-            return self._commit(store, step, name, contents, folders, model_hash, started)
+            try:
+                later = self._agreed(step, lambda: self._write_contents(
+                    backend, name, staging, frozen, progress, step, only={c for c in wanted if c != "extra"}),
+                    group=self._background_group, cleanup=cleanup)
+                contents, folders = {**later[0], **now[0]}, {**later[1], **now[1]}
+                return self._commit(store, step, name, contents, folders, model_hash, started, lock)
+            finally:
+                if lock is not None:
+                    lock.release()
 
         committed = background.submit(step, write_and_commit)
         return PendingSave(step=step, path=self.store.role_dir(step, self.role), contents=wanted, backend=name,
@@ -288,7 +351,8 @@ class DiskCheckpointer:
 
             group = self._background_group = dist.new_group(backend="gloo")
             self._background_store = CheckpointStore(self.store.root, rank=self.rank, world_size=self.world_size,
-                                                     barrier=partial(dist.barrier, group=group))
+                                                     barrier=partial(dist.barrier, group=group),
+                                                     agree=self._agree_fn(group))
         return self._background_store
 
     def wait(self) -> SaveInfo | None:
@@ -301,11 +365,11 @@ class DiskCheckpointer:
             self._background.close()
 
     def _write_contents(
-        self, backend: FormatBackend, name: str, staging: Path, parts: Parts, progress: Progress,
+        self, backend: FormatBackend, name: str, staging: Path, parts: Parts, progress: Progress, step: int,
         only: Collection[str] | None = None,
     ) -> tuple[dict[str, str], dict[str, str]]:
         """Write each wanted content (of `only`, when given) once; returns content -> backend and
-        content -> folder."""
+        content -> folder. An `OSError` (disk full, permission) names the step, content and file."""
         wanted = [_value(c) for c in self.config.checkpoint.save.contents]
         contents: dict[str, str] = {}
         folders: dict[str, str] = {}
@@ -318,145 +382,30 @@ class DiskCheckpointer:
                 log.warning("checkpoint.save.content_skipped", content=content, role=self.role,
                             reason="the worker has no object to save for it")
                 continue
-            if content == "model":
-                backend.save_model(parts.model, staging / "model")
-            elif content == "hf_model" and backend.native_hf and "model" in wanted:
-                folders[content] = "model"
-            elif content == "hf_model":
-                backend.export_hf(parts.model, staging / "hf_model")
-            elif content == "optimizer":
-                backend.save_optimizer(parts.optimizer, parts.lr_scheduler, staging / "optimizer", model=parts.model)
-            elif content == "extra":
-                save_extra(staging / "extra" / f"rank_{self.rank}", progress, parts.dataloader)
+            with os_errors(f"save of step {step} (role {self.role}) cannot write {content!r}", staging):
+                if content == "model":
+                    backend.save_model(parts.model, staging / "model")
+                elif content == "hf_model" and backend.native_hf and "model" in wanted:
+                    folders[content] = "model"
+                elif content == "hf_model":
+                    backend.export_hf(parts.model, staging / "hf_model")
+                elif content == "optimizer":
+                    backend.save_optimizer(parts.optimizer, parts.lr_scheduler, staging / "optimizer",
+                                           model=parts.model)
+                elif content == "extra":
+                    save_extra(staging / "extra" / f"rank_{self.rank}", progress, parts.dataloader)
             contents[content] = EXTRA_BACKEND if content == "extra" else name
         return contents, folders
 
     def resume(self, parts: Parts) -> Progress | None:
+        """Restore the newest step every role can resume from (see `lifecycle.resumer`)."""
         if self._background is not None:
             self._background.wait(raise_failure=False)  # logged already; resume picks the newest complete step
-        mode = _value(self.config.resume.mode)
-        if mode == "disable":
+        found = self._resumer.resume(parts)
+        if found is None:
             return None
-        if mode == "path":
-            folder, step = self._resolve_path(Path(str(self.config.resume.path)))
-        else:
-            if self.config.checkpoint.root is None:
-                return None
-            found = self.store.newest_committed(self.roles)
-            if found is None:
-                return None
-            folder, step = self.store.role_dir(found, self.role), found
-        verify = self.config.checkpoint.load.verify
-        try:
-            manifest = read_manifest_file(folder)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{folder}: cannot resume from step {step}: {exc}") from exc
-        later = self._verified_while_reading(manifest) if verify else set()
-        problems = check_folder(folder, deep=verify, expect_step=step, expect_role=self.role, verified_later=later,
-                                manifest=manifest)
-        if problems:
-            raise CheckpointError(f"{folder}: cannot resume from step {step}:\n  " + "\n  ".join(problems))
-        self._check_hash(parts, manifest, folder)
-        digests = {folder / f["path"]: checksum_of(f)[1] for f in manifest["files"] if f["path"] in later}
-        try:
-            with expecting(digests) as verified:
-                progress = self._load_contents(parts, manifest, folder, step)
-            check_unverified(digests, verified)
-        except CheckpointError as exc:
-            self._overwritten = f"a failed resume from {folder}"
-            raise CheckpointError(f"{folder}: cannot resume from step {step}: {exc}") from exc
-        self._overwritten = None
+        step, progress = found
         self.protect(step)
-        structlog.get_logger().info("checkpoint.resumed", role=self.role, step=step, path=str(folder),
-                                    checksums_verified=verify)
+        log_resumed(self.role, step, self.store.role_dir(step, self.role) if self.config.checkpoint.root
+                    else Path(str(self.config.resume.path)), self.config.checkpoint.load.verify)
         return progress
-
-    def _verified_while_reading(self, manifest: dict[str, Any]) -> set[str]:
-        """Weight files whose backend checks the digest as it reads them: no separate pass.
-
-        Only files the manifest checksums with the current `ALGORITHM`, the one readers compute;
-        older manifests are hashed apart, before loading.
-        """
-        later: set[str] = set()
-        for entry in manifest["contents"].values():
-            try:
-                fused = backend_class(entry["backend"]).verifies_reads
-            except ConfigError:
-                fused = False
-            prefix = entry["folder"].rstrip("/") + "/"
-            later.update(f["path"] for f in manifest["files"]
-                         if fused and f["path"].startswith(prefix) and f["path"].endswith(".safetensors")
-                         and checksum_of(f)[0] == ALGORITHM)
-        return later
-
-    def _resolve_path(self, path: Path) -> tuple[Path, int]:
-        """resume.path may name the step folder or this role's folder inside it."""
-        if (path / MANIFEST).is_file():
-            folder = path
-        elif (path / self.role).is_dir():
-            folder = path / self.role
-        else:
-            raise CheckpointError(f"{path}: resume.path is neither a committed role folder nor a "
-                                  f"global_step_N folder holding role {self.role!r}")
-        match = re.fullmatch(r"global_step_([0-9]+)", folder.parent.name)
-        step = int(match.group(1)) if match else read_manifest_file(folder)["step"]
-        return folder, step
-
-    def _check_hash(self, parts: Parts, manifest: dict[str, Any], folder: Path) -> None:
-        if not self.config.resume.strict:
-            return
-        saved, current = manifest["model_config_hash"], (self._hash_fn or model_config_hash)(parts)
-        if saved is not None and current is not None and saved != current:
-            raise CheckpointError(
-                f"{folder / MANIFEST}: model-config hash {saved} differs from the running model's "
-                f"{current}; set resume.strict=false to load anyway"
-            )
-
-    def _load_contents(self, parts: Parts, manifest: dict[str, Any], folder: Path, step: int) -> Progress:
-        entries: dict[str, dict[str, str]] = manifest["contents"]
-        progress = Progress(step=step)
-        for content in (_value(c) for c in self.config.checkpoint.load.contents):
-            if content in ("model", "optimizer") and getattr(parts, content) is None:
-                continue
-            entry = entries.get(content)
-            if entry is None and content == "extra":
-                structlog.get_logger().warning("checkpoint.resume.no_extra", path=str(folder), step=step)
-                continue
-            if entry is None:
-                raise CheckpointError(f"{folder / MANIFEST}: no {content!r} content to resume from "
-                                      f"(holds {sorted(entries)})")
-            sub = resolve_inside(folder, entry["folder"])
-            if sub is None:
-                raise CheckpointError(f"{folder / MANIFEST}: {content!r} folder {entry['folder']!r} escapes {folder}")
-            if content == "extra":
-                progress = self._load_extra(sub, parts, manifest)
-            else:
-                self._load_with_backend(content, entry["backend"], sub, parts)
-        return progress
-
-    def _load_with_backend(self, content: str, name: str, folder: Path, parts: Parts) -> None:
-        wanted = _value(self.config.checkpoint.load_format)
-        if name != wanted:
-            structlog.get_logger().warning("checkpoint.resume.format_differs", content=content,
-                                           saved_with=name, load_format=wanted, path=str(folder))
-        backend = backend_class(name)()
-        if content == "model":
-            backend.load_model(parts.model, folder)
-        else:
-            backend.load_optimizer(parts.optimizer, parts.lr_scheduler, folder, model=parts.model)
-
-    def _load_extra(self, folder: Path, parts: Parts, manifest: dict[str, Any]) -> Progress:
-        """Per-rank RNG and dataloader state only fit the world size that saved them."""
-        for entry in folder.iterdir():
-            if not (_RANK_DIR.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()):
-                raise CheckpointError(f"{entry}: unexpected entry in extra folder (only rank_N folders)")
-        same_layout = manifest["parallel"].get("world_size") == self.world_size
-        own = folder / f"rank_{self.rank}"
-        if same_layout and own.is_dir():
-            return load_extra(own, parts.dataloader)
-        structlog.get_logger().warning(
-            "checkpoint.resume.extra_layout_changed", path=str(folder), rank=self.rank,
-            saved_world_size=manifest["parallel"].get("world_size"), world_size=self.world_size,
-            action="progress from rank 0; RNG and dataloader state not restored",
-        )
-        return load_extra(folder / "rank_0", None, restore_rng=False)

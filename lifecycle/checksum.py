@@ -28,6 +28,7 @@ from pathlib import Path
 
 import xxhash
 
+from lifecycle.boundary import open_regular
 from lifecycle.errors import CheckpointError
 
 PIECE_BYTES = 4 * 1024 * 1024
@@ -122,7 +123,7 @@ def file_digest(path: Path, *, fsync: bool = False, algorithm: str = ALGORITHM) 
     """The digest of a whole file, hashed through a read-only mapping: no copy out of the page cache."""
     if algorithm not in ALGORITHMS:
         raise CheckpointError(f"{path}: unknown checksum algorithm {algorithm!r}")
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         size = os.fstat(fh.fileno()).st_size
         if size:
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:

@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
+    for stream in (sys.stdout, sys.stderr):  # file names that are not UTF-8 print escaped, never crash
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     try:
         return run(args)
     except LifecycleError as exc:

@@ -34,5 +34,14 @@ class CheckpointError(LifecycleError):
     """A checkpoint is missing, incomplete, corrupt, or does not match the model."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """Files of a committed step are missing, short, unreadable or fail their checksums
+    (as opposed to a step that is intact but does not fit the model or the config)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        self.problems = list(problems or [message])
+        super().__init__(message)
+
+
 class EngineError(LifecycleError):
     """A weight transfer failed, timed out, or delivered data that did not verify."""

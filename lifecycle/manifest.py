@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import suppress
 from datetime import datetime, timezone
 from importlib import metadata
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
+from lifecycle.boundary import (
+    inside, kind, lstat, os_error, os_errors, read_bytes, real_dir, regular_size, rel_problem,
+)
 from lifecycle.checksum import ALGORITHM, ALGORITHMS, file_digest, known_digest
 from lifecycle.errors import CheckpointError
 
@@ -23,6 +28,8 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 """2: file checksums are keyed by their algorithm's name (1: always `xxh3_64`); both are read."""
 HASH_THREADS = 2
+MANIFEST_LIMIT = 256 * 1024 * 1024
+"""The largest manifest read: some hundred bytes per file, so a million files fit."""
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "format_version": int,
@@ -55,12 +62,19 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Write a temporary file beside `path`, then rename it over `path`; the temporary file is
+    removed when anything fails, so a failed write leaves nothing behind."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path.parent)
 
 
@@ -75,8 +89,10 @@ def checksum_of(entry: Mapping[str, Any]) -> tuple[str, str]:
 def _hash_all(
     folder: Path, algorithms: Mapping[str, str], *, fsync: bool, progress: Progress | None
 ) -> dict[str, str]:
-    """Digest of each file `algorithms` names (relative path: algorithm), files hashed side by side."""
-    sizes = {rel: (folder / rel).stat().st_size for rel in algorithms}
+    """Digest of each file `algorithms` names (relative path: algorithm), files hashed side by side.
+
+    A file that cannot be read raises a `CheckpointError` naming it, with the errno's text."""
+    sizes = {rel: regular_size(folder / rel) for rel in algorithms}
     total, done = sum(sizes.values()), 0
     out: dict[str, str] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(algorithms)))) as pool:
@@ -84,7 +100,8 @@ def _hash_all(
                    for rel, algorithm in algorithms.items()}
         for fut in as_completed(futures):
             rel = futures[fut]
-            out[rel] = fut.result()
+            with os_errors("cannot read to checksum it", folder / rel):
+                out[rel] = fut.result()
             done += sizes[rel]
             if progress is not None:
                 progress(done, total)
@@ -105,16 +122,34 @@ def _digests(folder: Path, rels: list[str], *, fsync: bool) -> dict[str, str]:
     return out
 
 
-def _walk(folder: Path) -> list[str]:
-    """Relative posix paths of every non-directory entry; symlinks are listed, not followed."""
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        base = Path(dirpath)
-        links = [d for d in dirnames if (base / d).is_symlink()]
-        dirnames[:] = [d for d in dirnames if d not in links]
-        for name in [*filenames, *links]:
-            found.append((base / name).relative_to(folder).as_posix())
-    return sorted(found)
+def scan(folder: Path) -> tuple[list[str], list[str]]:
+    """Relative posix paths of every regular file under `folder`, and a problem for every entry
+    that is neither a regular file nor a real folder (symlinks, FIFOs, sockets, devices) or
+    that cannot be listed. Symlinks are reported, never followed; nothing is opened."""
+    files: list[str] = []
+    problems: list[str] = []
+    pending = [(folder, "")]
+    while pending:
+        here, prefix = pending.pop()
+        try:
+            with os.scandir(here) as entries:
+                found = sorted((entry.name, entry) for entry in entries)
+        except OSError as exc:
+            problems.append(str(os_error(exc, "cannot list the folder", here)))
+            continue
+        for name, entry in found:
+            rel = f"{prefix}{name}"
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((Path(entry.path), f"{rel}/"))
+                elif entry.is_file(follow_symlinks=False):
+                    files.append(rel)
+                else:
+                    mode = entry.stat(follow_symlinks=False).st_mode
+                    problems.append(f"{entry.path}: a {kind(mode)}; a checkpoint holds regular files only")
+            except OSError as exc:
+                problems.append(str(os_error(exc, "cannot stat", entry.path)))
+    return sorted(files), problems
 
 
 def library_versions() -> dict[str, str]:
@@ -146,10 +181,10 @@ def build_manifest(
     Without fsync a process crash loses nothing (the kernel holds the written pages); a
     power loss may, and the checksums then refuse the damaged step on resume.
     """
-    rels = [rel for rel in _walk(folder) if rel != MANIFEST and not rel.startswith(f".{MANIFEST}")]
-    for rel in rels:
-        if (folder / rel).is_symlink():
-            raise CheckpointError(f"{folder / rel}: a checkpoint must not contain symlinks")
+    found, odd = scan(folder)
+    if odd:
+        raise CheckpointError(f"{folder}: cannot commit:\n  " + "\n  ".join(odd))
+    rels = [rel for rel in found if rel != MANIFEST and not rel.startswith(f".{MANIFEST}")]
     digests = _digests(folder, rels, fsync=fsync)
     for sub in sorted({(folder / rel).parent for rel in rels} | {folder}):
         fsync_dir(sub)
@@ -169,31 +204,35 @@ def build_manifest(
 
 
 def read_manifest_file(folder: Path) -> dict[str, Any]:
-    """Parse and shape-check a manifest; everything after this may trust its types."""
+    """Parse and shape-check a manifest; everything after this may trust its types.
+
+    Read through the filesystem boundary: a manifest that is a symlink, a FIFO or larger
+    than `MANIFEST_LIMIT` is refused before a byte of it is read."""
     path = folder / MANIFEST
+    if lstat(path) is None:
+        raise CheckpointError(f"{path}: manifest missing (checkpoint not committed)")
+    raw = read_bytes(path, MANIFEST_LIMIT, "the manifest")
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: manifest missing (checkpoint not committed)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read manifest: {exc}") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: manifest is not UTF-8 text: {exc}") from exc
+    except RecursionError:
+        raise CheckpointError(f"{path}: manifest is nested too deeply to be one") from None
+    except ValueError as exc:  # json.JSONDecodeError, and integers too long to convert
         raise CheckpointError(f"{path}: manifest is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: manifest must be a JSON object, got {type(data).__name__}")
     problems = _shape_problems(data)
     if problems:
-        raise CheckpointError(f"{path}: " + "; ".join(problems))
+        raise CheckpointError(f"{path}: " + "; ".join(problems[:10]))
     return data
 
 
 def _shape_problems(data: dict[str, Any]) -> list[str]:
     problems = [f"missing key {key!r}" for key in _REQUIRED if key not in data]
-    for key, kind in _REQUIRED.items():
+    for key, expected in _REQUIRED.items():
         value = data.get(key)
-        if key in data and (not isinstance(value, kind) or isinstance(value, bool)):
+        if key in data and (not isinstance(value, expected) or isinstance(value, bool)):
             problems.append(f"key {key!r} has type {type(value).__name__}")
     if problems:
         return problems
@@ -213,17 +252,11 @@ def _shape_problems(data: dict[str, Any]) -> list[str]:
 
 
 def resolve_inside(folder: Path, rel: str) -> Path | None:
-    """The path `rel` names inside `folder`, or None when it would lead outside it."""
-    pure = PurePosixPath(rel)
-    if not rel or "\\" in rel or pure.is_absolute() or ".." in pure.parts:
-        return None
-    target = folder / pure
+    """The path `rel` names inside `folder`, or None when it is malformed or leads outside it."""
     try:
-        if not target.resolve().is_relative_to(folder.resolve()):
-            return None
-    except (OSError, RuntimeError):
+        return inside(folder, rel)
+    except CheckpointError:
         return None
-    return target
 
 
 def check_folder(
@@ -238,16 +271,18 @@ def check_folder(
 ) -> list[str]:
     """Every reason not to trust `folder`.
 
-    Cheap mode (presence and sizes) decides completeness; deep mode adds checksums and
-    unlisted files, so a tampered step is refused loudly at resume instead of skipped.
+    Cheap mode (presence, sizes, file types) decides completeness; deep mode adds checksums
+    and unlisted files, so a tampered step is refused loudly at resume instead of skipped.
     Files in `verified_later` are left to the reader that checks them while loading.
     `manifest`: the folder's manifest when the caller has already read it.
     """
-    if manifest is None:
-        try:
+    try:
+        if not real_dir(folder, "a role folder"):
+            return [f"{folder}: role folder missing"]
+        if manifest is None:
             manifest = read_manifest_file(folder)
-        except CheckpointError as exc:
-            return [str(exc)]
+    except CheckpointError as exc:
+        return [str(exc)]
     data = manifest  # the name the checks below use
     mpath = folder / MANIFEST
     problems: list[str] = []
@@ -256,16 +291,22 @@ def check_folder(
     if expect_role is not None and data["role"] != expect_role:
         problems.append(f"{mpath}: role {data['role']!r} but the folder is for role {expect_role!r}")
     for name, entry in data["contents"].items():
-        if resolve_inside(folder, entry["folder"]) is None:
-            problems.append(f"{mpath}: contents[{name!r}] folder {entry['folder']!r} escapes {folder}")
+        if (problem := rel_problem(entry["folder"])) or resolve_inside(folder, entry["folder"]) is None:
+            problems.append(f"{mpath}: contents[{name!r}] folder {entry['folder']!r} escapes {folder}"
+                            + (f" ({problem})" if problem else ""))
     listed, to_hash = _check_listed(folder, data["files"], problems)
+    found, odd = scan(folder)
+    problems.extend(odd)
     if deep:
         problems.extend(f"{folder / rel}: file not listed in {mpath}"
-                        for rel in _walk(folder) if rel != MANIFEST and rel not in listed)
+                        for rel in found if rel != MANIFEST and rel not in listed)
     if deep and not problems:
         wanted = {rel: checksum for rel, checksum in to_hash.items() if rel not in verified_later}
-        digests = _hash_all(folder, {rel: algorithm for rel, (algorithm, _) in wanted.items()},
-                            fsync=False, progress=progress)
+        try:
+            digests = _hash_all(folder, {rel: algorithm for rel, (algorithm, _) in wanted.items()},
+                                fsync=False, progress=progress)
+        except CheckpointError as exc:
+            return [str(exc)]
         problems.extend(
             f"{folder / rel}: checksum {digests[rel]} != manifest {want}"
             for rel, (_, want) in wanted.items() if digests[rel] != want.lower()
@@ -281,23 +322,25 @@ def _check_listed(
     to_hash: dict[str, tuple[str, str]] = {}
     for entry in files:
         rel = entry["path"]
-        listed.add(rel)
-        target = resolve_inside(folder, rel)
-        if target is None:
-            problems.append(f"{folder / MANIFEST}: file path {rel!r} escapes {folder}")
+        if rel in listed:
+            problems.append(f"{folder / MANIFEST}: lists {rel!r} twice")
             continue
+        listed.add(rel)
         if rel == MANIFEST:
             problems.append(f"{folder / MANIFEST}: lists the manifest itself")
             continue
         try:
-            size = target.stat().st_size
-        except FileNotFoundError:
-            problems.append(f"{target}: listed in the manifest but missing")
+            target = inside(folder, rel)
+            st = lstat(target)
+        except CheckpointError as exc:
+            problems.append(f"{folder / MANIFEST}: file path {rel!r} is refused: {exc}")
             continue
-        if not target.is_file():
-            problems.append(f"{target}: listed in the manifest but not a regular file")
-        elif size != entry["size"]:
-            problems.append(f"{target}: size {size} != manifest {entry['size']}")
+        if st is None:
+            problems.append(f"{target}: listed in the manifest but missing")
+        elif not stat.S_ISREG(st.st_mode):
+            problems.append(f"{target}: listed in the manifest but a {kind(st.st_mode)}, not a regular file")
+        elif st.st_size != entry["size"]:
+            problems.append(f"{target}: size {st.st_size} != manifest {entry['size']}")
         else:
             to_hash[rel] = checksum_of(entry)
     return listed, to_hash

@@ -1,16 +1,28 @@
-"""What `python -m lifecycle inspect` and `verify` print: the state of a checkpoint root."""
+"""What `python -m lifecycle inspect` and `verify` print: the state of a checkpoint root.
+
+A root can hold anything: half-written steps, steps set aside as damaged, folders a person
+made, files nobody can read. Both commands report what they cannot read and go on; runs of
+junk collapse into a summary line, so the output stays bounded; the exit status is non-zero
+when anything is wrong.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from lifecycle.boundary import kind, parse_step, role_problem, step_name_problem
 from lifecycle.errors import CheckpointError
 from lifecycle.manifest import read_manifest_file
-from lifecycle.store import CheckpointStore
+from lifecycle.store import DAMAGED, TRACKER, CheckpointStore
+
+MAX_LINES = 20
+"""Lines of one kind (junk entries, problems of one role) shown before a summary line."""
+_HOUSEKEEPING = (TRACKER, f".{TRACKER}.tmp-", ".lock-", ".trash-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,21 +42,73 @@ class RoleRow:
         return not self.problems
 
 
-def roles_on_disk(store: CheckpointStore) -> list[str]:
-    """Every role any step holds: a step missing one of them is not complete."""
-    found: set[str] = set()
-    for step in store.steps():
-        found.update(p.name for p in store.step_dir(step).iterdir() if p.is_dir() and not p.name.startswith("."))
-    return sorted(found)
+@dataclass(slots=True)
+class Survey:
+    """What a root holds, read without trusting any of it."""
+
+    steps: list[int] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)
+    damaged: list[str] = field(default_factory=list)
+    """Steps resume set aside (`global_step_N.damaged-<time>`)."""
+    wrong: list[str] = field(default_factory=list)
+    """Entries that look like checkpoint data but cannot be one (padded names, symlinks, unreadable)."""
+    ignored: list[str] = field(default_factory=list)
+    """Entries that are none of this library's business."""
+
+
+def survey(store: CheckpointStore, roles: list[str] | None) -> Survey:
+    """Every step, the roles they hold, and what else is in the root; nothing here raises for
+    a bad entry (only for a root that cannot be listed at all)."""
+    found = Survey(steps=store.steps(), damaged=store.quarantined())
+    for entry in sorted(store.entries(), key=lambda e: e.name):
+        name = entry.name
+        if parse_step(name) is not None:
+            if not _is_dir(entry):
+                found.wrong.append(f"{entry.path}: a {_kind(entry)}, not a step folder; not followed")
+        elif DAMAGED in name and name in found.damaged:
+            continue
+        elif problem := step_name_problem(name):
+            found.wrong.append(f"{entry.path}: {problem}")
+        elif not name.startswith(_HOUSEKEEPING):
+            found.ignored.append(f"{entry.path}: not a checkpoint entry; ignored")
+    seen: set[str] = set()
+    for step in found.steps:
+        try:
+            entries = sorted(os.scandir(store.step_dir(step)), key=lambda e: e.name)
+        except OSError as exc:
+            found.wrong.append(f"{store.step_dir(step)}: cannot list: {exc.strerror or exc}")
+            continue
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if role_problem(entry.name):
+                found.wrong.append(f"{entry.path}: not a role name; ignored")
+            elif not _is_dir(entry):
+                found.wrong.append(f"{entry.path}: a {_kind(entry)}, not a role folder; not followed")
+            else:
+                seen.add(entry.name)
+    found.roles = roles or sorted(seen)
+    return found
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _kind(entry: os.DirEntry[str]) -> str:
+    try:
+        return kind(entry.stat(follow_symlinks=False).st_mode)
+    except OSError:
+        return "file that cannot be examined"
 
 
 def role_row(store: CheckpointStore, step: int, role: str) -> RoleRow:
-    folder = store.role_dir(step, role)
-    if not folder.is_dir():
-        return RoleRow(step, role, (f"{folder}: role folder missing",))
     problems = tuple(store.validate(step, role, deep=False))
     try:
-        data = read_manifest_file(folder)
+        data = read_manifest_file(store.role_dir(step, role))
     except CheckpointError:
         return RoleRow(step, role, problems)
     contents = data["contents"]
@@ -66,21 +130,45 @@ def _human(size: int) -> str:
     return f"{size} B"
 
 
-def inspect_root(root: Path, roles: list[str] | None, out: TextIO) -> int:
-    """Print a table of steps and roles; 0 when the newest step is complete, else 1."""
-    store = CheckpointStore(root)
+def _bounded(lines: list[str], out: TextIO, indent: str, what: str) -> None:
+    for line in lines[:MAX_LINES]:
+        out.write(f"{indent}{line}\n")
+    if len(lines) > MAX_LINES:
+        out.write(f"{indent}... and {len(lines) - MAX_LINES} more {what}\n")
+
+
+def _root_notes(found: Survey, out: TextIO) -> None:
+    if found.damaged:
+        out.write(f"set aside as damaged ({len(found.damaged)}; resume never reads them; inspect, then remove):\n")
+        _bounded(found.damaged, out, "  ", "damaged steps")
+    if found.wrong:
+        out.write(f"wrong ({len(found.wrong)}):\n")
+        _bounded(found.wrong, out, "  ", "wrong entries")
+    if found.ignored:
+        out.write(f"ignored ({len(found.ignored)}):\n")
+        _bounded(found.ignored, out, "  ", "ignored entries")
+
+
+def _open_root(root: Path) -> CheckpointStore:
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint root")
-    wanted = roles or roles_on_disk(store)
-    rows = [role_row(store, step, role) for step in store.steps() for role in wanted]
+    return CheckpointStore(root)
+
+
+def inspect_root(root: Path, roles: list[str] | None, out: TextIO) -> int:
+    """Print a table of steps and roles; 0 when the newest step is complete and nothing in the
+    root is wrong, else 1."""
+    store = _open_root(root)
+    found = survey(store, roles)
+    rows = [role_row(store, step, role) for step in found.steps for role in found.roles]
     out.write(f"{'step':>8}  {'role':<10} {'complete':<8}  {'contents':<30} {'format':<10} {'size':>10} files\n")
     for row in rows:
         out.write(f"{row.step:>8}  {row.role:<10} {'yes' if row.complete else 'NO':<8}  {row.contents:<30} "
                   f"{row.formats:<10} {_human(row.size):>10} {row.files:>5}\n")
-        for problem in row.problems:
-            out.write(f"{'':>10}why: {problem}\n")
-    newest = store.newest_committed(wanted) if wanted else None
-    out.write(f"\nroles: {', '.join(wanted) or 'none'}; resume picks step: {newest}; ")
+        _bounded([f"why: {p}" for p in row.problems], out, " " * 10, "problems")
+    _root_notes(found, out)
+    newest = store.newest_committed(found.roles) if found.roles else None
+    out.write(f"\nroles: {', '.join(found.roles) or 'none'}; resume picks step: {newest}; ")
     try:
         tracker = store.read_tracker()
     except CheckpointError as exc:
@@ -88,9 +176,8 @@ def inspect_root(root: Path, roles: list[str] | None, out: TextIO) -> int:
         return 1
     note = "" if tracker is None or tracker == newest else " (resume ignores it: it reads the steps on disk)"
     out.write(f"tracker: {tracker}{note}\n")
-    steps = store.steps()
-    complete = bool(steps) and not any(row.problems for row in rows if row.step == newest)
-    return 0 if complete and newest == steps[-1] else 1
+    complete = bool(found.steps) and not any(row.problems for row in rows if row.step == newest)
+    return 0 if complete and newest == found.steps[-1] and not found.wrong and not found.damaged else 1
 
 
 class _ProgressLine:
@@ -120,28 +207,26 @@ class _ProgressLine:
 
 def verify_root(root: Path, step: int | None, roles: list[str] | None, out: TextIO,
                 err: TextIO = sys.stderr) -> int:
-    """Deep-check sizes and checksums; 0 only when every checked role verifies."""
-    store = CheckpointStore(root)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: no such checkpoint root")
-    steps = store.steps() if step is None else [step]
-    if step is not None and step not in store.steps():
+    """Deep-check sizes and checksums; 0 only when every checked role verifies and the root
+    holds nothing wrong and no step set aside as damaged."""
+    store = _open_root(root)
+    found = survey(store, roles)
+    steps = found.steps if step is None else [step]
+    if step is not None and step not in found.steps:
         raise CheckpointError(f"{store.step_dir(step)}: no such step")
-    wanted = roles or roles_on_disk(store)
-    if not steps or not wanted:
+    if not steps or not found.roles:
         out.write(f"{root}: nothing to verify\n")
+        _root_notes(found, out)
         return 1
     failures = 0
     for number in steps:
-        for role in wanted:
+        for role in found.roles:
             progress = _ProgressLine(f"global_step_{number}/{role}", err)
-            if not store.role_dir(number, role).is_dir():
-                problems = [f"{store.role_dir(number, role)}: role folder missing"]
-            else:
-                problems = store.verify(number, role, progress)
+            problems = store.verify(number, role, progress)
             progress.close(not problems)
-            for problem in problems:
-                out.write(f"    {problem}\n")
+            _bounded(problems, out, "    ", "problems")
             failures += bool(problems)
-    out.write(f"{len(steps) * len(wanted) - failures} of {len(steps) * len(wanted)} role folders verified\n")
-    return 0 if failures == 0 else 1
+    checked = len(steps) * len(found.roles)
+    out.write(f"{checked - failures} of {checked} role folders verified\n")
+    _root_notes(found, out)
+    return 0 if failures == 0 and not found.wrong and not found.damaged else 1

@@ -15,6 +15,7 @@ reaches the same verdict on the same bytes, and a step one role renames aside is
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from enum import IntEnum
 from pathlib import Path
@@ -23,15 +24,16 @@ from typing import Any
 import structlog
 
 from backends.base import backend_class, reduce_int
-from lifecycle.boundary import os_errors, parse_step, real_dir
+from lifecycle.boundary import lstat, os_errors, parse_step, real_dir
 from lifecycle.checksum import ALGORITHM, check_unverified, expecting
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint
-from lifecycle.manifest import MANIFEST, check_folder, checksum_of, read_manifest_file
+from lifecycle.extra import load_extra
+from lifecycle.manifest import MANIFEST, check_folder, checksum_of, read_manifest_file, resolve_inside
 from lifecycle.store import CheckpointStore
 from lifecycle.types import Parts, Progress
 
-Loader = Callable[[Parts, dict[str, Any], Path, int], Progress]
+_RANK_DIR = re.compile(r"rank_([0-9]+)")
 HashFn = Callable[[Parts], str | None]
 
 
@@ -52,7 +54,7 @@ class Resumer:
 
     def __init__(
         self, config: LifecycleConfig, store: Callable[[], CheckpointStore], *, role: str, roles: list[str],
-        rank: int, collective: Callable[[], bool], model_hash: HashFn, load: Loader,
+        rank: int, world_size: int, collective: Callable[[], bool], model_hash: HashFn,
     ) -> None:
         self.config = config
         self._store = store
@@ -61,7 +63,7 @@ class Resumer:
         self.rank = rank
         self._collective = collective
         self._model_hash = model_hash
-        self._load = load
+        self.world_size = world_size
         self.overwritten: str | None = None
         """Set when a failed load may have left the model's weights half-replaced."""
 
@@ -93,6 +95,7 @@ class Resumer:
                 set_aside.append(f"step {step}, now {aside or 'set aside by rank 0'}:\n    "
                                  + "\n    ".join(exc.problems[:10]))
                 below = step
+        self._refuse_unreadable(store)
         earlier = store.quarantined()
         if set_aside or earlier:
             found = "\n  ".join(set_aside) if set_aside else "earlier: " + ", ".join(earlier)
@@ -102,6 +105,19 @@ class Resumer:
                 f"fresh). Set aside as damaged:\n  {found}"
             )
         return None
+
+    def _refuse_unreadable(self, store: CheckpointStore) -> None:
+        """No committed step, yet manifests are there that cannot be read (damaged, or from a
+        newer release): a fresh start would train over them, so refuse and say which."""
+        unreadable = [problems[0] for step in reversed(store.steps())
+                      if lstat(folder := store.role_dir(step, self.role)) is not None
+                      and lstat(folder / MANIFEST) is not None
+                      and (problems := check_folder(folder, deep=False))]
+        if unreadable:
+            raise CheckpointError(
+                f"{store.root}: holds checkpoints of role {self.role!r}, but none can be resumed; refusing to "
+                "start fresh over them (fix or remove them, or set resume.mode to disable):\n  "
+                + "\n  ".join(unreadable[:10]))
 
     def _agreed_step(self, found: int | None) -> int | None:
         """Ranks that saw the disk at different moments take the oldest step any of them saw."""
@@ -158,7 +174,7 @@ class Resumer:
             self.overwritten = f"a failed resume from {folder}"
             damage = check_folder(folder, deep=True, expect_step=step, expect_role=self.role, manifest=manifest)
             if damage:
-                return Progress(), Verdict.DAMAGED, damage
+                return Progress(), Verdict.DAMAGED, [*damage, f"(loading it failed with: {exc})"]
             return Progress(), Verdict.REFUSED, [str(exc)]
         return progress, Verdict.OK, []
 
@@ -213,6 +229,60 @@ class Resumer:
                                       f"global_step_N folder holding role {self.role!r}")
         step = parse_step(folder.parent.name)
         return folder, read_manifest_file(folder)["step"] if step is None else step
+
+    def _load(self, parts: Parts, manifest: dict[str, Any], folder: Path, step: int) -> Progress:
+        """Restore each content of `checkpoint.load.contents` with the backend its manifest names."""
+        entries: dict[str, dict[str, str]] = manifest["contents"]
+        progress = Progress(step=step)
+        for content in (_value(c) for c in self.config.checkpoint.load.contents):
+            if content in ("model", "optimizer") and getattr(parts, content) is None:
+                continue
+            entry = entries.get(content)
+            if entry is None and content == "extra":
+                structlog.get_logger().warning("checkpoint.resume.no_extra", path=str(folder), step=step)
+                continue
+            if entry is None:
+                raise CheckpointError(f"{folder / MANIFEST}: no {content!r} content to resume from "
+                                      f"(holds {sorted(entries)})")
+            sub = resolve_inside(folder, entry["folder"])
+            if sub is None:
+                raise CheckpointError(f"{folder / MANIFEST}: {content!r} folder {entry['folder']!r} escapes {folder}")
+            if content == "extra":
+                progress = self._load_extra(sub, parts, manifest)
+            else:
+                self._load_with_backend(content, entry["backend"], sub, parts)
+        return progress
+
+    def _load_with_backend(self, content: str, name: str, folder: Path, parts: Parts) -> None:
+        wanted = _value(self.config.checkpoint.load_format)
+        if name != wanted:
+            structlog.get_logger().warning("checkpoint.resume.format_differs", content=content,
+                                           saved_with=name, load_format=wanted, path=str(folder))
+        try:
+            backend = backend_class(name)()
+        except ConfigError as exc:
+            raise CheckpointError(f"{folder.parent / MANIFEST}: {content!r} was saved with format {name!r}, "
+                                  f"which cannot be loaded here: {exc}") from exc
+        if content == "model":
+            backend.load_model(parts.model, folder)
+        else:
+            backend.load_optimizer(parts.optimizer, parts.lr_scheduler, folder, model=parts.model)
+
+    def _load_extra(self, folder: Path, parts: Parts, manifest: dict[str, Any]) -> Progress:
+        """Per-rank RNG and dataloader state only fit the world size that saved them."""
+        for entry in folder.iterdir():
+            if not (_RANK_DIR.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()):
+                raise CheckpointError(f"{entry}: unexpected entry in extra folder (only rank_N folders)")
+        same_layout = manifest["parallel"].get("world_size") == self.world_size
+        own = folder / f"rank_{self.rank}"
+        if same_layout and own.is_dir():
+            return load_extra(own, parts.dataloader)
+        structlog.get_logger().warning(
+            "checkpoint.resume.extra_layout_changed", path=str(folder), rank=self.rank,
+            saved_world_size=manifest["parallel"].get("world_size"), world_size=self.world_size,
+            action="progress from rank 0; RNG and dataloader state not restored",
+        )
+        return load_extra(folder / "rank_0", None, restore_rng=False)
 
 
 def log_resumed(role: str, step: int, folder: Path, verify: bool) -> None:

@@ -7,9 +7,9 @@ leave the tracker ahead of, or behind, what was actually committed.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,6 +17,9 @@ from typing import Any
 
 import structlog
 
+from lifecycle.boundary import (
+    STEP_PREFIX, lstat, os_error, os_errors, parse_step, parse_step_number, read_bytes, real_dir, role_problem,
+)
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.manifest import (
     MANIFEST,
@@ -28,16 +31,21 @@ from lifecycle.manifest import (
     write_json_atomic,
     write_text_atomic,
 )
+from lifecycle.writer_lock import WriterLock
 
 TRACKER = "latest_checkpointed_iteration.txt"
-_STEP_RE = re.compile(r"global_step_([0-9]+)")
-_ROLE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+TRACKER_LIMIT = 64
+"""The tracker holds one step number: anything longer is not a tracker."""
+DAMAGED = ".damaged-"
+"""`global_step_N.damaged-<time>`: a step resume set aside; never resumed, never deleted by retention."""
+Agree = Callable[[bool], int]
+"""Every rank says whether it failed; returns how many ranks did (all ranks call it)."""
 
 
 def check_role(role: str) -> str:
     """A role becomes a folder name, so it must not be able to point anywhere else."""
-    if not isinstance(role, str) or not _ROLE_RE.fullmatch(role):
-        raise ConfigError("role", f"{role!r} is not a valid role name (letters, digits, _ . -)")
+    if problem := role_problem(role):
+        raise ConfigError("role", problem)
     return role
 
 
@@ -51,9 +59,14 @@ def _default_barrier(world_size: int) -> Callable[[], None] | None:
     raise ConfigError("world_size", f"world_size={world_size} needs a barrier or an initialized process group")
 
 
-def _remove_tree(path: Path) -> bool:
-    """Move out of sight first so a half-deleted step never looks like a damaged one."""
-    trash = path.parent / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+def _trash(root: Path, name: str) -> Path:
+    return root / f".trash-{name}-{uuid.uuid4().hex[:8]}"
+
+
+def _remove_tree(path: Path, root: Path) -> bool:
+    """Move out of sight first so a half-deleted step never looks like a damaged one; what
+    the removal leaves (a file that cannot be deleted) is retried by the next sweep."""
+    trash = _trash(root, path.name)
     try:
         os.rename(path, trash)
     except FileNotFoundError:
@@ -63,7 +76,10 @@ def _remove_tree(path: Path) -> bool:
 
 
 def _rmtree(path: Path) -> None:
-    """Remove a tree that another process may be removing at the same time."""
+    """Remove a tree (or a file or symlink) that another process may be removing too."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+        return
 
     def vanished_ok(func: Callable[..., Any], name: str, exc: Any) -> None:
         err = exc[1] if isinstance(exc, tuple) else exc
@@ -86,11 +102,13 @@ class CheckpointStore:
         rank: int = 0,
         world_size: int = 1,
         barrier: Callable[[], None] | None = None,
+        agree: Agree | None = None,
     ) -> None:
         self.root = Path(root)
         self.rank = rank
         self.world_size = world_size
         self._barrier = barrier if barrier is not None else _default_barrier(world_size)
+        self._agree = agree
 
     def _sync(self) -> None:
         if self.world_size > 1 and self._barrier is not None:
@@ -101,22 +119,56 @@ class CheckpointStore:
         return self.root / TRACKER
 
     def step_dir(self, step: int) -> Path:
-        return self.root / f"global_step_{int(step)}"
+        return self.root / f"{STEP_PREFIX}{int(step)}"
 
     def role_dir(self, step: int, role: str) -> Path:
         return self.step_dir(step) / check_role(role)
 
-    def staging(self, step: int, role: str) -> Path:
-        """Inside the step folder, so the final rename never crosses a filesystem."""
+    def writer_lock(self, role: str) -> WriterLock:
+        """The lock that keeps a second writer of `role` out of this root (see `writer_lock`)."""
+        return WriterLock(self.root, check_role(role))
+
+    def staging(self, step: int, role: str, lock: WriterLock | None = None) -> Path:
+        """Inside the step folder, so the final rename never crosses a filesystem.
+
+        Rank 0 takes `lock` first, then clears whatever stands at the staging path. With an
+        `agree` function every rank learns whether rank 0 managed, before any rank writes, so
+        no rank writes into a folder that is not this save's; with a plain barrier, rank 0
+        still reaches it when it failed, so its peers never wait for it here.
+        """
         path = self.step_dir(step) / f".staging-{check_role(role)}"
+        failed = False
         try:
             if self.rank == 0:
-                if path.exists():
-                    shutil.rmtree(path)
-                path.mkdir(parents=True)
+                failed = True
+                with os_errors(f"cannot prepare the staging folder of step {step} (role {role})"):
+                    self.root.mkdir(parents=True, exist_ok=True)
+                    if lock is not None:
+                        lock.acquire()
+                    if not real_dir(self.step_dir(step), "a step folder"):
+                        self.step_dir(step).mkdir(exist_ok=True)
+                    if lstat(path) is not None:
+                        _rmtree(path)
+                    path.mkdir()
+                failed = False
         finally:
-            self._sync()  # reached by rank 0 even when it failed, so its peers never wait for it here
+            if self._agree is not None and self.world_size > 1:
+                if self._agree(failed) and not failed:
+                    raise CheckpointError(f"{path}: rank 0 could not prepare the staging folder of step {step} "
+                                          f"(role {role}); see its error. Nothing was written")
+            else:
+                self._sync()
         return path
+
+    def discard_staging(self, step: int, role: str) -> None:
+        """After a failed save (rank 0): remove what it wrote, so a full disk gets its space back."""
+        path = self.step_dir(step) / f".staging-{check_role(role)}"
+        try:
+            if lstat(path) is not None:
+                _rmtree(path)
+        except (OSError, CheckpointError) as exc:
+            structlog.get_logger().warning("checkpoint.staging_not_removed", step=step, path=str(path),
+                                           error=str(exc))
 
     def commit(
         self,
@@ -135,18 +187,24 @@ class CheckpointStore:
 
         `contents` maps content -> backend name; `folders` maps content -> folder when it is
         not the content's own name (one folder may serve two contents). `roles` are the roles
-        the step must hold before the tracker may point at it (default: this role).
+        the step must hold before the tracker may point at it (default: this role). The
+        commit is the rename of the staging folder into place: what follows it (the tracker,
+        removing a replaced folder) is best effort, logged when it fails, never raised.
         """
         final = self.role_dir(step, role)
         self._sync()
+        committed = False
         try:
             if self.rank == 0:
-                self._commit_rank0(step, role, contents, parallel or {}, model_config_hash,
-                                   extra_meta or {}, folders or {}, fsync)
-                self._advance_tracker(step, list(roles or [role]))
+                with os_errors(f"cannot commit step {step} (role {role})"):
+                    self._commit_rank0(step, role, contents, parallel or {}, model_config_hash,
+                                       extra_meta or {}, folders or {}, fsync)
+                committed = True
         finally:
             self._sync()
-        if not (final / MANIFEST).is_file():
+        if committed:
+            self._advance_tracker(step, list(roles or [role]))
+        elif lstat(final / MANIFEST) is None:
             raise CheckpointError(f"{final / MANIFEST}: rank 0 did not commit step {step}")
         return final
 
@@ -162,7 +220,7 @@ class CheckpointStore:
         fsync: bool,
     ) -> None:
         staging = self.step_dir(step) / f".staging-{role}"
-        if not staging.is_dir():
+        if not real_dir(staging, "the staging folder"):
             raise CheckpointError(f"{staging}: staging folder missing; call staging() before commit()")
         entries = {name: {"backend": backend, "folder": folders.get(name, name)}
                    for name, backend in contents.items()}
@@ -170,31 +228,52 @@ class CheckpointStore:
                                   model_config_hash=model_config_hash, meta=meta, fsync=fsync)
         write_json_atomic(staging / MANIFEST, manifest)
         final = self.role_dir(step, role)
-        old = final.parent / f".replaced-{role}-{uuid.uuid4().hex[:8]}"
-        had_old = final.exists()
-        if had_old:
+        old = _trash(self.root, f"{step}-{role}") if lstat(final) is not None else None
+        if old is not None:
             os.rename(final, old)
-        os.rename(staging, final)
-        fsync_dir(final.parent)
-        if had_old:
-            _rmtree(old)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if old is not None:
+                os.rename(old, final)  # the step keeps the folder it had
+            raise
+        self._after_rename(step, final, old)
+
+    def _after_rename(self, step: int, final: Path, old: Path | None) -> None:
+        """Committed already: make the rename durable and drop the folder it replaced, best effort."""
+        log = structlog.get_logger()
+        try:
+            fsync_dir(final.parent)
+        except OSError as exc:
+            log.error("checkpoint.commit_not_durable", step=step, path=str(final.parent), error=str(exc))
+        if old is not None:
+            try:
+                _rmtree(old)
+            except OSError as exc:
+                log.warning("checkpoint.retention_failed", step=step, path=str(old), error=str(exc),
+                            action="left for the next save to remove")
 
     def _advance_tracker(self, step: int, roles: list[str]) -> None:
-        """Point at `step` once it is complete, unless the tracker names a newer complete step."""
-        if not self.is_complete(step, roles):
-            return
+        """Point at `step` once it is complete, unless the tracker names a newer complete step.
+        Best effort: resume never reads the tracker, so failing to write it fails nothing."""
         try:
-            current = self.read_tracker()
-        except CheckpointError:
-            current = None
-        if current is None or current <= step or not self.is_complete(current, roles):
-            self.write_tracker(step)
+            if not self.is_complete(step, roles):
+                return
+            try:
+                current = self.read_tracker()
+            except CheckpointError:
+                current = None
+            if current is None or current <= step or not self.is_complete(current, roles):
+                self.write_tracker(step)
+        except (CheckpointError, OSError) as exc:
+            structlog.get_logger().warning("checkpoint.tracker_failed", step=step, path=str(self.tracker_path),
+                                           error=str(exc), action="the next save retries")
 
     def read_manifest(self, step: int, role: str) -> dict[str, Any]:
         return read_manifest_file(self.role_dir(step, role))
 
     def validate(self, step: int, role: str, *, deep: bool) -> list[str]:
-        """Problems with one role's folder; cheap mode checks presence and sizes only."""
+        """Problems with one role's folder; cheap mode checks presence, types and sizes only."""
         return check_folder(self.role_dir(step, role), deep=deep, expect_step=step, expect_role=role)
 
     def verify(self, step: int, role: str, progress: Progress | None = None) -> list[str]:
@@ -202,14 +281,27 @@ class CheckpointStore:
         return check_folder(self.role_dir(step, role), deep=True, expect_step=step,
                             expect_role=role, progress=progress)
 
-    def steps(self) -> list[int]:
+    def entries(self) -> list[os.DirEntry[str]]:
+        """What the root holds, unchecked; an empty list when the root does not exist yet."""
         try:
-            entries = list(os.scandir(self.root))
+            with os.scandir(self.root) as entries:
+                return list(entries)
         except FileNotFoundError:
             return []
-        found = [int(m.group(1)) for e in entries
-                 if (m := _STEP_RE.fullmatch(e.name)) and e.is_dir(follow_symlinks=False)]
+        except OSError as exc:
+            raise os_error(exc, "cannot list the checkpoint root", self.root) from exc
+
+    def steps(self) -> list[int]:
+        """Step folders, oldest first: canonical names (`global_step_<n>`) of real folders only."""
+        found = [step for e in self.entries()
+                 if (step := parse_step(e.name)) is not None and e.is_dir(follow_symlinks=False)]
         return sorted(found)
+
+    def quarantined(self) -> list[str]:
+        """Names of the steps resume set aside as damaged, oldest step first."""
+        names = [e.name for e in self.entries()
+                 if DAMAGED in e.name and parse_step(e.name.split(DAMAGED)[0]) is not None]
+        return sorted(names, key=lambda name: (int(name.split(DAMAGED)[0].removeprefix(STEP_PREFIX)), name))
 
     def status(self, step: int, roles: Sequence[str], *, deep: bool = False) -> dict[str, list[str]]:
         """Per role, why the step cannot be trusted (an empty list: it can)."""
@@ -224,63 +316,108 @@ class CheckpointStore:
                 return step
         return None
 
-    def newest_committed(self, roles: Sequence[str]) -> int | None:
-        """Newest step every role published a readable manifest for, whatever its files hold now.
-
-        Resume starts here and checks the files deeply: a committed step that lost or changed
-        a file is refused loudly, never skipped for an older step or a fresh start.
-        """
+    def newest_committed(self, roles: Sequence[str], below: int | None = None) -> int | None:
+        """Newest step (older than `below`, when given) every role published a readable
+        manifest for, whatever its files hold now: resume checks those files next."""
         for step in reversed(self.steps()):
+            if below is not None and step >= below:
+                continue
             if roles and all(self._has_manifest(step, role) for role in roles):
                 return step
         return None
 
     def _has_manifest(self, step: int, role: str) -> bool:
+        folder = self.role_dir(step, role)
         try:
-            read_manifest_file(self.role_dir(step, role))
-        except CheckpointError:
+            if lstat(folder / MANIFEST) is None:
+                return False
+            read_manifest_file(folder)
+        except CheckpointError as exc:
+            structlog.get_logger().warning("checkpoint.manifest_unreadable", step=step, role=role, error=str(exc),
+                                           action="the step counts as not committed")
             return False
         return True
+
+    def quarantine(self, step: int, problems: Sequence[str]) -> Path | None:
+        """Rename a damaged step aside (`global_step_N.damaged-<time>`); nothing is deleted.
+
+        None when it is gone already: another role or rank set it aside first."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = self.root / f"{self.step_dir(step).name}{DAMAGED}{stamp}-{uuid.uuid4().hex[:6]}"
+        try:
+            os.rename(self.step_dir(step), aside)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CheckpointError(f"{self.step_dir(step)}: damaged, and cannot be set aside: "
+                                  f"{exc.strerror or exc}") from exc
+        structlog.get_logger().error("checkpoint.step_quarantined", step=step, path=str(aside),
+                                     files=list(problems), action="resuming the next newest complete step")
+        return aside
 
     def read_tracker(self) -> int | None:
         """The step the tracker names, even when that step is gone: others report that."""
         path = self.tracker_path
-        try:
-            text = path.read_text(encoding="utf-8").strip()
-        except FileNotFoundError:
+        if lstat(path) is None:
             return None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path}: cannot read tracker: {exc}") from exc
-        if not text.isascii() or not text.isdigit():
-            raise CheckpointError(f"{path}: tracker must hold a step number, found {text[:40]!r}")
-        return int(text)
+        raw = read_bytes(path, TRACKER_LIMIT, "the tracker")
+        try:
+            text = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{path}: tracker must hold a step number, found {raw[:40]!r}") from None
+        return parse_step_number(text, path)
 
     def write_tracker(self, step: int) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.tracker_path, f"{int(step)}\n")
+        with os_errors("cannot write the tracker", self.tracker_path):
+            self.root.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.tracker_path, f"{int(step)}\n")
+
+    def sweep(self) -> None:
+        """Remove what earlier removals left (`.trash-*`), best effort (rank 0)."""
+        if self.rank != 0:
+            return
+        for entry in self.entries():
+            if entry.name.startswith(".trash-"):
+                try:
+                    _rmtree(Path(entry.path))
+                except OSError as exc:
+                    structlog.get_logger().warning("checkpoint.retention_failed", path=entry.path, error=str(exc),
+                                                   action="left for the next save to remove")
 
     def apply_retention(self, keep_last: int | None, roles: Sequence[str], protect: set[int]) -> list[int]:
         """Delete steps older than the newest `keep_last` complete ones; None or < 1 keeps all.
 
         Steps newer than the oldest kept one stay even when incomplete: another role may
-        still be writing them.
+        still be writing them. Best effort: a step that cannot be removed is logged
+        (`checkpoint.retention_failed`) and left for the next save; this never raises for it.
         """
-        if self.rank != 0 or keep_last is None or keep_last < 1:
+        if self.rank != 0:
             return []
-        for leftover in self.root.glob(".trash-*"):
-            _rmtree(leftover)  # a crash mid-retention left it; it was out of resume's sight already
-        all_steps = self.steps()
-        complete = [s for s in all_steps if self.is_complete(s, roles)]
+        log = structlog.get_logger()
+        try:
+            self.sweep()
+            if keep_last is None or keep_last < 1:
+                return []
+            all_steps = self.steps()
+            complete = [s for s in all_steps if self.is_complete(s, roles)]
+        except CheckpointError as exc:
+            log.warning("checkpoint.retention_failed", path=str(self.root), error=str(exc))
+            return []
         if len(complete) <= keep_last:
             return []
         oldest_kept = complete[-keep_last]
         deleted: list[int] = []
-        log = structlog.get_logger()
         for step in all_steps:
             if step >= oldest_kept or step in protect:
                 continue
-            if _remove_tree(self.step_dir(step)):
-                deleted.append(step)
+            try:
+                if _remove_tree(self.step_dir(step), self.root):
+                    deleted.append(step)
+            except OSError as exc:
+                log.warning("checkpoint.retention_failed", step=step, path=str(self.step_dir(step)),
+                            error=str(exc), action="left for the next save to remove")
+                if lstat(self.step_dir(step)) is None:
+                    deleted.append(step)  # out of sight already; the sweep removes the rest
         if deleted:
             log.info("checkpoint.retention", root=str(self.root), deleted=deleted,
                      keep_last=keep_last, protected=sorted(protect))

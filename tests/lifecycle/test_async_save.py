@@ -169,7 +169,7 @@ def test_background_failure_is_raised_by_the_next_save_and_never_committed(
     fill(model, 2)
     with capture_logs() as logs:
         pending = lc.save(2)
-        with pytest.raises(OSError):
+        with pytest.raises(CheckpointError, match=r"step 2.*No space left on device \(ENOSPC\)"):
             pending.wait(30)
     failed = [r for r in logs if r["event"] == "checkpoint.async_save"]
     assert failed and failed[0]["ok"] is False and failed[0]["step"] == 2 and "No space" in failed[0]["error"]

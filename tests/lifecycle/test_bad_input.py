@@ -1,9 +1,11 @@
 """Bad checkpoints reach the user as a `CheckpointError` naming the file and the fault.
 
-Everything here goes through `Lifecycle.resume()`, the user's entry point. Two outcomes only:
-a step that was never committed (no manifest, or one that does not parse) is skipped and the
-older step resumes; a committed step whose files are damaged is refused loudly, the worker
-ends FAILED, and resume never falls back past it to an older step or to a fresh start.
+Everything here goes through `Lifecycle.resume()`, the user's entry point, with
+`resume.on_damaged: refuse`. Two outcomes only: a step that was never committed (no manifest,
+or one that does not parse) is skipped and the older step resumes; a committed step whose
+files are damaged is refused loudly, the worker ends FAILED, and resume never falls back past
+it to an older step or to a fresh start. (`fallback`, the default, sets a damaged step aside
+instead: tests/lifecycle/test_damaged_steps.py.)
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def has_weights_of(model: nn.Module, step: int) -> bool:
 def lifecycle_at(root: Path, model: nn.Module | None = None, verify: bool = True, **resume: Any) -> Lifecycle:
     model = Net() if model is None else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    resume = {"on_damaged": "refuse", **resume}
     cfg = {"checkpoint": {"root": str(root), "load": {"verify": verify}}, "resume": resume}
     return Lifecycle(cfg, role=ROLE, model=model, optimizer=optimizer)
 
@@ -261,7 +264,7 @@ def test_manifest_file_path_escaping_the_folder_is_refused(root: Path, bad: str)
     manifest = json.loads((folder / MANIFEST).read_text())
     manifest["files"].append({"path": bad, "size": 1, "xxh3_64": "0000000000000000"})
     (folder / MANIFEST).write_text(json.dumps(manifest))
-    refused(lifecycle_at(root), str(folder / MANIFEST), repr(bad), "escapes")
+    refused(lifecycle_at(root), str(folder / MANIFEST), repr(bad), "is refused")
 
 
 def test_content_folder_escaping_the_folder_is_refused(root: Path) -> None:
@@ -282,7 +285,7 @@ def test_symlink_pointing_outside_is_refused(root: Path, tmp_path: Path, what: s
     else:
         shutil.rmtree(folder / "model")
         (folder / "model").symlink_to(outside, target_is_directory=True)
-    refused(lifecycle_at(root), str(folder / MANIFEST), repr(WEIGHTS), "escapes")
+    refused(lifecycle_at(root), str(folder / MANIFEST), repr(WEIGHTS), "is refused")
 
 
 # Pickles planted in extra/ -----------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 import torch
 from torch import nn
 
@@ -61,7 +62,7 @@ def test_save_layout_and_figures(tmp_path: Path) -> None:
     ckpt = DiskCheckpointer(config(tmp_path), role="actor")
     info = ckpt.save(3, parts(), Progress(step=3))
     assert tree(tmp_path) == [
-        "global_step_3/actor/extra/rank_0/extra.json", "global_step_3/actor/extra/rank_0/rng.safetensors",
+        ".lock-actor", "global_step_3/actor/extra/rank_0/extra.json", "global_step_3/actor/extra/rank_0/rng.safetensors",
         "global_step_3/actor/manifest.json", "global_step_3/actor/model/model.safetensors",
         "global_step_3/actor/optimizer/optimizer.json", "global_step_3/actor/optimizer/optimizer.safetensors",
         TRACKER,
@@ -134,8 +135,11 @@ def test_resume_needs_every_configured_role(tmp_path: Path) -> None:
     assert (tmp_path / TRACKER).read_text() == "1\n"
 
 
+REFUSE = {"on_damaged": "refuse"}
+
+
 def test_resume_refuses_a_corrupt_step_and_then_a_load_of_the_possibly_overwritten_model(tmp_path: Path) -> None:
-    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+    ckpt = DiskCheckpointer(config(tmp_path, resume=REFUSE), role="actor")
     save_steps(ckpt, parts(), [1])
     weights = tmp_path / "global_step_1" / "actor" / "model" / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -151,7 +155,7 @@ def test_resume_refuses_a_corrupt_step_and_then_a_load_of_the_possibly_overwritt
 def test_a_manifest_naming_the_plain_xxh3_checksum_still_resumes_and_still_catches_a_flipped_byte(
     tmp_path: Path,
 ) -> None:
-    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+    ckpt = DiskCheckpointer(config(tmp_path, resume=REFUSE), role="actor")
     saved = parts()
     save_steps(ckpt, saved, [1])
     folder = tmp_path / "global_step_1" / "actor"
@@ -170,8 +174,9 @@ def test_a_manifest_naming_the_plain_xxh3_checksum_still_resumes_and_still_catch
         ckpt.resume(parts(seed=5))
 
 
-def test_planted_pickle_in_extra_is_refused_and_never_executed(tmp_path: Path) -> None:
-    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+@pytest.mark.parametrize("on_damaged", ["refuse", "fallback"])
+def test_planted_pickle_in_extra_is_refused_and_never_executed(tmp_path: Path, on_damaged: str) -> None:
+    ckpt = DiskCheckpointer(config(tmp_path, resume={"on_damaged": on_damaged}), role="actor")
     save_steps(ckpt, parts(), [1])
     marker = tmp_path / "pwned"
 
@@ -185,6 +190,7 @@ def test_planted_pickle_in_extra_is_refused_and_never_executed(tmp_path: Path) -
     with pytest.raises(CheckpointError, match="rng.pt"):
         ckpt.resume(parts())
     assert not marker.exists()
+    assert len(list(tmp_path.glob("global_step_1.damaged-*"))) == (on_damaged == "fallback")
 
 
 @pytest.mark.parametrize("which", ["step", "role"])
@@ -251,13 +257,34 @@ def test_requested_content_missing_from_checkpoint_is_an_error(tmp_path: Path) -
         DiskCheckpointer(config(tmp_path), role="actor").resume(parts())
 
 
-def test_retention_keeps_last_and_the_step_resumed_from(tmp_path: Path) -> None:
-    cfg = config(tmp_path, checkpoint={"keep_last": 1})
-    save_steps(DiskCheckpointer(cfg, role="actor"), parts(), [1])
+def steps_on_disk(root: Path) -> list[int]:
+    return sorted(int(q.name.removeprefix("global_step_")) for q in root.glob("global_step_*"))
+
+
+def test_retention_forgets_the_step_resumed_from_once_keep_last_newer_steps_are_committed(tmp_path: Path) -> None:
+    """The PPO example's shape: resumed at 20 with keep_last 2, the root ends with the newest two only."""
+    cfg = config(tmp_path, checkpoint={"keep_last": 2})
+    save_steps(DiskCheckpointer(cfg, role="actor"), parts(), [10, 20])
     ckpt = DiskCheckpointer(cfg, role="actor")
-    assert ckpt.resume(parts()).step == 1
-    save_steps(ckpt, parts(), [2, 3])
-    assert sorted(q.name for q in tmp_path.glob("global_step_*")) == ["global_step_1", "global_step_3"]
+    assert ckpt.resume(parts()).step == 20
+    save_steps(ckpt, parts(), [25, 30, 35])
+    assert steps_on_disk(tmp_path) == [30, 35] and ckpt.protected == frozenset()
+
+
+def test_retention_protects_an_older_step_resumed_from_until_keep_last_newer_steps_are_committed(
+    tmp_path: Path,
+) -> None:
+    """Resumed from an older step than the newest on disk: it survives the first save after the
+    resume (only one newer step of its own line), and goes with the second."""
+    save_steps(DiskCheckpointer(config(tmp_path), role="actor"), parts(), [1, 5, 6])
+    cfg = config(tmp_path, checkpoint={"keep_last": 2},
+                 resume={"mode": "path", "path": str(tmp_path / "global_step_1")})
+    ckpt = DiskCheckpointer(cfg, role="actor")
+    assert ckpt.resume(parts()).step == 1 and ckpt.protected == {1}
+    save_steps(ckpt, parts(), [2])
+    assert steps_on_disk(tmp_path) == [1, 2, 5, 6] and ckpt.protected == {1}
+    save_steps(ckpt, parts(), [3])
+    assert steps_on_disk(tmp_path) == [3, 5, 6] and ckpt.protected == frozenset()
 
 
 def test_extra_from_another_world_size_restores_progress_only(tmp_path: Path) -> None:
@@ -345,10 +372,16 @@ def test_load_initial_from_a_committed_torch_dcp_model_folder_verifies_it_first(
         DiskCheckpointer(cfg, role="actor").load_initial(parts(seed=9))
 
 
-def test_load_initial_refuses_an_uncommitted_torch_dcp_folder(tmp_path: Path) -> None:
+def test_load_initial_from_an_uncommitted_torch_dcp_folder_loads_and_says_it_is_unverified(tmp_path: Path) -> None:
+    """Its metadata goes through the allow-list (tests/backends/test_dcp_metadata.py), so no
+    pickle can run; nothing vouches for the bytes, and the log says so."""
     from backends.torch_dcp import TorchDCPBackend
 
-    TorchDCPBackend().save_model(parts().model, tmp_path / "loose")
+    source = parts(seed=3)
+    TorchDCPBackend().save_model(source.model, tmp_path / "loose")
     cfg = config(None, checkpoint={"save": {"format": "torch_dcp"}, "pre_load": {"format": "torch_dcp", "path": str(tmp_path / "loose")}})
-    with pytest.raises(CheckpointError, match="pickled .metadata"):
-        DiskCheckpointer(cfg, role="actor").load_initial(parts())
+    target = parts(seed=9)
+    with capture_logs() as logs:
+        DiskCheckpointer(cfg, role="actor").load_initial(target)
+    assert all(torch.equal(a, b) for a, b in zip(source.model.parameters(), target.model.parameters()))
+    assert [r["path"] for r in logs if r["event"] == "checkpoint.pre_load.unverified"] == [str(tmp_path / "loose")]

@@ -139,7 +139,7 @@ def test_status_gives_reasons_per_role(tmp_path: Path) -> None:
     commit(store, 1, "actor")
     status = store.status(1, ["actor", "critic"])
     assert status["actor"] == []
-    assert "manifest missing" in status["critic"][0]
+    assert "role folder missing" in status["critic"][0]
 
 
 def test_recommitting_a_step_replaces_the_old_folder(tmp_path: Path) -> None:
@@ -234,7 +234,7 @@ def test_manifest_paths_never_escape_the_folder(tmp_path: Path, bad: str) -> Non
     data["files"].append({"path": bad, "size": 1, "xxh3_64": "0000000000000000"})
     (final / "manifest.json").write_text(json.dumps(data))
     problems = store.validate(1, "actor", deep=True)
-    assert any(repr(bad) in p and "escapes" in p for p in problems)
+    assert any(repr(bad) in p and "refused" in p for p in problems)
 
 
 def test_content_folder_escaping_is_a_problem(tmp_path: Path) -> None:

@@ -1,0 +1,192 @@
+"""`resume.on_damaged`: an unattended restart gets past a damaged newest step, and never past a
+model that does not fit, nor into a silent fresh start.
+
+Damage is real here: bytes flipped, files cut short, removed, or made unreadable for a process
+without root's powers. Every test checks that the step resumed holds exactly its weights and
+that nothing was deleted: a damaged step is renamed aside.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from lifecycle import CheckpointError, State
+from lifecycle.report import inspect_root, verify_root
+from tests.lifecycle.hostile import ROLE, Net, has_weights_of, lifecycle_at, run_unprivileged, saved_run
+
+WEIGHTS = "model/model.safetensors"
+
+
+def role_folder(root: Path, step: int, role: str = ROLE) -> Path:
+    return root / f"global_step_{step}" / role
+
+
+def set_aside(root: Path, step: int) -> list[Path]:
+    return sorted(root.glob(f"global_step_{step}.damaged-*"))
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    path.write_bytes(bytes(data))
+
+
+def damage(root: Path, how: str, step: int = 2) -> Path:
+    path = role_folder(root, step) / WEIGHTS
+    if how == "flipped":
+        flip_byte(path)
+    elif how == "short":
+        path.write_bytes(path.read_bytes()[:-7])
+    elif how == "missing":
+        path.unlink()
+    elif how == "optimizer-flipped":
+        path = role_folder(root, step) / "optimizer" / "optimizer.safetensors"
+        flip_byte(path)
+    return path
+
+
+@pytest.mark.parametrize(("how", "verify"), [
+    ("flipped", True), ("short", True), ("missing", True), ("optimizer-flipped", True),
+    ("short", False), ("missing", False),  # with load.verify false a flipped byte is not looked for
+])
+def test_a_damaged_newest_step_is_set_aside_and_the_previous_one_resumes_exactly(
+    tmp_path: Path, how: str, verify: bool
+) -> None:
+    saved_run(tmp_path)
+    path = damage(tmp_path, how)
+    lc = lifecycle_at(tmp_path, verify=verify)
+    with capture_logs() as logs:
+        assert lc.resume() == 1
+    assert lc.state is State.READY and has_weights_of(lc.parts.model, 1) and lc.progress.step == 1
+    [aside] = set_aside(tmp_path, 2)
+    assert not (tmp_path / "global_step_2").exists()
+    assert (aside / ROLE / "manifest.json").is_file()  # renamed, nothing deleted
+    [record] = [r for r in logs if r["event"] == "checkpoint.step_quarantined"]
+    assert record["log_level"] == "error" and record["step"] == 2 and record["path"] == str(aside)
+    assert any(str(path) in problem for problem in record["files"]), record["files"]
+
+
+def test_an_unreadable_file_is_damage_too(tmp_path: Path) -> None:
+    saved_run(tmp_path)
+    (role_folder(tmp_path, 2) / WEIGHTS).chmod(0)
+    code = ("import sys; from pathlib import Path; from tests.lifecycle.hostile import *; "
+            "lc = lifecycle_at(Path(sys.argv[1])); step = lc.resume(); "
+            "print('RESUMED', step, has_weights_of(lc.parts.model, step))")
+    result = run_unprivileged(code, str(tmp_path))
+    assert "RESUMED 1 True" in result.stdout, result.stderr
+    assert "Permission denied" in result.stdout + result.stderr  # the quarantine record names why
+    assert len(set_aside(tmp_path, 2)) == 1
+
+
+def test_a_model_that_does_not_fit_is_refused_and_nothing_is_set_aside(tmp_path: Path) -> None:
+    saved_run(tmp_path)
+    lc = lifecycle_at(tmp_path)
+    lc.parts.model = Net(width=7)
+    lc.parts.optimizer = torch.optim.AdamW(lc.parts.model.parameters())
+    with pytest.raises(CheckpointError, match="model-config hash"):
+        lc.resume()
+    assert lc.state is State.FAILED and set_aside(tmp_path, 2) == [] and role_folder(tmp_path, 2).is_dir()
+
+
+def test_a_step_intact_on_disk_but_unloadable_is_a_refusal_not_damage(tmp_path: Path) -> None:
+    """extra.json rewritten with a value numpy refuses, and the manifest re-signed: the bytes are
+    what the manifest says, so this is not damage; resume stops, renames nothing."""
+    saved_run(tmp_path)
+    folder = role_folder(tmp_path, 2)
+    extra = folder / "extra" / "rank_0" / "extra.json"
+    doc = json.loads(extra.read_text())
+    doc["rng"]["numpy"]["pos"] = 10_000
+    extra.write_text(json.dumps(doc))
+    from tests.lifecycle.test_bad_input import resign
+
+    resign(folder)
+    lc = lifecycle_at(tmp_path)
+    with pytest.raises(CheckpointError, match="rng.numpy.pos"):
+        lc.resume()
+    assert set_aside(tmp_path, 2) == [] and folder.is_dir()
+
+
+def test_with_no_undamaged_step_left_resume_refuses_instead_of_starting_fresh(tmp_path: Path) -> None:
+    saved_run(tmp_path)
+    damage(tmp_path, "flipped", step=1)
+    damage(tmp_path, "flipped", step=2)
+    lc = lifecycle_at(tmp_path)
+    with pytest.raises(CheckpointError, match="(?s)no undamaged checkpoint is left.*step 2.*step 1") as caught:
+        lc.resume()
+    assert str(role_folder(tmp_path, 2) / WEIGHTS) in str(caught.value)
+    assert lc.state is State.FAILED and len(set_aside(tmp_path, 1)) == len(set_aside(tmp_path, 2)) == 1
+    again = lifecycle_at(tmp_path)  # the restart after: still no fresh start over them
+    with pytest.raises(CheckpointError, match="(?s)no undamaged checkpoint.*damaged-"):
+        again.resume()
+
+
+@pytest.mark.parametrize("resume", [{"on_damaged": "refuse"}, {"mode": "path"}], ids=["refuse", "path"])
+def test_refuse_and_mode_path_stop_at_damage_and_rename_nothing(tmp_path: Path, resume: dict[str, str]) -> None:
+    saved_run(tmp_path)
+    path = damage(tmp_path, "flipped")
+    if resume.get("mode") == "path":
+        resume = {**resume, "path": str(tmp_path / "global_step_2")}
+    lc = lifecycle_at(tmp_path, **resume)
+    with pytest.raises(CheckpointError, match="cannot resume from step 2") as caught:
+        lc.resume()
+    assert str(path) in str(caught.value) and "checksum" in str(caught.value)
+    assert set_aside(tmp_path, 2) == [] and role_folder(tmp_path, 2).is_dir()
+
+
+def test_roles_agree_through_the_disk_on_the_step_to_resume(tmp_path: Path) -> None:
+    """Only the actor's part of step 2 is damaged; the critic, resuming first, sees it too."""
+    roles = ("actor", "critic")
+    saved_run(tmp_path, roles=roles)
+    damage(tmp_path, "flipped")
+    critic = lifecycle_at(tmp_path, role="critic", roles=list(roles))
+    assert critic.resume() == 1 and has_weights_of(critic.parts.model, 1)
+    assert len(set_aside(tmp_path, 2)) == 1
+    actor = lifecycle_at(tmp_path, role="actor", roles=list(roles))
+    assert actor.resume() == 1 and has_weights_of(actor.parts.model, 1)
+
+
+def test_the_actor_finding_its_own_damage_sets_aside_the_step_the_critic_then_skips(tmp_path: Path) -> None:
+    roles = ("actor", "critic")
+    saved_run(tmp_path, roles=roles)
+    damage(tmp_path, "short")
+    actor = lifecycle_at(tmp_path, role="actor", roles=list(roles))
+    assert actor.resume() == 1
+    critic = lifecycle_at(tmp_path, role="critic", roles=list(roles))
+    assert critic.resume() == 1 and has_weights_of(critic.parts.model, 1)
+
+
+def test_saving_after_a_fallback_reuses_the_step_number_and_retention_never_touches_the_damaged(
+    tmp_path: Path,
+) -> None:
+    saved_run(tmp_path)
+    damage(tmp_path, "flipped")
+    lc = lifecycle_at(tmp_path, keep_last=1)
+    assert lc.resume() == 1
+    for step in (2, 3, 4):
+        lc.save(step)
+    assert sorted(p.name for p in tmp_path.glob("global_step_*") if ".damaged-" not in p.name) == ["global_step_4"]
+    assert len(set_aside(tmp_path, 2)) == 1
+
+
+def test_inspect_and_verify_list_the_steps_set_aside_and_verify_fails_while_any_remain(tmp_path: Path) -> None:
+    import io
+
+    saved_run(tmp_path)
+    damage(tmp_path, "flipped")
+    assert lifecycle_at(tmp_path).resume() == 1
+    [aside] = set_aside(tmp_path, 2)
+    out = io.StringIO()
+    assert inspect_root(tmp_path, None, out) == 1
+    assert "set aside as damaged (1" in out.getvalue() and aside.name in out.getvalue()
+    out = io.StringIO()
+    assert verify_root(tmp_path, None, None, out, io.StringIO()) == 1
+    assert "1 of 1 role folders verified" in out.getvalue() and aside.name in out.getvalue()
+    import shutil
+
+    shutil.rmtree(aside)
+    assert verify_root(tmp_path, None, None, io.StringIO(), io.StringIO()) == 0

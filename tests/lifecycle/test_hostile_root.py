@@ -1,0 +1,379 @@
+"""A checkpoint root treated as hostile input: odd names, odd file types, full disks, missing
+permissions, symlinks and housekeeping that fails. Each case ends in a typed error naming what
+is wrong, in bounded time, with nothing written outside the root, and the previous step still
+resumable with its exact weights; or, after a commit, in a logged warning and a save that
+succeeds."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from lifecycle import CheckpointError, State
+from lifecycle.manifest import MANIFEST
+from lifecycle.report import MAX_LINES, inspect_root, verify_root
+from lifecycle.store import TRACKER, CheckpointStore
+from tests.lifecycle.hostile import ROLE, fill, has_weights_of, lifecycle_at, run_unprivileged, saved_run
+
+HANG_GUARD_S = 60
+
+
+def within(seconds: float, work: Callable[[], object]) -> object:
+    """Run `work` on a thread; fail (instead of hanging the suite) when it blocks."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as exc:  # handed to the test thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"blocked for more than {seconds} s"
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box.get("value")
+
+
+def resumes_exactly(root: Path, step: int) -> None:
+    lc = lifecycle_at(root, on_damaged="refuse")
+    assert lc.resume() == step and has_weights_of(lc.parts.model, step)
+
+
+def folder(root: Path, step: int = 2) -> Path:
+    return root / f"global_step_{step}" / ROLE
+
+
+def rewrite_manifest(path: Path, edit: Callable[[dict], None]) -> None:
+    data = json.loads((path / MANIFEST).read_text())
+    edit(data)
+    (path / MANIFEST).write_text(json.dumps(data))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lifecycle", *args], capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+
+
+# Manifest paths that cannot be files ------------------------------------------------------------
+
+BAD_PATHS = {  # path: what the refusal says
+    "nul": ("model/model\x00.safetensors", "NUL byte"),
+    "long-name": ("model/" + "x" * 300, "longer than 255"),
+    "through-a-file": ("model/model.safetensors/inner", "listed in the manifest but missing"),
+    "lone-surrogate": ("model/\ud800.safetensors", "cannot be encoded"),
+    "too-long": ("a/" * 2100 + "x", "longer than 4096"),
+}
+
+
+@pytest.mark.parametrize(("bad", "says"), BAD_PATHS.values(), ids=BAD_PATHS.keys())
+def test_manifest_paths_that_cannot_be_files_are_refused_by_resume_verify_and_inspect(
+    tmp_path: Path, bad: str, says: str
+) -> None:
+    saved_run(tmp_path)
+    rewrite_manifest(folder(tmp_path), lambda d: d["files"].append({"path": bad, "size": 1, "xxh3_64": "0" * 16}))
+    lc = lifecycle_at(tmp_path, on_damaged="refuse")
+    with pytest.raises(CheckpointError, match=says) as caught:
+        lc.resume()
+    assert str(folder(tmp_path)) in str(caught.value) and lc.state is State.FAILED
+    out = io.StringIO()
+    assert verify_root(tmp_path, None, None, out, io.StringIO()) == 1 and says in out.getvalue()
+    assert inspect_root(tmp_path, None, io.StringIO()) == 1
+    lc = lifecycle_at(tmp_path)  # fallback: step 2 set aside, step 1 resumes exactly
+    assert lc.resume() == 1 and has_weights_of(lc.parts.model, 1)
+
+
+def test_a_content_folder_with_a_nul_byte_is_refused(tmp_path: Path) -> None:
+    saved_run(tmp_path)
+    rewrite_manifest(folder(tmp_path), lambda d: d["contents"]["model"].update(folder="mo\x00del"))
+    with pytest.raises(CheckpointError, match="NUL"):
+        lifecycle_at(tmp_path, on_damaged="refuse").resume()
+
+
+def test_a_manifest_nested_too_deep_or_with_a_huge_number_is_not_a_manifest(tmp_path: Path) -> None:
+    saved_run(tmp_path)
+    (folder(tmp_path) / MANIFEST).write_text("[" * 100_000)
+    (folder(tmp_path, 1) / MANIFEST).write_text('{"step": ' + "9" * 5000 + "}")
+    store = CheckpointStore(tmp_path)
+    assert "nested too deeply" in store.validate(2, ROLE, deep=False)[0]
+    assert "not valid JSON" in store.validate(1, ROLE, deep=False)[0]
+    lc = lifecycle_at(tmp_path)  # neither counts as committed, yet a fresh start would train over them
+    with pytest.raises(CheckpointError, match="(?s)none can be resumed.*nested too deeply.*not valid JSON"):
+        lc.resume()
+    assert lc.state is State.FAILED
+
+
+# Odd file types: nothing blocks --------------------------------------------------------------
+
+def test_a_fifo_in_place_of_the_manifest_is_refused_without_blocking(tmp_path: Path) -> None:
+    saved_run(tmp_path)
+    (folder(tmp_path) / MANIFEST).unlink()
+    os.mkfifo(folder(tmp_path) / MANIFEST)
+    with pytest.raises(CheckpointError, match="FIFO"):
+        within(HANG_GUARD_S, lambda: CheckpointStore(tmp_path).read_manifest(2, ROLE))
+    lc = lifecycle_at(tmp_path)
+    assert within(HANG_GUARD_S, lc.resume) == 1 and has_weights_of(lc.parts.model, 1)
+    assert within(HANG_GUARD_S, lambda: inspect_root(tmp_path, None, io.StringIO())) == 1
+    result = within(HANG_GUARD_S, lambda: cli("verify", str(tmp_path)))
+    assert result.returncode == 1 and "FIFO" in result.stdout  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("where", ["model/model.safetensors", "model/planted.safetensors", "extra/rank_0/fifo"])
+def test_a_fifo_inside_a_step_is_refused_in_cheap_and_deep_checks(tmp_path: Path, where: str) -> None:
+    saved_run(tmp_path)
+    path = folder(tmp_path) / where
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    store = CheckpointStore(tmp_path)
+    for deep in (False, True):
+        assert any(str(path) in p and "FIFO" in p for p in store.validate(2, ROLE, deep=deep))
+    lc = lifecycle_at(tmp_path, verify=False, on_damaged="refuse")
+    with pytest.raises(CheckpointError, match="FIFO"):
+        within(HANG_GUARD_S, lc.resume)
+    resumes_exactly_after_removal = lifecycle_at(tmp_path, verify=False)
+    assert within(HANG_GUARD_S, resumes_exactly_after_removal.resume) == 1
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "huge-number", "not-ascii", "symlink"])
+def test_a_tracker_that_is_not_a_tracker_never_fails_a_save(tmp_path: Path, kind: str) -> None:
+    saved_run(tmp_path, steps=(1,))
+    tracker = tmp_path / TRACKER
+    tracker.unlink()
+    if kind == "fifo":
+        os.mkfifo(tracker)
+    elif kind == "folder":
+        tracker.mkdir()
+    elif kind == "huge-number":
+        tracker.write_text("9" * 10_000)
+    elif kind == "not-ascii":
+        tracker.write_bytes(b"\xff\xfe1")
+    else:
+        (tmp_path / "target").write_text("keep me")
+        tracker.symlink_to(tmp_path / "target")
+    lc = lifecycle_at(tmp_path)
+    assert within(HANG_GUARD_S, lc.resume) == 1
+    with capture_logs() as logs:
+        for step in (2, 3):
+            fill(lc.parts.model, step)
+            assert within(HANG_GUARD_S, lambda: lc.save(step)).step == step  # type: ignore[union-attr]
+    assert lc.state is State.READY
+    if kind == "folder":  # cannot be replaced: logged by each save, which succeeds
+        failed = [r for r in logs if r["event"] == "checkpoint.tracker_failed"]
+        assert len(failed) == 2 and failed[0]["path"] == str(tracker) and failed[0]["step"] == 2
+        assert "Is a directory" in failed[0]["error"]
+    else:  # read as no step: the save puts a good tracker in its place
+        assert CheckpointStore(tmp_path).read_tracker() == 3
+    if kind == "symlink":
+        assert (tmp_path / "target").read_text() == "keep me"
+    assert not list(tmp_path.glob(f".{TRACKER}.tmp-*"))
+    resumes_exactly(tmp_path, 3)
+
+
+# Permissions: a process without root's powers ------------------------------------------------
+
+UNPRIVILEGED_RESUME = """
+import sys
+from pathlib import Path
+from lifecycle import CheckpointError
+from tests.lifecycle.hostile import lifecycle_at, has_weights_of
+lc = lifecycle_at(Path(sys.argv[1]), on_damaged=sys.argv[2])
+try:
+    step = lc.resume()
+    print("RESUMED", step, has_weights_of(lc.parts.model, step))
+except CheckpointError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.mark.parametrize("target", ["file", "folder", "manifest"])
+def test_unreadable_files_and_folders_are_named_with_the_errno_text(tmp_path: Path, target: str) -> None:
+    saved_run(tmp_path)
+    path = {"file": folder(tmp_path) / "optimizer" / "optimizer.json",
+            "folder": folder(tmp_path) / "model",
+            "manifest": folder(tmp_path) / MANIFEST}[target]
+    path.chmod(0)
+    try:
+        refused = run_unprivileged(UNPRIVILEGED_RESUME, str(tmp_path), "refuse")
+        assert "Traceback" not in refused.stderr, refused.stderr
+        if target == "manifest":  # an unreadable manifest: not committed, the step before resumes
+            assert "RESUMED 1 True" in refused.stdout
+        else:
+            assert "REFUSED" in refused.stdout and str(path) in refused.stdout
+            assert "Permission denied" in refused.stdout
+        falls_back = run_unprivileged(UNPRIVILEGED_RESUME, str(tmp_path), "fallback")
+        assert "RESUMED 1 True" in falls_back.stdout, falls_back.stdout + falls_back.stderr
+        listing = run_unprivileged("import sys; from lifecycle.cli import main; sys.exit(main(sys.argv[1:]))",
+                                   "verify", str(tmp_path))
+        assert listing.returncode in (1, 2) and "Traceback" not in listing.stderr, listing.stderr
+    finally:
+        subprocess.run(["chmod", "-R", "u+rwX", str(tmp_path)], check=True)  # the step may be set aside
+
+
+def test_an_unreadable_root_is_a_checkpoint_error_naming_it(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    saved_run(root)
+    root.chmod(0)
+    try:
+        result = run_unprivileged(UNPRIVILEGED_RESUME, str(root), "fallback")
+        assert "REFUSED" in result.stdout and str(root) in result.stdout and "Permission denied" in result.stdout
+        listing = run_unprivileged("import sys; from lifecycle.cli import main; sys.exit(main(sys.argv[1:]))",
+                                   "inspect", str(root))
+        assert listing.returncode == 2 and "Permission denied" in listing.stderr and "Traceback" not in listing.stderr
+    finally:
+        root.chmod(0o755)
+
+
+# A full disk --------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs, unmounted after the test."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_fails_the_save_naming_the_step_and_gives_its_space_back(small_disk: Path) -> None:
+    root = small_disk / "ckpt"
+    lc = lifecycle_at(root)
+    lc.init_load()
+    fill(lc.parts.model, 1)
+    lc.save(1)
+    ballast = small_disk / "ballast"
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    ballast.write_bytes(b"\0" * max(0, free - 4096))
+    fill(lc.parts.model, 2)
+    with pytest.raises(CheckpointError, match=r"step 2 .*No space left on device \(ENOSPC\)"):
+        lc.save(2)
+    assert lc.state is State.FAILED
+    assert not (root / "global_step_2" / f".staging-{ROLE}").exists()
+    ballast.unlink()
+    resumes_exactly(root, 1)
+
+
+# Step folder names and junk --------------------------------------------------------------------
+
+def test_a_zero_padded_step_folder_is_reported_and_never_crashes_the_cli(tmp_path: Path) -> None:
+    saved_run(tmp_path)
+    (tmp_path / "global_step_2").rename(tmp_path / "global_step_0002")
+    for command in ("inspect", "verify"):
+        result = cli(command, str(tmp_path))
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert "global_step_0002: not a canonical step folder name" in result.stdout
+    lc = lifecycle_at(tmp_path)
+    assert lc.resume() == 1 and has_weights_of(lc.parts.model, 1)
+
+
+def test_hundreds_of_junk_entries_give_bounded_output_and_the_rest_is_still_checked(tmp_path: Path) -> None:
+    saved_run(tmp_path)
+    for i in range(500):
+        (tmp_path / f"global_step_{i:05d}").mkdir()
+        (tmp_path / f"junk-{i}").mkdir()
+        (tmp_path / "global_step_1" / f"not a role {i}").mkdir()
+    (tmp_path / "global_step_\udcff").mkdir()  # a name that is not UTF-8
+    for command in ("inspect", "verify"):
+        result = cli(command, str(tmp_path))
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        lines = result.stdout.splitlines()
+        assert len(lines) < 6 * MAX_LINES + 40, f"{len(lines)} lines"
+        assert "... and" in result.stdout
+    assert "2 of 2 role folders verified" in cli("verify", str(tmp_path)).stdout
+
+
+# Symlinks ------------------------------------------------------------------------------------
+
+def test_a_step_folder_symlinked_outside_the_root_is_never_written_through(tmp_path: Path) -> None:
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    saved_run(root, steps=(1,))
+    outside.mkdir()
+    (root / "global_step_2").symlink_to(outside)
+    lc = lifecycle_at(root)
+    assert lc.resume() == 1
+    with pytest.raises(CheckpointError, match="global_step_2: a step folder is a symlink"):
+        lc.save(2)
+    assert list(outside.iterdir()) == []
+    resumes_exactly(root, 1)
+
+
+def test_a_role_folder_symlinked_elsewhere_is_not_followed_on_resume(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    saved_run(root)
+    folder(root).rename(elsewhere)
+    folder(root).symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match="a role folder is a symlink"):
+        lifecycle_at(root, on_damaged="refuse").resume()
+    lc = lifecycle_at(root)
+    assert lc.resume() == 1 and has_weights_of(lc.parts.model, 1)
+    assert (elsewhere / MANIFEST).is_file()  # set aside as a link; what it pointed at is untouched
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink"])
+def test_a_planted_lock_or_staging_entry_is_handled_without_blocking(tmp_path: Path, plant: str) -> None:
+    saved_run(tmp_path, steps=(1,))
+    lock = tmp_path / f".lock-{ROLE}"
+    lock.unlink()
+    if plant == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.symlink_to(tmp_path / "elsewhere")
+    lc = lifecycle_at(tmp_path)
+    assert lc.resume() == 1
+    with pytest.raises(CheckpointError, match=str(lock)):
+        within(HANG_GUARD_S, lambda: lc.save(2))
+    assert not (tmp_path / "elsewhere").exists()
+    resumes_exactly(tmp_path, 1)
+
+
+# Housekeeping after a commit -----------------------------------------------------------------
+
+RETENTION = """
+import sys
+from pathlib import Path
+from structlog.testing import capture_logs
+from tests.lifecycle.hostile import lifecycle_at, fill
+lc = lifecycle_at(Path(sys.argv[1]), keep_last=1)
+assert lc.resume() == int(sys.argv[2])
+with capture_logs() as logs:
+    for step in map(int, sys.argv[3].split(",")):
+        fill(lc.parts.model, step)
+        lc.save(step)
+print("STATE", lc.state.name)
+print("FAILED", sum(r["event"] == "checkpoint.retention_failed" for r in logs))
+"""
+
+
+def test_retention_that_cannot_delete_is_logged_and_retried_never_failing_a_save(tmp_path: Path) -> None:
+    saved_run(tmp_path, steps=(1, 2))
+    stuck = tmp_path / "global_step_1" / ROLE / "model"
+    stuck.chmod(0o555)  # its file cannot be unlinked without root's powers
+    try:
+        first = run_unprivileged(RETENTION, str(tmp_path), "2", "3,4")
+        assert "STATE READY" in first.stdout, first.stdout + first.stderr
+        assert "FAILED 0" not in first.stdout  # the step went out of sight; removing it failed, logged
+        assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_4"]
+        assert list(tmp_path.glob(".trash-*"))  # the leftover waits for a later save
+    finally:
+        for leftover in tmp_path.glob(".trash-*/**/model"):
+            leftover.chmod(0o755)
+        stuck.chmod(0o755) if stuck.exists() else None
+    again = run_unprivileged(RETENTION, str(tmp_path), "4", "5")
+    assert "STATE READY" in again.stdout and "FAILED 0" in again.stdout, again.stdout + again.stderr
+    assert not list(tmp_path.glob(".trash-*"))
+    resumes_exactly(tmp_path, 5)
