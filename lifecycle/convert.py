@@ -4,6 +4,11 @@
 processes (gloo on CPU, NCCL on GPU), builds the Megatron model at that layout through mbridge,
 loads SRC with the matching backend and writes DST with the other. DST appears only when every
 rank has finished: the ranks write into a hidden folder beside it, renamed at the end.
+
+Each rank leads a process group of its own, which whatever it starts joins (dist_checkpointing
+starts a multiprocessing manager in a rank that writes): when a rank ends, or is ended because
+a peer failed, its whole group is killed, so no process of a conversion outlives it. A rank
+whose parent died ends its group too.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -87,7 +94,50 @@ def _folder_mb(folder: Path) -> float:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
 
 
+def _lead_own_group() -> None:
+    """Lead a new process group (before starting anything), and end it if the parent dies: a rank
+    orphaned by a killed `convert` would otherwise wait for its peers until the group's timeout."""
+    if not hasattr(os, "setpgrp"):
+        return
+    os.setpgrp()
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _exited(proc: mp.process.BaseProcess) -> bool | None:
+    """True once `proc` has exited, False while it runs, None once it was reaped; reaps nothing itself.
+
+    Until it is reaped, its pid, and so the id of the process group it leads, stays reserved.
+    """
+    if not hasattr(os, "waitid"):
+        return None if not proc.is_alive() else False  # is_alive reaps: no group kill after it
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return None
+
+
+def _end(proc: mp.process.BaseProcess) -> None:
+    """SIGKILL what is left of the process group `proc` leads (proc itself, a manager it started), then reap it."""
+    if proc.pid is None:
+        return
+    if hasattr(os, "killpg") and _exited(proc) is not None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing left in it, or proc never got to lead one
+    proc.kill()
+    proc.join()
+
+
 def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, port: int) -> None:
+    _lead_own_group()
     import torch
     import torch.distributed as dist
 
@@ -121,14 +171,22 @@ def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, 
 
 
 def _wait(procs: list[mp.process.BaseProcess]) -> None:
-    """Until all ranks end; one that fails ends the others, which would wait for it forever."""
-    while any(p.is_alive() for p in procs):
-        if any(p.exitcode not in (None, 0) for p in procs):
-            for p in procs:
-                p.kill()
-        time.sleep(0.2)
-    for p in procs:
-        p.join()
+    """Until all ranks end; one that fails ends the others, which would wait for it forever.
+
+    Each rank is ended (`_end`: its group killed, then reaped) as soon as it exits.
+    """
+    running = list(procs)
+    while running:
+        for proc in [p for p in running if _exited(p) is not False]:
+            running.remove(proc)
+            _end(proc)
+            if proc.exitcode != 0:
+                for peer in running:
+                    _end(peer)
+                running.clear()
+                break
+        if running:
+            time.sleep(0.1)
 
 
 def convert(job: ConvertJob) -> Path:
@@ -153,7 +211,6 @@ def convert(job: ConvertJob) -> Path:
         staging.rename(job.dst)
     finally:
         for p in procs:
-            if p.is_alive():
-                p.kill()
+            _end(p)
         shutil.rmtree(staging, ignore_errors=True)
     return job.dst

@@ -4,6 +4,13 @@ Each rank is a fresh 'spawn' process (no fork of pytest's state); the group meet
 port of 127.0.0.1. A rank reports through a file in the test's tmp folder: its return value
 as JSON, or its traceback. A rank that is still alive at the deadline is killed, and the test
 fails naming it, so a collective that never completes costs seconds, not the suite.
+
+Each rank leads a process group of its own, and whatever it starts joins it: megatron's
+dist_checkpointing starts a multiprocessing manager in a rank that saves, and a rollout test
+starts a process from a rank. Once a rank has ended, or is killed at the deadline, its whole
+group is killed (the helpers `lifecycle.convert` uses for its ranks), so nothing a rank started
+outlives the test, even when the rank died by SIGKILL (a crash test) and never shut its children
+down. A rank whose parent (pytest) died kills its own group.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 import pytest
 
 from backends.base import free_port
+from lifecycle.convert import _end, _exited, _lead_own_group
 
 RankFn = Callable[[int, int, Path], Any]
 """fn(rank, world_size, tmp_path) -> a JSON-serialisable value; must be a module-level function."""
@@ -35,6 +43,7 @@ def _result_file(tmp_path: Path, rank: int) -> Path:
 def _child(
     fn: RankFn, rank: int, world_size: int, port: int, tmp_path: Path, pg_timeout_s: float, backend: str
 ) -> None:
+    _lead_own_group()
     import torch
     import torch.distributed as dist
 
@@ -69,16 +78,20 @@ def run_ranks(
         _result_file(tmp_path, r).unlink(missing_ok=True)
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, tmp_path, timeout_s / 2, backend),
                          name=f"rank{r}") for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [p.name for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        running = list(procs)
+        while running and time.monotonic() < deadline:
+            for p in [p for p in running if _exited(p) is not False]:
+                running.remove(p)
+                _end(p)  # kills what the rank left behind in its group (a manager, a process it started)
+            time.sleep(0.05)
+        hung = [p.name for p in running]
+    finally:
+        for p in procs:
+            _end(p)
     results, errors = [], []
     for r in range(world_size):
         path = _result_file(tmp_path, r)
