@@ -13,12 +13,13 @@ errno's own text (disk full says disk full).
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import re
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import BinaryIO
 
 from lifecycle.errors import CheckpointError
@@ -88,7 +89,7 @@ def rel_problem(rel: str) -> str | None:
         return f"{rel!r} is not a relative path"
     if "\x00" in rel:
         return f"{rel!r} holds a NUL byte"
-    if "\\" in rel or PurePosixPath(rel).is_absolute():
+    if "\\" in rel or rel.startswith("/"):
         return f"{rel!r} is not a relative posix path"
     size = _size(rel)
     if size is not None and size > PATH_MAX:
@@ -101,12 +102,16 @@ def rel_problem(rel: str) -> str | None:
     return None
 
 
-def inside(folder: Path, rel: str) -> Path:
+def inside(folder: Path, rel: str, *, resolve: bool = True) -> Path:
     """The path `rel` names inside `folder`: refused when the string is malformed or the path,
-    symlinks resolved, would lead out of `folder`."""
+    symlinks resolved, would lead out of `folder`. `resolve=False` checks the string only,
+    for a caller that refuses every symlink in the folder anyway (resolving costs two
+    system calls per component, which a manifest of many files pays many times over)."""
     if problem := rel_problem(rel):
         raise CheckpointError(f"{folder}: {problem}")
     target = folder / rel
+    if not resolve:
+        return target
     try:
         escapes = not target.resolve().is_relative_to(folder.resolve())
     except (OSError, RuntimeError, ValueError) as exc:
@@ -126,7 +131,7 @@ def kind(mode: int) -> str:
     return "special file"
 
 
-def lstat(path: Path, what: str = "cannot stat") -> os.stat_result | None:
+def lstat(path: str | Path, what: str = "cannot stat") -> os.stat_result | None:
     """`os.lstat`, None when nothing is there (or a path component is not a folder)."""
     try:
         return os.lstat(path)
@@ -157,6 +162,23 @@ def real_dir(path: Path, what: str) -> bool:
     if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{path}: {what} is a {kind(st.st_mode)}, not a folder; refusing to follow it")
     return True
+
+
+def special_files(folder: Path) -> list[str]:
+    """Entries of `folder` (one level, symlinks followed: an HF cache snapshot is all links)
+    that are not regular files or folders: a FIFO, socket or device would block or misread."""
+    problems: list[str] = []
+    with os_errors("cannot list the folder", folder):
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    for entry in entries:
+        try:
+            mode = entry.stat(follow_symlinks=True).st_mode
+        except OSError as exc:
+            problems.append(str(os_error(exc, "cannot stat", entry.path)))
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            problems.append(f"{entry.path}: a {kind(mode)}, not a regular file")
+    return problems
 
 
 def open_regular(path: Path) -> BinaryIO:
@@ -201,6 +223,22 @@ def step_name_problem(name: str) -> str | None:
     if parse_step(name) is None and _PADDED_RE.fullmatch(name):
         return "not a canonical step folder name (global_step_<number>, no zero padding, at most 18 digits)"
     return None
+
+
+MAX_STEP = 10**18 - 1
+"""The largest step a folder name holds (18 digits)."""
+
+
+def check_step(step: object) -> int:
+    """A step number to save under: an integer (numpy and 0-d torch integers included), 0 to
+    `MAX_STEP`; anything else would name a folder resume never reads, or none."""
+    try:
+        number = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        raise CheckpointError(f"step must be an integer, got {step!r} ({type(step).__name__})") from None
+    if isinstance(step, bool) or not 0 <= number <= MAX_STEP:
+        raise CheckpointError(f"step must be an integer from 0 to {MAX_STEP}, got {step!r}")
+    return int(number)
 
 
 def parse_step_number(text: str, where: Path) -> int:

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import structlog
 
-from backends.base import FormatBackend, backend_class, failed_ranks
+from backends.base import FormatBackend, backend_class, failed_ranks, listed
 from lifecycle.async_save import BackgroundSaver, PendingSave
-from lifecycle.boundary import lstat, os_errors
+from lifecycle.boundary import check_step, lstat, os_errors, special_files
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.extra import save_extra
@@ -197,13 +197,15 @@ class DiskCheckpointer:
         allow-list, but nothing vouches for the bytes)."""
         with os_errors("cannot read checkpoint.pre_load.path", folder):
             committed = next((f for f in (folder, folder.parent) if lstat(f / MANIFEST) is not None), None)
+        if committed is None and (odd := special_files(folder)):
+            raise CheckpointError(f"{folder}: cannot load initial weights:\n  " + listed(odd))
         if committed is None and name in ("torch_dcp", "dist_ckpt"):
             structlog.get_logger().warning(
                 "checkpoint.pre_load.unverified", path=str(folder), format=name,
                 reason="not a committed checkpoint: no checksums to verify the files against; metadata is "
                        "read through an allow-list, but load only checkpoints you trust")
         if committed is not None and (problems := check_folder(committed, deep=True)):
-            raise CheckpointError(f"{committed}: cannot load initial weights:\n  " + "\n  ".join(problems))
+            raise CheckpointError(f"{committed}: cannot load initial weights:\n  " + listed(problems))
 
     def save(self, step: int, parts: Parts, progress: Progress) -> SaveInfo:
         """Write and commit `step`; with `save.async`, return once the state is copied to host.
@@ -212,6 +214,7 @@ class DiskCheckpointer:
         is time the training loop stood still. Rank 0 holds the role's writer lock from
         staging to commit; a save that fails before its commit removes what it staged."""
         started = time.perf_counter()
+        step = check_step(step)
         self.wait()
         name = _value(self.config.checkpoint.save.format)
         backend = backend_class(name)()
@@ -405,6 +408,8 @@ class DiskCheckpointer:
         if found is None:
             return None
         step, progress = found
+        if _value(self.config.resume.mode) == "path" and self.config.checkpoint.root is not None and self.rank == 0:
+            self.store.supersede(step)  # a rollback: steps past it must not be resumed after a crash
         self.protect(step)
         log_resumed(self.role, step, self.store.role_dir(step, self.role) if self.config.checkpoint.root
                     else Path(str(self.config.resume.path)), self.config.checkpoint.load.verify)

@@ -26,7 +26,7 @@ from lifecycle.errors import CheckpointError, ConfigError
 __all__ = [
     "APPLY_MODES", "CONFIG_FILE_LIMIT", "ENGINE_BACKENDS", "MAX_BUCKET_BYTES", "MAX_KEEP_LAST", "MAX_TIMEOUT_S",
     "MIN_BUCKET_BYTES", "ROLLOUT_DTYPES", "CheckpointConfig", "Content", "EngineConfig", "Format", "LifecycleConfig",
-    "LoadConfig", "OnDamaged", "PreLoadConfig", "ResumeConfig", "ResumeMode", "SaveConfig",
+    "LoadConfig", "OnDamaged", "format_family", "PreLoadConfig", "ResumeConfig", "ResumeMode", "SaveConfig",
 ]
 
 
@@ -362,6 +362,15 @@ def _parse_yaml(name: str, text: str) -> object:
         raise ConfigError(name, "not valid YAML: nested too deeply to parse") from exc
     except (ValueError, ArithmeticError) as exc:
         raise ConfigError(name, f"not valid YAML: a value cannot be read: {exc}") from exc
+
+
+def format_family(name: str) -> str | None:
+    """The model family a format belongs to ("Megatron" or "plain-torch"); None for a name
+    that is not a format."""
+    try:
+        return _FAMILIES[Format(name)]
+    except ValueError:
+        return None
 
 
 def _same_family(key: str, fmt: Format, other_key: str, other: Format) -> None:

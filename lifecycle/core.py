@@ -15,6 +15,7 @@ import structlog
 from structlog.contextvars import bind_contextvars, reset_contextvars
 from transitions import MachineError
 
+from lifecycle.boundary import check_step
 from lifecycle.config import LifecycleConfig, ResumeMode
 from lifecycle.errors import InvalidTransition, LifecycleError
 from lifecycle.machine import (
@@ -168,7 +169,7 @@ class Lifecycle:
 
     def save(self, step: int | None = None) -> SaveInfo:
         """READY -> SAVING -> READY: write and commit a checkpoint; returns what was written."""
-        step = self.progress.step if step is None else step
+        step = check_step(self.progress.step if step is None else step)  # before the machine moves
         with Phase(self, "save", step) as phase:
             self.progress.step = step
             info = self.checkpointer.save(step, self.parts, self.progress)

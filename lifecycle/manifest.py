@@ -10,6 +10,7 @@ import json
 import os
 import stat
 import sys
+import tempfile
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import suppress
@@ -28,8 +29,10 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 """2: file checksums are keyed by their algorithm's name (1: always `xxh3_64`); both are read."""
 HASH_THREADS = 2
-MANIFEST_LIMIT = 256 * 1024 * 1024
-"""The largest manifest read: some hundred bytes per file, so a million files fit."""
+MANIFEST_LIMIT = 64 * 1024 * 1024
+"""The largest manifest read: about a hundred bytes per file, so several hundred thousand files fit."""
+MAX_SIZE = 1 << 62
+"""A file size a manifest may state; anything larger is not a size."""
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "format_version": int,
@@ -63,13 +66,15 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write a temporary file beside `path`, then rename it over `path`; the temporary file is
+    created fresh under a random name (never opened through something planted there) and
     removed when anything fails, so a failed write leaves nothing behind."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         with suppress(OSError):
@@ -183,7 +188,7 @@ def build_manifest(
     """
     found, odd = scan(folder)
     if odd:
-        raise CheckpointError(f"{folder}: cannot commit:\n  " + "\n  ".join(odd))
+        raise CheckpointError(f"{folder}: cannot commit:\n  " + "\n  ".join(odd[:20]))
     rels = [rel for rel in found if rel != MANIFEST and not rel.startswith(f".{MANIFEST}")]
     digests = _digests(folder, rels, fsync=fsync)
     for sub in sorted({(folder / rel).parent for rel in rels} | {folder}):
@@ -245,9 +250,11 @@ def _shape_problems(data: dict[str, Any]) -> list[str]:
             problems.append(f"contents[{name!r}] needs string 'backend' and 'folder'")
     for i, entry in enumerate(data["files"]):
         ok = (isinstance(entry, dict) and isinstance(entry.get("path"), str)
-              and type(entry.get("size")) is int and any(isinstance(entry.get(a), str) for a in ALGORITHMS))
+              and type(entry.get("size")) is int and 0 <= entry["size"] <= MAX_SIZE
+              and any(isinstance(entry.get(a), str) for a in ALGORITHMS))
         if not ok:
-            problems.append(f"files[{i}] needs 'path' (str), 'size' (int) and one of {list(ALGORITHMS)} (str)")
+            problems.append(f"files[{i}] needs 'path' (str), 'size' (int, 0 to 2**62) and one of "
+                            f"{list(ALGORITHMS)} (str)")
     return problems
 
 
@@ -320,6 +327,7 @@ def _check_listed(
     """Listed paths, and (algorithm, digest) of each listed file whose presence and size check out."""
     listed: set[str] = set()
     to_hash: dict[str, tuple[str, str]] = {}
+    base = os.fspath(folder)
     for entry in files:
         rel = entry["path"]
         if rel in listed:
@@ -329,8 +337,11 @@ def _check_listed(
         if rel == MANIFEST:
             problems.append(f"{folder / MANIFEST}: lists the manifest itself")
             continue
+        if problem := rel_problem(rel):  # no resolving: scan() refuses any symlink in the folder
+            problems.append(f"{folder / MANIFEST}: file path {rel!r} is refused: {folder}: {problem}")
+            continue
+        target = f"{base}/{rel}"
         try:
-            target = inside(folder, rel)
             st = lstat(target)
         except CheckpointError as exc:
             problems.append(f"{folder / MANIFEST}: file path {rel!r} is refused: {exc}")

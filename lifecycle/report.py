@@ -18,7 +18,7 @@ from typing import TextIO
 from lifecycle.boundary import kind, parse_step, role_problem, step_name_problem
 from lifecycle.errors import CheckpointError
 from lifecycle.manifest import read_manifest_file
-from lifecycle.store import DAMAGED, TRACKER, CheckpointStore
+from lifecycle.store import TRACKER, CheckpointStore
 
 MAX_LINES = 20
 """Lines of one kind (junk entries, problems of one role) shown before a summary line."""
@@ -50,6 +50,8 @@ class Survey:
     roles: list[str] = field(default_factory=list)
     damaged: list[str] = field(default_factory=list)
     """Steps resume set aside (`global_step_N.damaged-<time>`)."""
+    superseded: list[str] = field(default_factory=list)
+    """Steps a rollback set aside (`global_step_N.superseded-<time>`)."""
     wrong: list[str] = field(default_factory=list)
     """Entries that look like checkpoint data but cannot be one (padded names, symlinks, unreadable)."""
     ignored: list[str] = field(default_factory=list)
@@ -59,13 +61,13 @@ class Survey:
 def survey(store: CheckpointStore, roles: list[str] | None) -> Survey:
     """Every step, the roles they hold, and what else is in the root; nothing here raises for
     a bad entry (only for a root that cannot be listed at all)."""
-    found = Survey(steps=store.steps(), damaged=store.quarantined())
+    found = Survey(steps=store.steps(), damaged=store.quarantined(), superseded=store.superseded())
     for entry in sorted(store.entries(), key=lambda e: e.name):
         name = entry.name
         if parse_step(name) is not None:
             if not _is_dir(entry):
                 found.wrong.append(f"{entry.path}: a {_kind(entry)}, not a step folder; not followed")
-        elif DAMAGED in name and name in found.damaged:
+        elif name in found.damaged or name in found.superseded:
             continue
         elif problem := step_name_problem(name):
             found.wrong.append(f"{entry.path}: {problem}")
@@ -141,6 +143,9 @@ def _root_notes(found: Survey, out: TextIO) -> None:
     if found.damaged:
         out.write(f"set aside as damaged ({len(found.damaged)}; resume never reads them; inspect, then remove):\n")
         _bounded(found.damaged, out, "  ", "damaged steps")
+    if found.superseded:
+        out.write(f"superseded by a rollback ({len(found.superseded)}; resume never reads them):\n")
+        _bounded(found.superseded, out, "  ", "superseded steps")
     if found.wrong:
         out.write(f"wrong ({len(found.wrong)}):\n")
         _bounded(found.wrong, out, "  ", "wrong entries")

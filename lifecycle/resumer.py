@@ -23,10 +23,10 @@ from typing import Any
 
 import structlog
 
-from backends.base import backend_class, reduce_int
+from backends.base import backend_class, listed, reduce_int
 from lifecycle.boundary import lstat, os_errors, parse_step, real_dir
 from lifecycle.checksum import ALGORITHM, check_unverified, expecting
-from lifecycle.config import LifecycleConfig
+from lifecycle.config import LifecycleConfig, format_family
 from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint
 from lifecycle.extra import load_extra
 from lifecycle.manifest import MANIFEST, check_folder, checksum_of, read_manifest_file, resolve_inside
@@ -154,7 +154,7 @@ class Resumer:
             self.overwritten = None
             return progress
         what = f"{folder}: cannot resume from step {step}"
-        detail = "\n  ".join(problems) if problems else "another rank refused it (see its error)"
+        detail = listed(problems) if problems else "another rank refused it (see its error)"
         if agreed is Verdict.DAMAGED and fallback:
             raise DamagedCheckpoint(f"{what}:\n  {detail}", problems or [f"{folder}: damaged on another rank"])
         raise CheckpointError(f"{what}:\n  {detail}")
@@ -170,7 +170,9 @@ class Resumer:
                 with expecting(digests) as verified:
                     progress = self._load(parts, manifest, folder, step)
                 check_unverified(digests, verified)
-        except CheckpointError as exc:
+        except Exception as exc:  # a backend or a dataloader raising its own type: still a refusal, typed
+            if not isinstance(exc, CheckpointError):
+                exc = CheckpointError(f"{folder}: loading step {step} failed: {type(exc).__name__}: {exc}")
             self.overwritten = f"a failed resume from {folder}"
             damage = check_folder(folder, deep=True, expect_step=step, expect_role=self.role, manifest=manifest)
             if damage:
@@ -206,9 +208,10 @@ class Resumer:
         older manifests are hashed apart, before loading.
         """
         later: set[str] = set()
+        family = format_family(_value(self.config.checkpoint.load_format))
         for entry in manifest["contents"].values():
-            try:
-                fused = backend_class(entry["backend"]).verifies_reads
+            try:  # a format of another family is refused when loading; never imported for this
+                fused = format_family(entry["backend"]) == family and backend_class(entry["backend"]).verifies_reads
             except ConfigError:
                 fused = False
             prefix = entry["folder"].rstrip("/") + "/"
@@ -258,6 +261,11 @@ class Resumer:
         if name != wanted:
             structlog.get_logger().warning("checkpoint.resume.format_differs", content=content,
                                            saved_with=name, load_format=wanted, path=str(folder))
+        wanted_family, saved_family = format_family(wanted), format_family(name)
+        if saved_family != wanted_family:
+            raise CheckpointError(f"{folder.parent / MANIFEST}: {content!r} was saved with format {name!r} "
+                                  f"({saved_family or 'not a format'}), which cannot load into this worker's "
+                                  f"{wanted_family} model (checkpoint.load.format {wanted!r})")
         try:
             backend = backend_class(name)()
         except ConfigError as exc:

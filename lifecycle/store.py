@@ -38,6 +38,10 @@ TRACKER_LIMIT = 64
 """The tracker holds one step number: anything longer is not a tracker."""
 DAMAGED = ".damaged-"
 """`global_step_N.damaged-<time>`: a step resume set aside; never resumed, never deleted by retention."""
+SUPERSEDED = ".superseded-"
+"""`global_step_N.superseded-<time>`: a step newer than the one a run was rolled back to."""
+MAX_LOGGED = 50
+"""Problems one log record lists; the rest are counted."""
 Agree = Callable[[bool], int]
 """Every rank says whether it failed; returns how many ranks did (all ranks call it)."""
 
@@ -299,9 +303,16 @@ class CheckpointStore:
 
     def quarantined(self) -> list[str]:
         """Names of the steps resume set aside as damaged, oldest step first."""
+        return self._aside(DAMAGED)
+
+    def superseded(self) -> list[str]:
+        """Names of the steps set aside because the run was rolled back past them."""
+        return self._aside(SUPERSEDED)
+
+    def _aside(self, marker: str) -> list[str]:
         names = [e.name for e in self.entries()
-                 if DAMAGED in e.name and parse_step(e.name.split(DAMAGED)[0]) is not None]
-        return sorted(names, key=lambda name: (int(name.split(DAMAGED)[0].removeprefix(STEP_PREFIX)), name))
+                 if marker in e.name and parse_step(e.name.split(marker)[0]) is not None]
+        return sorted(names, key=lambda name: (int(name.split(marker)[0].removeprefix(STEP_PREFIX)), name))
 
     def status(self, step: int, roles: Sequence[str], *, deep: bool = False) -> dict[str, list[str]]:
         """Per role, why the step cannot be trusted (an empty list: it can)."""
@@ -342,17 +353,35 @@ class CheckpointStore:
         """Rename a damaged step aside (`global_step_N.damaged-<time>`); nothing is deleted.
 
         None when it is gone already: another role or rank set it aside first."""
+        aside = self._set_aside(step, DAMAGED, "damaged")
+        if aside is not None:
+            structlog.get_logger().error("checkpoint.step_quarantined", step=step, path=str(aside),
+                                         files=list(problems[:MAX_LOGGED]), more=max(0, len(problems) - MAX_LOGGED),
+                                         action="resuming the next newest complete step")
+        return aside
+
+    def supersede(self, newer_than: int) -> list[Path]:
+        """Rename aside (`global_step_N.superseded-<time>`) every step newer than `newer_than`:
+        the run was rolled back past them, and neither a later resume nor retention may take
+        them for its own."""
+        moved = [aside for step in self.steps() if step > newer_than
+                 and (aside := self._set_aside(step, SUPERSEDED, "rolled back past")) is not None]
+        if moved:
+            structlog.get_logger().warning("checkpoint.steps_superseded", resumed_step=newer_than,
+                                           paths=[str(p) for p in moved],
+                                           reason="resumed from an older step; these are never resumed or deleted")
+        return moved
+
+    def _set_aside(self, step: int, marker: str, why: str) -> Path | None:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        aside = self.root / f"{self.step_dir(step).name}{DAMAGED}{stamp}-{uuid.uuid4().hex[:6]}"
+        aside = self.root / f"{self.step_dir(step).name}{marker}{stamp}-{uuid.uuid4().hex[:6]}"
         try:
             os.rename(self.step_dir(step), aside)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise CheckpointError(f"{self.step_dir(step)}: damaged, and cannot be set aside: "
+            raise CheckpointError(f"{self.step_dir(step)}: {why}, and cannot be set aside: "
                                   f"{exc.strerror or exc}") from exc
-        structlog.get_logger().error("checkpoint.step_quarantined", step=step, path=str(aside),
-                                     files=list(problems), action="resuming the next newest complete step")
         return aside
 
     def read_tracker(self) -> int | None:

@@ -60,9 +60,12 @@ class WriterLock:
                     raise CheckpointError(f"{self.path}: the writer lock is a symlink; refusing to follow it") from exc
                 raise
         try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise CheckpointError(f"{self.path}: the writer lock is a {kind(mode)}, not a regular file")
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{self.path}: the writer lock is a {kind(st.st_mode)}, not a regular file")
+            if st.st_nlink != 1:
+                raise CheckpointError(f"{self.path}: the writer lock has {st.st_nlink} names (a hard link planted "
+                                      "to another file?); remove it")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -258,7 +258,8 @@ def test_requested_content_missing_from_checkpoint_is_an_error(tmp_path: Path) -
 
 
 def steps_on_disk(root: Path) -> list[int]:
-    return sorted(int(q.name.removeprefix("global_step_")) for q in root.glob("global_step_*"))
+    """Step folders resume can read (set-aside ones are named global_step_N.<why>-<time>)."""
+    return sorted(int(q.name.removeprefix("global_step_")) for q in root.glob("global_step_*") if "." not in q.name)
 
 
 def test_retention_forgets_the_step_resumed_from_once_keep_last_newer_steps_are_committed(tmp_path: Path) -> None:
@@ -271,22 +272,23 @@ def test_retention_forgets_the_step_resumed_from_once_keep_last_newer_steps_are_
     assert steps_on_disk(tmp_path) == [30, 35] and ckpt.protected == frozenset()
 
 
-def test_retention_protects_an_older_step_resumed_from_until_keep_last_newer_steps_are_committed(
-    tmp_path: Path,
-) -> None:
-    """Resumed from an older step than the newest on disk: it survives the first save after the
-    resume (only one newer step of its own line), and goes with the second."""
-    save_steps(DiskCheckpointer(config(tmp_path), role="actor"), parts(), [1, 5, 6])
-    cfg = config(tmp_path, checkpoint={"keep_last": 2},
-                 resume={"mode": "path", "path": str(tmp_path / "global_step_1")})
-    ckpt = DiskCheckpointer(cfg, role="actor")
-    assert ckpt.resume(parts()).step == 1 and ckpt.protected == {1}
-    save_steps(ckpt, parts(), [2])
-    assert steps_on_disk(tmp_path) == [1, 2, 5, 6] and ckpt.protected == {1}
-    save_steps(ckpt, parts(), [3])
-    assert steps_on_disk(tmp_path) == [3, 5, 6] and ckpt.protected == frozenset()
-
-
+def test_a_rollback_sets_the_steps_past_it_aside_so_a_crash_restart_resumes_the_rollback(tmp_path: Path) -> None:
+    """Resumed by path from step 10 while step 20 exists: 20 belongs to an abandoned line. It is
+    renamed aside (never deleted), retention counts only the new line, and an automatic resume
+    after a crash picks the new line's newest step, not 20."""
+    save_steps(DiskCheckpointer(config(tmp_path), role="actor"), parts(), [10, 20])
+    rollback = config(tmp_path, checkpoint={"keep_last": 2},
+                      resume={"mode": "path", "path": str(tmp_path / "global_step_10")})
+    ckpt = DiskCheckpointer(rollback, role="actor")
+    with capture_logs() as logs:
+        assert ckpt.resume(parts()).step == 10
+    [aside] = tmp_path.glob("global_step_20.superseded-*")
+    assert (aside / "actor" / "manifest.json").is_file()
+    assert [r["paths"] for r in logs if r["event"] == "checkpoint.steps_superseded"] == [[str(aside)]]
+    save_steps(ckpt, parts(), [11, 12, 13, 14])
+    assert steps_on_disk(tmp_path) == [13, 14]
+    crashed = DiskCheckpointer(config(tmp_path, checkpoint={"keep_last": 2}), role="actor")
+    assert crashed.resume(parts()).step == 14
 def test_extra_from_another_world_size_restores_progress_only(tmp_path: Path) -> None:
     save_steps(DiskCheckpointer(config(tmp_path), role="actor"), parts(), [4])
     ckpt = DiskCheckpointer(config(tmp_path), role="actor", rank=1, world_size=2, barrier=lambda: None)

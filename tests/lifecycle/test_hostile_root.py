@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from lifecycle import CheckpointError, State
+from lifecycle import CheckpointError, Lifecycle, State
 from lifecycle.manifest import MANIFEST
 from lifecycle.report import MAX_LINES, inspect_root, verify_root
 from lifecycle.store import TRACKER, CheckpointStore
-from tests.lifecycle.hostile import ROLE, fill, has_weights_of, lifecycle_at, run_unprivileged, saved_run
+from tests.lifecycle.hostile import ROLE, Net, fill, has_weights_of, lifecycle_at, run_unprivileged, saved_run
 
 HANG_GUARD_S = 60
 
@@ -377,3 +377,104 @@ def test_retention_that_cannot_delete_is_logged_and_retried_never_failing_a_save
     assert "STATE READY" in again.stdout and "FAILED 0" in again.stdout, again.stdout + again.stderr
     assert not list(tmp_path.glob(".trash-*"))
     resumes_exactly(tmp_path, 5)
+
+
+# Writes never go through something planted ----------------------------------------------------
+
+def test_a_symlink_planted_at_the_trackers_temporary_name_is_never_written_through(tmp_path: Path) -> None:
+    root, precious = tmp_path / "ckpt", tmp_path / "precious"
+    root.mkdir()
+    precious.write_text("PRECIOUS\n")
+    for pid in range(os.getpid() - 50, os.getpid() + 50):  # the names a pid-based temporary file would take
+        (root / f".{TRACKER}.tmp-{pid}").symlink_to(precious)
+    lc = lifecycle_at(root)
+    lc.init_load()
+    lc.save(1)
+    assert precious.read_text() == "PRECIOUS\n"
+    assert not (root / TRACKER).is_symlink() and CheckpointStore(root).read_tracker() == 1
+
+
+def test_a_lock_file_hard_linked_to_another_file_is_refused_untouched(tmp_path: Path) -> None:
+    root, precious = tmp_path / "ckpt", tmp_path / "precious"
+    saved_run(root, steps=(1,))
+    precious.write_text("PRECIOUS\n")
+    (root / f".lock-{ROLE}").unlink()
+    os.link(precious, root / f".lock-{ROLE}")
+    lc = lifecycle_at(root)
+    assert lc.resume() == 1
+    with pytest.raises(CheckpointError, match="names .a hard link"):
+        lc.save(2)
+    assert precious.read_text() == "PRECIOUS\n"
+
+
+@pytest.mark.parametrize("step", [1.5, True, "3", -1, 10**18, None])
+def test_a_step_that_cannot_name_a_folder_is_refused_before_the_machine_moves(tmp_path: Path, step: object) -> None:
+    saved_run(tmp_path, steps=(1,))
+    lc = lifecycle_at(tmp_path)
+    assert lc.resume() == 1
+    lc.progress.step = step  # type: ignore[assignment]  # what save() falls back to without an argument
+    with pytest.raises(CheckpointError, match="step must be an integer"):
+        lc.save(step) if step is not None else lc.save()
+    assert lc.state is State.READY
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("global_step")) == ["global_step_1"]
+    resumes_exactly(tmp_path, 1)
+
+
+def test_numpy_and_torch_integer_steps_are_saved_as_plain_numbers(tmp_path: Path) -> None:
+    import numpy as np
+    import torch
+
+    lc = lifecycle_at(tmp_path)
+    lc.init_load()
+    lc.save(np.int64(2))  # type: ignore[arg-type]
+    lc.save(torch.tensor(3))  # type: ignore[arg-type]
+    assert CheckpointStore(tmp_path).steps() == [2, 3] and CheckpointStore(tmp_path).read_manifest(3, ROLE)["step"] == 3
+
+
+# Loading what the manifest vouches for, into what the worker runs --------------------------------
+
+def test_a_pre_load_folder_holding_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    saved_run(tmp_path / "run", steps=(1,))
+    init = tmp_path / "init"
+    init.mkdir()
+    for f in (folder(tmp_path / "run", 1) / "model").iterdir():
+        (init / f.name).write_bytes(f.read_bytes())
+    os.mkfifo(init / "extra.safetensors")
+    lc = Lifecycle({"checkpoint": {"pre_load": {"path": str(init)}}}, role=ROLE, model=Net())
+    with pytest.raises(CheckpointError, match="extra.safetensors: a FIFO"):
+        within(HANG_GUARD_S, lc.init_load)
+
+
+def test_a_dataloader_raising_its_own_error_on_resume_is_a_checkpoint_error(tmp_path: Path) -> None:
+    class Loader:
+        def state_dict(self) -> dict:
+            return {"position": 3}
+
+        def load_state_dict(self, state: dict) -> None:
+            raise KeyError("epoch")
+
+    lc = lifecycle_at(tmp_path)
+    lc.parts.dataloader = Loader()
+    lc.init_load()
+    lc.save(1)
+    again = lifecycle_at(tmp_path, on_damaged="refuse")
+    again.parts.dataloader = Loader()
+    with pytest.raises(CheckpointError, match="KeyError: 'epoch'"):
+        again.resume()
+    assert again.state is State.FAILED
+
+
+def test_a_manifest_naming_a_format_of_another_model_family_is_refused_before_importing_it(tmp_path: Path) -> None:
+    saved_run(tmp_path)
+    rewrite_manifest(folder(tmp_path), lambda d: d["contents"]["model"].update(backend="dist_ckpt"))
+    with pytest.raises(CheckpointError, match="saved with format 'dist_ckpt' .Megatron."):
+        lifecycle_at(tmp_path, on_damaged="refuse").resume()
+
+
+def test_a_manifest_stating_an_impossible_size_is_not_a_manifest_and_inspect_says_so(tmp_path: Path) -> None:
+    saved_run(tmp_path)
+    rewrite_manifest(folder(tmp_path), lambda d: d["files"][0].update(size=10**400))
+    result = cli("inspect", str(tmp_path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr and "0 to 2**62" in result.stdout
+    lc = lifecycle_at(tmp_path)
+    assert lc.resume() == 1 and has_weights_of(lc.parts.model, 1)
