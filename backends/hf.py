@@ -8,6 +8,7 @@ JSON (structure) plus safetensors (tensors), so loading it never unpickles anyth
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,14 +17,18 @@ import torch
 
 from backends.base import current_rank, listed
 from backends.safetensors_io import NAMES, read_file, read_header, write_file
+from lifecycle.boundary import lstat, name_problem, read_bytes
 from lifecycle.errors import CheckpointError
-from lifecycle.jsontree import decode, encode, read_optimizer_json
+from lifecycle.jsontree import decode, encode, parse_json, read_optimizer_json
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 OPTIM_JSON = "optimizer.json"
 OPTIM_TENSORS = "optimizer.safetensors"
 HF_SHARD_BYTES = 5 * 1024**3
+INDEX_LIMIT = 64 * 1024**2
+"""Bytes a safetensors index may have: those of the largest public models (~100k tensors) take
+about 10 MB."""
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -152,24 +157,24 @@ class HFBackend:
     def _plan(
         self, folder: Path, expected: Mapping[str, torch.Tensor]
     ) -> tuple[list[tuple[Path, list[str]]], list[str]]:
-        """Which file holds which tensor, from the headers alone; every mismatch found at once."""
+        """Which file holds which tensor, from the headers alone; every mismatch found at once.
+
+        With an index, a tensor must be in the one file the index maps it to: a copy in another
+        shard is refused rather than loaded (`from_pretrained` would read the index's copy).
+        """
         files: list[tuple[Path, list[str]]] = []
         problems: list[str] = []
-        for path, indexed in _weight_files(folder):
+        weight_files = _weight_files(folder)
+        mapped = {n: path for path, names in weight_files for n in names}
+        for path, indexed in weight_files:
             header, _, _ = read_header(path)
             problems += [f"{path}: tensor {n!r} listed in {INDEX} but not in the file"
                          for n in indexed if n not in header]
             names = []
             for n, entry in header.items():
-                want = expected.get(n)
-                if want is None:
-                    problems.append(f"{path}: unexpected tensor {n!r}")
-                elif list(entry["shape"]) != list(want.shape):
-                    problems.append(f"{path}: tensor {n!r} has shape {list(entry['shape'])}, "
-                                    f"the model expects {list(want.shape)}")
-                elif NAMES[entry["dtype"]] != want.dtype:
-                    problems.append(f"{path}: tensor {n!r} has dtype {NAMES[entry['dtype']]}, "
-                                    f"the model expects {want.dtype}")
+                problem = _placement_problem(n, path, mapped) or _fit_problem(n, entry, expected.get(n))
+                if problem:
+                    problems.append(f"{path}: {problem}")
                 else:
                     names.append(n)
             files.append((path, names))
@@ -194,6 +199,7 @@ class HFBackend:
         sched_state = state.get("lr_scheduler")
         if lr_scheduler is not None and sched_state is None:
             raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
+        check_optimizer_state(optimizer, state["optimizer"], path)
         try:
             optimizer.load_state_dict(state["optimizer"])
             if lr_scheduler is not None:
@@ -202,22 +208,171 @@ class HFBackend:
             raise CheckpointError(f"{path}: does not fit the optimizer or scheduler: {exc!r}") from exc
 
 
+def _placement_problem(name: str, path: Path, mapped: Mapping[str, Path]) -> str | None:
+    """With an index, a tensor found in a file the index does not map it to (another shard's copy)."""
+    if not mapped or mapped.get(name) == path:
+        return None
+    if name in mapped:
+        return f"tensor {name!r} is in this file, but {INDEX} maps it to {mapped[name]}"
+    return f"tensor {name!r} is in this file but not listed in {INDEX}"
+
+
+def _fit_problem(name: str, entry: Mapping[str, Any], want: torch.Tensor | None) -> str | None:
+    if want is None:
+        return f"unexpected tensor {name!r}"
+    if list(entry["shape"]) != list(want.shape):
+        return f"tensor {name!r} has shape {list(entry['shape'])}, the model expects {list(want.shape)}"
+    if NAMES[entry["dtype"]] != want.dtype:
+        return f"tensor {name!r} has dtype {NAMES[entry['dtype']]}, the model expects {want.dtype}"
+    return None
+
+
 def _weight_files(folder: Path) -> Iterable[tuple[Path, list[str]]]:
-    """(file, names the index puts in it) for each weight file; names empty without an index."""
+    """(file, names the index puts in it) for each weight file; names empty without an index.
+
+    Symlinks are followed (an HF cache snapshot is all links); FIFOs and other special files
+    are refused without blocking (`lifecycle.boundary.open_regular`).
+    """
     index = folder / INDEX
-    if not index.is_file():
-        if (folder / SINGLE).is_file():
+    if lstat(index) is None:
+        if lstat(folder / SINGLE) is not None:
             return [(folder / SINGLE, [])]
         raise CheckpointError(f"{folder}: no {SINGLE} or {INDEX} (pickled .bin weights are not read)")
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{index}: not a valid safetensors index: {exc!r}") from exc
+    doc = parse_json(read_bytes(index, INDEX_LIMIT, "the safetensors index", follow=True), index)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{index}: weight_map must be an object")
+        raise CheckpointError(f"{index}: not a valid safetensors index: weight_map must be an object")
     by_file: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
-        if not isinstance(fname, str) or "/" in fname or "\\" in fname or fname in ("", ".", ".."):
-            raise CheckpointError(f"{index}: tensor {name!r} maps to {fname!r}, not a file in {folder}")
+        problem = name_problem(fname) if isinstance(fname, str) else "not a file name"
+        if problem is None and not fname.endswith(".safetensors"):
+            problem = "not a .safetensors file"
+        if problem:
+            raise CheckpointError(f"{index}: tensor {name!r} maps to {fname!r}, not a weight file in "
+                                  f"{folder} ({problem})")
         by_file.setdefault(fname, []).append(name)
     return [(folder / fname, names) for fname, names in by_file.items()]
+
+
+PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                                "acc_delta", "exp_inf", "ax"})
+"""Per-parameter buffers of torch.optim's optimizers (the Adam family, SGD, RMSprop, Adadelta,
+Adamax, ASGD) that always have their parameter's shape."""
+SCALAR_STATE = frozenset({"step"})
+"""Per-parameter state that is one number, however it is stored."""
+_MISSING = object()
+
+
+def check_optimizer_state(optimizer: Any, saved: Any, path: Path) -> None:
+    """Refuse an optimizer state that `load_state_dict` takes but the first step fails on, or
+    trains on silently: buffers of another parameter's shape (two swapped), hyper-parameters
+    that are not finite numbers where the running optimizer has numbers.
+
+    Generic, not per optimizer: a tensor state must have the shape of the running optimizer's
+    own state for that key when it has one; else a known buffer (`PARAM_SHAPED_STATE`) must
+    have its parameter's shape, and any other of more than one element must too, up to
+    dimensions of 1 (factored moments, as Adafactor keeps) or be flat over the whole group
+    (as LBFGS keeps). Dtypes are not compared: `load_state_dict` casts state to its parameter's.
+    """
+    where = f"{path}: does not fit the optimizer"
+    params = _saved_params(optimizer, saved, where)
+    state = saved.get("state")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where}: optimizer.state must be a mapping of parameter number to state")
+    for number, entry in state.items():
+        if number not in params:
+            raise CheckpointError(f"{where}: optimizer.state holds parameter {number!r}, which no param_group lists")
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where}: state of parameter {number} must be a mapping, found {_clip(entry)}")
+        param, group_numel = params[number]
+        current = optimizer.state.get(param, {})
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                problem = _state_problem(key, value, param, group_numel, current.get(key))
+                if problem:
+                    raise CheckpointError(f"{where}: state of parameter {number}, key {key!r}: {problem}")
+
+
+def _saved_params(optimizer: Any, saved: Any, where: str) -> dict[Any, tuple[torch.Tensor, int]]:
+    """Saved parameter number -> (running parameter, elements in its group), matched by order
+    as `load_state_dict` matches them; the groups' hyper-parameters are checked on the way."""
+    groups = optimizer.param_groups
+    saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
+        raise CheckpointError(f"{where}: optimizer.param_groups must list {len(groups)} group(s) like the "
+                              f"running optimizer's, found {_clip(saved_groups)}")
+    params: dict[Any, tuple[torch.Tensor, int]] = {}
+    for g, (group, saved_group) in enumerate(zip(groups, saved_groups)):
+        group_where = f"{where}: param_groups[{g}]"
+        if not isinstance(saved_group, dict):
+            raise CheckpointError(f"{group_where} must be a mapping, found {_clip(saved_group)}")
+        numbers = saved_group.get("params")
+        if (not isinstance(numbers, list) or len(numbers) != len(group["params"])
+                or not all(type(n) is int for n in numbers) or len(set(numbers)) != len(numbers)):
+            raise CheckpointError(f"{group_where}.params must list {len(group['params'])} distinct parameter numbers "
+                                  f"like the running optimizer's group, found {_clip(numbers)}")
+        for key, value in group.items():
+            if key in ("params", "param_names"):
+                continue
+            if problem := _hyper_problem(value, saved_group.get(key, _MISSING)):
+                raise CheckpointError(f"{group_where}.{key}: {problem}")
+        group_numel = sum(p.numel() for p in group["params"])
+        for number, param in zip(numbers, group["params"]):
+            if number in params:
+                raise CheckpointError(f"{group_where}.params: parameter {number} is also in an earlier group")
+            params[number] = (param, group_numel)
+    return params
+
+
+def _state_problem(key: str, value: torch.Tensor, param: torch.Tensor, group_numel: int, reference: Any) -> str | None:
+    shape = list(value.shape)
+    if isinstance(reference, torch.Tensor):
+        same = value.shape == reference.shape
+        return None if same else f"has shape {shape}, the running optimizer's has {list(reference.shape)}"
+    if key in SCALAR_STATE:
+        return None if value.numel() == 1 else f"has shape {shape}, one number expected"
+    if value.shape == param.shape or (key not in PARAM_SHAPED_STATE and value.numel() <= 1):
+        return None
+    factored = value.dim() == param.dim() and all(v in (1, p) for v, p in zip(value.shape, param.shape))
+    flat = value.dim() == 1 and value.numel() == group_numel
+    if key not in PARAM_SHAPED_STATE and (factored or flat):
+        return None
+    return f"has shape {shape}, its parameter has {list(param.shape)}"
+
+
+def _hyper_problem(current: Any, saved: Any) -> str | None:
+    """Where the running optimizer has a number (or numbers, as Adam's betas), the saved group
+    must have finite ones (unless the running one is not finite either)."""
+    if _is_number(current):
+        if saved is _MISSING:
+            return f"missing; the running optimizer has {current!r}"
+        if _is_number(saved) and (_finite(saved) or not _finite(current)):
+            return None
+        return f"must be a finite number like the running optimizer's {current!r}, found {_clip(saved)}"
+    if isinstance(current, (tuple, list)) and current and all(_is_number(c) for c in current):
+        fits = (isinstance(saved, (tuple, list)) and len(saved) == len(current)
+                and all(_is_number(s) and (_finite(s) or not _finite(c)) for s, c in zip(saved, current)))
+        return None if fits else (f"must be {len(current)} finite numbers like the running optimizer's "
+                                  f"{current!r}, found {_clip(None if saved is _MISSING else saved)}")
+    if isinstance(current, bool) and saved is not _MISSING and not isinstance(saved, (bool, type(None))):
+        return f"must be true or false like the running optimizer's {current!r}, found {_clip(saved)}"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    """A real number: int or float (not bool), or a tensor of one element (a tensor lr)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer beyond a float's range
+        return False
+
+
+def _clip(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."

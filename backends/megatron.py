@@ -1,8 +1,8 @@
 """What the `mbridge` and `dist_ckpt` backends share: the model, the CPU patches, sharded state.
 
 megatron-core and mbridge are imported here and in those two modules only, so a worker that
-never uses a Megatron format never pays for (or needs) them. The CPU patches follow
-../shared/MEGATRON_ON_CPU.md: applied only when CUDA is absent, only around the call that
+never uses a Megatron format never pays for (or needs) them. The CPU patches (what megatron-core
+and mbridge assume of CUDA, made CPU-safe) are applied only when CUDA is absent, only around the call that
 needs them, and registered with the running lifecycle phase so they are undone even if the
 call never returns normally. A load swaps Megatron's DCP reader factory the same way, so its
 pickled `.metadata` is read by `backends.dcp_metadata`'s restricted unpickler.

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lifecycle.boundary import os_errors, open_regular
 from lifecycle.checksum import PIECE_BYTES, expected_digest, mark_verified, piece_digest, remember, tree_digest
 from lifecycle.errors import CheckpointError
 
@@ -42,6 +43,12 @@ DTYPES: dict[torch.dtype, str] = {
 }
 NAMES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
+METADATA = "__metadata__"
+"""The header key safetensors reserves for the file's string metadata: no tensor may have it."""
+MAX_DIMS = 64
+"""Dimensions one tensor may have: far beyond any model's, and a bound on a header's work."""
+_MAX_BYTES = 2**63 - 1
+"""What a tensor's size in bytes must fit (torch's storage size is an int64), zero-sized ones too."""
 _IOV_MAX = 1024
 """The most buffers one pwritev takes on Linux; a piece of many small tensors has more."""
 
@@ -62,8 +69,11 @@ def _prepare(tensor: torch.Tensor, name: str) -> torch.Tensor:
 
 def write_file(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> str:
     """Write `tensors` as one safetensors file; returns (and remembers) its digest (`checksum.ALGORITHM`)."""
+    if METADATA in tensors:
+        raise CheckpointError(f"{path}: tensor {METADATA!r} cannot be saved: safetensors reserves that name "
+                              f"for the header's metadata, so the file could never be loaded; rename it")
     prepared = {name: _prepare(t, name) for name, t in tensors.items()}
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    header: dict[str, Any] = {METADATA: dict(metadata)} if metadata else {}
     offset = 0
     for name, tensor in prepared.items():
         size = tensor.numel() * tensor.element_size()
@@ -133,44 +143,94 @@ def _skip(buffers: list[memoryview], count: int) -> list[memoryview]:
 
 
 def read_header(path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
-    """Tensor entries, metadata and the data section's start; a damaged header is a CheckpointError."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            raw_len = fh.read(8)
-            if len(raw_len) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-            (length,) = struct.unpack("<Q", raw_len)
-            if length > min(_MAX_HEADER, size - 8):
-                raise CheckpointError(f"{path}: truncated or corrupt safetensors header (length {length})")
-            header = json.loads(fh.read(length))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: safetensors header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    """Tensor entries, metadata and the data section's start; a damaged header is a CheckpointError.
+
+    A FIFO or other special file is refused at once, never waited on (`open_regular` following links).
+    """
+    with open_regular(path, follow=True) as fh, os_errors("cannot read the safetensors header", path):
+        size = os.fstat(fh.fileno()).st_size
+        raw_len = fh.read(8)
+        if len(raw_len) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (length,) = struct.unpack("<Q", raw_len)
+        if length > min(_MAX_HEADER, size - 8):
+            raise CheckpointError(f"{path}: truncated or corrupt safetensors header (length {length})")
+        raw = fh.read(length)
+    header = _parse_header(path, raw)
+    metadata = header.pop(METADATA, None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: safetensors {METADATA} must map names to strings")
     _check_layout(path, header, size - 8 - length)
     return header, metadata, 8 + length
 
 
+def _parse_header(path: Path, raw: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise CheckpointError(f"{path}: safetensors header is nested too deeply to be one") from None
+    except ValueError as exc:  # not UTF-8, not JSON, or an integer too long to convert
+        raise CheckpointError(f"{path}: safetensors header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    return header
+
+
 def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
-    """Every tensor's bytes lie inside the file and agree with its dtype and shape."""
+    """Every tensor's bytes lie inside the file and agree with its dtype and shape.
+
+    Offsets and dimensions must be JSON integers (not strings, floats or booleans), never
+    negative, and the tensor's size in bytes must fit torch's int64 even for one of zero
+    elements, so that nothing after this check can fail on a header's value.
+    """
     for name, entry in header.items():
-        try:
-            dtype = NAMES[entry["dtype"]]
-            begin, end = (int(x) for x in entry["data_offsets"])
-            numel = 1
-            for dim in entry["shape"]:
-                numel *= int(dim)
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {entry!r}") from None
-        expected = numel * dtype.itemsize
-        if not 0 <= begin <= end <= data_size or end - begin != expected:
+        problem = _entry_problem(entry)
+        if problem:
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry ({problem}): "
+                                  f"{_clip(entry)}")
+        begin, end = entry["data_offsets"]
+        expected = _numel(entry["shape"]) * NAMES[entry["dtype"]].itemsize
+        if not begin <= end <= data_size or end - begin != expected:
             raise CheckpointError(
                 f"{path}: tensor {name!r} needs bytes [{begin}, {end}) of {data_size}: file truncated or corrupt"
             )
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """Why one tensor's header entry cannot describe a tensor, or None."""
+    if not isinstance(entry, dict):
+        return "not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in NAMES:
+        return f"dtype must be one of {sorted(NAMES)}"
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_natural(d) for d in shape):
+        return f"shape must be a list of at most {MAX_DIMS} non-negative integers"
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(x) for x in offsets):
+        return "data_offsets must be two non-negative integers"
+    bound = _MAX_BYTES // NAMES[dtype].itemsize
+    span = 1
+    for dim in shape:
+        span *= max(dim, 1)
+        if span > bound:
+            return f"shape {_clip(shape)} would need more than {_MAX_BYTES} bytes"
+    return None
+
+
+def _natural(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _numel(shape: list[int]) -> int:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return numel
+
+
+def _clip(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def read_file(
@@ -217,17 +277,11 @@ def _mapping(path: Path) -> np.ndarray:
     A file cut short while it is mapped faults the reader (SIGBUS), as safetensors' own mapping
     does; one cut short before is refused by the size checks.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file missing") from None
-    try:
-        size = os.fstat(fd).st_size
+    with open_regular(path, follow=True) as fh, os_errors("cannot map", path):
+        size = os.fstat(fh.fileno()).st_size
         if not size:
             raise CheckpointError(f"{path}: empty file: truncated")
-        return np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ), dtype=np.uint8)
-    finally:
-        os.close(fd)
+        return np.frombuffer(mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ), dtype=np.uint8)
 
 
 def _tiles(

@@ -181,15 +181,19 @@ def special_files(folder: Path) -> list[str]:
     return problems
 
 
-def open_regular(path: Path) -> BinaryIO:
-    """Open a regular file for reading without following a symlink and without blocking on a
-    FIFO; the descriptor is checked to be a regular file before anything is read."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+def open_regular(path: Path, *, follow: bool = False) -> BinaryIO:
+    """Open a regular file for reading without blocking on a FIFO; the descriptor is checked to
+    be a regular file before anything is read. A symlink is refused, unless `follow` (weights a
+    user points at, such as an HF cache snapshot, whose files are all links into its blobs; a
+    committed step's own symlinks are refused by its manifest check first)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
     with os_errors("cannot open", path):
         try:
             fd = os.open(path, flags)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: file missing") from None
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
+            if exc.errno == errno.ELOOP and not follow:
                 raise CheckpointError(f"{path}: a symlink, not a regular file; refusing to follow it") from exc
             raise
         try:
@@ -203,9 +207,10 @@ def open_regular(path: Path) -> BinaryIO:
             raise
 
 
-def read_bytes(path: Path, limit: int, what: str) -> bytes:
-    """The whole of a small regular file; one larger than `limit` bytes is refused unread."""
-    with open_regular(path) as fh, os_errors(f"cannot read {what}", path):
+def read_bytes(path: Path, limit: int, what: str, *, follow: bool = False) -> bytes:
+    """The whole of a small regular file (`open_regular`); one larger than `limit` bytes is
+    refused unread."""
+    with open_regular(path, follow=follow) as fh, os_errors(f"cannot read {what}", path):
         data = fh.read(limit + 1)
     if len(data) > limit:
         raise CheckpointError(f"{path}: {what} is larger than {limit} bytes; refusing to read it")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from lifecycle.boundary import os_error
 from lifecycle.errors import LifecycleError
 from lifecycle.machine import mermaid
 
@@ -74,4 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     except LifecycleError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the commands did not wrap themselves: still a line, not a traceback
+        print(f"error: {os_error(exc, args.command)}", file=sys.stderr)
         return 2

@@ -14,6 +14,12 @@ import torch
 
 from lifecycle.errors import CheckpointError
 
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+"""Seeds a loaded state may hold: int64. Each epoch seeds `torch.Generator.manual_seed` (which
+takes -2**63 .. 2**64 - 1) with `seed + epoch`, so with `_EPOCH_MAX` no epoch overflows it."""
+_EPOCH_MAX = 2**62
+_FIELDS = ("epoch", "position", "seed", "num_samples", "batch_size")
+
 
 class ResumableBatchSampler:
     """Index batches, reshuffled each epoch from `seed`; use as a DataLoader `batch_sampler`."""
@@ -62,11 +68,35 @@ class ResumableBatchSampler:
                 "num_samples": self.num_samples, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore, refusing a state made for another data set or batch size."""
+        """Restore, refusing a state made for another data set or batch size, or one whose
+        fields are out of range; nothing is assigned unless every field is valid."""
+        if not isinstance(state, dict):
+            raise CheckpointError(f"sampler state must be a mapping of {list(_FIELDS)}, found {type(state).__name__}")
+        for key in _FIELDS:
+            value = state.get(key)
+            if type(value) is not int:
+                raise CheckpointError(f"sampler state field {key!r} must be an integer, found {_clip(value)}")
         for key in ("num_samples", "batch_size"):
-            if state.get(key) != getattr(self, key):
+            if state[key] != getattr(self, key):
                 raise CheckpointError(
-                    f"sampler state has {key}={state.get(key)!r} but this sampler has {getattr(self, key)!r}"
+                    f"sampler state has {key}={state[key]!r} but this sampler has {getattr(self, key)!r}"
                 )
-        self.epoch, self.position, self.seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
+        epoch, position, seed = state["epoch"], state["position"], state["seed"]
+        if not 0 <= position <= len(self):
+            raise CheckpointError(f"sampler state field 'position' must be within 0..{len(self)} "
+                                  f"(batches per epoch), found {position}")
+        if not 0 <= epoch <= _EPOCH_MAX:
+            raise CheckpointError(f"sampler state field 'epoch' must be within 0..{_EPOCH_MAX}, found {_clip(epoch)}")
+        if not _SEED_MIN <= seed <= _SEED_MAX:
+            raise CheckpointError(f"sampler state field 'seed' must be within {_SEED_MIN}..{_SEED_MAX} "
+                                  f"(an int64: seed + epoch seeds torch.Generator), found {_clip(seed)}")
+        self.epoch, self.position, self.seed = epoch, position, seed
         self._roll_over()
+
+
+def _clip(value: object) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more digits than Python converts to text
+        return f"an integer of {value.bit_length()} bits" if isinstance(value, int) else type(value).__name__
+    return text if len(text) <= 60 else text[:60] + "..."

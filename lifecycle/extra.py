@@ -85,14 +85,17 @@ class _Loaded:
 
 
 def load_extra(folder: Path, dataloader: Any = None, *, restore_rng: bool = True) -> Progress:
-    """Check everything first, then restore: a bad file never leaves RNGs half-restored."""
+    """Check everything first, then restore: a bad file never leaves RNGs half-restored.
+
+    The dataloader goes first: it is the one part that may still refuse its state (its own
+    checks), and the RNGs are then restored untouched by whatever its loading draws."""
     loaded = _read(folder)
+    _restore_dataloader(dataloader, loaded.dataloader, folder)
     if restore_rng:
         random.setstate(loaded.python)
         np.random.set_state(loaded.numpy)
         torch.set_rng_state(loaded.torch["torch_cpu"])
         _restore_cuda(loaded.torch)
-    _restore_dataloader(dataloader, loaded.dataloader, folder)
     return loaded.progress
 
 
@@ -141,13 +144,18 @@ def _parse(doc: Any, path: Path, rng_tensors: dict[str, torch.Tensor]) -> _Loade
     py, npy = doc["rng"]["python"], doc["rng"]["numpy"]
     if not (isinstance(py["state"], list) and all(type(x) is int for x in py["state"])):
         raise TypeError("rng.python.state must be a list of integers")
-    python_state = (int(py["version"]), tuple(py["state"]), py["gauss_next"])
     if py["gauss_next"] is not None and not isinstance(py["gauss_next"], float):
         raise TypeError("rng.python.gauss_next must be a float or null")
+    _want(py["version"], int, "rng.python.version")
+    python_state = (py["version"], tuple(py["state"]), py["gauss_next"])
+    if not (isinstance(npy["keys"], list) and all(type(x) is int for x in npy["keys"])):
+        raise TypeError("rng.numpy.keys must be a list of integers")
     keys = np.asarray(npy["keys"], dtype=np.uint32)
     if keys.shape != (624,):
         raise ValueError("rng.numpy.keys must hold 624 integers")
-    numpy_state = (str(npy["name"]), keys, int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached_gaussian"]))
+    numpy_state = (_want(npy["name"], str, "rng.numpy.name"), keys, _want(npy["pos"], int, "rng.numpy.pos"),
+                   _want(npy["has_gauss"], int, "rng.numpy.has_gauss"),
+                   float(_want(npy["cached_gaussian"], (int, float), "rng.numpy.cached_gaussian")))
     if not 0 <= numpy_state[2] <= len(keys):
         raise ValueError("rng.numpy.pos must be within 0..624 (numpy reads out of bounds otherwise)")
     random.Random().setstate(python_state)  # a state they refuse fails here, before anything is restored
@@ -155,6 +163,14 @@ def _parse(doc: Any, path: Path, rng_tensors: dict[str, torch.Tensor]) -> _Loade
     dataloader = decode(doc["dataloader"], where=str(path)) if doc.get("dataloader") is not None else None
     progress = Progress(**ints, user=user)
     return _Loaded(progress, python_state, numpy_state, rng_tensors, dataloader)
+
+
+def _want(value: Any, types: type | tuple[type, ...], name: str) -> Any:
+    """`value` when it is of `types` (a bool is not an int here); TypeError naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, types):
+        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise TypeError(f"{name} must be of type {names}, found {type(value).__name__}")
+    return value
 
 
 def _restore_cuda(tensors: dict[str, torch.Tensor]) -> None:
@@ -179,4 +195,12 @@ def _restore_dataloader(dataloader: Any, state: Any, folder: Path) -> None:
                 dataloader=type(dataloader).__name__, saved_state=state is not None,
             )
         return
-    load(state)
+    path = folder / EXTRA_JSON
+    try:
+        load(state)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: dataloader {type(dataloader).__name__} refused its state: {exc}") from exc
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
+        raise CheckpointError(
+            f"{path}: dataloader {type(dataloader).__name__} refused its state: {type(exc).__name__}: {exc}"
+        ) from exc

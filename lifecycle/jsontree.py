@@ -15,8 +15,17 @@ from typing import Any
 
 import torch
 
+from lifecycle.boundary import lstat, read_bytes
 from lifecycle.errors import CheckpointError
 
+JSON_LIMIT = 256 * 1024**2
+"""Bytes a checkpoint's JSON file may have: optimizer structure and dataloader positions take
+kilobytes to a few megabytes; a larger file is refused unread rather than parsed into memory."""
+MAX_DEPTH = 64
+"""Levels of nesting `encode` and `decode` follow. Optimizer, scheduler and dataloader states
+nest a handful deep (optimizer -> state -> parameter -> key -> value); 64 is far beyond any of
+them, well inside Python's recursion limit, and stops a planted file or a value that contains
+itself with a `CheckpointError` naming the key rather than a `RecursionError`."""
 _TUPLE, _DICT, _TENSOR, _FLOAT = "__tuple__", "__dict__", "__tensor__", "__float__"
 _TAGS = {_TUPLE, _DICT, _TENSOR, _FLOAT}
 
@@ -30,14 +39,22 @@ class NotSerializable(CheckpointError):
                          f"cannot be saved without pickle")
 
 
-def read_json(path: Path) -> Any:
-    """A JSON file of a checkpoint; missing or malformed is a CheckpointError naming it."""
+def read_json(path: Path, limit: int = JSON_LIMIT) -> Any:
+    """A JSON file of a checkpoint; missing, special (a FIFO), too large or malformed is a
+    CheckpointError naming it. Opened through `lifecycle.boundary`: never a symlink, never blocks."""
+    if lstat(path) is None:
+        raise CheckpointError(f"{path}: missing")
+    return parse_json(read_bytes(path, limit, "the JSON file"), path)
+
+
+def parse_json(raw: bytes, path: Path) -> Any:
+    """`raw` as UTF-8 JSON; every way it can fail is a CheckpointError naming `path`."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON: {exc}") from exc
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # not UTF-8, not JSON, or an integer too long to convert
+        raise CheckpointError(f"{path}: not valid JSON: {exc}") from None
 
 
 def read_optimizer_json(path: Path) -> dict[str, Any]:
@@ -50,10 +67,18 @@ def read_optimizer_json(path: Path) -> dict[str, Any]:
 
 def encode(value: Any, *, where: str, tensors: dict[str, torch.Tensor] | None = None) -> Any:
     """JSON-ready form of `value`; tensors go into `tensors` (None: tensors are an error)."""
-    return _enc(value, "", where, tensors)
+    return _enc(value, "", where, tensors, 0)
 
 
-def _enc(value: Any, key: str, where: str, tensors: dict[str, torch.Tensor] | None) -> Any:
+def _too_deep(where: str, key: str) -> CheckpointError:
+    """A list, tuple or dict `MAX_DEPTH` containers deep: the same bound on both sides."""
+    place = key if len(key) <= 120 else "..." + key[-120:]
+    return CheckpointError(f"{where}: value at {place or '<root>'} is nested more than {MAX_DEPTH} levels deep")
+
+
+def _enc(value: Any, key: str, where: str, tensors: dict[str, torch.Tensor] | None, depth: int) -> Any:
+    if depth >= MAX_DEPTH and isinstance(value, (list, tuple, Mapping)):
+        raise _too_deep(where, key)
     if value is None or isinstance(value, (bool, str, int)):
         return value
     if isinstance(value, float):
@@ -67,54 +92,63 @@ def _enc(value: Any, key: str, where: str, tensors: dict[str, torch.Tensor] | No
         tensors[name] = value
         return {_TENSOR: name}
     if isinstance(value, (list, tuple)):
-        items = [_enc(v, f"{key}[{i}]", where, tensors) for i, v in enumerate(value)]
+        items = [_enc(v, f"{key}[{i}]", where, tensors, depth + 1) for i, v in enumerate(value)]
         return {_TUPLE: items} if isinstance(value, tuple) else items
     if isinstance(value, Mapping):
-        return _enc_dict(value, key, where, tensors)
+        return _enc_dict(value, key, where, tensors, depth)
     item = getattr(value, "item", None)
     if type(value).__module__ == "numpy" and callable(item):
-        return _enc(item(), key, where, tensors)
+        return _enc(item(), key, where, tensors, depth)
     raise NotSerializable(where, key, value)
 
 
-def _enc_dict(value: Mapping[Any, Any], key: str, where: str, tensors: dict[str, torch.Tensor] | None) -> Any:
+def _enc_dict(
+    value: Mapping[Any, Any], key: str, where: str, tensors: dict[str, torch.Tensor] | None, depth: int
+) -> Any:
     plain = all(isinstance(k, str) and not k.startswith("__") for k in value)
     if plain:
-        return {k: _enc(v, f"{key}.{k}" if key else k, where, tensors) for k, v in value.items()}
+        return {k: _enc(v, f"{key}.{k}" if key else k, where, tensors, depth + 1) for k, v in value.items()}
     pairs = []
     for k, v in value.items():
         label = f"{key}[{k!r}]"
-        pairs.append([_enc(k, label, where, None), _enc(v, label, where, tensors)])
+        pairs.append([_enc(k, label, where, None, depth + 1), _enc(v, label, where, tensors, depth + 1)])
     return {_DICT: pairs}
 
 
 def decode(data: Any, *, where: str, tensors: Mapping[str, torch.Tensor] | None = None) -> Any:
     """Inverse of `encode`; a malformed tree is a CheckpointError naming `where` and the key."""
-    return _dec(data, "", where, tensors or {})
+    return _dec(data, "", where, tensors or {}, 0)
 
 
-def _dec(data: Any, key: str, where: str, tensors: Mapping[str, torch.Tensor]) -> Any:
+def _dec(data: Any, key: str, where: str, tensors: Mapping[str, torch.Tensor], depth: int) -> Any:
     if isinstance(data, list):
-        return [_dec(v, f"{key}[{i}]", where, tensors) for i, v in enumerate(data)]
+        if depth >= MAX_DEPTH:
+            raise _too_deep(where, key)
+        return [_dec(v, f"{key}[{i}]", where, tensors, depth + 1) for i, v in enumerate(data)]
     if not isinstance(data, dict):
         return data
     tags = [k for k in data if k.startswith("__")]
+    leaf = len(data) == 1 and tags[:1] in ([_TENSOR], [_FLOAT])  # a tensor or a float, not a container
+    if depth >= MAX_DEPTH and not leaf:
+        raise _too_deep(where, key)
     if not tags:
-        return {k: _dec(v, f"{key}.{k}" if key else k, where, tensors) for k, v in data.items()}
+        return {k: _dec(v, f"{key}.{k}" if key else k, where, tensors, depth + 1) for k, v in data.items()}
     if len(data) != 1 or tags[0] not in _TAGS:
         raise CheckpointError(f"{where}: unknown tag {tags[0]!r} at {key or '<root>'}")
     tag, body = tags[0], data[tags[0]]
     try:
-        return _dec_tag(tag, body, key, where, tensors)
+        return _dec_tag(tag, body, key, where, tensors, depth)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: malformed {tag} at {key or '<root>'}: {exc}") from exc
 
 
-def _dec_tag(tag: str, body: Any, key: str, where: str, tensors: Mapping[str, torch.Tensor]) -> Any:
+def _dec_tag(
+    tag: str, body: Any, key: str, where: str, tensors: Mapping[str, torch.Tensor], depth: int
+) -> Any:
     if tag == _TUPLE:
         if not isinstance(body, list):
             raise TypeError("expected a list")
-        return tuple(_dec(v, f"{key}[{i}]", where, tensors) for i, v in enumerate(body))
+        return tuple(_dec(v, f"{key}[{i}]", where, tensors, depth + 1) for i, v in enumerate(body))
     if tag == _FLOAT:
         if body not in ("inf", "-inf", "nan"):
             raise ValueError(f"{body!r} is not inf, -inf or nan")
@@ -127,8 +161,7 @@ def _dec_tag(tag: str, body: Any, key: str, where: str, tensors: Mapping[str, to
         raise TypeError("expected a list of [key, value] pairs")
     out: dict[Any, Any] = {}
     for k, v in body:
-        k = _dec(k, key, where, tensors)
-        if isinstance(k, list):
-            raise TypeError(f"key {k!r} is not hashable")
-        out[k] = _dec(v, f"{key}[{k!r}]", where, tensors)
+        k = _dec(k, key, where, tensors, depth + 1)
+        hash(k)  # a list or dict key, or a tuple holding one: TypeError, reported with the key's place
+        out[k] = _dec(v, f"{key}[{k!r}]", where, tensors, depth + 1)
     return out

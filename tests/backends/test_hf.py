@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,9 @@ from torch import nn
 import backends.hf as hf
 from backends.base import backend_class
 from backends.hf import HFBackend, plan_shards
+from backends.safetensors_io import write_file
 from lifecycle.errors import CheckpointError
+from tests.backends.test_safetensors_io import HANG_GUARD_S, within
 
 transformers = pytest.importorskip("transformers")
 
@@ -309,3 +314,219 @@ def test_optimizer_of_another_model_is_refused(tmp_path: Path) -> None:
     other = torch.optim.AdamW(nn.Linear(2, 2).parameters())
     with pytest.raises(CheckpointError, match="optimizer.json.*does not fit"):
         HFBackend().load_optimizer(other, None, tmp_path)
+
+
+# Hostile weight folders: FIFOs, indexes no parser takes, shards that disagree with the index ---
+
+INDEX = "model.safetensors.index.json"
+
+
+def sharded(folder: Path) -> nn.Module:
+    """A model saved as two shards with an index: 0.weight in the first, the rest in the second."""
+    model = mlp(32)
+    HFBackend(max_shard_bytes=4200).save_model(model, folder)
+    return model
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("fifo", [INDEX, "model-00002-of-00002.safetensors"])
+def test_a_fifo_in_a_weight_folder_is_refused_without_blocking(tmp_path: Path, fifo: str) -> None:
+    sharded(tmp_path)
+    (tmp_path / fifo).unlink()
+    os.mkfifo(tmp_path / fifo)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / fifo}: a FIFO, not a regular file"):
+        within(HANG_GUARD_S, lambda: HFBackend().load_model(mlp(32), tmp_path))
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"weight_map": {"a": ' + "9" * 5000 + "}}",
+                                  "[1]", '{"weight_map": [1]}', "{oops"],
+                         ids=["nested-deep", "huge-integer", "a-list", "weight-map-a-list", "not-json"])
+def test_an_index_no_parser_takes_is_refused_naming_it(tmp_path: Path, text: str) -> None:
+    sharded(tmp_path)
+    (tmp_path / INDEX).write_text(text)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / INDEX}: not (valid JSON|a valid safetensors index)"):
+        HFBackend().load_model(mlp(32), tmp_path)
+
+
+@pytest.mark.parametrize("target", ["config.json", "sub", "", 7])
+def test_an_index_mapping_a_tensor_to_anything_but_a_safetensors_file_is_refused(tmp_path: Path, target: Any) -> None:
+    sharded(tmp_path)
+    (tmp_path / "sub").mkdir()
+    index = json.loads((tmp_path / INDEX).read_text())
+    index["weight_map"]["0.bias"] = target
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / INDEX}: tensor '0.bias' maps to {target!r}"):
+        HFBackend().load_model(mlp(32), tmp_path)
+
+
+def test_a_copy_of_a_tensor_in_a_shard_the_index_does_not_map_it_to_is_refused(tmp_path: Path) -> None:
+    """The index puts 0.weight in shard 1; a stray copy in shard 2 would be what loads last."""
+    model = sharded(tmp_path)
+    second = tmp_path / "model-00002-of-00002.safetensors"
+    rest = {n: t for n, t in model.state_dict().items() if n != "0.weight"}
+    write_file(second, {**rest, "0.weight": torch.zeros(32, 32)})
+    target = mlp(32)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"{second}: tensor '0.weight' is in this file, but {INDEX} maps it "
+                                              rf"to {tmp_path / 'model-00001-of-00002.safetensors'}"):
+        HFBackend().load_model(target, tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_a_tensor_in_a_shard_but_not_in_the_index_is_refused(tmp_path: Path) -> None:
+    sharded(tmp_path)
+    index = json.loads((tmp_path / INDEX).read_text())
+    del index["weight_map"]["2.bias"]
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"model-00002-of-00002.safetensors: tensor '2.bias' is in this file "
+                                              f"but not listed in {INDEX}"):
+        HFBackend().load_model(mlp(32), tmp_path)
+
+
+def test_an_hf_cache_snapshot_of_symlinks_loads(tmp_path: Path) -> None:
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    model = sharded(blobs)
+    snapshot.mkdir()
+    for i, path in enumerate(sorted(blobs.iterdir())):
+        path.rename(blobs / f"blob{i}")
+        (snapshot / path.name).symlink_to(blobs / f"blob{i}")
+    fresh = mlp(32)
+    HFBackend().load_model(fresh, snapshot)
+    assert same_state(model, fresh)
+
+
+# Optimizer state that loads but cannot train ----------------------------------------------
+
+def saved_adam(folder: Path) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    HFBackend().save_optimizer(opt, None, folder)
+    return model
+
+
+def edit_optimizer(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    path = folder / "optimizer.json"
+    doc = json.loads(path.read_text())
+    edit(doc["optimizer"])
+    path.write_text(json.dumps(doc))
+
+
+def swap_tensors(folder: Path, a: str, b: str) -> None:
+    """Point state `a` at the tensor of state `b` and back: the tensors of two parameters swapped."""
+    path = folder / "optimizer.json"
+    text = path.read_text().replace(f'"{a}"', '"SWAP"').replace(f'"{b}"', f'"{a}"').replace('"SWAP"', f'"{b}"')
+    path.write_text(text)
+
+
+def refused_by_the_optimizer(folder: Path, *needles: str) -> None:
+    """Refused naming optimizer.json and every needle, before the running optimizer changed."""
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    with pytest.raises(CheckpointError) as caught:
+        HFBackend().load_optimizer(opt, None, folder)
+    message = str(caught.value)
+    for needle in (f"{folder / 'optimizer.json'}: does not fit the optimizer", *needles):
+        assert needle in message, f"{needle!r} not in: {message}"
+    assert not opt.state and opt.param_groups[0]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+def test_state_tensors_of_two_parameters_swapped_are_refused(tmp_path: Path, key: str) -> None:
+    saved_adam(tmp_path)
+    swap_tensors(tmp_path, f"optimizer.state[0].{key}", f"optimizer.state[1].{key}")
+    refused_by_the_optimizer(tmp_path, f"state of parameter 0, key {key!r}: has shape [3], its parameter has [3, 4]")
+
+
+def test_a_step_count_of_a_parameter_s_shape_is_refused(tmp_path: Path) -> None:
+    saved_adam(tmp_path)
+    swap_tensors(tmp_path, "optimizer.state[0].step", "optimizer.state[0].exp_avg")
+    refused_by_the_optimizer(tmp_path, "state of parameter 0, key 'step': has shape [3, 4], one number expected")
+
+
+@pytest.mark.parametrize("lr", ["fast", math.nan, math.inf, None, True, [0.1], 10**400],
+                         ids=["string", "nan", "inf", "null", "bool", "list", "beyond-float"])
+def test_a_learning_rate_that_is_not_a_finite_number_is_refused(tmp_path: Path, lr: Any) -> None:
+    saved_adam(tmp_path)
+    edit_optimizer(tmp_path, lambda o: o["param_groups"][0].update(
+        lr={"__float__": repr(lr)} if isinstance(lr, float) else lr))
+    refused_by_the_optimizer(tmp_path, "param_groups[0].lr: must be a finite number like the running optimizer's 0.5")
+
+
+@pytest.mark.parametrize("betas", [[0.9], ["a", 0.99], None], ids=["one", "string", "null"])
+def test_betas_that_are_not_two_finite_numbers_are_refused(tmp_path: Path, betas: Any) -> None:
+    saved_adam(tmp_path)
+    edit_optimizer(tmp_path, lambda o: o["param_groups"][0].update(betas=betas))
+    refused_by_the_optimizer(tmp_path, "param_groups[0].betas: must be 2 finite numbers")
+
+
+def test_a_missing_hyper_parameter_is_refused(tmp_path: Path) -> None:
+    saved_adam(tmp_path)
+    edit_optimizer(tmp_path, lambda o: o["param_groups"][0].pop("eps"))
+    refused_by_the_optimizer(tmp_path, "param_groups[0].eps: missing")
+
+
+def test_state_of_a_parameter_no_group_lists_is_refused(tmp_path: Path) -> None:
+    saved_adam(tmp_path)
+    edit_optimizer(tmp_path, lambda o: o["state"]["__dict__"].append([7, {}]))
+    refused_by_the_optimizer(tmp_path, "optimizer.state holds parameter 7, which no param_group lists")
+
+
+def test_swapped_state_is_refused_against_the_running_optimizer_s_own_state(tmp_path: Path) -> None:
+    """An optimizer that already stepped is its own reference, whatever the key is called."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Rprop(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    HFBackend().save_optimizer(opt, None, tmp_path)
+    swap_tensors(tmp_path, "optimizer.state[0].prev", "optimizer.state[1].prev")
+    with pytest.raises(CheckpointError, match=r"optimizer.json: does not fit the optimizer: state of parameter 0, "
+                                              r"key 'prev': has shape \[3\], the running optimizer's has \[3, 4\]"):
+        HFBackend().load_optimizer(opt, None, tmp_path)
+
+
+OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adamw-amsgrad": lambda p: torch.optim.AdamW(p, amsgrad=True),
+    "adamw-tensor-lr": lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.01)),
+    "rmsprop-centered": lambda p: torch.optim.RMSprop(p, centered=True, momentum=0.5),
+    "adagrad": lambda p: torch.optim.Adagrad(p),
+    "asgd": lambda p: torch.optim.ASGD(p),
+    "rprop": lambda p: torch.optim.Rprop(p),
+    "lbfgs": lambda p: torch.optim.LBFGS(p, history_size=3),  # flat buffers over the whole group
+    "adafactor": lambda p: torch.optim.Adafactor(p),  # factored second moments
+}
+
+
+@pytest.mark.parametrize("make", OPTIMIZERS.values(), ids=OPTIMIZERS.keys())
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+def test_every_optimizer_s_own_state_passes_the_checks(tmp_path: Path, make: Any, stepped: bool) -> None:
+    torch.manual_seed(0)
+    model = mlp()
+    opt = make(list(model.parameters()))
+    batch = torch.randn(4, 8)
+
+    def closure(m: nn.Module, o: torch.optim.Optimizer) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            o.zero_grad()
+            loss = m(batch).pow(2).sum()
+            loss.backward()
+            return loss
+        return run
+
+    for _ in range(2):
+        opt.step(closure(model, opt))
+    HFBackend().save_optimizer(opt, None, tmp_path)
+    model2 = mlp()
+    model2.load_state_dict(model.state_dict())
+    opt2 = make(list(model2.parameters()))
+    if stepped:
+        opt2.step(closure(model2, opt2))
+        model2.load_state_dict(model.state_dict())
+    HFBackend().load_optimizer(opt2, None, tmp_path)
+    opt.step(closure(model, opt))
+    opt2.step(closure(model2, opt2))
+    assert same_state(model, model2)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +20,34 @@ import backends.safetensors_io as sio
 from backends.safetensors_io import read_file, read_header, write_file
 from lifecycle.checksum import PIECE_BYTES, expecting, file_digest, known_digest
 from lifecycle.errors import CheckpointError
+
+
+HANG_GUARD_S = 20
+
+
+def within(seconds: float, work: Callable[[], object]) -> object:
+    """Run `work` on a thread; fail (instead of hanging the suite) when it blocks."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as exc:  # noqa: BLE001  (handed to the test thread)
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"blocked for more than {seconds} s"
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box.get("value")
+
+
+def write_raw(path: Path, header: Any, data: bytes = b"") -> None:
+    """A safetensors file with exactly this header, however wrong."""
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -212,3 +243,82 @@ def test_tensors_that_share_bytes_are_refused_naming_the_file_and_tensor(tmp_pat
     path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + struct.pack("<2f", 1.0, 2.0))
     with pytest.raises(CheckpointError, match="n.safetensors: tensor 'y' overlaps"):
         read_file(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("reader", ["read_header", "read_file"])
+def test_a_fifo_named_like_a_weight_file_is_refused_without_blocking(tmp_path: Path, reader: str) -> None:
+    path = tmp_path / "model.safetensors"
+    os.mkfifo(path)
+    with pytest.raises(CheckpointError, match=f"{path}: a FIFO, not a regular file"):
+        within(HANG_GUARD_S, lambda: getattr(sio, reader)(path))
+
+
+def test_a_symlink_to_a_weight_file_is_followed_as_in_an_hf_cache_snapshot(tmp_path: Path) -> None:
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    write_file(blob, {"w": torch.arange(4.0)})
+    link = tmp_path / "model.safetensors"
+    link.symlink_to(blob)
+    assert read_file(link)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+BAD_ENTRIES = {
+    "offsets-as-strings": {"dtype": "F32", "shape": [16], "data_offsets": ["0", "64"]},
+    "offsets-as-floats": {"dtype": "F32", "shape": [16], "data_offsets": [0.0, 64.0]},
+    "offsets-as-booleans": {"dtype": "BOOL", "shape": [1], "data_offsets": [False, True]},
+    "one-offset": {"dtype": "F32", "shape": [16], "data_offsets": [64]},
+    "fractional-dimension": {"dtype": "F32", "shape": [16.5], "data_offsets": [0, 64]},
+    "boolean-dimension": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]},
+    "negative-dimensions": {"dtype": "F32", "shape": [-1, -16], "data_offsets": [0, 64]},
+    "dimension-as-string": {"dtype": "F32", "shape": ["16"], "data_offsets": [0, 64]},
+    "overflowing-empty-shape": {"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]},
+    "too-large-empty-shape": {"dtype": "F32", "shape": [2**70, 0], "data_offsets": [0, 0]},
+    "too-many-dimensions": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]},
+    "unknown-dtype": {"dtype": "F128", "shape": [4], "data_offsets": [0, 64]},
+    "dtype-in-a-list": {"dtype": ["F32"], "shape": [16], "data_offsets": [0, 64]},
+    "no-dtype": {"shape": [16], "data_offsets": [0, 64]},
+    "not-an-object": "hello",
+}
+
+
+@pytest.mark.parametrize("entry", BAD_ENTRIES.values(), ids=BAD_ENTRIES.keys())
+def test_a_malformed_header_entry_is_refused_naming_the_file_and_tensor(tmp_path: Path, entry: Any) -> None:
+    path = tmp_path / "o.safetensors"
+    write_raw(path, {"w": entry}, bytes(64))
+    with pytest.raises(CheckpointError, match=f"{path}: tensor 'w' has a malformed header entry"):
+        read_header(path)
+    with pytest.raises(CheckpointError, match=f"{path}: tensor 'w'"):
+        read_file(path, {"w": torch.zeros(16)})
+
+
+def test_an_empty_tensor_with_large_dimensions_that_torch_allows_still_reads(tmp_path: Path) -> None:
+    path = tmp_path / "p.safetensors"
+    write_raw(path, {"w": {"dtype": "F32", "shape": [2**40, 0], "data_offsets": [0, 0]}})
+    assert read_file(path)["w"].shape == (2**40, 0)
+
+
+@pytest.mark.parametrize("metadata", [[1, 2], "pt", {"format": 1}])
+def test_metadata_that_is_not_a_string_map_is_refused_naming_the_file(tmp_path: Path, metadata: Any) -> None:
+    path = tmp_path / "q.safetensors"
+    write_raw(path, {"__metadata__": metadata, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+              bytes(4))
+    with pytest.raises(CheckpointError, match=f"{path}: safetensors __metadata__ must map names to strings"):
+        read_header(path)
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000 + b"]" * 100_000, b'{"a": ' + b"9" * 5000 + b"}",
+                                  b'{"a\xff": 1}', b"[1, 2]"],
+                         ids=["nested-deep", "huge-integer", "not-utf8", "not-an-object"])
+def test_a_header_no_json_parser_takes_is_refused_naming_the_file(tmp_path: Path, body: bytes) -> None:
+    path = tmp_path / "r.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body)
+    with pytest.raises(CheckpointError, match=f"{path}: safetensors header is (nested too deeply|not)"):
+        read_header(path)
+
+
+def test_a_tensor_named_like_the_metadata_key_is_refused_before_writing(tmp_path: Path) -> None:
+    path = tmp_path / "s.safetensors"
+    with pytest.raises(CheckpointError, match=f"{path}: tensor '__metadata__' cannot be saved"):
+        write_file(path, {"w": torch.ones(2), "__metadata__": torch.ones(2)})
+    assert not path.exists()

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from lifecycle import CheckpointError, Lifecycle
+from lifecycle import CheckpointError, Lifecycle, State
 from lifecycle.data import ResumableBatchSampler
+from tests.lifecycle.test_bad_input import resign
 
 
-def _lifecycle(root: Path, sampler: ResumableBatchSampler) -> Lifecycle:
+def _lifecycle(root: Path, sampler: ResumableBatchSampler, **resume: Any) -> Lifecycle:
     torch.manual_seed(0)
-    return Lifecycle({"checkpoint": {"root": str(root)}}, role="actor",
+    return Lifecycle({"checkpoint": {"root": str(root)}, "resume": resume}, role="actor",
                      model=torch.nn.Linear(2, 2), dataloader=sampler)
 
 
@@ -66,3 +71,80 @@ def test_a_state_for_another_batch_size_is_refused() -> None:
     state = ResumableBatchSampler(12, 4).state_dict()
     with pytest.raises(CheckpointError, match="batch_size=4 but this sampler has 3"):
         ResumableBatchSampler(12, 3).load_state_dict(state)
+
+
+# States that do not fit: refused naming the field, nothing assigned --------------------------
+
+BAD_STATES = {
+    "not-a-mapping": ([1, 2], "sampler state must be a mapping"),
+    "missing-epoch": ({"epoch": None}, "field 'epoch' must be an integer, found None"),
+    "epoch-a-list": ({"epoch": [1]}, "field 'epoch' must be an integer, found [1]"),
+    "epoch-a-bool": ({"epoch": True}, "field 'epoch' must be an integer, found True"),
+    "epoch-negative": ({"epoch": -1}, "field 'epoch' must be within 0.."),
+    "position-negative": ({"position": -3}, "field 'position' must be within 0..3"),
+    "position-past-the-epoch": ({"position": 4}, "field 'position' must be within 0..3"),
+    "position-a-float": ({"position": 1.0}, "field 'position' must be an integer, found 1.0"),
+    "seed-a-string": ({"seed": "x"}, "field 'seed' must be an integer, found 'x'"),
+    "seed-too-large": ({"seed": 10**30}, "field 'seed' must be within"),
+    "seed-too-small": ({"seed": -(2**63) - 1}, "field 'seed' must be within"),
+    "seed-beyond-int64": ({"seed": 2**63}, "field 'seed' must be within"),
+    "epoch-too-large": ({"epoch": 2**62 + 1}, "field 'epoch' must be within 0.."),
+    "batch-size-a-string": ({"batch_size": "4"}, "field 'batch_size' must be an integer, found '4'"),
+}
+
+
+@pytest.mark.parametrize("change,message", BAD_STATES.values(), ids=BAD_STATES.keys())
+def test_a_state_with_a_missing_or_out_of_range_field_is_refused_and_nothing_changes(
+    change: object, message: str
+) -> None:
+    sampler = ResumableBatchSampler(12, 4, seed=3)
+    next(iter(sampler))
+    if isinstance(change, dict):
+        state: object = {k: v for k, v in {**sampler.state_dict(), **change}.items() if v is not None}
+    else:
+        state = change
+    fresh = ResumableBatchSampler(12, 4, seed=5)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        fresh.load_state_dict(state)  # type: ignore[arg-type]
+    assert (fresh.epoch, fresh.position, fresh.seed) == (0, 0, 5)
+
+
+def test_the_widest_seeds_torch_accepts_load_and_iterate() -> None:
+    for seed, epoch in ((2**63 - 1, 2**62), (-(2**63), 3)):
+        sampler = ResumableBatchSampler(8, 4, seed=0)
+        sampler.load_state_dict({"epoch": epoch, "position": 0, "seed": seed, "num_samples": 8, "batch_size": 4})
+        assert len(list(sampler)) == 2
+
+
+@pytest.mark.parametrize("change", [{"epoch": [1]}, {"position": -3}, {"seed": 10**30}, {"epoch": None}],
+                         ids=["epoch-a-list", "position-negative", "seed-too-large", "missing-epoch"])
+def test_resume_refuses_a_sampler_state_that_does_not_fit_and_the_previous_step_resumes(
+    tmp_path: Path, change: dict[str, object]
+) -> None:
+    root = tmp_path / "ckpt"
+    sampler = ResumableBatchSampler(12, 4, seed=3)
+    lc = _lifecycle(root, sampler)
+    lc.init_load()
+    stream = sampler.batches()
+    for step in (1, 2):
+        with lc.train_step(step):
+            next(stream)
+        lc.save(step)
+    lc.close()
+    saved_at_1 = {"epoch": 0, "position": 1}
+    folder = root / "global_step_2" / "actor"
+    path = folder / "extra" / "rank_0" / "extra.json"
+    doc = json.loads(path.read_text())
+    doc["dataloader"] = {k: v for k, v in {**doc["dataloader"], **change}.items() if v is not None}
+    path.write_text(json.dumps(doc))
+    resign(folder)
+    fresh = ResumableBatchSampler(12, 4, seed=3)
+    refused_lc = _lifecycle(root, fresh, on_damaged="refuse")
+    with pytest.raises(CheckpointError, match=rf"(?s){path}: dataloader ResumableBatchSampler refused its state: "
+                                              rf"sampler state field '{next(iter(change))}'"):
+        refused_lc.resume()
+    assert refused_lc.state is State.FAILED
+    shutil.rmtree(root / "global_step_2")
+    again = ResumableBatchSampler(12, 4, seed=3)
+    assert _lifecycle(root, again, on_damaged="refuse").resume() == 1
+    assert {"epoch": again.epoch, "position": again.position} == saved_at_1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 from pathlib import Path
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 from lifecycle.errors import CheckpointError
 from lifecycle.extra import load_extra, save_extra
 from lifecycle.types import Progress
+from tests.backends.test_safetensors_io import HANG_GUARD_S, within
 
 
 class StatefulLoader:
@@ -171,3 +173,93 @@ def test_cuda_rng_state_round_trips(tmp_path: Path) -> None:
     torch.rand(4, device="cuda")
     load_extra(tmp_path)
     assert torch.rand(4, device="cuda").tolist() == expected
+
+
+# Files no parser takes: a CheckpointError naming the file, never a RecursionError ----------
+
+def nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def edit_extra(folder: Path, edit: Any) -> Path:
+    path = folder / "extra.json"
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"format_version": ' + "9" * 5000 + "}",
+                                  '{"format_version": 1, "x": "\udcff"}'],
+                         ids=["nested-deep", "huge-integer", "not-utf8"])
+def test_extra_json_no_parser_takes_names_the_file(tmp_path: Path, text: str) -> None:
+    save_extra(tmp_path, Progress())
+    (tmp_path / "extra.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'extra.json'}: not valid JSON"):
+        load_extra(tmp_path)
+
+
+@pytest.mark.parametrize("plant", [lambda d: d["progress"].update(user=nested(600)),
+                                   lambda d: d.update(dataloader=nested(600))], ids=["progress.user", "dataloader"])
+def test_state_nested_past_the_depth_bound_names_the_file_and_key(tmp_path: Path, plant: Any) -> None:
+    save_extra(tmp_path, Progress())
+    path = edit_extra(tmp_path, plant)
+    with pytest.raises(CheckpointError, match=rf"{path}: value at .*a\.a is nested more than 64 levels deep"):
+        load_extra(tmp_path, StatefulLoader())
+
+
+def test_user_progress_nested_past_the_bound_or_holding_itself_is_refused_at_save(tmp_path: Path) -> None:
+    loop: dict[str, Any] = {}
+    loop["self"] = loop
+    for user in (nested(100), loop):
+        with pytest.raises(CheckpointError, match=f"{tmp_path / 'extra.json'}: value at .* nested more than 64"):
+            save_extra(tmp_path, Progress(user=user))
+    save_extra(tmp_path, Progress(user=nested(60)))
+    assert load_extra(tmp_path).user == nested(60)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_place_of_extra_json_is_refused_without_blocking(tmp_path: Path) -> None:
+    save_extra(tmp_path, Progress())
+    (tmp_path / "extra.json").unlink()
+    os.mkfifo(tmp_path / "extra.json")
+    with pytest.raises(CheckpointError, match="extra.json"):
+        within(HANG_GUARD_S, lambda: load_extra(tmp_path))
+
+
+@pytest.mark.parametrize("field,value", [("version", "3"), ("version", True)])
+def test_python_rng_fields_of_the_wrong_type_are_refused(tmp_path: Path, field: str, value: Any) -> None:
+    save_extra(tmp_path, Progress())
+    path = edit_extra(tmp_path, lambda d: d["rng"]["python"].update({field: value}))
+    with pytest.raises(CheckpointError, match=f"{path}: malformed extra state.*rng.python.{field} must be"):
+        load_extra(tmp_path)
+
+
+@pytest.mark.parametrize("field,value", [("name", 3), ("pos", "1"), ("has_gauss", 0.5), ("cached_gaussian", "x"),
+                                         ("keys", "x" * 624), ("keys", [1.5] * 624)])
+def test_numpy_rng_fields_of_the_wrong_type_are_refused(tmp_path: Path, field: str, value: Any) -> None:
+    save_extra(tmp_path, Progress())
+    path = edit_extra(tmp_path, lambda d: d["rng"]["numpy"].update({field: value}))
+    with pytest.raises(CheckpointError, match=f"{path}: malformed extra state.*rng.numpy.{field} must be"):
+        load_extra(tmp_path)
+
+
+class PickyLoader(StatefulLoader):
+    """Refuses the state it is given the way a foreign loader would: with its own KeyError."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["cursor"]
+
+
+def test_a_dataloader_refusing_its_state_is_named_and_rngs_stay_untouched(tmp_path: Path) -> None:
+    random.seed(5)
+    save_extra(tmp_path, Progress(), StatefulLoader())
+    random.seed(9)
+    before = random.getstate()
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'extra.json'}: dataloader PickyLoader refused its "
+                                              r"state: KeyError: 'cursor'"):
+        load_extra(tmp_path, PickyLoader())
+    assert random.getstate() == before

@@ -203,7 +203,7 @@ def _markdown_table(text: str) -> dict[str, tuple[set[State], State | None, Stat
     return rows
 
 
-@pytest.mark.parametrize("doc", ["README.md", "../shared/DESIGN.md"])
+@pytest.mark.parametrize("doc", ["README.md"])  # the repository's own docs: a clone alone passes its tests
 def test_documented_table_agrees_with_the_code(doc: str) -> None:
     path = (REPO / doc).resolve()
     if not path.exists():
