@@ -8,6 +8,10 @@ that is not closed. Joining claims the receiver's rank in that sync atomically: 
 that replaces a dead rollout finds the rank claimed by its predecessor and waits for the next
 sync instead of walking into the middle of one. Keeping the store avoids reconnecting, and
 with it racing a closing store, on every sync.
+
+Anyone who reaches the store can write to it, so every value is read strictly: one that is
+unreadable fails the sync as an `EngineError` naming the key (and the rank), and a message
+shows at most `SHOWN_CHARS` of a peer's string.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from backends.engines.base import Rendezvous, Topology, TransportError
 
 if TYPE_CHECKING:
@@ -25,23 +31,44 @@ if TYPE_CHECKING:
 _RETRY_S = 0.05
 _POLL_S = 0.25
 _STORE_ERRORS = (RuntimeError, OSError)
+PARSE_ERRORS = (ValueError, TypeError, RecursionError)
+"""What reading a peer's bytes can raise: JSONDecodeError and UnicodeDecodeError are ValueErrors,
+and JSON nested deeper than the interpreter's stack is a RecursionError."""
+SHOWN_CHARS = 500
+"""The most characters of a peer's string a message shows: a message never grows with a peer's."""
+_MAX_SYNC = (1 << 63) - 1
+
+
+def clip(text: str, limit: int = SHOWN_CHARS) -> str:
+    """A peer's string as a message shows it: its first `limit` characters, and how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... [{len(text)} characters in all]"
 
 
 def answer(error: str | None) -> bytes:
     """A receiver's answer to the sender (`accepted/{rank}`, `status/{rank}`, shm's
     `mapped/{rank}`): ok, or the reason it is not."""
-    return json.dumps({"ok": error is None, "error": error}).encode()
+    return json.dumps({"ok": error is None, "error": None if error is None else clip(error)}).encode()
 
 
 def read_answer(raw: bytes) -> str | None:
-    """The reason in an answer, None when it says ok; an unreadable answer is a reason too."""
+    """The reason in an answer, None when it says ok; an unreadable answer is a reason too.
+
+    An answer is a receiver's word, so it is read like any other peer's bytes: a refusal must
+    carry its reason as a string, and the reason is cut to `SHOWN_CHARS`."""
     try:
         data = json.loads(raw)
-    except ValueError:
+    except PARSE_ERRORS:
         data = None
-    if not isinstance(data, dict) or type(data.get("ok")) is not bool:
-        return f"sent an unreadable answer {raw[:80]!r}"
-    return None if data["ok"] else str(data.get("error"))
+    if not (isinstance(data, dict) and type(data.get("ok")) is bool
+            and (data["ok"] or isinstance(data.get("error"), str))):
+        return f"sent an unreadable answer {raw[:80]!r} ({len(raw)} bytes)"
+    return None if data["ok"] else clip(data["error"])
+
+
+def sync_number(raw: bytes) -> int | None:
+    """A sync's number as the store holds it (plain decimal digits, 1 or more); None for anything else."""
+    number = int(raw) if raw.isdigit() and len(raw) <= 19 else 0
+    return number if 0 < number <= _MAX_SYNC else None
 
 
 class ControlStore:
@@ -107,11 +134,15 @@ class ControlStore:
         """
         if not topology.is_sender:
             return
-        self.store.set("closed", b"1")
-        if clean:
-            claims = [f"joined/{rank}" for rank in topology.receivers]
-            for key in dict.fromkeys([*self._written, *claims]):
-                self.store.delete_key(key)
+        try:
+            self.store.set("closed", b"1")
+            if clean:
+                claims = [f"joined/{rank}" for rank in topology.receivers]
+                for key in dict.fromkeys([*self._written, *claims]):
+                    self.store.delete_key(key)
+        except _STORE_ERRORS as exc:
+            structlog.get_logger().warning("engine.close_not_marked", engine=self.engine.name, sync=self.number,
+                                           error=str(exc))
 
 
 class StoreLink:
@@ -157,7 +188,8 @@ class StoreLink:
         return control
 
     def _join(self, rdv: Rendezvous, rank: int) -> ControlStore:
-        """Raises the store's own errors, so `begin` reconnects (the sender may have restarted)."""
+        """Raises the store's own errors, so `begin` reconnects (the sender may have restarted);
+        a `TransportError` once the sync's deadline passed, or when `latest` names no sync."""
         import torch.distributed as dist
 
         what = f"joining a sync at {rdv.host}:{rdv.port}"
@@ -170,8 +202,9 @@ class StoreLink:
             number = self.number + 1
         else:
             self.base.wait(["latest"], timedelta(seconds=self.engine.remaining(what)))
-            number = int(self.base.get("latest"))
+            number = self._latest(rdv)
         while True:
+            self.engine.remaining(what)
             control = ControlStore(self.engine, self.base, number)
             if not control.store.check(["closed"]):
                 control.store.wait(["open"], timedelta(seconds=self.engine.remaining(what)))
@@ -179,6 +212,17 @@ class StoreLink:
                     self.number = number
                     return control
             number += 1
+
+    def _latest(self, rdv: Rendezvous) -> int:
+        """The newest sync's number; a `TransportError` naming the key when it is none, since no
+        retry can make sense of it (only the sender, or whoever else reaches its store, writes it)."""
+        raw = bytes(self.base.get("latest"))
+        number = sync_number(raw)
+        if number is None:
+            raise TransportError(f"{self.engine.name} engine: the rendezvous at {rdv.host}:{rdv.port} holds "
+                                 f"{raw[:40]!r} ({len(raw)} bytes) under 'latest', not the number of a sync "
+                                 f"(1..{_MAX_SYNC})")
+        return number
 
     def drop(self) -> None:
         self.base = None

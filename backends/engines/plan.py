@@ -203,6 +203,8 @@ def _check_meta(i: int, meta: TensorMeta) -> None:
             raise PlanRefused(f"tensor {i} {_show(meta.name)} has shape {_show(list(meta.shape))}: "
                               "sizes are non-negative integers")
         elements *= max(size, 1)
+        if elements > _MAX_INT:
+            break
     if elements * meta.dtype.itemsize > _MAX_INT:
         raise PlanRefused(f"tensor {i} {_show(meta.name)} has shape {_show(list(meta.shape))}, "
                           f"too large for any tensor")
@@ -306,5 +308,8 @@ def _list(value: Any, what: str) -> list[Any]:
 
 def _show(value: Any) -> str:
     """A value from the wire, quoted and cut short: a message never grows with a hostile plan."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deep to show"
     return text if len(text) <= 80 else text[:77] + "..."

@@ -25,14 +25,16 @@ import stat
 import tempfile
 import uuid
 import weakref
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from backends.engines.base import MIN_BUCKET_BYTES, Topology, TransportError
 from backends.engines.buckets import ALIGN, HEADER_BYTES, SLOTS, Layout, Plan, align
+from backends.engines.control import PARSE_ERRORS, clip
 from backends.engines.pipeline import BucketEngine
 from backends.engines.plan import PlanRefused
 from backends.engines.receiver import receive_sizes
@@ -98,8 +100,11 @@ class ShmEngine(BucketEngine):
     def _create(self, size: int) -> None:
         self._free_buckets()
         _remove_orphans(self.shm_dir)
-        stat = os.statvfs(self.shm_dir)
-        free = stat.f_bavail * stat.f_frsize
+        try:
+            info = os.statvfs(self.shm_dir)
+        except OSError as exc:
+            raise EngineError(f"shm engine: cannot read the free space of shm_dir {self.shm_dir}: {exc}") from exc
+        free = info.f_bavail * info.f_frsize
         if free < size * SLOTS:
             raise EngineError(f"shm engine: {self.shm_dir} has {free} bytes free, two buckets need {size * SLOTS}; "
                               "lower engine.bucket_bytes or give the container more shared memory")
@@ -135,27 +140,38 @@ class ShmEngine(BucketEngine):
 
 
 _PREFIX = "trainer-lifecycle-shm-"
+_PID_LIMIT = 1 << 22
+"""Linux's pid_max is at most 2**22: a bigger number in a name is no process of this host."""
+_PATH_MAX = 4096
 
 
-_NAME = re.compile(re.escape(_PREFIX) + r"[0-9]+-[0-9a-f]{12}-[0-9]+")
+_NAME = re.compile(re.escape(_PREFIX) + r"([0-9]{1,7})-[0-9a-f]{12}-[0-9]")
 
 
 def _published(raw: bytes, folder: Path) -> list[str]:
     """The sender's bucket paths, each named as `_create` names them directly inside `folder`
-    (this receiver's own shm_dir, however the sender spells it)."""
+    (this receiver's own shm_dir, however the sender spells it), as paths in `folder`."""
     try:
         paths = json.loads(raw)
-    except ValueError:
+    except PARSE_ERRORS:
         paths = None
     if not (isinstance(paths, list) and len(paths) == SLOTS and all(isinstance(p, str) for p in paths)
             and len(set(paths)) == SLOTS):
-        raise EngineError(f"the sender published {raw[:120]!r} as its buckets, not {SLOTS} distinct paths")
+        raise EngineError(f"the sender published {raw[:120]!r} ({len(raw)} bytes) as its buckets, "
+                          f"not {SLOTS} distinct paths")
     for path in paths:
-        name = Path(path).name
-        if not _NAME.fullmatch(name) or os.path.realpath(Path(path).parent) != os.path.realpath(folder):
-            raise EngineError(f"{path!r} is not a bucket of this engine directly inside {folder} "
+        if not (len(path) <= _PATH_MAX and _NAME.fullmatch(Path(path).name)
+                and _same_folder(Path(path).parent, folder)):
+            raise EngineError(f"{clip(repr(path), 200)} is not a bucket of this engine directly inside {folder} "
                               f"(named {_PREFIX}<pid>-<token>-<slot>)")
-    return paths
+    return [str(folder / Path(path).name) for path in paths]
+
+
+def _same_folder(published: Path, folder: Path) -> bool:
+    try:
+        return os.path.realpath(published) == os.path.realpath(folder)
+    except (OSError, ValueError):  # a NUL byte in the name is a ValueError
+        return False
 
 
 def _open_shared(path: Path, folder: Path) -> int:
@@ -202,24 +218,53 @@ def _map(path: Path, create_size: int = 0, folder: Path | None = None) -> torch.
 
 
 def _unlink(paths: list[str]) -> None:
+    """Also run at exit (a `weakref.finalize`), so it logs what it cannot remove and never raises."""
     for path in paths:
-        Path(path).unlink(missing_ok=True)
+        try:
+            Path(path).unlink(missing_ok=True)
+        except OSError as exc:
+            structlog.get_logger().warning("engine.shm_bucket_kept", path=path, error=str(exc))
 
 
 def _remove_orphans(folder: Path) -> None:
-    """Unlink buckets left by senders that died without closing (SIGKILL, OOM)."""
-    for path in folder.glob(f"{_PREFIX}*"):
-        pid = path.name.removeprefix(_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            path.unlink(missing_ok=True)
+    """Unlink buckets left by senders that died without closing (SIGKILL, OOM).
+
+    Housekeeping that must never fail a sync, in a folder others write to: it removes only
+    this user's regular files named as this engine names its buckets (looked at with lstat,
+    never through a link) whose sender is gone, and logs an entry it cannot remove and goes on.
+    """
+    log = structlog.get_logger()
+    try:
+        names = [name for name in os.listdir(folder) if name.startswith(_PREFIX)]
+        folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        log.warning("engine.shm_sweep_skipped", folder=str(folder), error=str(exc))
+        return
+    try:
+        for name in names:
+            match = _NAME.fullmatch(name)
+            if match is None or _alive(int(match.group(1))):
+                continue
+            try:
+                info = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+                if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+                    os.unlink(name, dir_fd=folder_fd)
+            except OSError as exc:
+                log.warning("engine.shm_orphan_kept", path=str(folder / name), error=str(exc))
+    finally:
+        os.close(folder_fd)
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` may be a live process: a pid outside 1..pid_max, or one that cannot be
+    asked, counts as alive, so its buckets are left alone."""
+    if not 0 < pid < _PID_LIMIT:
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except OSError:
         return True
     return True
 

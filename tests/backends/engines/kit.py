@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import xxhash
 
@@ -141,6 +142,25 @@ def mixed_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
         ("transposed", torch.randn(6, 10, generator=gen).t()),
         ("bytes", torch.randint(0, 255, (77,), generator=gen, dtype=torch.uint8)),
     ]
+
+
+def old_rollout() -> MemoryRollout:
+    """A rollout serving v7 of other weights (`mixed_tensors(seed=7)`)."""
+    rollout = MemoryRollout()
+    rollout.load_weights(mixed_tensors(seed=7))
+    rollout.weights_version = 7
+    return rollout
+
+
+def assert_kept_old_weights(rollout: MemoryRollout) -> None:
+    """A failed sync left `old_rollout()` on its old weights and version, marked stale."""
+    assert rollout.weights_version == 7 and rollout.stale and not rollout.paused
+    old = dict(mixed_tensors(seed=7))
+    assert rollout.weights.keys() == old.keys()
+    for key, value in old.items():
+        assert torch.equal(rollout.weights[key], value), key
+    with pytest.raises(RuntimeError, match="stale"):
+        rollout.serve()
 
 
 def read_case(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -26,7 +26,14 @@ from backends.engines.shm import _PREFIX, ShmEngine
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
-from tests.backends.engines.kit import Run, mixed_tensors, new_engine, sync_threads
+from tests.backends.engines.kit import (
+    Run,
+    assert_kept_old_weights,
+    mixed_tensors,
+    new_engine,
+    old_rollout,
+    sync_threads,
+)
 
 TRANSPORTS = ["gloo", "shm"]
 CLASSES: dict[str, type[CheckpointEngine]] = {"gloo": GlooEngine, "shm": ShmEngine}
@@ -35,29 +42,11 @@ HANG_GUARD_S = 10.0
 """A refusal that fell back to waiting out the timeout would take TIMEOUT_S."""
 
 
-def _old_rollout() -> MemoryRollout:
-    """A rollout serving v7 of other weights."""
-    rollout = MemoryRollout()
-    rollout.load_weights(mixed_tensors(seed=7))
-    rollout.weights_version = 7
-    return rollout
-
-
 def _sync(sender: CheckpointEngine, receivers: list[CheckpointEngine], rollouts: list[MemoryRollout],
           **kwargs: Any) -> tuple[Run, float]:
     start = time.monotonic()
     run = sync_threads(sender, receivers, mixed_tensors(), rollouts, deadline_s=TIMEOUT_S + 5, **kwargs)
     return run, time.monotonic() - start
-
-
-def _assert_kept_old_weights(rollout: MemoryRollout) -> None:
-    assert rollout.weights_version == 7 and rollout.stale and not rollout.paused
-    old = dict(mixed_tensors(seed=7))
-    assert rollout.weights.keys() == old.keys()
-    for key, value in old.items():
-        assert torch.equal(rollout.weights[key], value), key
-    with pytest.raises(RuntimeError, match="stale"):
-        rollout.serve()
 
 
 def _assert_refused(run: Run, elapsed: float, name: str, reason: str, rollouts: list[MemoryRollout]) -> None:
@@ -72,7 +61,7 @@ def _assert_refused(run: Run, elapsed: float, name: str, reason: str, rollouts: 
         assert str(error).startswith(f"{name} engine: rank {rank} refuses the plan of weights v1: ")
         assert re.search(reason, str(error)), str(error)
         assert re.search(f"rank {rank}: [^;]*{reason}", sender), sender
-        _assert_kept_old_weights(rollout)
+        assert_kept_old_weights(rollout)
 
 
 def _hostile(name: str, edit: Callable[[dict[str, Any]], object] | bytes) -> CheckpointEngine:
@@ -131,7 +120,7 @@ BAD_PLANS: dict[str, tuple[Callable[[dict[str, Any]], object] | bytes, str]] = {
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_a_bad_plan_fails_both_sides_at_once_naming_the_problem_and_applies_nothing(name: str, case: str) -> None:
     edit, reason = BAD_PLANS[case]
-    rollouts = [_old_rollout(), _old_rollout()]
+    rollouts = [old_rollout(), old_rollout()]
     receivers = _engines(name, 1) + _engines(name, 1, apply="streamed")
     run, elapsed = _sync(_hostile(name, edit), receivers, rollouts)
     _assert_refused(run, elapsed, name, reason, rollouts)
@@ -139,7 +128,7 @@ def test_a_bad_plan_fails_both_sides_at_once_naming_the_problem_and_applies_noth
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_a_receiver_that_verifies_refuses_a_plan_without_checksums_on_both_sides(name: str) -> None:
-    rollouts = [_old_rollout(), _old_rollout()]
+    rollouts = [old_rollout(), old_rollout()]
     run, elapsed = _sync(new_engine(name, verify=False, timeout_s=TIMEOUT_S), _engines(name), rollouts)
     _assert_refused(run, elapsed, name, r"it sends no checksums \(the sender's engine\.verify is false\) and this "
                                         r"receiver verifies every bucket", rollouts)
@@ -147,7 +136,7 @@ def test_a_receiver_that_verifies_refuses_a_plan_without_checksums_on_both_sides
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_one_refusal_fails_the_sync_for_the_receiver_that_accepted_too_and_it_applies_nothing(name: str) -> None:
-    rollouts = [_old_rollout(), _old_rollout()]
+    rollouts = [old_rollout(), old_rollout()]
     receivers = _engines(name, 1, verify=False) + _engines(name, 1)
     run, elapsed = _sync(new_engine(name, verify=False, timeout_s=TIMEOUT_S), receivers, rollouts)
     assert elapsed < HANG_GUARD_S
@@ -156,7 +145,7 @@ def test_one_refusal_fails_the_sync_for_the_receiver_that_accepted_too_and_it_ap
     assert "rank 1" not in str(run.error)
     assert all(isinstance(error, EngineError) for error in run.errors)
     for rollout in rollouts:
-        _assert_kept_old_weights(rollout)
+        assert_kept_old_weights(rollout)
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
@@ -202,7 +191,7 @@ def test_the_sender_sends_bucket_0_only_once_every_receiver_accepted_the_plan(na
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_a_clean_sync_drops_its_answers_a_refused_one_is_closed_and_the_next_one_lands(name: str) -> None:
-    sender, receiver, rollout = new_engine(name), new_engine(name), _old_rollout()
+    sender, receiver, rollout = new_engine(name), new_engine(name), old_rollout()
     port = free_port()
     keys = ["accepted/1", "status/1", "plan", "version"] + (["mapped/1", "slots"] if name == "shm" else [])
 
@@ -229,7 +218,7 @@ def test_a_clean_sync_drops_its_answers_a_refused_one_is_closed_and_the_next_one
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_a_rollout_refuses_a_sync_that_leaves_out_a_weight_it_expects_and_the_sender_is_told(name: str) -> None:
     expected = {n for n, _ in mixed_tensors()} | {"lm_head.weight"}
-    rollouts = [_old_rollout(), _old_rollout()]
+    rollouts = [old_rollout(), old_rollout()]
     run, elapsed = _sync(new_engine(name, timeout_s=TIMEOUT_S), _engines(name), rollouts, expected=expected)
     _assert_refused(run, elapsed, name, r"it leaves out 1 of the 11 weight\(s\) this rollout expects: "
                                         r"'lm_head\.weight'", rollouts)
@@ -243,13 +232,13 @@ def test_a_sync_that_brings_every_expected_weight_and_more_lands(name: str) -> N
 
 
 def test_the_naive_engine_refuses_missing_weights_before_handing_any_out() -> None:
-    engine, rollout = new_engine("naive"), _old_rollout()
+    engine, rollout = new_engine("naive"), old_rollout()
     with engine.session(None, 0):
         engine.send_weights(iter(mixed_tensors()), 1)
         with pytest.raises(EngineError, match=r"naive engine: the rollout refuses weights v1: it leaves out 1 of "
                                               r"the 2 weight\(s\) this rollout expects: 'lm_head\.weight'"):
             receive_into(engine, rollout, expected=["ids", "lm_head.weight"])
-    _assert_kept_old_weights(rollout)
+    assert_kept_old_weights(rollout)
 
 
 def test_an_engine_whose_receive_weights_takes_no_expected_says_so() -> None:
@@ -299,6 +288,12 @@ HOSTILE_SLOTS: dict[str, tuple[Callable[[Path, Path, list[str]], object], str]] 
     "one path": (lambda shm, target, real: [real[0]], r"not 2 distinct paths"),
     "the same path twice": (lambda shm, target, real: [real[0], real[0]], r"not 2 distinct paths"),
     "not a list": (lambda shm, target, real: "nope", r"not 2 distinct paths"),
+    "a NUL in its folder": (lambda shm, target, real: [f"{shm}\x00/{_bucket_name('f')}", real[1]],
+                            r"is not a bucket of this engine directly inside"),
+    "a path of a megabyte": (lambda shm, target, real: [f"{shm}{'/.' * 500_000}/{_bucket_name('g')}", real[1]],
+                             r"\.\.\. \[\d+ characters in all\] is not a bucket of this engine directly inside"),
+    "a pid no process has": (lambda shm, target, real: [str(shm / f"{_PREFIX}99999999-{'a' * 12}-0"), real[1]],
+                             r"is not a bucket of this engine directly inside"),
 }
 
 
@@ -318,7 +313,7 @@ def test_an_shm_receiver_maps_only_buckets_of_its_own_engine_in_its_own_folder(c
     target.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 130)
     before = (target.read_bytes(), target.stat().st_mtime_ns)
     publish, reason = HOSTILE_SLOTS[case]
-    rollout, receiver = _old_rollout(), new_engine("shm", shm_dir=shm_dir, timeout_s=TIMEOUT_S)
+    rollout, receiver = old_rollout(), new_engine("shm", shm_dir=shm_dir, timeout_s=TIMEOUT_S)
     run, elapsed = _sync(_hostile_shm(shm_dir, lambda real: publish(shm_dir, target, real)), [receiver], [rollout])
     assert elapsed < HANG_GUARD_S
     assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
@@ -326,15 +321,16 @@ def test_an_shm_receiver_maps_only_buckets_of_its_own_engine_in_its_own_folder(c
     assert re.search(reason, str(run.errors[0])), str(run.errors[0])
     assert str(run.error).startswith("shm engine: 1 of 1 receiver(s) could not map the shared buckets: rank 1: ")
     assert re.search(reason, str(run.error)), str(run.error)
+    assert len(str(run.error)) < 2000 and len(str(run.errors[0])) < 2000
     assert receiver.slots == []  # type: ignore[attr-defined]
     assert (target.read_bytes(), target.stat().st_mtime_ns) == before
-    _assert_kept_old_weights(rollout)
+    assert_kept_old_weights(rollout)
 
 
 def test_an_shm_receiver_refuses_shared_buckets_smaller_than_the_plan_needs(tmp_path: Path) -> None:
     shm_dir = tmp_path / "shm"
     small = [_file(shm_dir / _bucket_name("e", slot), HEADER_BYTES + 128) for slot in range(2)]
-    rollout = _old_rollout()
+    rollout = old_rollout()
     run, elapsed = _sync(_hostile_shm(shm_dir, lambda real: small),
                          [new_engine("shm", shm_dir=shm_dir, timeout_s=TIMEOUT_S)], [rollout])
     wanted = HEADER_BYTES + align(4096)

@@ -1,0 +1,207 @@
+"""The control messages are a peer's bytes: whatever a peer (or anyone reaching the store) puts
+there fails the sync as an `EngineError` naming the key or the rank, never as a raw Python
+error, and never by waiting out `timeout_s`.
+
+Every sync here runs over real gloo groups or shared memory, the sender on the test's thread
+and each receiver on a thread of its own. Each side must end well before `timeout_s` (a hang
+guard, not a speed check), and each rollout keep its old weights and version, marked stale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from backends.engines import CheckpointEngine, Rendezvous, TransportError
+from backends.engines import pipeline as pipeline_module
+from backends.engines import shm as shm_module
+from backends.engines.control import SHOWN_CHARS, StoreLink
+from backends.engines.gloo import GlooEngine
+from backends.engines.shm import _PREFIX, ShmEngine
+from lifecycle.errors import EngineError
+from lifecycle.testing import MemoryRollout
+from tests.backends.engines.kit import (
+    Run,
+    assert_kept_old_weights,
+    mixed_tensors,
+    new_engine,
+    old_rollout,
+    sync_threads,
+)
+
+TRANSPORTS = ["gloo", "shm"]
+CLASSES: dict[str, type[CheckpointEngine]] = {"gloo": GlooEngine, "shm": ShmEngine}
+TIMEOUT_S = 30.0
+HANG_GUARD_S = 10.0
+"""A failure that fell back to waiting out the timeout would take TIMEOUT_S."""
+DEEP = b"[" * 100_000 + b"]" * 100_000
+"""JSON nested far deeper than the interpreter's stack: `json.loads` raises RecursionError."""
+
+
+def _sync(sender: CheckpointEngine, receivers: list[CheckpointEngine], rollouts: list[MemoryRollout]
+          ) -> tuple[Run, float]:
+    start = time.monotonic()
+    run = sync_threads(sender, receivers, mixed_tensors(), rollouts, deadline_s=TIMEOUT_S + 5)
+    return run, time.monotonic() - start
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+# -- the rendezvous: `latest` ---------------------------------------------------------------
+
+@pytest.mark.parametrize("latest", [b"v1", b"9" * 5000, b"-1", b"0", b"\xff"])
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_latest_key_that_is_no_sync_number_fails_the_receiver_at_once_naming_key_and_rendezvous(
+        name: str, latest: bytes) -> None:
+    """The receiver cannot tell which sync to join, so it cannot tell the sender either: the
+    sender (given a short timeout here) waits for it; the receiver (given TIMEOUT_S) must not."""
+    overwritten = threading.Event()
+
+    class BadLatest(StoreLink):
+        def _open(self, rdv: Rendezvous) -> Any:
+            control = super()._open(rdv)
+            self.base.set("latest", latest)
+            overwritten.set()
+            return control
+
+    class Late(CLASSES[name]):  # type: ignore[valid-type,misc]
+        def init_process_group(self) -> None:
+            overwritten.wait(HANG_GUARD_S)
+            super().init_process_group()
+
+    sender = new_engine(name, timeout_s=3.0)
+    sender._link = BadLatest(sender)  # type: ignore[attr-defined]
+    rollout = old_rollout()
+    run, elapsed = _sync(sender, [Late(bucket_bytes=4096, timeout_s=TIMEOUT_S)], [rollout])
+    assert elapsed < HANG_GUARD_S
+    assert isinstance(run.error, TransportError), run.error
+    error = run.errors[0]
+    assert isinstance(error, TransportError), error
+    assert re.match(rf"{name} engine: the rendezvous at 127\.0\.0\.1:\d+ holds {re.escape(repr(latest[:40]))} "
+                    rf"\({len(latest)} bytes\) under 'latest', not the number of a sync", str(error)), str(error)
+    assert_kept_old_weights(rollout)
+
+
+# -- a receiver's answers ---------------------------------------------------------------------
+
+HOSTILE_ANSWERS: dict[str, tuple[bytes, str]] = {
+    "nested too deep": (DEEP, r"rank 1: sent an unreadable answer b'\[\[\[\[.*' \(200000 bytes\)"),
+    "a reason of 5 MB": (json.dumps({"ok": False, "error": "x" * 5_000_000}).encode(),
+                         rf"rank 1: x{{{SHOWN_CHARS}}}\.\.\. \[5000000 characters in all\]"),
+    "a reason that is no string": (b'{"ok": false, "error": [[[["no"]]]]}', r"rank 1: sent an unreadable answer"),
+    "not UTF-8": (b'{"ok": true, "error": "\xff"}', r"rank 1: sent an unreadable answer"),
+    "an int too long to read": (b'{"ok": false, "error": ' + b"9" * 5000 + b"}", r"rank 1: sent an unreadable answer"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_ANSWERS))
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_hostile_answer_fails_the_sender_at_once_naming_the_rank_in_a_bounded_message(
+        name: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver accepts, but says so in bytes no honest receiver writes: the sender must
+    name it, show at most SHOWN_CHARS of what it said, and close the sync so it ends too."""
+    payload, reason = HOSTILE_ANSWERS[case]
+    monkeypatch.setattr(pipeline_module, "answer", lambda error: payload)
+    rollout = old_rollout()
+    run, elapsed = _sync(new_engine(name, timeout_s=TIMEOUT_S), [new_engine(name, timeout_s=TIMEOUT_S)], [rollout])
+    assert elapsed < HANG_GUARD_S
+    assert isinstance(run.error, EngineError), run.error
+    what = "could not map the shared buckets" if name == "shm" else "refused the plan of weights v1"
+    assert str(run.error).startswith(f"{name} engine: 1 of 1 receiver(s) {what}: rank 1: "), str(run.error)[:300]
+    assert re.search(reason, str(run.error)), str(run.error)[:300]
+    assert len(str(run.error)) < 2 * SHOWN_CHARS
+    assert isinstance(run.errors[0], EngineError), run.errors[0]
+    assert_kept_old_weights(rollout)
+
+
+# -- shm: the published buckets and the orphan sweep --------------------------------------------
+
+@pytest.mark.parametrize("slots", [DEEP, b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, b"\xff\xfe"])
+def test_shm_slots_that_cannot_be_read_are_refused_by_the_receiver_and_the_sender_is_told_at_once(slots: bytes) -> None:
+    class Publishing(ShmEngine):
+        def _connect(self, topology: Any) -> None:
+            self._control().set("slots", slots)
+            self._await_answers("mapped", "could not map the shared buckets")
+
+    rollout = old_rollout()
+    run, elapsed = _sync(Publishing(bucket_bytes=4096, timeout_s=TIMEOUT_S),
+                         [new_engine("shm", timeout_s=TIMEOUT_S)], [rollout])
+    assert elapsed < HANG_GUARD_S
+    reason = rf"the sender published {re.escape(repr(slots[:120]))} \({len(slots)} bytes\) as its buckets, not 2"
+    assert isinstance(run.errors[0], EngineError), run.errors[0]
+    assert str(run.errors[0]).startswith("shm engine: rank 1 refuses the sender's shared buckets: ")
+    assert re.search(reason, str(run.errors[0])), str(run.errors[0])
+    assert isinstance(run.error, EngineError), run.error
+    assert str(run.error).startswith("shm engine: 1 of 1 receiver(s) could not map the shared buckets: rank 1: ")
+    assert re.search(reason, str(run.error)), str(run.error)
+    assert_kept_old_weights(rollout)
+
+
+def test_the_shm_orphan_sweep_skips_what_is_not_a_dead_senders_bucket_and_never_fails_a_sync(tmp_path: Path) -> None:
+    shm_dir, outside = tmp_path / "shm", tmp_path / "outside"
+    shm_dir.mkdir()
+    outside.write_bytes(b"keep me")
+    dead, token = _dead_pid(), "0123456789ab"
+    junk = {
+        "a pid past any long": f"{_PREFIX}99999999999999999999-x",
+        "a pid past pid_max": f"{_PREFIX}{1 << 22}-{token}-0",
+        "a folder of a dead pid": f"{_PREFIX}{dead}-x",
+        "a bucket-named folder of a dead pid": f"{_PREFIX}{dead}-{token}-0",
+        "a bucket-named link of a dead pid": f"{_PREFIX}{dead}-{token}-1",
+        "an odd name of a dead pid": f"{_PREFIX}{dead}-odd",
+    }
+    (shm_dir / junk["a pid past any long"]).write_text("x")
+    (shm_dir / junk["a pid past pid_max"]).write_text("x")
+    (shm_dir / junk["an odd name of a dead pid"]).write_text("x")
+    (shm_dir / junk["a folder of a dead pid"]).mkdir()
+    (shm_dir / junk["a bucket-named folder of a dead pid"]).mkdir()
+    (shm_dir / junk["a bucket-named link of a dead pid"]).symlink_to(outside)
+    orphan = shm_dir / f"{_PREFIX}{dead}-{'f' * 12}-0"
+    orphan.write_bytes(bytes(64))
+    rollout = MemoryRollout()
+    sender = new_engine("shm", shm_dir=shm_dir, timeout_s=TIMEOUT_S)
+    run, elapsed = _sync(sender, [new_engine("shm", shm_dir=shm_dir, timeout_s=TIMEOUT_S)], [rollout])
+    assert elapsed < HANG_GUARD_S
+    assert run.error is None and run.errors == [None], (run.error, run.errors)
+    assert rollout.weights_version == 1 and not rollout.stale
+    assert not orphan.exists()
+    for case, name in junk.items():
+        assert os.path.lexists(shm_dir / name), case
+    assert outside.read_bytes() == b"keep me"
+    sender.close()
+
+
+def test_an_orphan_the_sweep_cannot_remove_is_logged_and_the_rest_are_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dead = _dead_pid()
+    orphans = [tmp_path / f"{_PREFIX}{dead}-{token * 12}-0" for token in "abc"]
+    for orphan in orphans:
+        orphan.write_bytes(b"")
+    unlink = os.unlink
+
+    def failing(path: Any, *, dir_fd: int | None = None) -> None:
+        if path == orphans[1].name:
+            raise PermissionError(1, "Operation not permitted", path)
+        unlink(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(shm_module.os, "unlink", failing)
+    with capture_logs() as logs:
+        shm_module._remove_orphans(tmp_path)
+    assert [orphan.exists() for orphan in orphans] == [False, True, False]
+    assert [(log["event"], log["path"]) for log in logs] == [("engine.shm_orphan_kept", str(orphans[1]))]
+    assert "Operation not permitted" in logs[0]["error"]
