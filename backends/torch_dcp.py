@@ -12,8 +12,11 @@ it, for the checks below and for `dcp.load` alike (one read, one object), with a
 that hands out only the DCP metadata classes, `torch.Size` and torch dtypes and layouts, so a
 crafted file is refused before anything in it runs, whether or not the manifest was verified.
 Metadata that is not a DCP `Metadata`, names non-tensor entries (which DCP would `torch.load`
-with `weights_only=False`) or points at a file outside the folder is refused before DCP reads
-a byte of data. Tensor data itself is read by DCP with `torch.load(weights_only=True)`.
+with `weights_only=False`), points at a file outside the folder, or has a tensor whose chunks
+do not tile it exactly or whose bytes are not in the folder's files (DCP would fill only what
+the chunks cover and leave the rest of the model as it was, without an error) is refused
+before DCP reads a byte of data. Tensor data itself is read by DCP with
+`torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ def _write(state: dict[str, torch.Tensor], folder: Path) -> None:
 
 
 def _reader(folder: Path) -> tuple[MetadataReader, Metadata]:
-    """The reader DCP will load with, and the metadata it has already read (restricted unpickler)."""
+    """The reader DCP will load with, and the metadata it has already read (restricted
+    unpickler) and checked (every tensor tiled by chunks whose bytes are in the folder)."""
     if not (folder / METADATA).is_file():
         what = "no such folder" if not folder.is_dir() else f"no {METADATA} file"
         raise CheckpointError(f"{folder}: not a torch_dcp checkpoint ({what}; an unfinished save?)")

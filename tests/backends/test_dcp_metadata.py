@@ -258,11 +258,14 @@ def test_a_persistent_id_is_refused(tmp_path: Path) -> None:
 
 def test_every_truncation_and_byte_flip_of_real_metadata_is_metadata_or_a_checkpoint_error(tmp_path: Path) -> None:
     """Damaged bytes may still unpickle into allowed objects: whatever comes out is Metadata DCP
-    can use, or a CheckpointError naming the file, never another exception."""
-    TorchDCPBackend().save_model(nn.Linear(2, 2, dtype=torch.bfloat16), tmp_path / "model")
+    can use, or a CheckpointError naming the file, never another exception; and what comes out
+    loads the saved weights exactly or is a CheckpointError, never a load of part of them."""
+    torch.manual_seed(0)
+    saved = nn.Linear(2, 2, dtype=torch.bfloat16)
+    TorchDCPBackend().save_model(saved, tmp_path / "model")
+    shutil.copytree(tmp_path / "model", tmp_path / "damaged")
     original = (tmp_path / "model" / METADATA).read_bytes()
     path = tmp_path / "damaged" / METADATA
-    path.parent.mkdir()
     variants = [original[:cut] for cut in range(len(original))]
     variants += [original[:i] + bytes([original[i] ^ (0xFF if i % 2 else 0x01)]) + original[i + 1:]
                  for i in range(len(original))]
@@ -271,8 +274,11 @@ def test_every_truncation_and_byte_flip_of_real_metadata_is_metadata_or_a_checkp
         path.write_bytes(data)
         try:
             assert isinstance(read_metadata(path), Metadata)
+            model = nn.Linear(2, 2, dtype=torch.bfloat16)
+            TorchDCPBackend().load_model(model, path.parent)
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved.parameters())), data
         except CheckpointError as exc:
-            assert str(path) in str(exc)
+            assert str(path.parent) in str(exc)
             refused += 1
     assert refused > len(original)
 
@@ -391,7 +397,8 @@ def test_pre_load_from_a_hand_made_checkpoint_refuses_the_exploit(run: Path, mar
 
 def _dist_ckpt_round_trip_and_exploit(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     """TP1: save model and a torch optimizer with dist_ckpt, load them back through Megatron
-    with the plain reader made to fail, then load a model folder whose .metadata is an exploit."""
+    with the plain reader made to fail, then load a model folder whose .metadata is an exploit
+    and an optimizer folder whose .metadata lost a tensor's chunks."""
     from megatron.core.dist_checkpointing.strategies import torch as mcore_dcp
 
     from backends.dist_ckpt import DistCkptBackend
@@ -425,12 +432,24 @@ def _dist_ckpt_round_trip_and_exploit(rank: int, world_size: int, tmp: Path) -> 
         error = None
     except CheckpointError as exc:
         error = str(exc)
-    return {"same": same, "equal_metadata": equal_metadata, "error": error,
-            "factory_restored": mcore_dcp._get_filesystem_reader is factory}
+    path = tmp / "optimizer" / METADATA
+    metadata = pickle.loads(path.read_bytes())
+    fqn = next(k for k, entry in metadata.state_dict_metadata.items() if getattr(entry, "chunks", None))
+    metadata.state_dict_metadata[fqn].chunks = []
+    path.write_bytes(pickle.dumps(metadata))
+    try:
+        backend.load_optimizer(optimizer, None, tmp / "optimizer", model=model)
+        chunk_error = None
+    except CheckpointError as exc:
+        chunk_error = str(exc)
+    return {"same": same, "equal_metadata": equal_metadata, "error": error, "chunk_error": chunk_error,
+            "emptied": fqn, "factory_restored": mcore_dcp._get_filesystem_reader is factory}
 
 
 @pytest.mark.slow
-def test_dist_ckpt_loads_bit_exactly_through_the_restricted_reader_and_refuses_an_exploit(tmp_path: Path) -> None:
+def test_dist_ckpt_loads_bit_exactly_through_the_restricted_reader_and_refuses_an_exploit_and_lost_chunks(
+    tmp_path: Path,
+) -> None:
     pytest.importorskip("megatron.core")
     pytest.importorskip("mbridge")
     from tests.backends.megatron_util import make_hf_checkpoint
@@ -441,6 +460,9 @@ def test_dist_ckpt_loads_bit_exactly_through_the_restricted_reader_and_refuses_a
     assert result["error"] is not None
     assert str(tmp_path / "model" / METADATA) in result["error"] and "refused to unpickle io.open" in result["error"]
     assert not (tmp_path / "pwned").exists()
+    chunk_error = result["chunk_error"]
+    assert chunk_error is not None and str(tmp_path / "optimizer" / METADATA) in chunk_error
+    assert f"tensor {result['emptied']!r} has chunks of 0 elements" in chunk_error, chunk_error
 
 
 def _dist_ckpt_bytes_entry_exploit(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
