@@ -91,7 +91,7 @@ class Resumer:
             try:
                 return step, self._one(parts, store.role_dir(step, self.role), step, fallback=fallback)
             except DamagedCheckpoint as exc:
-                aside = store.quarantine(step, exc.problems) if self.rank == 0 else None
+                aside = self._set_aside(store, step, exc.problems)
                 set_aside.append(f"step {step}, now {aside or 'set aside by rank 0'}:\n    "
                                  + "\n    ".join(exc.problems[:10]))
                 below = step
@@ -105,6 +105,20 @@ class Resumer:
                 f"fresh). Set aside as damaged:\n  {found}"
             )
         return None
+
+    def _set_aside(self, store: CheckpointStore, step: int, problems: list[str]) -> Path | None:
+        """Rank 0 renames the damaged step aside; every rank learns whether it could, so none
+        walks on to the next step's collectives while rank 0 has stopped."""
+        aside, error = None, None
+        if self.rank == 0:
+            try:
+                aside = store.quarantine(step, problems)
+            except CheckpointError as failure:
+                error = failure
+        if self._agree(Verdict.REFUSED if error is not None else Verdict.OK) is not Verdict.OK:
+            raise error or CheckpointError(f"{store.step_dir(step)}: damaged, and rank 0 could not set it aside "
+                                           "(see its error)")
+        return aside
 
     def _refuse_unreadable(self, store: CheckpointStore) -> None:
         """No committed step, yet manifests are there that cannot be read (damaged, or from a
