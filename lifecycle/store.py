@@ -7,8 +7,6 @@ leave the tracker ahead of, or behind, what was actually committed.
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +29,7 @@ from lifecycle.manifest import (
     write_json_atomic,
     write_text_atomic,
 )
+from lifecycle.retention import apply_retention, rmtree, sweep, trash_path
 from lifecycle.writer_lock import WriterLock
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -61,39 +60,6 @@ def _default_barrier(world_size: int) -> Callable[[], None] | None:
     if dist.is_available() and dist.is_initialized():
         return dist.barrier
     raise ConfigError("world_size", f"world_size={world_size} needs a barrier or an initialized process group")
-
-
-def _trash(root: Path, name: str) -> Path:
-    return root / f".trash-{name}-{uuid.uuid4().hex[:8]}"
-
-
-def _remove_tree(path: Path, root: Path) -> bool:
-    """Move out of sight first so a half-deleted step never looks like a damaged one; what
-    the removal leaves (a file that cannot be deleted) is retried by the next sweep."""
-    trash = _trash(root, path.name)
-    try:
-        os.rename(path, trash)
-    except FileNotFoundError:
-        return False
-    _rmtree(trash)
-    return True
-
-
-def _rmtree(path: Path) -> None:
-    """Remove a tree (or a file or symlink) that another process may be removing too."""
-    if path.is_symlink() or not path.is_dir():
-        path.unlink(missing_ok=True)
-        return
-
-    def vanished_ok(func: Callable[..., Any], name: str, exc: Any) -> None:
-        err = exc[1] if isinstance(exc, tuple) else exc
-        if not isinstance(err, FileNotFoundError):
-            raise err
-
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=vanished_ok)
-    else:
-        shutil.rmtree(path, onerror=vanished_ok)
 
 
 class CheckpointStore:
@@ -152,7 +118,7 @@ class CheckpointStore:
                     if not real_dir(self.step_dir(step), "a step folder"):
                         self.step_dir(step).mkdir(exist_ok=True)
                     if lstat(path) is not None:
-                        _rmtree(path)
+                        rmtree(path)
                     path.mkdir()
                 failed = False
         finally:
@@ -169,7 +135,7 @@ class CheckpointStore:
         path = self.step_dir(step) / f".staging-{check_role(role)}"
         try:
             if lstat(path) is not None:
-                _rmtree(path)
+                rmtree(path)
         except (OSError, CheckpointError) as exc:
             structlog.get_logger().warning("checkpoint.staging_not_removed", step=step, path=str(path),
                                            error=str(exc))
@@ -232,7 +198,7 @@ class CheckpointStore:
                                   model_config_hash=model_config_hash, meta=meta, fsync=fsync)
         write_json_atomic(staging / MANIFEST, manifest)
         final = self.role_dir(step, role)
-        old = _trash(self.root, f"{step}-{role}") if lstat(final) is not None else None
+        old = trash_path(self.root, f"{step}-{role}") if lstat(final) is not None else None
         if old is not None:
             os.rename(final, old)
         try:
@@ -252,7 +218,7 @@ class CheckpointStore:
             log.error("checkpoint.commit_not_durable", step=step, path=str(final.parent), error=str(exc))
         if old is not None:
             try:
-                _rmtree(old)
+                rmtree(old)
             except OSError as exc:
                 log.warning("checkpoint.retention_failed", step=step, path=str(old), error=str(exc),
                             action="left for the next save to remove")
@@ -403,51 +369,9 @@ class CheckpointStore:
 
     def sweep(self) -> None:
         """Remove what earlier removals left (`.trash-*`), best effort (rank 0)."""
-        if self.rank != 0:
-            return
-        for entry in self.entries():
-            if entry.name.startswith(".trash-"):
-                try:
-                    _rmtree(Path(entry.path))
-                except OSError as exc:
-                    structlog.get_logger().warning("checkpoint.retention_failed", path=entry.path, error=str(exc),
-                                                   action="left for the next save to remove")
+        if self.rank == 0:
+            sweep(self.root, self.entries())
 
     def apply_retention(self, keep_last: int | None, roles: Sequence[str], protect: set[int]) -> list[int]:
-        """Delete steps older than the newest `keep_last` complete ones; None or < 1 keeps all.
-
-        Steps newer than the oldest kept one stay even when incomplete: another role may
-        still be writing them. Best effort: a step that cannot be removed is logged
-        (`checkpoint.retention_failed`) and left for the next save; this never raises for it.
-        """
-        if self.rank != 0:
-            return []
-        log = structlog.get_logger()
-        try:
-            self.sweep()
-            if keep_last is None or keep_last < 1:
-                return []
-            all_steps = self.steps()
-            complete = [s for s in all_steps if self.is_complete(s, roles)]
-        except CheckpointError as exc:
-            log.warning("checkpoint.retention_failed", path=str(self.root), error=str(exc))
-            return []
-        if len(complete) <= keep_last:
-            return []
-        oldest_kept = complete[-keep_last]
-        deleted: list[int] = []
-        for step in all_steps:
-            if step >= oldest_kept or step in protect:
-                continue
-            try:
-                if _remove_tree(self.step_dir(step), self.root):
-                    deleted.append(step)
-            except OSError as exc:
-                log.warning("checkpoint.retention_failed", step=step, path=str(self.step_dir(step)),
-                            error=str(exc), action="left for the next save to remove")
-                if lstat(self.step_dir(step)) is None:
-                    deleted.append(step)  # out of sight already; the sweep removes the rest
-        if deleted:
-            log.info("checkpoint.retention", root=str(self.root), deleted=deleted,
-                     keep_last=keep_last, protected=sorted(protect))
-        return deleted
+        """Delete steps older than the newest `keep_last` complete ones (see `lifecycle.retention`)."""
+        return apply_retention(self, keep_last, roles, protect) if self.rank == 0 else []

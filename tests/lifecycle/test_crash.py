@@ -112,14 +112,16 @@ def _install_kill(kill_at: str) -> None:
 
         CheckpointStore.write_tracker = before_tracker  # type: ignore[method-assign]
     elif point == "mid_retention":
-        rmtree = store_mod._rmtree
+        import lifecycle.retention as retention_mod
+
+        rmtree = retention_mod.rmtree
 
         def mid_retention(path: Path) -> None:
             if path.name.startswith(".trash-"):
                 _die()
             rmtree(path)
 
-        store_mod._rmtree = mid_retention
+        retention_mod.rmtree = mid_retention  # type: ignore[assignment]
     else:
         raise ValueError(f"unknown kill point {kill_at!r}")
 
