@@ -140,18 +140,15 @@ def _bounded(lines: list[str], out: TextIO, indent: str, what: str) -> None:
 
 
 def _root_notes(found: Survey, out: TextIO) -> None:
-    if found.damaged:
-        out.write(f"set aside as damaged ({len(found.damaged)}; resume never reads them; inspect, then remove):\n")
-        _bounded(found.damaged, out, "  ", "damaged steps")
-    if found.superseded:
-        out.write(f"superseded by a rollback ({len(found.superseded)}; resume never reads them):\n")
-        _bounded(found.superseded, out, "  ", "superseded steps")
-    if found.wrong:
-        out.write(f"wrong ({len(found.wrong)}):\n")
-        _bounded(found.wrong, out, "  ", "wrong entries")
-    if found.ignored:
-        out.write(f"ignored ({len(found.ignored)}):\n")
-        _bounded(found.ignored, out, "  ", "ignored entries")
+    for lines, title, what in (
+        (found.damaged, "set aside as damaged ({}; resume never reads them; inspect, then remove)", "damaged steps"),
+        (found.superseded, "superseded by a rollback ({}; resume never reads them)", "superseded steps"),
+        (found.wrong, "wrong ({})", "wrong entries"),
+        (found.ignored, "ignored ({})", "ignored entries"),
+    ):
+        if lines:
+            out.write(title.format(len(lines)) + ":\n")
+            _bounded(lines, out, "  ", what)
 
 
 def _open_root(root: Path) -> CheckpointStore:

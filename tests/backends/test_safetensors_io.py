@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,28 +18,9 @@ import backends.safetensors_io as sio
 from backends.safetensors_io import read_file, read_header, write_file
 from lifecycle.checksum import PIECE_BYTES, expecting, file_digest, known_digest
 from lifecycle.errors import CheckpointError
-
+from tests.guards import within
 
 HANG_GUARD_S = 20
-
-
-def within(seconds: float, work: Callable[[], object]) -> object:
-    """Run `work` on a thread; fail (instead of hanging the suite) when it blocks."""
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = work()
-        except BaseException as exc:  # noqa: BLE001  (handed to the test thread)
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"blocked for more than {seconds} s"
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box.get("value")
 
 
 def write_raw(path: Path, header: Any, data: bytes = b"") -> None:

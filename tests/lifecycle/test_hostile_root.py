@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,28 +21,18 @@ from lifecycle import CheckpointError, Lifecycle, State
 from lifecycle.manifest import MANIFEST
 from lifecycle.report import MAX_LINES, inspect_root, verify_root
 from lifecycle.store import TRACKER, CheckpointStore
-from tests.lifecycle.hostile import ROLE, Net, fill, has_weights_of, lifecycle_at, run_unprivileged, saved_run
+from tests.guards import within
+from tests.lifecycle.hostile import (
+    ROLE,
+    Net,
+    fill,
+    has_weights_of,
+    lifecycle_at,
+    run_unprivileged,
+    saved_run,
+)
 
 HANG_GUARD_S = 60
-
-
-def within(seconds: float, work: Callable[[], object]) -> object:
-    """Run `work` on a thread; fail (instead of hanging the suite) when it blocks."""
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = work()
-        except BaseException as exc:  # handed to the test thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"blocked for more than {seconds} s"
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box.get("value")
 
 
 def resumes_exactly(root: Path, step: int) -> None:
