@@ -144,8 +144,9 @@ class CheckpointEngine:
         apply: str = "atomic",
     ) -> None:
         if not MIN_BUCKET_BYTES <= bucket_bytes <= MAX_BUCKET_BYTES:
+            span = f"{_binary_size(MIN_BUCKET_BYTES)}..{_binary_size(MAX_BUCKET_BYTES)}"
             raise EngineError(f"{self.name} engine: bucket_bytes must be in {MIN_BUCKET_BYTES}..{MAX_BUCKET_BYTES} "
-                              f"(64 B..1 TiB), got {bucket_bytes}")
+                              f"({span}), got {bucket_bytes}")
         if not 0 < timeout_s <= MAX_TIMEOUT_S:
             raise EngineError(f"{self.name} engine: timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {timeout_s}")
         if apply not in APPLY_MODES:
@@ -241,6 +242,14 @@ def missing(expected: Collection[str] | None, names: Iterable[str]) -> str | Non
     return f"it leaves out {len(absent)} of the {len(expected)} weight(s) this rollout expects: {listed}"
 
 
+def _binary_size(n: int) -> str:
+    """`n` bytes in the largest binary unit that divides it exactly: 64 B, 4 KiB, 1 TiB."""
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift and not n % (1 << shift):
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
 def _dtype(value: str | torch.dtype | None, engine: str) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         return value
@@ -252,6 +261,5 @@ def _dtype(value: str | torch.dtype | None, engine: str) -> torch.dtype | None:
 
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "MAX_BUCKET_BYTES", "MIN_BUCKET_BYTES", "CheckpointEngine", "Incoming", "Rendezvous",
-    "SyncStats", "Topology", "TransportError",
+    "DEFAULT_BUCKET_BYTES", "CheckpointEngine", "Incoming", "Rendezvous", "SyncStats", "Topology", "TransportError",
 ]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import xxhash
 
-from backends.engines.plan import ALIGN, Piece, Plan, TensorMeta, align, make_plan
+from backends.engines.plan import Piece, Plan
 
 HEADER_BYTES = 64
 SLOTS = 2
@@ -32,11 +32,13 @@ class Layout:
     Bucket k lives in slot k % len(slots) (two slots, or one per bucket). Building the views
     costs a few microseconds per tensor; for thousands of tensors that is as much as copying
     their bytes, so both sides keep the layout while the plan and the slots stay the same.
+    `raw` is the plan as it went over the wire: a receiver reuses the layout for the very same
+    bytes, whoever formatted them.
     """
 
-    def __init__(self, plan: Plan, slots: Sequence[torch.Tensor]) -> None:
+    def __init__(self, plan: Plan, slots: Sequence[torch.Tensor], *, raw: bytes = b"") -> None:
         self.plan = plan
-        self.raw = plan.to_bytes()
+        self.raw = raw
         self.slots = list(slots)
         self.views = [[self._view(k, p) for p in bucket] for k, bucket in enumerate(plan.buckets)]
         self._partial: dict[int, torch.Tensor] = {}
@@ -138,6 +140,5 @@ def word_sum_digest(data: torch.Tensor) -> int:
 
 
 __all__ = [
-    "ALIGN", "HEADER_BYTES", "MAGIC", "SLOTS", "Layout", "Piece", "Plan", "TensorMeta", "align", "make_plan",
-    "read_header", "word_sum_digest", "write_header", "xxh3_digest",
+    "HEADER_BYTES", "MAGIC", "SLOTS", "Layout", "read_header", "word_sum_digest", "write_header", "xxh3_digest",
 ]

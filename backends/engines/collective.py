@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from backends.engines.base import Topology, TransportError
-from backends.engines.buckets import HEADER_BYTES, Layout, word_sum_digest
-from backends.engines.pipeline import SLOTS, BucketEngine
+from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout, word_sum_digest
+from backends.engines.pipeline import BucketEngine
 
 
 class GroupEngine(BucketEngine):

@@ -45,8 +45,7 @@ def clip(text: str, limit: int = SHOWN_CHARS) -> str:
 
 
 def answer(error: str | None) -> bytes:
-    """A receiver's answer to the sender (`accepted/{rank}`, `status/{rank}`, shm's
-    `mapped/{rank}`): ok, or the reason it is not."""
+    """A receiver's answer to the sender (`accepted/{rank}`, `status/{rank}`): ok, or the reason it is not."""
     return json.dumps({"ok": error is None, "error": None if error is None else clip(error)}).encode()
 
 
@@ -65,10 +64,16 @@ def read_answer(raw: bytes) -> str | None:
     return None if data["ok"] else clip(data["error"])
 
 
+def digits(raw: bytes) -> int | None:
+    """A number a peer wrote: plain decimal digits, at most 19 of them (no sign, no spaces, no
+    exponent, nothing Python's `int` would also take); None for anything else."""
+    return int(raw) if raw.isdigit() and len(raw) <= 19 else None
+
+
 def sync_number(raw: bytes) -> int | None:
-    """A sync's number as the store holds it (plain decimal digits, 1 or more); None for anything else."""
-    number = int(raw) if raw.isdigit() and len(raw) <= 19 else 0
-    return number if 0 < number <= _MAX_SYNC else None
+    """A sync's number as the store holds it (1 or more); None for anything else."""
+    number = digits(raw)
+    return number if number is not None and 0 < number <= _MAX_SYNC else None
 
 
 class ControlStore:
@@ -90,11 +95,15 @@ class ControlStore:
         self._written.append(key)
 
     def get(self, key: str, *, watch_closed: bool = False) -> bytes:
-        self.wait([key], watch_closed=watch_closed)
+        return self.get_many([key], watch_closed=watch_closed)[0]
+
+    def get_many(self, keys: list[str], *, watch_closed: bool = False) -> list[bytes]:
+        """Every key's value, in order: one wait for them all (see `wait`), then one read."""
+        self.wait(keys, watch_closed=watch_closed)
         try:
-            return bytes(self.store.get(key))
+            return [bytes(value) for value in self.store.multi_get(keys)]
         except _STORE_ERRORS as exc:
-            raise self._lost(f"reading {key!r}", exc) from exc
+            raise self._lost(f"reading {_listed(keys)}", exc) from exc
 
     def _lost(self, what: str, exc: BaseException) -> TransportError:
         return TransportError(f"{self.engine.name} engine: lost the rendezvous of sync {self.number} while "
@@ -106,7 +115,7 @@ class ControlStore:
         With `watch_closed` (a receiver waiting on the sender), also stop, within a fraction of
         a second, once the sender has closed this sync: it gave up and will set nothing more.
         """
-        what = f"waiting for {keys[0]!r}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
+        what = f"waiting for {_listed(keys)}"
         while True:
             left = self.engine.remaining(what)
             try:
@@ -143,6 +152,10 @@ class ControlStore:
         except _STORE_ERRORS as exc:
             structlog.get_logger().warning("engine.close_not_marked", engine=self.engine.name, sync=self.number,
                                            error=str(exc))
+
+
+def _listed(keys: list[str]) -> str:
+    return repr(keys[0]) + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
 
 
 class StoreLink:

@@ -34,11 +34,9 @@ import torch
 from torch.profiler import record_function
 
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
-from backends.engines.buckets import (
-    HEADER_BYTES, SLOTS, Layout, Plan, TensorMeta, align, make_plan, write_header, xxh3_digest,
-)
+from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout, write_header, xxh3_digest
 from backends.engines.control import ControlStore, StoreLink, answer, read_answer
-from backends.engines.plan import PlanRefused, check_plan, parse_plan
+from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
 from lifecycle.checksum import Hasher
 from lifecycle.errors import EngineError
@@ -90,7 +88,8 @@ class BucketEngine(CheckpointEngine):
 
     def _staging(self, layout: Layout) -> Layout:
         """Where an atomic receive keeps every bucket until the last one verifies: by default
-        the slots themselves, one per bucket (see `_receive_layout`)."""
+        the slots themselves, one per bucket (see `_receive_slots`). Called once per receive,
+        before the plan is accepted, so buffers that do not fit refuse it."""
         return layout
 
     def _connect(self, topology: Topology) -> None:
@@ -175,9 +174,9 @@ class BucketEngine(CheckpointEngine):
 
     def receive_weights(self, version: int | None = None, *, expected: Collection[str] | None = None) -> Incoming:
         topology = self._topology(sender=False)
-        sent, layout = self._accept(topology.rank, version, expected)
+        sent, layout, staging = self._accept(topology.rank, version, expected)
         incoming = Incoming(sent)
-        self._receiver = Receiver(self, topology, layout, sent, incoming)
+        self._receiver = Receiver(self, topology, layout, staging, sent, incoming)
         return incoming.feed(self._receiver.run())
 
     def finalize(self) -> None:
@@ -225,18 +224,23 @@ class BucketEngine(CheckpointEngine):
                 check_plan(plan)
             except PlanRefused as exc:
                 raise EngineError(f"{self.name} engine: these weights cannot travel: {exc}") from None
-            layout = self._layout = Layout(plan, self.slots)
+            layout = self._layout = Layout(plan, self.slots, raw=plan.to_bytes())
         return layout
 
-    def _accept(self, rank: int, version: int | None, expected: Collection[str] | None) -> tuple[int, Layout]:
+    def _accept(self, rank: int, version: int | None,
+                expected: Collection[str] | None) -> tuple[int, Layout, Layout]:
         """Take the sender's version and plan, or refuse them, and answer `accepted/{rank}` either
-        way before any bucket moves: the sender waits for every answer (`_await_answers`)."""
+        way before any bucket moves: the sender waits for every answer (`_await_answers`).
+
+        Returns the version, the layout, and where an atomic receive stages (`_staging`)."""
         control, sent = self._control(), None
         try:
-            sent = sent_version(control.get("version", watch_closed=True))
+            raw_version, raw_plan = control.get_many(["version", "plan"], watch_closed=True)
+            sent = sent_version(raw_version)
             if version is not None and version != sent:
                 raise PlanRefused(f"expected weights v{version}, the sender sends v{sent}")
-            layout = self._receive_layout(control.get("plan", watch_closed=True), expected)
+            layout = self._receive_layout(raw_plan, expected)
+            staging = self._staging(layout) if self.apply == "atomic" else layout
         except TransportError:
             raise
         except Exception as exc:
@@ -246,10 +250,10 @@ class BucketEngine(CheckpointEngine):
                 raise EngineError(f"{self.name} engine: rank {rank} refuses {what}: {exc}") from None
             raise
         control.set(f"accepted/{rank}", answer(None))
-        return sent, layout
+        return sent, layout, staging
 
     def _receive_layout(self, raw: bytes, expected: Collection[str] | None) -> Layout:
-        """Check the plan (a plan identical to the last one was checked then) against this
+        """Check the plan (a plan of the very bytes of the last one was checked then) against this
         receiver's own settings before allocating for it: its `verify` wins over the plan's."""
         layout = self._layout
         plan = layout.plan if layout is not None and layout.raw == raw else parse_plan(raw)
@@ -261,14 +265,13 @@ class BucketEngine(CheckpointEngine):
             raise PlanRefused(gaps)
         self._receive_slots(plan)
         if layout is None or layout.plan is not plan or not layout.fits(self.slots):
-            layout = self._layout = Layout(plan, self.slots)
+            layout = self._layout = Layout(plan, self.slots, raw=raw)
         layout.reset()
-        if self.apply == "atomic":
-            self._staging(layout)
         return layout
 
     def _receive_slots(self, plan: Plan) -> None:
-        """Have the slots a receive of `plan` lands in; shm checks the sender's instead."""
+        """Have the slots a receive of `plan` lands in; shm maps and checks the sender's instead.
+        A `PlanRefused` here is answered like any other refusal (`_accept`)."""
         self._ensure_slots(receive_sizes(plan, self.apply))
 
     def _answer(self, key: str, error: str | None) -> None:
@@ -289,9 +292,8 @@ class BucketEngine(CheckpointEngine):
         """Wait for every receiver's `{key}/{rank}`; an `EngineError` naming each that said no."""
         receivers, control = self._topology(sender=True).receivers, self._control()
         keys = [f"{key}/{rank}" for rank in receivers]
-        control.wait(keys)
-        problems = [f"rank {rank}: {error}" for rank, k in zip(receivers, keys)
-                    if (error := read_answer(control.get(k))) is not None]
+        problems = [f"rank {rank}: {error}" for rank, raw in zip(receivers, control.get_many(keys))
+                    if (error := read_answer(raw)) is not None]
         if problems:
             raise EngineError(f"{self.name} engine: {len(problems)} of {len(keys)} receiver(s) {what}: "
                               + "; ".join(problems))

@@ -12,8 +12,9 @@ import torch
 from torch.profiler import record_function
 
 from backends.engines.base import Incoming, Topology, TransportError
-from backends.engines.buckets import HEADER_BYTES, MAGIC, SLOTS, Layout, Plan, read_header
-from backends.engines.plan import PlanRefused
+from backends.engines.buckets import HEADER_BYTES, MAGIC, SLOTS, Layout, read_header
+from backends.engines.control import clip, digits
+from backends.engines.plan import Plan, PlanRefused
 from lifecycle.errors import EngineError
 
 if TYPE_CHECKING:
@@ -22,9 +23,10 @@ if TYPE_CHECKING:
 
 def sent_version(raw: bytes) -> int:
     """The version the sender published: plain decimal digits, nothing else."""
-    if not (raw.isdigit() and len(raw) <= 19):
+    version = digits(raw)
+    if version is None:
         raise PlanRefused(f"the sender's version {raw[:40]!r} is not a non-negative integer")
-    return int(raw)
+    return version
 
 
 def receive_sizes(plan: Plan, apply: str) -> list[int]:
@@ -75,13 +77,17 @@ class Inbox:
 
 
 class Receiver:
-    """One receive: verify each bucket before its tensors are handed out; report the outcome."""
+    """One receive: verify each bucket before its tensors are handed out; report the outcome.
 
-    def __init__(self, engine: BucketEngine, topology: Topology, layout: Layout, version: int,
+    `staging`: where an atomic receive keeps every bucket until the last one verifies (the
+    engine's `_staging`, prepared before the plan was accepted); `layout` itself when streamed."""
+
+    def __init__(self, engine: BucketEngine, topology: Topology, layout: Layout, staging: Layout, version: int,
                  incoming: Incoming) -> None:
         self.engine = engine
         self.rank = topology.rank
         self.layout = layout
+        self.staging = staging
         self.plan = layout.plan
         self.version = version
         self.incoming = incoming
@@ -114,7 +120,7 @@ class Receiver:
 
     def _receive_all(self) -> Layout:
         """Every bucket received and verified, kept where the returned layout reads them."""
-        staging = self.engine._staging(self.layout)
+        staging = self.staging
         for k in range(self.inbox.count):
             slot = self.inbox.take(k)
             self._verify(k, slot)
@@ -140,7 +146,7 @@ class Receiver:
             actual = self.engine._digest(slot[HEADER_BYTES:HEADER_BYTES + used])
             if actual != digest:
                 names = self.layout.names(k)
-                held = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                held = clip(", ".join(names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
                 raise EngineError(f"{name} engine: bucket {k} of {count} failed its checksum (sent "
                                   f"{digest:016x}, received {actual:016x}); nothing from it was applied; "
                                   f"it holds {held}")

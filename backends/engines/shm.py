@@ -12,7 +12,9 @@ store.
 A receiver maps what the sender publishes read-write, so it maps nothing else: a published
 path must name a regular file (no link, no device) directly inside the receiver's own
 `shm_dir`, named as this engine names its buckets, and of the size the plan's buckets need.
-A receiver that refuses says so under `mapped/{rank}`, and the sender fails at once.
+The sender publishes its buckets (`slots`) as the sync opens, and a receiver maps them while
+it checks the plan, so buckets it refuses are one more reason in its answer to the plan
+(`accepted/{rank}`), and the sender fails at once.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ from typing import Any
 import structlog
 import torch
 
-from backends.engines.base import MIN_BUCKET_BYTES, Topology, TransportError
-from backends.engines.buckets import ALIGN, HEADER_BYTES, SLOTS, Layout, Plan, align
+from backends.engines.base import Topology
+from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout
 from backends.engines.control import PARSE_ERRORS, clip
 from backends.engines.pipeline import BucketEngine
-from backends.engines.plan import PlanRefused
+from backends.engines.plan import ALIGN, Plan, PlanRefused, align
 from backends.engines.receiver import receive_sizes
 from backends.engines.registry import CheckpointEngineRegistry
+from lifecycle.boundary import PATH_MAX
+from lifecycle.config import MIN_BUCKET_BYTES
 from lifecycle.errors import EngineError
 
 
@@ -50,11 +54,15 @@ class ShmEngine(BucketEngine):
         super().__init__(**kwargs)
         self.shm_dir = Path(shm_dir) if shm_dir is not None else _default_dir()
         self._paths: list[str] = []
+        """The sender's bucket files, as it publishes them."""
         self._unlink: weakref.finalize | None = None
         self._staged: Layout | None = None
+        self._mapped_from: bytes | None = None
+        """A receiver's: the `slots` value its mapped buckets came from; the same bytes map nothing again."""
 
     def _ensure_slots(self, sizes: Sequence[int]) -> None:
-        """Nothing here: the sender creates the shared buckets once the group forms, receivers map them."""
+        """Nothing here: the sender creates the shared buckets once the group forms, receivers
+        map them (`_receive_slots`)."""
 
     def _staging(self, layout: Layout) -> Layout:
         """An atomic receiver's private buffers, one per bucket: the shared slots are the
@@ -68,29 +76,21 @@ class ShmEngine(BucketEngine):
         return staged
 
     def _connect(self, topology: Topology) -> None:
-        control = self._control()
+        """The sender publishes its shared buckets (created once, kept while bucket_bytes stays);
+        a receiver maps them only once it has the plan (`_receive_slots`)."""
         if topology.is_sender:
             if not self.slots or self.slots[0].numel() != HEADER_BYTES + align(self.bucket_bytes):
                 self._create(HEADER_BYTES + align(self.bucket_bytes))
-            control.set("slots", json.dumps(self._paths))
-            self._await_answers("mapped", "could not map the shared buckets")
-            return
-        try:
-            paths = _published(control.get("slots", watch_closed=True), self.shm_dir)
-            if paths != self._paths:
-                self.slots, self._paths = [], []
-                self.slots = [_map(Path(path), folder=self.shm_dir) for path in paths]
-                self._paths = paths
-        except TransportError:
-            raise
-        except EngineError as exc:
-            reason = str(exc).removeprefix("shm engine: ")
-            self._answer(f"mapped/{topology.rank}", reason)
-            raise EngineError(f"shm engine: rank {topology.rank} refuses the sender's shared buckets: {reason}") from None
-        self._answer(f"mapped/{topology.rank}", None)
+            self._control().set("slots", json.dumps(self._paths))
 
     def _receive_slots(self, plan: Plan) -> None:
-        """The shared buckets must hold the plan's: a receiver reads and copies them up to `bucket_bytes`."""
+        """Map the sender's shared buckets, unless they are the ones mapped last sync; they must
+        hold the plan's buckets: a receiver reads and copies them up to `bucket_bytes`."""
+        raw = self._control().get("slots", watch_closed=True)
+        if raw != self._mapped_from:
+            self.slots, self._mapped_from = [], None
+            self.slots = [_map_published(path, self.shm_dir) for path in _published(raw, self.shm_dir)]
+            self._mapped_from = raw
         wanted = HEADER_BYTES + align(plan.bucket_bytes)
         held = [slot.numel() for slot in self.slots]
         if held != [wanted] * SLOTS:
@@ -111,11 +111,12 @@ class ShmEngine(BucketEngine):
         token = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._paths = [str(self.shm_dir / f"{token}-{i}") for i in range(SLOTS)]
         self._unlink = weakref.finalize(self, _unlink, list(self._paths))
-        self.slots = [_map(Path(path), size) for path in self._paths]
+        self.slots = [_create_bucket(Path(path), size) for path in self._paths]
 
     def _free_buckets(self) -> None:
         super()._free_buckets()
         self._staged = None
+        self._mapped_from = None
         if self._unlink is not None:
             self._unlink()
         self._unlink = None
@@ -142,13 +143,12 @@ class ShmEngine(BucketEngine):
 _PREFIX = "trainer-lifecycle-shm-"
 _PID_LIMIT = 1 << 22
 """Linux's pid_max is at most 2**22: a bigger number in a name is no process of this host."""
-_PATH_MAX = 4096
 
 
 _NAME = re.compile(re.escape(_PREFIX) + r"([0-9]{1,7})-[0-9a-f]{12}-[0-9]")
 
 
-def _published(raw: bytes, folder: Path) -> list[str]:
+def _published(raw: bytes, folder: Path) -> list[Path]:
     """The sender's bucket paths, each named as `_create` names them directly inside `folder`
     (this receiver's own shm_dir, however the sender spells it), as paths in `folder`."""
     try:
@@ -157,14 +157,14 @@ def _published(raw: bytes, folder: Path) -> list[str]:
         paths = None
     if not (isinstance(paths, list) and len(paths) == SLOTS and all(isinstance(p, str) for p in paths)
             and len(set(paths)) == SLOTS):
-        raise EngineError(f"the sender published {raw[:120]!r} ({len(raw)} bytes) as its buckets, "
+        raise PlanRefused(f"the sender published {raw[:120]!r} ({len(raw)} bytes) as its buckets, "
                           f"not {SLOTS} distinct paths")
     for path in paths:
-        if not (len(path) <= _PATH_MAX and _NAME.fullmatch(Path(path).name)
+        if not (len(path) <= PATH_MAX and _NAME.fullmatch(Path(path).name)
                 and _same_folder(Path(path).parent, folder)):
-            raise EngineError(f"{clip(repr(path), 200)} is not a bucket of this engine directly inside {folder} "
+            raise PlanRefused(f"{clip(repr(path), 200)} is not a bucket of this engine directly inside {folder} "
                               f"(named {_PREFIX}<pid>-<token>-<slot>)")
-    return [str(folder / Path(path).name) for path in paths]
+    return [folder / Path(path).name for path in paths]
 
 
 def _same_folder(published: Path, folder: Path) -> bool:
@@ -174,47 +174,63 @@ def _same_folder(published: Path, folder: Path) -> bool:
         return False
 
 
-def _open_shared(path: Path, folder: Path) -> int:
+def _create_bucket(path: Path, size: int) -> torch.Tensor:
+    """Create a shared bucket and reserve its pages first, so a full /dev/shm fails here and
+    not as a SIGBUS half-way through a sync."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise EngineError(f"shm engine: cannot create the shared bucket {path}: {exc}") from exc
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+    except OSError as exc:
+        raise EngineError(f"shm engine: cannot reserve the shared bucket {path} ({size} bytes): {exc}; "
+                          f"lower engine.bucket_bytes or free space in {path.parent}") from exc
+    finally:
+        os.close(fd)
+
+
+def _map_published(path: Path, folder: Path) -> torch.Tensor:
+    """Map a bucket the sender published in `folder` read-write (see `_open_shared`);
+    `PlanRefused` says why not."""
+    try:
+        fd, size = _open_shared(path, folder)
+    except OSError as exc:
+        raise PlanRefused(f"cannot open the shared bucket {path}: {exc}") from None
+    try:
+        return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+    except OSError as exc:
+        raise PlanRefused(f"cannot map the shared bucket {path}: {exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _open_shared(path: Path, folder: Path) -> tuple[int, int]:
     """Open a published bucket read-write through `folder` itself, refusing a link, anything but
-    a regular file, a file with other names (hard links), and a size no bucket has."""
+    a regular file, a file with other names (hard links), and a size no bucket has; returns the
+    descriptor and the size. The descriptor is closed on every way out but the return."""
     folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         before = os.stat(path.name, dir_fd=folder_fd, follow_symlinks=False)
         if not stat.S_ISREG(before.st_mode):
-            raise EngineError(f"{path} is not a regular file (a link, a folder or a device)")
+            raise PlanRefused(f"{path} is not a regular file (a link, a folder or a device)")
         fd = os.open(path.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder_fd)
     finally:
         os.close(folder_fd)
-    info = os.fstat(fd)
-    size = info.st_size - HEADER_BYTES
-    problem = ("it changed while it was opened" if (info.st_dev, info.st_ino) != (before.st_dev, before.st_ino)
-               else f"it has {info.st_nlink} names" if info.st_nlink != 1
-               else f"its {info.st_size} bytes are no bucket's size" if size < MIN_BUCKET_BYTES or size % ALIGN
-               else None)
-    if problem is not None:
-        os.close(fd)
-        raise EngineError(f"{path}: {problem}")
-    return fd
-
-
-def _map(path: Path, create_size: int = 0, folder: Path | None = None) -> torch.Tensor:
-    """Map a shared bucket read-write: with `create_size`, create it and reserve its pages first;
-    with `folder`, a bucket another process published there (see `_open_shared`)."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create_size else 0)
     try:
-        fd = _open_shared(path, folder) if folder is not None else os.open(path, flags, 0o600)
-    except OSError as exc:
-        raise EngineError(f"shm engine: cannot open the shared bucket {path}: {exc}") from exc
-    try:
-        if create_size:
-            os.posix_fallocate(fd, 0, create_size)
-        mapped = mmap.mmap(fd, create_size or os.fstat(fd).st_size)
-    except OSError as exc:
-        raise EngineError(f"shm engine: cannot reserve the shared bucket {path} ({create_size or '?'} bytes): "
-                          f"{exc}; lower engine.bucket_bytes or free space in {path.parent}") from exc
-    finally:
+        info = os.fstat(fd)
+        size = info.st_size - HEADER_BYTES
+        problem = ("it changed while it was opened" if (info.st_dev, info.st_ino) != (before.st_dev, before.st_ino)
+                   else f"it has {info.st_nlink} names" if info.st_nlink != 1
+                   else f"its {info.st_size} bytes are no bucket's size" if size < MIN_BUCKET_BYTES or size % ALIGN
+                   else None)
+        if problem is not None:
+            raise PlanRefused(f"{path}: {problem}")
+    except BaseException:
         os.close(fd)
-    return torch.frombuffer(mapped, dtype=torch.uint8)
+        raise
+    return fd, info.st_size
 
 
 def _unlink(paths: list[str]) -> None:

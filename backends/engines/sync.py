@@ -10,6 +10,7 @@ as either version. The next sync sends every tensor again, so it repairs that.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import time
@@ -98,7 +99,7 @@ def receive_into(
     if isinstance(expected, str):
         raise EngineError(f"{engine.name} engine: expected= takes a collection of weight names, not the one "
                           f"string {expected!r}")
-    if expected is not None and "expected" not in inspect.signature(engine.receive_weights).parameters:
+    if expected is not None and not _takes_expected(type(engine)):
         raise EngineError(f"{engine.name} engine: its receive_weights takes no `expected`, so it cannot refuse a "
                           "sync that leaves weights out; call receive_into without expected=")
     with updating(rollout) as landed:
@@ -126,6 +127,13 @@ def _load(engine: CheckpointEngine, rollout: RolloutTarget, version: int | None,
         raise EngineError(f"{engine.name} engine: the rollout's load_weights returned after {incoming.tensors} "
                           "tensors, before the last one; it holds a partial update")
     return incoming.version
+
+
+@functools.cache
+def _takes_expected(engine_class: type[CheckpointEngine]) -> bool:
+    """Whether the class's `receive_weights` takes `expected` (the base class declares it; an
+    engine written before it may not). Looked up once per class, not on every receive."""
+    return "expected" in inspect.signature(engine_class.receive_weights).parameters
 
 
 @contextmanager

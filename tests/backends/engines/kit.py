@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +22,23 @@ import torch
 import xxhash
 
 from backends.engines import CheckpointEngine, CheckpointEngineRegistry, Rendezvous, WeightSync, receive_into
+from backends.engines.gloo import GlooEngine
+from backends.engines.shm import ShmEngine
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.megatron_util import TINY_QWEN2
 
 PROMPT = [[3, 14, 15, 92, 65, 35]]
+TRANSPORTS = ["gloo", "shm"]
+"""The engines that cross processes and run on any host."""
+CLASSES: dict[str, type[CheckpointEngine]] = {"gloo": GlooEngine, "shm": ShmEngine}
+TIMEOUT_S = 30.0
+"""The timeout_s of the engines whose failures must not wait it out."""
+HANG_GUARD_S = 10.0
+"""Each side of such a failure ends within this; one that fell back to waiting out the timeout
+would take TIMEOUT_S (a hang guard, not a speed check)."""
+DEEP = b"[" * 100_000 + b"]" * 100_000
+"""JSON nested far deeper than the interpreter's stack: `json.loads` raises RecursionError."""
 
 
 def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
@@ -81,12 +94,14 @@ class ModelRollout(MemoryRollout):
 
 @dataclass
 class Run:
-    """What one threaded sync did on each side: figures or the error, per side."""
+    """What one threaded sync did on each side: figures or the error, per side, and how long
+    the whole of it took."""
 
     figures: dict[str, Any] | None = None
     error: BaseException | None = None
     versions: list[int | None] = field(default_factory=list)
     errors: list[BaseException | None] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 def new_engine(name: str, **kwargs: Any) -> CheckpointEngine:
@@ -97,10 +112,11 @@ def new_engine(name: str, **kwargs: Any) -> CheckpointEngine:
 
 def sync_threads(sender: CheckpointEngine | WeightSync, receivers: list[CheckpointEngine],
                  named: list[tuple[str, torch.Tensor]], rollouts: list[Any] | None = None, *,
-                 version: int = 1, port: int | None = None, deadline_s: float = 30.0,
+                 version: int = 1, port: int | None = None, deadline_s: float = TIMEOUT_S + 5,
                  expected: Collection[str] | None = None) -> Run:
     """One sync: `sender` on this thread, receiver i (rank i + 1) on a thread of its own;
     `expected` goes to every receiver's `receive_into`."""
+    start = time.monotonic()
     rdv = Rendezvous("127.0.0.1", port or free_port(), receivers=len(receivers))
     rollouts = rollouts if rollouts is not None else [MemoryRollout() for _ in receivers]
     run = Run(versions=[None] * len(receivers), errors=[None] * len(receivers))
@@ -124,6 +140,7 @@ def sync_threads(sender: CheckpointEngine | WeightSync, receivers: list[Checkpoi
     hung = [i + 1 for i, thread in enumerate(threads) if thread.is_alive()]
     if hung:
         raise AssertionError(f"receiver rank(s) {hung} still running after {deadline_s}s")
+    run.seconds = time.monotonic() - start
     return run
 
 

@@ -16,17 +16,14 @@ import torch
 from structlog.testing import capture_logs
 
 from backends.engines import CheckpointEngine, Rendezvous, SyncStats, WeightSync, receive_into
-from backends.engines.buckets import HEADER_BYTES, align
+from backends.engines.buckets import HEADER_BYTES
 from backends.engines.gloo import GlooEngine
-from backends.engines.shm import ShmEngine
+from backends.engines.plan import align
 from lifecycle import Lifecycle, State
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryCheckpointer, MemoryRollout
 from tests.backends.dist_util import free_port
-from tests.backends.engines.kit import mixed_tensors, new_engine, sync_threads
-
-TRANSPORTS = ["gloo", "shm"]
-CLASSES: dict[str, type[CheckpointEngine]] = {"gloo": GlooEngine, "shm": ShmEngine}
+from tests.backends.engines.kit import CLASSES, TRANSPORTS, mixed_tensors, new_engine, sync_threads
 
 
 def _assert_delivered(rollout: MemoryRollout, named: list[tuple[str, torch.Tensor]], version: int) -> None:

@@ -15,44 +15,31 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
 
-from backends.engines import CheckpointEngine, Rendezvous, TransportError
+from backends.engines import Rendezvous, TransportError
 from backends.engines import pipeline as pipeline_module
 from backends.engines import shm as shm_module
 from backends.engines.control import SHOWN_CHARS, StoreLink
-from backends.engines.gloo import GlooEngine
 from backends.engines.shm import _PREFIX, ShmEngine
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.engines.kit import (
-    Run,
+    CLASSES,
+    DEEP,
+    HANG_GUARD_S,
+    TIMEOUT_S,
+    TRANSPORTS,
     assert_kept_old_weights,
     mixed_tensors,
     new_engine,
     old_rollout,
     sync_threads,
 )
-
-TRANSPORTS = ["gloo", "shm"]
-CLASSES: dict[str, type[CheckpointEngine]] = {"gloo": GlooEngine, "shm": ShmEngine}
-TIMEOUT_S = 30.0
-HANG_GUARD_S = 10.0
-"""A failure that fell back to waiting out the timeout would take TIMEOUT_S."""
-DEEP = b"[" * 100_000 + b"]" * 100_000
-"""JSON nested far deeper than the interpreter's stack: `json.loads` raises RecursionError."""
-
-
-def _sync(sender: CheckpointEngine, receivers: list[CheckpointEngine], rollouts: list[MemoryRollout]
-          ) -> tuple[Run, float]:
-    start = time.monotonic()
-    run = sync_threads(sender, receivers, mixed_tensors(), rollouts, deadline_s=TIMEOUT_S + 5)
-    return run, time.monotonic() - start
 
 
 def _dead_pid() -> int:
@@ -87,8 +74,8 @@ def test_a_latest_key_that_is_no_sync_number_fails_the_receiver_at_once_naming_k
     sender = new_engine(name, timeout_s=3.0)
     sender._link = BadLatest(sender)  # type: ignore[attr-defined]
     rollout = old_rollout()
-    run, elapsed = _sync(sender, [Late(bucket_bytes=4096, timeout_s=TIMEOUT_S)], [rollout])
-    assert elapsed < HANG_GUARD_S
+    run = sync_threads(sender, [Late(bucket_bytes=4096, timeout_s=TIMEOUT_S)], mixed_tensors(), [rollout])
+    assert run.seconds < HANG_GUARD_S
     assert isinstance(run.error, TransportError), run.error
     error = run.errors[0]
     assert isinstance(error, TransportError), error
@@ -118,11 +105,12 @@ def test_a_hostile_answer_fails_the_sender_at_once_naming_the_rank_in_a_bounded_
     payload, reason = HOSTILE_ANSWERS[case]
     monkeypatch.setattr(pipeline_module, "answer", lambda error: payload)
     rollout = old_rollout()
-    run, elapsed = _sync(new_engine(name, timeout_s=TIMEOUT_S), [new_engine(name, timeout_s=TIMEOUT_S)], [rollout])
-    assert elapsed < HANG_GUARD_S
+    run = sync_threads(new_engine(name, timeout_s=TIMEOUT_S), [new_engine(name, timeout_s=TIMEOUT_S)],
+                       mixed_tensors(), [rollout])
+    assert run.seconds < HANG_GUARD_S
     assert isinstance(run.error, EngineError), run.error
-    what = "could not map the shared buckets" if name == "shm" else "refused the plan of weights v1"
-    assert str(run.error).startswith(f"{name} engine: 1 of 1 receiver(s) {what}: rank 1: "), str(run.error)[:300]
+    said = str(run.error)
+    assert said.startswith(f"{name} engine: 1 of 1 receiver(s) refused the plan of weights v1: rank 1: "), said[:300]
     assert re.search(reason, str(run.error)), str(run.error)[:300]
     assert len(str(run.error)) < 2 * SHOWN_CHARS
     assert isinstance(run.errors[0], EngineError), run.errors[0]
@@ -135,19 +123,19 @@ def test_a_hostile_answer_fails_the_sender_at_once_naming_the_rank_in_a_bounded_
 def test_shm_slots_that_cannot_be_read_are_refused_by_the_receiver_and_the_sender_is_told_at_once(slots: bytes) -> None:
     class Publishing(ShmEngine):
         def _connect(self, topology: Any) -> None:
+            super()._connect(topology)
             self._control().set("slots", slots)
-            self._await_answers("mapped", "could not map the shared buckets")
 
     rollout = old_rollout()
-    run, elapsed = _sync(Publishing(bucket_bytes=4096, timeout_s=TIMEOUT_S),
-                         [new_engine("shm", timeout_s=TIMEOUT_S)], [rollout])
-    assert elapsed < HANG_GUARD_S
+    run = sync_threads(Publishing(bucket_bytes=4096, timeout_s=TIMEOUT_S), [new_engine("shm", timeout_s=TIMEOUT_S)],
+                       mixed_tensors(), [rollout])
+    assert run.seconds < HANG_GUARD_S
     reason = rf"the sender published {re.escape(repr(slots[:120]))} \({len(slots)} bytes\) as its buckets, not 2"
     assert isinstance(run.errors[0], EngineError), run.errors[0]
-    assert str(run.errors[0]).startswith("shm engine: rank 1 refuses the sender's shared buckets: ")
+    assert str(run.errors[0]).startswith("shm engine: rank 1 refuses the plan of weights v1: ")
     assert re.search(reason, str(run.errors[0])), str(run.errors[0])
     assert isinstance(run.error, EngineError), run.error
-    assert str(run.error).startswith("shm engine: 1 of 1 receiver(s) could not map the shared buckets: rank 1: ")
+    assert str(run.error).startswith("shm engine: 1 of 1 receiver(s) refused the plan of weights v1: rank 1: ")
     assert re.search(reason, str(run.error)), str(run.error)
     assert_kept_old_weights(rollout)
 
@@ -157,26 +145,26 @@ def test_the_shm_orphan_sweep_skips_what_is_not_a_dead_senders_bucket_and_never_
     shm_dir.mkdir()
     outside.write_bytes(b"keep me")
     dead, token = _dead_pid(), "0123456789ab"
-    junk = {
-        "a pid past any long": f"{_PREFIX}99999999999999999999-x",
-        "a pid past pid_max": f"{_PREFIX}{1 << 22}-{token}-0",
-        "a folder of a dead pid": f"{_PREFIX}{dead}-x",
-        "a bucket-named folder of a dead pid": f"{_PREFIX}{dead}-{token}-0",
-        "a bucket-named link of a dead pid": f"{_PREFIX}{dead}-{token}-1",
-        "an odd name of a dead pid": f"{_PREFIX}{dead}-odd",
+    junk = {  # what keeps each: the name pattern, the pid check (_alive), or the file-type check
+        "a pid too long for the name pattern": f"{_PREFIX}99999999999999999999-{token}-0",
+        "a pid past pid_max, alive to the pid check": f"{_PREFIX}{1 << 22}-{token}-0",
+        "an odd-named file of a dead pid": f"{_PREFIX}{dead}-odd",
+        "an odd-named folder of a dead pid": f"{_PREFIX}{dead}-x",
+        "a bucket-named folder of a dead pid, no regular file": f"{_PREFIX}{dead}-{token}-0",
+        "a bucket-named link of a dead pid, no regular file": f"{_PREFIX}{dead}-{token}-1",
     }
-    (shm_dir / junk["a pid past any long"]).write_text("x")
-    (shm_dir / junk["a pid past pid_max"]).write_text("x")
-    (shm_dir / junk["an odd name of a dead pid"]).write_text("x")
-    (shm_dir / junk["a folder of a dead pid"]).mkdir()
-    (shm_dir / junk["a bucket-named folder of a dead pid"]).mkdir()
-    (shm_dir / junk["a bucket-named link of a dead pid"]).symlink_to(outside)
+    (shm_dir / junk["a pid too long for the name pattern"]).write_text("x")
+    (shm_dir / junk["a pid past pid_max, alive to the pid check"]).write_text("x")
+    (shm_dir / junk["an odd-named file of a dead pid"]).write_text("x")
+    (shm_dir / junk["an odd-named folder of a dead pid"]).mkdir()
+    (shm_dir / junk["a bucket-named folder of a dead pid, no regular file"]).mkdir()
+    (shm_dir / junk["a bucket-named link of a dead pid, no regular file"]).symlink_to(outside)
     orphan = shm_dir / f"{_PREFIX}{dead}-{'f' * 12}-0"
     orphan.write_bytes(bytes(64))
     rollout = MemoryRollout()
     sender = new_engine("shm", shm_dir=shm_dir, timeout_s=TIMEOUT_S)
-    run, elapsed = _sync(sender, [new_engine("shm", shm_dir=shm_dir, timeout_s=TIMEOUT_S)], [rollout])
-    assert elapsed < HANG_GUARD_S
+    run = sync_threads(sender, [new_engine("shm", shm_dir=shm_dir, timeout_s=TIMEOUT_S)], mixed_tensors(), [rollout])
+    assert run.seconds < HANG_GUARD_S
     assert run.error is None and run.errors == [None], (run.error, run.errors)
     assert rollout.weights_version == 1 and not rollout.stale
     assert not orphan.exists()

@@ -15,12 +15,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.engines.base import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES
 from backends.engines.buckets import HEADER_BYTES, Layout
 from backends.engines.plan import (
     ALIGN, Piece, Plan, PlanRefused, TensorMeta, check_plan, make_plan, parse_plan, travels,
 )
+from lifecycle.config import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES
 from lifecycle.errors import EngineError
+from tests.backends.engines.kit import DEEP
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.bool,
           torch.uint8, torch.complex64, torch.int16]
@@ -99,7 +100,7 @@ def test_each_kind_of_bad_plan_is_refused_naming_what_is_wrong(edit: Any, match:
 @pytest.mark.parametrize(("raw", "match"), [
     (b"{", r"it is not JSON \(JSONDecodeError"),
     (b"\xff\xfe\x00", r"it is not JSON"),
-    (b"[" * 100_000 + b"]" * 100_000, r"it is not JSON \(RecursionError"),
+    (DEEP, r"it is not JSON \(RecursionError"),
     (b"[]", r"exactly the keys .* got 'list'"),
     (b'{"bucket_bytes": 1' + b"0" * 5000 + b"}", r"it is not JSON \(ValueError"),
     (b'{"bucket_bytes": NaN, "verify": true, "tensors": [], "buckets": []}', r"bucket_bytes .* got nan"),
@@ -108,12 +109,13 @@ def test_what_is_not_a_plan_at_all_is_refused(raw: bytes, match: str) -> None:
     _refused(raw, match)
 
 
-def test_a_refusal_is_an_engine_error_and_from_bytes_names_the_engine_and_rank() -> None:
+def test_a_refusal_is_an_engine_error_carrying_the_bare_reason() -> None:
+    """The engine adds who refuses (`BucketEngine._accept`); the sender is sent the reason alone."""
     data = _base()
     data["buckets"].insert(1, [])
     assert issubclass(PlanRefused, EngineError)
-    with pytest.raises(EngineError, match=r"^shm engine: rank 3 refuses the sender's plan: bucket 1 of 5 is empty$"):
-        Plan.from_bytes(json.dumps(data).encode(), "shm", rank=3)
+    with pytest.raises(PlanRefused, match=r"^bucket 1 of 5 is empty$"):
+        parse_plan(json.dumps(data).encode())
 
 
 def test_an_empty_plan_passes_and_a_zero_byte_tensor_travels_in_one_zero_byte_piece() -> None:
