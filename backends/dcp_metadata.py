@@ -57,7 +57,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lifecycle.errors import CheckpointError
+from lifecycle.boundary import kind, name_problem, read_bytes
+from lifecycle.errors import CheckpointError, shorten
 
 METADATA = ".metadata"
 MAX_METADATA_BYTES = 512 * 1024**2
@@ -170,16 +171,14 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def _read_bounded(path: Path) -> bytes:
-    try:
-        with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            data = f.read(MAX_METADATA_BYTES + 1) if size <= MAX_METADATA_BYTES else b""
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read DCP metadata: {exc}") from exc
-    if size > MAX_METADATA_BYTES or len(data) > MAX_METADATA_BYTES:
-        raise CheckpointError(f"{path}: {max(size, len(data))} bytes, more than the {MAX_METADATA_BYTES} "
-                              "a DCP .metadata may have; not read")
-    return data
+    """The file's bytes through `lifecycle.boundary`, so a FIFO or device named `.metadata` is
+    refused rather than waited on (links followed, as DCP's own open follows them). One over the
+    bound is refused by its size before a byte is read."""
+    size = _file_size(path)
+    if isinstance(size, int) and size > MAX_METADATA_BYTES:
+        raise CheckpointError(f"{path}: {size} bytes, more than the {MAX_METADATA_BYTES} a DCP .metadata may "
+                              "have; not read")
+    return read_bytes(path, MAX_METADATA_BYTES, "DCP metadata", follow=True)
 
 
 def _entry_problem(entry: object) -> str | None:
@@ -190,8 +189,8 @@ def _entry_problem(entry: object) -> str | None:
     props, size, chunks = (getattr(entry, name, None) for name in ("properties", "size", "chunks"))
     fields = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format,
               "requires_grad": bool, "pin_memory": bool}
-    if not isinstance(props, TensorProperties) or not all(isinstance(getattr(props, name, None), kind)
-                                                          for name, kind in fields.items()):
+    if not isinstance(props, TensorProperties) or not all(isinstance(getattr(props, name, None), wanted)
+                                                          for name, wanted in fields.items()):
         return "has malformed tensor properties"
     if not isinstance(size, torch.Size) or not isinstance(chunks, list):
         return "has no size or no chunk list"
@@ -208,8 +207,8 @@ def _storage_problem(index: object, info: object, folder: Path) -> str | None:
     name = getattr(info, "relative_path", None)
     if not isinstance(info, _StorageInfo) or not isinstance(name, str):
         return f"storage_data[{index.fqn!r}] is a {type(info).__name__}"
-    if not name or "/" in name or "\\" in name or name in (".", ".."):
-        return f"data file {name!r} is not a file in {folder}"
+    if (problem := name_problem(name)) is not None:
+        return f"data file {shorten(name)} is not a file in {folder}: {problem}"
     if name.endswith(METADATA):
         return f"storage_data[{index.fqn!r}] names {name!r}, DCP metadata, as its data file"
     if not all(isinstance(getattr(info, field, None), int) for field in ("offset", "length")):
@@ -308,12 +307,15 @@ def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
 
 
 def _file_size(path: Path) -> int | str:
-    """The size of the regular file at `path`, or why there is none."""
+    """The size of the regular file at `path` (a link followed, as DCP's own open follows it),
+    or why there is none. A stat only: a FIFO is named, never opened."""
     try:
         found = path.stat()
     except OSError as exc:
         return f"cannot be read ({exc.strerror or exc})"
-    return found.st_size if stat.S_ISREG(found.st_mode) else "is not a regular file"
+    except ValueError as exc:  # a path Python refuses (a NUL byte): the names are checked first, still
+        return f"cannot be read ({exc})"
+    return found.st_size if stat.S_ISREG(found.st_mode) else f"is a {kind(found.st_mode)}, not a regular file"
 
 
 def _data_problem(info: _StorageInfo, nbytes: int, folder: Path, sizes: dict[str, int | str]) -> str | None:
@@ -360,8 +362,8 @@ def _check_layout(metadata: Metadata, path: Path) -> Metadata:
     sizes: dict[str, int | str] = {}
     for fqn, entry in metadata.state_dict_metadata.items():
         if (problem := _layout_problem(fqn, entry, metadata.storage_data, path.parent, sizes)) is not None:
-            kind = "tensor" if isinstance(entry, TensorStorageMetadata) else "entry"
-            raise CheckpointError(f"{path}: {kind} {fqn!r} {problem}")
+            what = "tensor" if isinstance(entry, TensorStorageMetadata) else "entry"
+            raise CheckpointError(f"{path}: {what} {fqn!r} {problem}")
     return metadata
 
 

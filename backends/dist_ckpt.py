@@ -44,6 +44,7 @@ from backends.megatron import (
 )
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, read_optimizer_json
+from lifecycle.optim_state import check_param_groups
 
 OPTIM_JSON = "optimizer.json"
 _STATE = "optimizer_state"
@@ -175,10 +176,8 @@ class DistCkptBackend:
 
 
 def _load_torch_optimizer(optimizer: torch.optim.Optimizer, model: Any, folder: Path, saved: dict[str, Any]) -> None:
-    groups = saved["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(f"{folder / OPTIM_JSON}: {len(groups)} param groups saved, "
-                              f"the optimizer has {len(optimizer.param_groups)}")
+    groups = saved.get("param_groups")
+    check_param_groups(optimizer, groups, f"{folder / OPTIM_JSON}: does not fit the optimizer", ids=None)
     template = {_STATE: _sharded_torch_state(optimizer, model, folder, list(saved["state_keys"]))}
     loaded = load_sharded(template, folder)[_STATE]
     step = saved.get("step")

@@ -8,7 +8,6 @@ JSON (structure) plus safetensors (tensors), so loading it never unpickles anyth
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,10 +15,11 @@ from typing import Any, ClassVar
 import torch
 
 from backends.base import current_rank, listed
-from backends.safetensors_io import NAMES, read_file, read_header, write_file
+from backends.safetensors_io import NAMES, Header, read_file, read_header, write_file
 from lifecycle.boundary import lstat, name_problem, read_bytes
-from lifecycle.errors import CheckpointError
+from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import decode, encode, parse_json, read_optimizer_json
+from lifecycle.optim_state import check_param_groups
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -144,40 +144,41 @@ class HFBackend:
         """
         expected = model.state_dict()
         files, problems = self._plan(folder, expected)
-        targets = {name for _, names in files for name in names}
+        targets = {name for _, _, names in files for name in names}
         for group in alias_groups(expected):
             if any(n in targets for n in group):
                 targets.update(group)
         problems += [f"{folder}: tensor {n!r} missing" for n in expected if n not in targets]
         if problems:
             raise CheckpointError(f"{folder}: weights do not match the model:\n  {listed(problems)}")
-        for path, names in files:
-            read_file(path, {n: expected[n] for n in names})
+        for path, header, names in files:
+            read_file(path, {n: expected[n] for n in names}, header=header)
 
     def _plan(
         self, folder: Path, expected: Mapping[str, torch.Tensor]
-    ) -> tuple[list[tuple[Path, list[str]]], list[str]]:
+    ) -> tuple[list[tuple[Path, Header, list[str]]], list[str]]:
         """Which file holds which tensor, from the headers alone; every mismatch found at once.
+        Each file's header is kept for its read, which then parses it no second time.
 
         With an index, a tensor must be in the one file the index maps it to: a copy in another
         shard is refused rather than loaded (`from_pretrained` would read the index's copy).
         """
-        files: list[tuple[Path, list[str]]] = []
+        files: list[tuple[Path, Header, list[str]]] = []
         problems: list[str] = []
         weight_files = _weight_files(folder)
         mapped = {n: path for path, names in weight_files for n in names}
         for path, indexed in weight_files:
-            header, _, _ = read_header(path)
+            header = read_header(path)
             problems += [f"{path}: tensor {n!r} listed in {INDEX} but not in the file"
-                         for n in indexed if n not in header]
+                         for n in indexed if n not in header.tensors]
             names = []
-            for n, entry in header.items():
+            for n, entry in header.tensors.items():
                 problem = _placement_problem(n, path, mapped) or _fit_problem(n, entry, expected.get(n))
                 if problem:
                     problems.append(f"{path}: {problem}")
                 else:
                     names.append(n)
-            files.append((path, names))
+            files.append((path, header, names))
         return files, problems
 
     def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
@@ -260,13 +261,12 @@ PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "mome
 Adamax, ASGD) that always have their parameter's shape."""
 SCALAR_STATE = frozenset({"step"})
 """Per-parameter state that is one number, however it is stored."""
-_MISSING = object()
 
 
 def check_optimizer_state(optimizer: Any, saved: Any, path: Path) -> None:
     """Refuse an optimizer state that `load_state_dict` takes but the first step fails on, or
-    trains on silently: buffers of another parameter's shape (two swapped), hyper-parameters
-    that are not finite numbers where the running optimizer has numbers.
+    trains on silently: groups that do not fit the running ones (`lifecycle.optim_state`), or
+    buffers of another parameter's shape (two swapped).
 
     Generic, not per optimizer: a tensor state must have the shape of the running optimizer's
     own state for that key when it has one; else a known buffer (`PARAM_SHAPED_STATE`) must
@@ -281,9 +281,11 @@ def check_optimizer_state(optimizer: Any, saved: Any, path: Path) -> None:
         raise CheckpointError(f"{where}: optimizer.state must be a mapping of parameter number to state")
     for number, entry in state.items():
         if number not in params:
-            raise CheckpointError(f"{where}: optimizer.state holds parameter {number!r}, which no param_group lists")
+            raise CheckpointError(f"{where}: optimizer.state holds parameter {shorten(number)}, which no "
+                                  "param_group lists")
         if not isinstance(entry, dict):
-            raise CheckpointError(f"{where}: state of parameter {number} must be a mapping, found {_clip(entry)}")
+            raise CheckpointError(f"{where}: state of parameter {number} must be a mapping, "
+                                  f"found {shorten(entry, 120)}")
         param, group_numel = params[number]
         current = optimizer.state.get(param, {})
         for key, value in entry.items():
@@ -293,34 +295,15 @@ def check_optimizer_state(optimizer: Any, saved: Any, path: Path) -> None:
                     raise CheckpointError(f"{where}: state of parameter {number}, key {key!r}: {problem}")
 
 
-def _saved_params(optimizer: Any, saved: Any, where: str) -> dict[Any, tuple[torch.Tensor, int]]:
+def _saved_params(optimizer: Any, saved: Any, where: str) -> dict[int, tuple[torch.Tensor, int]]:
     """Saved parameter number -> (running parameter, elements in its group), matched by order
-    as `load_state_dict` matches them; the groups' hyper-parameters are checked on the way."""
-    groups = optimizer.param_groups
+    as `load_state_dict` matches them, once the groups fit the running ones."""
     saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
-        raise CheckpointError(f"{where}: optimizer.param_groups must list {len(groups)} group(s) like the "
-                              f"running optimizer's, found {_clip(saved_groups)}")
-    params: dict[Any, tuple[torch.Tensor, int]] = {}
-    for g, (group, saved_group) in enumerate(zip(groups, saved_groups)):
-        group_where = f"{where}: param_groups[{g}]"
-        if not isinstance(saved_group, dict):
-            raise CheckpointError(f"{group_where} must be a mapping, found {_clip(saved_group)}")
-        numbers = saved_group.get("params")
-        if (not isinstance(numbers, list) or len(numbers) != len(group["params"])
-                or not all(type(n) is int for n in numbers) or len(set(numbers)) != len(numbers)):
-            raise CheckpointError(f"{group_where}.params must list {len(group['params'])} distinct parameter numbers "
-                                  f"like the running optimizer's group, found {_clip(numbers)}")
-        for key, value in group.items():
-            if key in ("params", "param_names"):
-                continue
-            if problem := _hyper_problem(value, saved_group.get(key, _MISSING)):
-                raise CheckpointError(f"{group_where}.{key}: {problem}")
+    numbers = check_param_groups(optimizer, saved_groups, where)
+    params: dict[int, tuple[torch.Tensor, int]] = {}
+    for group, group_numbers in zip(optimizer.param_groups, numbers):
         group_numel = sum(p.numel() for p in group["params"])
-        for number, param in zip(numbers, group["params"]):
-            if number in params:
-                raise CheckpointError(f"{group_where}.params: parameter {number} is also in an earlier group")
-            params[number] = (param, group_numel)
+        params.update((n, (p, group_numel)) for n, p in zip(group_numbers, group["params"]))
     return params
 
 
@@ -338,41 +321,3 @@ def _state_problem(key: str, value: torch.Tensor, param: torch.Tensor, group_num
     if key not in PARAM_SHAPED_STATE and (factored or flat):
         return None
     return f"has shape {shape}, its parameter has {list(param.shape)}"
-
-
-def _hyper_problem(current: Any, saved: Any) -> str | None:
-    """Where the running optimizer has a number (or numbers, as Adam's betas), the saved group
-    must have finite ones (unless the running one is not finite either)."""
-    if _is_number(current):
-        if saved is _MISSING:
-            return f"missing; the running optimizer has {current!r}"
-        if _is_number(saved) and (_finite(saved) or not _finite(current)):
-            return None
-        return f"must be a finite number like the running optimizer's {current!r}, found {_clip(saved)}"
-    if isinstance(current, (tuple, list)) and current and all(_is_number(c) for c in current):
-        fits = (isinstance(saved, (tuple, list)) and len(saved) == len(current)
-                and all(_is_number(s) and (_finite(s) or not _finite(c)) for s, c in zip(saved, current)))
-        return None if fits else (f"must be {len(current)} finite numbers like the running optimizer's "
-                                  f"{current!r}, found {_clip(None if saved is _MISSING else saved)}")
-    if isinstance(current, bool) and saved is not _MISSING and not isinstance(saved, (bool, type(None))):
-        return f"must be true or false like the running optimizer's {current!r}, found {_clip(saved)}"
-    return None
-
-
-def _is_number(value: Any) -> bool:
-    """A real number: int or float (not bool), or a tensor of one element (a tensor lr)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _finite(value: Any) -> bool:
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:  # an integer beyond a float's range
-        return False
-
-
-def _clip(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:120] + "..."

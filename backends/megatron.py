@@ -14,6 +14,7 @@ import enum
 import importlib.util
 import json
 import os
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.strategies import torch as mcore_dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
 
 from backends.base import current_rank, failed_ranks
 from backends.dcp_metadata import MetadataReader
@@ -258,35 +260,42 @@ def save_sharded(state: dict[str, Any], folder: Path) -> None:
         dist_checkpointing.save(state, str(folder))
 
 
-def _metadata_reader(checkpoint_dir: str | Path, cache_metadata: bool = False) -> MetadataReader:
-    """Stands in for Megatron's `_get_filesystem_reader`: every reader it makes for a load reads
-    DCP's `.metadata` through the restricted unpickler, and caches it as Megatron's cached one does."""
-    return MetadataReader(checkpoint_dir)
-
-
 class _CheckedBytesPlanner(mcore_dcp.MCoreLoadPlanner):
     """Megatron's load planner, but an entry DCP stored as bytes (a layer's `_extra_state`) is
-    first read with `torch.load(weights_only=True)`: DCP's own read of it, which follows on the
-    same in-memory bytes, runs only when that refuses nothing."""
+    read with `torch.load(weights_only=True)` instead of DCP's `weights_only=False`, and a
+    refusal is a CheckpointError. The object is stored where DCP's own `load_bytes` stores it."""
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        import pickle
-
+        fqn = read_item.dest_index.fqn
         try:
-            torch.load(value, weights_only=True)
+            loaded = torch.load(value, weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
-            raise CheckpointError(f"entry {read_item.dest_index.fqn!r}: refused to unpickle it: {exc}") from exc
-        value.seek(0)
-        super().load_bytes(read_item, value)
+            raise CheckpointError(f"entry {fqn!r}: refused to unpickle it: {exc}") from exc
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
 
 
 def load_sharded(state: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """Megatron's torch_dist load, with DCP's pickled `.metadata` read by `backends.dcp_metadata`
-    (for this call only: Megatron's reader factory is swapped and put back in `finally`)."""
+    """Megatron's torch_dist load, with DCP's pickled `.metadata` read by `backends.dcp_metadata`.
+
+    The metadata is read and checked first, so a refusal is raised as itself, naming the file
+    (inside the load, DCP would catch it, warn, and retry with `__<rank>.metadata`). For the
+    call only, Megatron's reader factory hands out the reader that read it (DCP then plans with
+    that very object) and its planner is `_CheckedBytesPlanner`; both are put back in `finally`.
+    """
     if not (folder / "metadata.json").is_file():
         raise CheckpointError(f"{folder}: not a Megatron dist checkpoint (no metadata.json)")
+    reader = MetadataReader(folder)
+    reader.read_metadata()
+
+    def readers(checkpoint_dir: str | Path, cache_metadata: bool = False) -> MetadataReader:
+        """Megatron's `_get_filesystem_reader(checkpoint_dir, cache_metadata)`; ours always caches."""
+        return reader if Path(checkpoint_dir) == folder else MetadataReader(checkpoint_dir)
+
     with library_errors("megatron dist_checkpointing load", folder), cpu_safe(), \
-            temporarily(mcore_dcp, _get_filesystem_reader=_metadata_reader, MCoreLoadPlanner=_CheckedBytesPlanner):
+            temporarily(mcore_dcp, _get_filesystem_reader=readers, MCoreLoadPlanner=_CheckedBytesPlanner):
         return dist_checkpointing.load(state, str(folder))
 
 

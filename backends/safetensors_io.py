@@ -26,14 +26,15 @@ import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from lifecycle.boundary import os_errors, open_regular
 from lifecycle.checksum import PIECE_BYTES, expected_digest, mark_verified, piece_digest, remember, tree_digest
-from lifecycle.errors import CheckpointError
+from lifecycle.errors import CheckpointError, shorten
+from lifecycle.jsontree import parse_json
 
 DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.uint16: "U16",
@@ -142,7 +143,17 @@ def _skip(buffers: list[memoryview], count: int) -> list[memoryview]:
     return [buffers[0][count:], *buffers[1:]] if count else buffers
 
 
-def read_header(path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str], int]:
+class Header(NamedTuple):
+    """A safetensors file's header, parsed and checked (`read_header`)."""
+
+    tensors: dict[str, dict[str, Any]]
+    """Tensor name -> its entry (dtype, shape, data_offsets), every entry checked."""
+    metadata: dict[str, str]
+    start: int
+    """Where the data section starts: the length prefix and the header's bytes."""
+
+
+def read_header(path: Path) -> Header:
     """Tensor entries, metadata and the data section's start; a damaged header is a CheckpointError.
 
     A FIFO or other special file is refused at once, never waited on (`open_regular` following links).
@@ -156,25 +167,15 @@ def read_header(path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, str], 
         if length > min(_MAX_HEADER, size - 8):
             raise CheckpointError(f"{path}: truncated or corrupt safetensors header (length {length})")
         raw = fh.read(length)
-    header = _parse_header(path, raw)
+    header = parse_json(raw, path)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop(METADATA, None)
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(f"{path}: safetensors {METADATA} must map names to strings")
     _check_layout(path, header, size - 8 - length)
-    return header, metadata, 8 + length
-
-
-def _parse_header(path: Path, raw: bytes) -> dict[str, Any]:
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except RecursionError:
-        raise CheckpointError(f"{path}: safetensors header is nested too deeply to be one") from None
-    except ValueError as exc:  # not UTF-8, not JSON, or an integer too long to convert
-        raise CheckpointError(f"{path}: safetensors header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    return header
+    return Header(header, metadata, 8 + length)
 
 
 def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
@@ -185,20 +186,19 @@ def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
     elements, so that nothing after this check can fail on a header's value.
     """
     for name, entry in header.items():
-        problem = _entry_problem(entry)
-        if problem:
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry ({problem}): "
-                                  f"{_clip(entry)}")
+        expected = _entry_bytes(entry)
+        if isinstance(expected, str):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry ({expected}): "
+                                  f"{shorten(entry, 200)}")
         begin, end = entry["data_offsets"]
-        expected = _numel(entry["shape"]) * NAMES[entry["dtype"]].itemsize
         if not begin <= end <= data_size or end - begin != expected:
             raise CheckpointError(
                 f"{path}: tensor {name!r} needs bytes [{begin}, {end}) of {data_size}: file truncated or corrupt"
             )
 
 
-def _entry_problem(entry: Any) -> str | None:
-    """Why one tensor's header entry cannot describe a tensor, or None."""
+def _entry_bytes(entry: Any) -> int | str:
+    """The bytes one tensor's header entry describes, or why it cannot describe a tensor."""
     if not isinstance(entry, dict):
         return "not an object"
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -208,51 +208,44 @@ def _entry_problem(entry: Any) -> str | None:
         return f"shape must be a list of at most {MAX_DIMS} non-negative integers"
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_natural(x) for x in offsets):
         return "data_offsets must be two non-negative integers"
-    bound = _MAX_BYTES // NAMES[dtype].itemsize
-    span = 1
+    itemsize = NAMES[dtype].itemsize
+    bound = _MAX_BYTES // itemsize
+    span = numel = 1
     for dim in shape:
-        span *= max(dim, 1)
+        span *= max(dim, 1)  # bounded even when a dimension of 0 makes the tensor empty
+        numel *= dim
         if span > bound:
-            return f"shape {_clip(shape)} would need more than {_MAX_BYTES} bytes"
-    return None
+            return f"shape {shorten(shape, 200)} would need more than {_MAX_BYTES} bytes"
+    return numel * itemsize
 
 
 def _natural(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def _numel(shape: list[int]) -> int:
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    return numel
-
-
-def _clip(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 200 else text[:200] + "..."
-
-
 def read_file(
-    path: Path, into: Mapping[str, torch.Tensor] | None = None, *, expect: str | None = None
+    path: Path, into: Mapping[str, torch.Tensor] | None = None, *, expect: str | None = None,
+    header: Header | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of `path`, read piece by piece while the file's digest is checked.
 
     Tensors named in `into` are filled in place (shapes and dtypes checked first), the rest
     are new. The digest must match `expect`, or the one a resume published for the file
     (`checksum.expecting`), else CheckpointError; CPU tensors of `into` then hold bad bytes.
+    `header`: what `read_header` already returned for `path` (a caller that planned from it),
+    so it is not read and parsed again; the digest covers the header's bytes all the same.
     """
     expect = expect if expect is not None else expected_digest(path)
-    header, _, start = read_header(path)
+    entries, _, start = header if header is not None else read_header(path)
     targets = dict(into or {})
-    for name, entry in header.items():
+    for name, entry in entries.items():
         dest = targets.get(name)
         if dest is not None and (list(dest.shape) != list(entry["shape"]) or dest.dtype != NAMES[entry["dtype"]]):
             raise CheckpointError(f"{path}: tensor {name!r} is {entry['dtype']} {entry['shape']} in the file "
                                   f"but {dest.dtype} {list(dest.shape)} in the model")
-    out = {name: _landing(entry, targets.get(name)) for name, entry in header.items()}
+    out = {name: _landing(entry, targets.get(name)) for name, entry in entries.items()}
     source = _mapping(path)
-    pieces = _by_piece(_tiles(path, header, out, start, len(source)))
+    pieces = _by_piece(_tiles(path, entries, out, start, len(source)))
     digest = tree_digest(len(pieces), lambda i: _read_piece(source, pieces[i], i, hashed=expect is not None))
     if expect is not None:
         _compare(path, digest, expect)

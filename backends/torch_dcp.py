@@ -48,6 +48,7 @@ from backends.dcp_metadata import METADATA, MetadataReader
 from backends.hf import write_hf_folder
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, read_optimizer_json
+from lifecycle.optim_state import check_param_groups
 
 OPTIM_JSON = "optimizer.json"
 
@@ -189,6 +190,9 @@ class TorchDCPBackend:
         encode(_optimizer_tree(optimizer, lr_scheduler), where=str(path), tensors=tensors)
         _read_into(tensors, folder)
         state = decode(doc, where=str(path), tensors=tensors)
+        saved = state["optimizer"]
+        check_param_groups(optimizer, saved.get("param_groups") if isinstance(saved, dict) else None,
+                           f"{path}: does not fit the optimizer", ids=str)
         try:
             set_optimizer_state_dict(_ParamsByIndex(optimizer), optimizer, state["optimizer"])
             if lr_scheduler is not None:

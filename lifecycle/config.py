@@ -320,9 +320,9 @@ def _read_config_file(name: str) -> str:
     except (OSError, RuntimeError, ValueError) as exc:
         raise ConfigError(name, f"cannot read config file: {exc}") from exc
     try:
-        data = read_bytes(real, CONFIG_FILE_LIMIT, "config file")
+        data = read_bytes(real, CONFIG_FILE_LIMIT, "the config file")
     except CheckpointError as exc:
-        raise ConfigError(name, f"cannot read config file: {str(exc).removeprefix(f'{real}: ')}") from exc
+        raise ConfigError(name, f"cannot read config file: {exc}") from exc
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -9,9 +9,7 @@ exception that leaves is a `ConfigError` naming the dotted key.
 from __future__ import annotations
 
 import math
-import os
 import re
-import reprlib
 import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import Field, dataclass, fields, is_dataclass
@@ -19,8 +17,8 @@ from enum import Enum
 from functools import cache
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
-from lifecycle.boundary import NAME_MAX, PATH_MAX
-from lifecycle.errors import ConfigError
+from lifecycle.boundary import path_problem as boundary_path_problem
+from lifecycle.errors import ConfigError, shorten
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,36 +85,16 @@ def place_sections(cls: type[Section], prefix: str = "") -> None:
             place_sections(hint, join(prefix, name))
 
 
-class _Short(reprlib.Repr):
-    """`reprlib` with tight limits, so a quoted value cannot recurse (deep nesting), explode (a
-    YAML alias bomb) or fail (`repr` of an integer past 4300 digits raises `ValueError`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, 80, 80, 40
-
-    def repr_int(self, x: int, level: int) -> str:
-        bits = x.bit_length()
-        return f"<integer of {bits} bits>" if bits > 2000 else super().repr_int(x, level)
-
-
-_SHORT = _Short()
-
-
-def short(value: object) -> str:
-    """A bounded `repr` of any value, for messages; it never raises and never recurses deeply."""
-    return _SHORT.repr(value)
-
-
 def describe(value: object) -> str:
-    return f"{short(value)} ({type(value).__name__})"
+    """A bounded `repr` of `value` and its type, for messages."""
+    return f"{shorten(value)} ({type(value).__name__})"
 
 
 def join(prefix: str, key: object) -> str:
     """The dotted key; a key that would not read as one (not a string, empty, unprintable, padded,
     huge) is quoted, so a message cannot hide it or forge a line of its own."""
     readable = isinstance(key, str) and key != "" and key.strip() == key and key.isprintable() and len(key) <= 80
-    text = key if readable else short(key)
+    text = key if readable else shorten(key)
     return f"{prefix}.{text}" if prefix else text
 
 
@@ -124,17 +102,7 @@ def path_problem(path: str) -> str | None:
     """Why `path` cannot name a file or folder on any system this runs on, or None."""
     if not path:
         return "an empty path would mean the current folder; give a folder or leave the key unset"
-    if "\x00" in path:
-        return f"{short(path)} holds a NUL byte, which no path can"
-    try:
-        encoded = os.fsencode(path)
-    except UnicodeEncodeError as exc:
-        return f"{short(path)} cannot be encoded as a file name: {exc.reason}"
-    if len(encoded) > PATH_MAX:
-        return f"a path of {len(encoded)} bytes is longer than {PATH_MAX}"
-    if any(len(part) > NAME_MAX for part in encoded.split(b"/")):
-        return f"{short(path)} has a component longer than {NAME_MAX} bytes"
-    return None
+    return boundary_path_problem(path)
 
 
 def _key_of(f: Field[Any]) -> str:
@@ -241,18 +209,18 @@ def _bound(number: float) -> str:
 def _apply_rule(value: Any, rule: Rule, key: str) -> None:
     """Check the data-driven constraints of one coerced, non-None field value."""
     if rule.ge is not None and not value >= rule.ge:
-        raise ConfigError(key, f"must be >= {_bound(rule.ge)}, got {short(value)}")
+        raise ConfigError(key, f"must be >= {_bound(rule.ge)}, got {shorten(value)}")
     if rule.gt is not None and not value > rule.gt:
-        raise ConfigError(key, f"must be > {_bound(rule.gt)}, got {short(value)}")
+        raise ConfigError(key, f"must be > {_bound(rule.gt)}, got {shorten(value)}")
     if rule.le is not None and not value <= rule.le:
-        raise ConfigError(key, f"must be <= {_bound(rule.le)}, got {short(value)}")
+        raise ConfigError(key, f"must be <= {_bound(rule.le)}, got {shorten(value)}")
     if isinstance(value, list):
         if rule.non_empty and not value:
             raise ConfigError(key, "must list at least one item")
         seen: set[Any] = set()
         for i, item in enumerate(value):
             if rule.unique and item in seen:
-                raise ConfigError(key, f"item {i}: duplicate {short(getattr(item, 'value', item))}")
+                raise ConfigError(key, f"item {i}: duplicate {shorten(getattr(item, 'value', item))}")
             seen.add(item)
             _check_string(item, rule, key, f"item {i}: ")
     elif isinstance(value, str):
@@ -268,7 +236,7 @@ def _check_string(value: str, rule: Rule, key: str, where: str) -> None:
         return
     wanted = [f"one of {', '.join(rule.choices)}"] if rule.choices else []
     wanted += [rule.shape] if rule.pattern is not None else []
-    raise ConfigError(key, f"{where}expected {' or '.join(wanted)}, got {short(value)}")
+    raise ConfigError(key, f"{where}expected {' or '.join(wanted)}, got {shorten(value)}")
 
 
 def _plain(value: Any) -> Any:

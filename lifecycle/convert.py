@@ -5,10 +5,10 @@ processes (gloo on CPU, NCCL on GPU), builds the Megatron model at that layout t
 loads SRC with the matching backend and writes DST with the other. DST appears only when every
 rank has finished: the ranks write into a hidden folder beside it, renamed at the end.
 
-Each rank leads a process group of its own, which whatever it starts joins (dist_checkpointing
-starts a multiprocessing manager in a rank that writes): when a rank ends, or is ended because
-a peer failed, its whole group is killed, so no process of a conversion outlives it. A rank
-whose parent died ends its group too.
+Each rank leads a process group of its own (`lifecycle.procgroup`), which whatever it starts
+joins (dist_checkpointing starts a multiprocessing manager in a rank that writes): when a rank
+ends, or is ended because a peer failed, its whole group is killed, so no process of a
+conversion outlives it. A rank whose parent died ends its group too.
 """
 
 from __future__ import annotations
@@ -16,17 +16,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, TextIO
 
-from lifecycle.errors import ConfigError, LifecycleError
 from backends.base import free_port
+from lifecycle.errors import ConfigError, LifecycleError
+from lifecycle.procgroup import end_group, exited, lead_own_group
 
 FORMATS = ("hf", "dist_ckpt")
 
@@ -94,50 +93,8 @@ def _folder_mb(folder: Path) -> float:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
 
 
-def _lead_own_group() -> None:
-    """Lead a new process group (before starting anything), and end it if the parent dies: a rank
-    orphaned by a killed `convert` would otherwise wait for its peers until the group's timeout."""
-    if not hasattr(os, "setpgrp"):
-        return
-    os.setpgrp()
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os.killpg(0, signal.SIGKILL)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _exited(proc: mp.process.BaseProcess) -> bool | None:
-    """True once `proc` has exited, False while it runs, None once it was reaped; reaps nothing itself.
-
-    Until it is reaped, its pid, and so the id of the process group it leads, stays reserved.
-    """
-    if not hasattr(os, "waitid"):
-        return None if not proc.is_alive() else False  # is_alive reaps: no group kill after it
-    try:
-        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return None
-
-
-def _end(proc: mp.process.BaseProcess) -> None:
-    """SIGKILL what is left of the process group `proc` leads (proc itself, a manager it started), then reap it."""
-    if proc.pid is None:
-        return
-    if hasattr(os, "killpg") and _exited(proc) is not None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass  # nothing left in it, or proc never got to lead one
-    proc.kill()
-    proc.join()
-
-
 def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, port: int) -> None:
-    _lead_own_group()
+    lead_own_group()
     import torch
     import torch.distributed as dist
 
@@ -173,16 +130,16 @@ def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, 
 def _wait(procs: list[mp.process.BaseProcess]) -> None:
     """Until all ranks end; one that fails ends the others, which would wait for it forever.
 
-    Each rank is ended (`_end`: its group killed, then reaped) as soon as it exits.
+    Each rank is ended (`end_group`: its group killed, then reaped) as soon as it exits.
     """
     running = list(procs)
     while running:
-        for proc in [p for p in running if _exited(p) is not False]:
+        for proc in [p for p in running if exited(p) is not False]:
             running.remove(proc)
-            _end(proc)
+            end_group(proc)
             if proc.exitcode != 0:
                 for peer in running:
-                    _end(peer)
+                    end_group(peer)
                 running.clear()
                 break
         if running:
@@ -211,6 +168,6 @@ def convert(job: ConvertJob) -> Path:
         staging.rename(job.dst)
     finally:
         for p in procs:
-            _end(p)
+            end_group(p)
         shutil.rmtree(staging, ignore_errors=True)
     return job.dst

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from lifecycle.errors import CheckpointError
+from lifecycle.errors import CheckpointError, shorten
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
 """Seeds a loaded state may hold: int64. Each epoch seeds `torch.Generator.manual_seed` (which
@@ -75,7 +75,7 @@ class ResumableBatchSampler:
         for key in _FIELDS:
             value = state.get(key)
             if type(value) is not int:
-                raise CheckpointError(f"sampler state field {key!r} must be an integer, found {_clip(value)}")
+                raise CheckpointError(f"sampler state field {key!r} must be an integer, found {shorten(value)}")
         for key in ("num_samples", "batch_size"):
             if state[key] != getattr(self, key):
                 raise CheckpointError(
@@ -86,17 +86,10 @@ class ResumableBatchSampler:
             raise CheckpointError(f"sampler state field 'position' must be within 0..{len(self)} "
                                   f"(batches per epoch), found {position}")
         if not 0 <= epoch <= _EPOCH_MAX:
-            raise CheckpointError(f"sampler state field 'epoch' must be within 0..{_EPOCH_MAX}, found {_clip(epoch)}")
+            raise CheckpointError(f"sampler state field 'epoch' must be within 0..{_EPOCH_MAX}, found {shorten(epoch)}")
         if not _SEED_MIN <= seed <= _SEED_MAX:
             raise CheckpointError(f"sampler state field 'seed' must be within {_SEED_MIN}..{_SEED_MAX} "
-                                  f"(an int64: seed + epoch seeds torch.Generator), found {_clip(seed)}")
+                                  f"(an int64: seed + epoch seeds torch.Generator), found {shorten(seed)}")
         self.epoch, self.position, self.seed = epoch, position, seed
         self._roll_over()
 
-
-def _clip(value: object) -> str:
-    try:
-        text = repr(value)
-    except ValueError:  # an integer of more digits than Python converts to text
-        return f"an integer of {value.bit_length()} bits" if isinstance(value, int) else type(value).__name__
-    return text if len(text) <= 60 else text[:60] + "..."

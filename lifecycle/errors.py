@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import reprlib
+
 
 class LifecycleError(Exception):
     """Base class of every error this library raises on purpose."""
@@ -45,3 +47,24 @@ class DamagedCheckpoint(CheckpointError):
 
 class EngineError(LifecycleError):
     """A weight transfer failed, timed out, or delivered data that did not verify."""
+
+
+class _Short(reprlib.Repr):
+    """`reprlib` with tight limits, so a quoted value cannot recurse (deep nesting), explode (a
+    YAML alias bomb, a list of a million items) or fail (`repr` of an integer past 4300 digits
+    raises `ValueError`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, limit, limit, max(limit // 2, 8)
+
+    def repr_int(self, x: int, level: int) -> str:
+        bits = x.bit_length()
+        return f"<integer of {bits} bits>" if bits > 2000 else super().repr_int(x, level)
+
+
+def shorten(value: object, limit: int = 80) -> str:
+    """A bounded `repr` of any value, for messages: each string or other leaf quoted at most
+    `limit` characters, containers a few items and three levels deep. It never raises and never
+    builds the full `repr` of a large value first."""
+    return _Short(limit).repr(value)

@@ -114,10 +114,7 @@ def _read(folder: Path) -> _Loaded:
 
 
 def _read_rng(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        tensors = read_file(path)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc}") from exc
+    tensors = read_file(path)
     for name, t in tensors.items():
         if t.dtype != torch.uint8 or t.dim() != 1:
             raise CheckpointError(f"{path}: RNG state {name!r} must be a 1-D uint8 tensor")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lifecycle.boundary import lstat, read_bytes
+from lifecycle.boundary import read_bytes
 from lifecycle.errors import CheckpointError
 
 JSON_LIMIT = 256 * 1024**2
@@ -42,8 +42,6 @@ class NotSerializable(CheckpointError):
 def read_json(path: Path, limit: int = JSON_LIMIT) -> Any:
     """A JSON file of a checkpoint; missing, special (a FIFO), too large or malformed is a
     CheckpointError naming it. Opened through `lifecycle.boundary`: never a symlink, never blocks."""
-    if lstat(path) is None:
-        raise CheckpointError(f"{path}: missing")
     return parse_json(read_bytes(path, limit, "the JSON file"), path)
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import sys
@@ -68,6 +69,16 @@ def _started_by_this_run() -> dict[int, str]:
     return out
 
 
+def _say(pytestconfig: pytest.Config, text: str) -> None:
+    """A line on the terminal from a fixture's teardown, which output capture would swallow."""
+    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(f"\n{text}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_process_outlives_the_run(pytestconfig: pytest.Config) -> Iterator[None]:
     """After the last test, no process the run started may be left: the ones still there after a grace
@@ -75,16 +86,18 @@ def _no_process_outlives_the_run(pytestconfig: pytest.Config) -> Iterator[None]:
     yield
     if sys.platform == "win32":
         return
+    if importlib.util.find_spec("psutil") is None:
+        _say(pytestconfig, "leftover-process check skipped: psutil is not installed (it comes with the megatron "
+                           "extra: pip install 'trainer-lifecycle[megatron]')")
+        return
     started = time.monotonic()
     left = first = _started_by_this_run()
     while left and time.monotonic() - started < LEFTOVER_GRACE_S:
         time.sleep(0.5)
         left = _started_by_this_run()
     if first and not left:
-        reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(f"\n{len(first)} process(es) started by the run ended by themselves "
-                                f"{time.monotonic() - started:.1f}s after the last test")
+        _say(pytestconfig, f"{len(first)} process(es) started by the run ended by themselves "
+                           f"{time.monotonic() - started:.1f}s after the last test")
         return
     if not left:
         return

@@ -8,9 +8,9 @@ fails naming it, so a collective that never completes costs seconds, not the sui
 Each rank leads a process group of its own, and whatever it starts joins it: megatron's
 dist_checkpointing starts a multiprocessing manager in a rank that saves, and a rollout test
 starts a process from a rank. Once a rank has ended, or is killed at the deadline, its whole
-group is killed (the helpers `lifecycle.convert` uses for its ranks), so nothing a rank started
-outlives the test, even when the rank died by SIGKILL (a crash test) and never shut its children
-down. A rank whose parent (pytest) died kills its own group.
+group is killed (`lifecycle.procgroup`, as `lifecycle convert` does for its ranks), so nothing
+a rank started outlives the test, even when the rank died by SIGKILL (a crash test) and never
+shut its children down. A rank whose parent (pytest) died kills its own group.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from backends.base import free_port
-from lifecycle.convert import _end, _exited, _lead_own_group
+from lifecycle.procgroup import end_group, exited, lead_own_group
 
 RankFn = Callable[[int, int, Path], Any]
 """fn(rank, world_size, tmp_path) -> a JSON-serialisable value; must be a module-level function."""
@@ -43,7 +43,7 @@ def _result_file(tmp_path: Path, rank: int) -> Path:
 def _child(
     fn: RankFn, rank: int, world_size: int, port: int, tmp_path: Path, pg_timeout_s: float, backend: str
 ) -> None:
-    _lead_own_group()
+    lead_own_group()
     import torch
     import torch.distributed as dist
 
@@ -84,14 +84,14 @@ def run_ranks(
         deadline = time.monotonic() + timeout_s
         running = list(procs)
         while running and time.monotonic() < deadline:
-            for p in [p for p in running if _exited(p) is not False]:
+            for p in [p for p in running if exited(p) is not False]:
                 running.remove(p)
-                _end(p)  # kills what the rank left behind in its group (a manager, a process it started)
+                end_group(p)  # kills what the rank left behind in its group (a manager, a process it started)
             time.sleep(0.05)
         hung = [p.name for p in running]
     finally:
         for p in procs:
-            _end(p)
+            end_group(p)
     results, errors = [], []
     for r in range(world_size):
         path = _result_file(tmp_path, r)

@@ -13,6 +13,7 @@ bit-exactly, and the tiling proof agrees with counting elements on generated lay
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -39,10 +40,12 @@ from backends.dcp_metadata import METADATA, SAVE_OVERHEAD, MetadataReader, read_
 from backends.torch_dcp import TorchDCPBackend
 from lifecycle import CheckpointError, Lifecycle, State
 from tests.backends.test_dcp_metadata import ROLE, net, resign, trained
+from tests.guards import within
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 DATA = "__0_0.distcp"
+HANG_GUARD_S = 20
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 CUTS: dict[str, list[Box]] = {
     "0.weight": [((0, 0), (3, 3)), ((0, 3), (3, 3)), ((3, 0), (3, 3)), ((3, 3), (3, 3))],
@@ -219,6 +222,36 @@ def test_metadata_naming_itself_as_a_data_file_is_refused(cut: Any) -> None:
     path.write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match=r"storage_data\['0.weight'\] names '.metadata', DCP metadata"):
         TorchDCPBackend().load_model(net(), folder)
+
+
+@pytest.mark.parametrize(("name", "problem"), [
+    ("__0_0\x00.distcp", "holds a NUL byte"), ("x" * 300, "longer than 255"), ("\ud800.distcp", "cannot be encoded"),
+    ("sub/__0_0.distcp", "holds a path separator"), ("..", "is not a file name"),
+], ids=["nul", "over-long", "not-encodable", "separator", "dot-dot"])
+def test_a_data_file_name_no_file_can_have_is_refused_naming_the_metadata(cut: Any, name: str, problem: str) -> None:
+    """Refused with the other checks of the metadata, never as a raw ValueError from a stat of it."""
+    folder, _ = cut
+    path = folder / METADATA
+    metadata = pickle.loads(path.read_bytes())
+    _info(metadata, "0.weight", 0).relative_path = name
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError) as caught:
+        TorchDCPBackend().load_model(net(), folder)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: data file ") and f"is not a file in {folder}: " in message, message
+    assert problem in message, message
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_data_file_that_is_a_fifo_is_refused_by_its_kind_without_opening_it(cut: Any) -> None:
+    folder, _ = cut
+    os.mkfifo(folder / "__1_0.distcp")
+    path = folder / METADATA
+    metadata = pickle.loads(path.read_bytes())
+    _info(metadata, "0.weight", 0).relative_path = "__1_0.distcp"
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp, which is a FIFO, not a regular file"):
+        within(HANG_GUARD_S, lambda: TorchDCPBackend().load_model(net(), folder))
 
 
 @pytest.mark.parametrize("part", ["model", "optimizer"])

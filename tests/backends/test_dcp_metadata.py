@@ -19,8 +19,9 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, Metadata
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, Metadata
 
 from backends import dcp_metadata
 from backends.dcp_metadata import MAX_METADATA_BYTES, METADATA, MetadataReader, read_metadata
@@ -29,10 +30,12 @@ from lifecycle import CheckpointError, Lifecycle, State
 from lifecycle.checksum import ALGORITHM, file_digest
 from lifecycle.manifest import MANIFEST
 from tests.backends.dist_util import run_ranks
+from tests.guards import within
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 ROLE = "actor"
+HANG_GUARD_S = 20
 
 
 class Exploit:
@@ -138,7 +141,29 @@ def test_torch_dcp_loads_bit_exactly_without_ever_calling_the_plain_reader(saved
         assert all(torch.equal(optimizer.state[p][k], want_optimizer.state[q][k]) for k in ("exp_avg", "exp_avg_sq"))
 
 
-def test_the_reader_reads_metadata_once_and_dcp_plans_with_that_object(saved: Path) -> None:
+def test_a_load_reads_metadata_once_and_dcp_plans_with_that_object(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read: list[Metadata] = []
+    planned: list[Metadata] = []
+    real_read, real_plan = dcp_metadata.read_metadata, DefaultLoadPlanner.set_up_planner
+
+    def reading(path: Path) -> Metadata:
+        read.append(real_read(path))
+        return read[-1]
+
+    def planning(self: DefaultLoadPlanner, state_dict: Any, metadata: Metadata | None = None,
+                 is_coordinator: bool = False) -> None:
+        planned.append(metadata)
+        real_plan(self, state_dict, metadata, is_coordinator)
+
+    monkeypatch.setattr(dcp_metadata, "read_metadata", reading)
+    monkeypatch.setattr(DefaultLoadPlanner, "set_up_planner", planning)
+    TorchDCPBackend().load_model(net(), saved / "model")
+    assert len(read) == 1 and len(planned) == 1 and planned[0] is read[0]
+
+
+def test_the_reader_keeps_what_it_read_when_the_file_changes_after(saved: Path) -> None:
     reader = MetadataReader(saved / "model")
     first = reader.read_metadata()
     (saved / "model" / METADATA).write_bytes(b"replaced after the check")
@@ -168,14 +193,32 @@ def test_exploit_in_optimizer_metadata_is_refused_naming_file_and_global(saved: 
     assert not marker.exists()
 
 
-def test_dcp_fallback_to_a_rank_local_metadata_goes_through_the_same_unpickler(saved: Path, marker: Path) -> None:
+def test_dcp_fallback_to_a_rank_local_metadata_goes_through_the_same_unpickler(
+    saved: Path, marker: Path, refusals: list[str]
+) -> None:
     """Without a global .metadata, dcp.load asks the reader for `__<rank>.metadata`."""
+    (saved / "model" / METADATA).unlink()
     path = saved / "model" / f"__0{METADATA}"
     path.write_bytes(pickle.dumps(Exploit(marker)))
-    with pytest.raises(CheckpointError, match="refused to unpickle io.open") as caught:
-        MetadataReader(saved / "model").read_metadata(rank=0)
+    with pytest.raises(CheckpointException, match="refused to unpickle io.open") as caught:  # DCP wraps it
+        dcp.load(net().state_dict(), storage_reader=MetadataReader(saved / "model"))
     assert str(path) in str(caught.value)
+    assert refusals[-1].startswith(f"{path}: refused to unpickle io.open")
     assert not marker.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("name", [METADATA, f"__0{METADATA}"])
+def test_a_fifo_named_like_metadata_is_refused_without_blocking(saved: Path, name: str) -> None:
+    """A FIFO no writer opens would block a plain open for ever (Megatron's load, DCP's fallback)."""
+    folder = saved / "model"
+    (folder / METADATA).unlink()
+    os.mkfifo(folder / name)
+    rank = 0 if name.startswith("__") else None
+    with pytest.raises(CheckpointError, match=f"{folder / name}: a FIFO, not a regular file"):
+        within(HANG_GUARD_S, lambda: MetadataReader(folder).read_metadata(rank=rank))
+    with pytest.raises(CheckpointError, match=f"{folder / name}: a FIFO, not a regular file"):
+        within(HANG_GUARD_S, lambda: read_metadata(folder / name))
 
 
 # ---------------------------------------------------------------- the allow-list
@@ -458,7 +501,8 @@ def test_dist_ckpt_loads_bit_exactly_through_the_restricted_reader_and_refuses_a
     [result] = run_ranks(_dist_ckpt_round_trip_and_exploit, tmp_path, world_size=1, timeout_s=240)
     assert result["same"] and result["equal_metadata"] and result["factory_restored"]
     assert result["error"] is not None
-    assert str(tmp_path / "model" / METADATA) in result["error"] and "refused to unpickle io.open" in result["error"]
+    assert result["error"].startswith(f"{tmp_path / 'model' / METADATA}: refused to unpickle io.open"), \
+        result["error"]  # raised as itself, not through DCP's fallback to a rank's own metadata
     assert not (tmp_path / "pwned").exists()
     chunk_error = result["chunk_error"]
     assert chunk_error is not None and str(tmp_path / "optimizer" / METADATA) in chunk_error
@@ -470,6 +514,7 @@ def _dist_ckpt_bytes_entry_exploit(rank: int, world_size: int, tmp: Path) -> dic
     `_extra_state`) unpickles into a call: refused through `load_sharded`; a plain one loads."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_dcp
 
     from backends.megatron import cpu_safe, load_sharded, save_sharded
 
@@ -480,19 +525,21 @@ def _dist_ckpt_bytes_entry_exploit(rank: int, world_size: int, tmp: Path) -> dic
     with cpu_safe():  # save_sharded would refuse to pickle nothing; this writes what an attacker would
         dist_checkpointing.save({"extra": ShardedObject("extra", Exploit(marker), (1,), (0,), replica_id=0)},
                                 str(tmp / "bad"))
+    planner = mcore_dcp.MCoreLoadPlanner
     try:
         load_sharded({"extra": ShardedObject("extra", None, (1,), (0,), replica_id=0)}, tmp / "bad")
         error = None
     except CheckpointError as exc:
         error = str(exc)
-    return {"good": good["extra"], "error": error, "ran": marker.exists()}
+    return {"good": good["extra"], "error": error, "ran": marker.exists(),
+            "planner_restored": mcore_dcp.MCoreLoadPlanner is planner and planner.__name__ == "MCoreLoadPlanner"}
 
 
 @pytest.mark.slow
 def test_dist_ckpt_byte_entries_are_read_weights_only_and_an_exploit_is_refused(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")
     [result] = run_ranks(_dist_ckpt_bytes_entry_exploit, tmp_path, world_size=1, timeout_s=240)
-    assert result["good"] == {"step": 3}
+    assert result["good"] == {"step": 3} and result["planner_restored"]
     assert result["error"] is not None and "refused to unpickle" in result["error"], result["error"]
     assert str(tmp_path / "bad") in result["error"] and not result["ran"]
     assert not (tmp_path / "pwned").exists()

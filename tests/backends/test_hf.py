@@ -16,11 +16,15 @@ from safetensors import safe_open
 from torch import nn
 
 import backends.hf as hf
+import backends.safetensors_io as sio
 from backends.base import backend_class
 from backends.hf import HFBackend, plan_shards
 from backends.safetensors_io import write_file
 from lifecycle.errors import CheckpointError
-from tests.backends.test_safetensors_io import HANG_GUARD_S, within
+from tests.edits import edit_json, swap_strings
+from tests.guards import within
+
+HANG_GUARD_S = 20
 
 transformers = pytest.importorskip("transformers")
 
@@ -338,14 +342,37 @@ def test_a_fifo_in_a_weight_folder_is_refused_without_blocking(tmp_path: Path, f
         within(HANG_GUARD_S, lambda: HFBackend().load_model(mlp(32), tmp_path))
 
 
-@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"weight_map": {"a": ' + "9" * 5000 + "}}",
-                                  "[1]", '{"weight_map": [1]}', "{oops"],
-                         ids=["nested-deep", "huge-integer", "a-list", "weight-map-a-list", "not-json"])
+@pytest.mark.parametrize("text", ['{"weight_map": {"a": ' + "9" * 5000 + "}}", "[1]", '{"weight_map": [1]}', "{oops"],
+                         ids=["huge-integer", "a-list", "weight-map-a-list", "not-json"])
 def test_an_index_no_parser_takes_is_refused_naming_it(tmp_path: Path, text: str) -> None:
     sharded(tmp_path)
     (tmp_path / INDEX).write_text(text)
     with pytest.raises(CheckpointError, match=f"{tmp_path / INDEX}: not (valid JSON|a valid safetensors index)"):
         HFBackend().load_model(mlp(32), tmp_path)
+
+
+def test_an_index_nested_too_deeply_for_the_parser_is_refused_naming_it(tmp_path: Path) -> None:
+    sharded(tmp_path)
+    (tmp_path / INDEX).write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / INDEX}: not valid JSON: nested too deeply$"):
+        HFBackend().load_model(mlp(32), tmp_path)
+
+
+def test_each_weight_file_s_header_is_parsed_once_per_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = sharded(tmp_path)
+    parsed: list[str] = []
+    real = sio.read_header
+
+    def counting(path: Path) -> Any:
+        parsed.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(sio, "read_header", counting)
+    monkeypatch.setattr(hf, "read_header", counting)
+    fresh = mlp(32)
+    HFBackend().load_model(fresh, tmp_path)
+    assert sorted(parsed) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert same_state(model, fresh)
 
 
 @pytest.mark.parametrize("target", ["config.json", "sub", "", 7])
@@ -408,17 +435,12 @@ def saved_adam(folder: Path) -> nn.Module:
 
 
 def edit_optimizer(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None:
-    path = folder / "optimizer.json"
-    doc = json.loads(path.read_text())
-    edit(doc["optimizer"])
-    path.write_text(json.dumps(doc))
+    edit_json(folder / "optimizer.json", lambda doc: edit(doc["optimizer"]))
 
 
 def swap_tensors(folder: Path, a: str, b: str) -> None:
     """Point state `a` at the tensor of state `b` and back: the tensors of two parameters swapped."""
-    path = folder / "optimizer.json"
-    text = path.read_text().replace(f'"{a}"', '"SWAP"').replace(f'"{b}"', f'"{a}"').replace('"SWAP"', f'"{b}"')
-    path.write_text(text)
+    swap_strings(folder / "optimizer.json", a, b)
 
 
 def refused_by_the_optimizer(folder: Path, *needles: str) -> None:
@@ -466,6 +488,31 @@ def test_a_missing_hyper_parameter_is_refused(tmp_path: Path) -> None:
     saved_adam(tmp_path)
     edit_optimizer(tmp_path, lambda o: o["param_groups"][0].pop("eps"))
     refused_by_the_optimizer(tmp_path, "param_groups[0].eps: missing")
+
+
+def test_a_scheduler_built_since_the_save_does_not_make_its_initial_lr_a_missing_hyper_parameter(
+    tmp_path: Path,
+) -> None:
+    """Building a torch scheduler adds `initial_lr` to the running groups; a save made without
+    one lacks it, and `load_state_dict` takes the saved groups as they are."""
+    saved_adam(tmp_path)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0)
+    assert opt.param_groups[0]["initial_lr"] == 0.5
+    HFBackend().load_optimizer(opt, None, tmp_path)
+    assert opt.param_groups[0]["lr"] == 0.01 and "initial_lr" not in opt.param_groups[0]
+    assert set(opt.state[model.weight]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_a_key_only_a_scheduler_adds_is_still_checked_when_the_save_has_it(tmp_path: Path) -> None:
+    saved_adam(tmp_path)
+    edit_optimizer(tmp_path, lambda o: o["param_groups"][0].update(initial_lr={"__float__": "nan"}))
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0)
+    with pytest.raises(CheckpointError, match=r"param_groups\[0\]\.initial_lr: must be a finite number"):
+        HFBackend().load_optimizer(opt, None, tmp_path)
 
 
 def test_state_of_a_parameter_no_group_lists_is_refused(tmp_path: Path) -> None:

@@ -88,3 +88,30 @@ def test_cpu_patches_are_not_applied_when_cuda_is_available() -> None:
     synchronize, current_device = torch.cuda.synchronize, torch.cuda.current_device
     with mock.patch("torch.cuda.is_available", return_value=True), megatron.cpu_safe():
         assert (torch.cuda.synchronize, torch.cuda.current_device) == (synchronize, current_device)
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda g: g[0].update(lr={"__float__": "nan"}), "param_groups[0].lr: must be a finite number like"),
+    (lambda g: g[0].update(lr="fast"), "param_groups[0].lr: must be a finite number like"),
+    (lambda g: g.append(dict(g[0])), "optimizer.param_groups must list 1 group(s)"),
+], ids=["lr-nan", "lr-string", "a-group-more"])
+def test_dist_ckpt_refuses_param_groups_that_do_not_fit_before_reading_any_shard(
+    tmp_path: Path, edit: object, needle: str
+) -> None:
+    """The torch optimizer's groups are JSON next to the shards, merged into the running groups:
+    checked like the other formats' before `load_sharded` runs (it would fail here: no shards)."""
+    from backends import dist_ckpt
+    from lifecycle.errors import CheckpointError
+    from lifecycle.jsontree import encode
+
+    optimizer = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=0.01)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+    doc = encode({"optimizer": {"kind": "torch", "state_keys": ["exp_avg"], "step": 1.0, "param_groups": groups},
+                  "lr_scheduler": None}, where="optimizer.json")
+    edit(doc["optimizer"]["param_groups"])  # type: ignore[operator]
+    (tmp_path / "optimizer.json").write_text(json.dumps({"format_version": 1, **doc}))
+    with mock.patch.object(dist_ckpt, "load_sharded", side_effect=AssertionError("read shards")), \
+            pytest.raises(CheckpointError) as caught:
+        dist_ckpt.DistCkptBackend().load_optimizer(optimizer, None, tmp_path, model=megatron.MegatronModel(chunks=[]))
+    assert str(caught.value).startswith(f"{tmp_path / 'optimizer.json'}: does not fit the optimizer: ")
+    assert needle in str(caught.value) and optimizer.param_groups[0]["lr"] == 0.01

@@ -166,8 +166,45 @@ def test_optimizer_load_without_json_raises_checkpoint_error(tmp_path: Path) -> 
     _, optimizer, scheduler = trained_parts()
     TorchDCPBackend().save_optimizer(optimizer, scheduler, tmp_path / "optimizer")
     (tmp_path / "optimizer" / OPTIM_JSON).unlink()
-    with pytest.raises(CheckpointError, match=rf"{OPTIM_JSON}: missing"):
+    with pytest.raises(CheckpointError, match=rf"{OPTIM_JSON}: file missing"):
         TorchDCPBackend().load_optimizer(optimizer, scheduler, tmp_path / "optimizer")
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda g: g[0].update(lr={"__float__": "nan"}), "param_groups[0].lr: must be a finite number like"),
+    (lambda g: g[0].update(betas=["a", 0.999]), "param_groups[0].betas: must be 2 finite numbers"),
+    (lambda g: g[0].pop("eps"), "param_groups[0].eps: missing"),
+    (lambda g: g[0].update(params=g[0]["params"][:-1]), "param_groups[0].params must list 6 distinct parameter ids (str)"),
+    (lambda g: g.append(dict(g[0])), "optimizer.param_groups must list 1 group(s)"),
+], ids=["lr-nan", "betas-string", "eps-missing", "a-parameter-short", "a-group-more"])
+def test_param_groups_that_do_not_fit_the_optimizer_are_refused_naming_the_key(
+    tmp_path: Path, edit: Any, needle: str
+) -> None:
+    """`set_optimizer_state_dict` would take them, and the first step fail or train on NaN."""
+    _, optimizer, scheduler = trained_parts()
+    TorchDCPBackend().save_optimizer(optimizer, scheduler, tmp_path / "optimizer")
+    path = tmp_path / "optimizer" / OPTIM_JSON
+    doc = json.loads(path.read_text())
+    edit(doc["optimizer"]["param_groups"])
+    path.write_text(json.dumps(doc))
+    fresh_opt, fresh_sched = optimizer_for(mlp())
+    with pytest.raises(CheckpointError) as caught:
+        TorchDCPBackend().load_optimizer(fresh_opt, fresh_sched, tmp_path / "optimizer")
+    assert str(caught.value).startswith(f"{path}: does not fit the optimizer: ") and needle in str(caught.value)
+    assert fresh_opt.param_groups[0]["lr"] == 1e-2 and fresh_sched.last_epoch == 0
+
+
+def test_a_scheduler_built_since_the_save_does_not_make_its_initial_lr_a_missing_hyper_parameter(
+    tmp_path: Path,
+) -> None:
+    model, _, _ = trained_parts()
+    saved_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train(model, saved_opt)
+    TorchDCPBackend().save_optimizer(saved_opt, None, tmp_path / "optimizer")
+    fresh_opt, _ = optimizer_for(model)
+    assert "initial_lr" in fresh_opt.param_groups[0]
+    TorchDCPBackend().load_optimizer(fresh_opt, None, tmp_path / "optimizer")
+    assert same_optimizer(saved_opt, fresh_opt)
 
 
 def test_export_hf_writes_a_folder_the_hf_backend_loads_back_equal(tmp_path: Path) -> None:

@@ -142,3 +142,5 @@ def test_data_written_as_yaml_builds_the_same_config_as_the_data(yaml_path: Path
         assert from_yaml == from_dict
     else:
         assert isinstance(from_yaml, ConfigError)
+        # the same key, except at the top level, where a file has no key and names itself
+        assert from_yaml.key == (from_dict.key or str(yaml_path)), (from_yaml, from_dict)

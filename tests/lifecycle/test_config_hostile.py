@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-import lifecycle.config as config_module
 from lifecycle.boundary import NAME_MAX, PATH_MAX, role_problem
 from lifecycle.config import (
     CONFIG_FILE_LIMIT,
@@ -20,7 +19,7 @@ from lifecycle.config import (
     LifecycleConfig,
     OnDamaged,
 )
-from lifecycle.errors import ConfigError
+from lifecycle.errors import ConfigError, EngineError
 
 MESSAGE_LIMIT = 600
 """No error message quotes a value at length, whatever its size."""
@@ -85,8 +84,15 @@ def test_the_upper_timeout_fits_timedelta_and_threading_waits() -> None:
     assert MAX_TIMEOUT_S < threading.TIMEOUT_MAX
 
 
-def test_the_engine_minimum_bucket_is_64_bytes() -> None:
+def test_the_engine_minimum_bucket_is_64_bytes_in_the_config_and_in_the_engines() -> None:
+    from backends.engines.naive import NaiveEngine
+
     assert MIN_BUCKET_BYTES == 64
+    assert _error({"engine": {"bucket_bytes": 63}}).key == "engine.bucket_bytes"
+    assert LifecycleConfig(engine={"bucket_bytes": 64}).engine.bucket_bytes == 64
+    with pytest.raises(EngineError, match="bucket_bytes must be in 64"):
+        NaiveEngine(bucket_bytes=63)
+    assert NaiveEngine(bucket_bytes=64).bucket_bytes == 64
 
 
 @pytest.mark.parametrize(
@@ -277,9 +283,13 @@ def test_an_unknown_on_damaged_lists_the_two_choices(value: object) -> None:
     assert "expected one of fallback, refuse, got " in str(err)
 
 
-def test_on_damaged_is_exported() -> None:
-    assert "OnDamaged" in config_module.__all__
-    assert {"MIN_BUCKET_BYTES", "MAX_BUCKET_BYTES", "MAX_TIMEOUT_S"} <= set(config_module.__all__)
+def test_on_damaged_is_exported_and_builds_a_config() -> None:
+    import lifecycle.config
+
+    exported = {name: getattr(lifecycle.config, name) for name in lifecycle.config.__all__}  # as `import *` does
+    cfg = exported["LifecycleConfig"](resume={"on_damaged": exported["OnDamaged"].REFUSE})
+    assert cfg.resume.on_damaged is OnDamaged.REFUSE
+    assert {"MIN_BUCKET_BYTES", "MAX_BUCKET_BYTES", "MAX_TIMEOUT_S"} <= exported.keys()
 
 
 # --- YAML files ---------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ from safetensors.torch import save_file
 from lifecycle.errors import CheckpointError
 from lifecycle.extra import load_extra, save_extra
 from lifecycle.types import Progress
-from tests.backends.test_safetensors_io import HANG_GUARD_S, within
+from tests.edits import edit_json, nested
+from tests.guards import within
+
+HANG_GUARD_S = 20
 
 
 class StatefulLoader:
@@ -177,19 +180,8 @@ def test_cuda_rng_state_round_trips(tmp_path: Path) -> None:
 
 # Files no parser takes: a CheckpointError naming the file, never a RecursionError ----------
 
-def nested(depth: int) -> dict[str, Any]:
-    value: dict[str, Any] = {}
-    for _ in range(depth):
-        value = {"a": value}
-    return value
-
-
 def edit_extra(folder: Path, edit: Any) -> Path:
-    path = folder / "extra.json"
-    doc = json.loads(path.read_text())
-    edit(doc)
-    path.write_text(json.dumps(doc))
-    return path
+    return edit_json(folder / "extra.json", edit)
 
 
 @pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"format_version": ' + "9" * 5000 + "}",

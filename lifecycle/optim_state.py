@@ -1,0 +1,103 @@
+"""Checks of a saved optimizer's param groups against the running optimizer, for every format.
+
+`optimizer.load_state_dict` takes the saved groups as they are: a group too few, a parameter
+list of the wrong length, or a learning rate that is NaN, a string or missing loads without an
+error, and the first step then fails or trains on garbage. Each backend decodes its own file
+(hf and torch_dcp: `optimizer.json` with its tensors; dist_ckpt: the hyper-parameters next to
+its shards) and hands the groups here before anything is loaded into the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from lifecycle.errors import CheckpointError, shorten
+
+_MISSING = object()
+_NOT_HYPER = ("params", "param_names")
+"""Keys of a param group that name its parameters rather than configure its steps."""
+
+
+def check_param_groups(optimizer: Any, saved_groups: Any, where: str, *, ids: type | None = int) -> list[list[Any]]:
+    """The saved groups' parameter ids, group by group, once each fits the running group at the
+    same position (as `load_state_dict` pairs them): a mapping whose hyper-parameters are finite
+    numbers where the running group's are, listing as many distinct ids of type `ids` (int for
+    `optimizer.state_dict()`, str for the names `get_optimizer_state_dict` uses) as the running
+    group has parameters, no id in two groups. `ids=None`: a format that keeps no ids (each
+    group gets the running group's parameters), so none are read."""
+    groups = optimizer.param_groups
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
+        raise CheckpointError(f"{where}: optimizer.param_groups must list {len(groups)} group(s) like the "
+                              f"running optimizer's, found {shorten(saved_groups, 120)}")
+    defaults = getattr(optimizer, "defaults", None)  # torch.optim's own hyper-parameters
+    seen: set[Any] = set()
+    out: list[list[Any]] = []
+    for g, (group, saved_group) in enumerate(zip(groups, saved_groups)):
+        group_where = f"{where}: param_groups[{g}]"
+        if not isinstance(saved_group, dict):
+            raise CheckpointError(f"{group_where} must be a mapping, found {shorten(saved_group, 120)}")
+        for key, value in group.items():
+            if key in _NOT_HYPER:
+                continue
+            own = defaults is None or key in defaults
+            if problem := _hyper_problem(value, saved_group.get(key, _MISSING), own):
+                raise CheckpointError(f"{group_where}.{key}: {problem}")
+        numbers = [] if ids is None else _ids(group, saved_group.get("params"), ids, group_where)
+        if again := seen.intersection(numbers):
+            raise CheckpointError(f"{group_where}.params: parameter {shorten(min(again, key=str))} is also in "
+                                  "an earlier group")
+        seen.update(numbers)
+        out.append(numbers)
+    return out
+
+
+def _ids(group: dict[str, Any], numbers: Any, ids: type, where: str) -> list[Any]:
+    want = len(group["params"])
+    if (not isinstance(numbers, list) or len(numbers) != want
+            or not all(type(n) is ids for n in numbers) or len(set(numbers)) != len(numbers)):
+        what = "parameter numbers" if ids is int else f"parameter ids ({ids.__name__})"
+        raise CheckpointError(f"{where}.params must list {want} distinct {what} like the running optimizer's "
+                              f"group, found {shorten(numbers, 120)}")
+    return numbers
+
+
+def _hyper_problem(current: Any, saved: Any, own: bool) -> str | None:
+    """Where the running group has a number (or numbers, as Adam's betas), the saved group must
+    have finite ones (unless the running one is not finite either). A key the saved group lacks
+    is refused only when it is one of the optimizer's own hyper-parameters (`defaults`), which
+    its step reads: keys others add to the running groups (a scheduler built since the save
+    adds `initial_lr`) are not in an older save, and `load_state_dict` takes it without them."""
+    if saved is _MISSING and not own:
+        return None
+    if _is_number(current):
+        if saved is _MISSING:
+            return f"missing; the running optimizer has {current!r}"
+        if _is_number(saved) and (_finite(saved) or not _finite(current)):
+            return None
+        return f"must be a finite number like the running optimizer's {current!r}, found {shorten(saved, 120)}"
+    if isinstance(current, (tuple, list)) and current and all(_is_number(c) for c in current):
+        fits = (isinstance(saved, (tuple, list)) and len(saved) == len(current)
+                and all(_is_number(s) and (_finite(s) or not _finite(c)) for s, c in zip(saved, current)))
+        found = None if saved is _MISSING else saved
+        return None if fits else (f"must be {len(current)} finite numbers like the running optimizer's "
+                                  f"{current!r}, found {shorten(found, 120)}")
+    if isinstance(current, bool) and saved is not _MISSING and not isinstance(saved, (bool, type(None))):
+        return f"must be true or false like the running optimizer's {current!r}, found {shorten(saved, 120)}"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    """A real number: int or float (not bool), or a tensor of one element (a tensor lr)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer beyond a float's range
+        return False
