@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from lifecycle.errors import CheckpointError
+from lifecycle.errors import CheckpointError, LifecycleError, shorten
 
 NAME_MAX = 255
 """Bytes in one path component (Linux, macOS and every common filesystem)."""
@@ -49,7 +49,7 @@ def os_errors(what: str, path: str | os.PathLike[str] | None = None) -> Iterator
     block into a `CheckpointError` naming the file and `what` was being done."""
     try:
         yield
-    except CheckpointError:
+    except LifecycleError:  # already typed (a ConfigError is a ValueError too: keep its key)
         raise
     except OSError as exc:
         raise os_error(exc, what, path) from exc
@@ -102,16 +102,30 @@ def rel_problem(rel: str) -> str | None:
     return None
 
 
-def inside(folder: Path, rel: str, *, resolve: bool = True) -> Path:
+def path_problem(path: str) -> str | None:
+    """Why `path`, a path a user gives (absolute or relative: a config key, a command-line
+    argument), cannot name a file or folder on this system, or None when it can. A string check
+    only: nothing is looked up on disk."""
+    if not path:
+        return "an empty path names no file"
+    if "\x00" in path:
+        return f"{shorten(path)} holds a NUL byte, which no path can"
+    size = _size(path)
+    if size is None:
+        return f"{shorten(path)} cannot be encoded as a file name"
+    if size > PATH_MAX:
+        return f"a path of {size} bytes is longer than {PATH_MAX}"
+    if any((_size(part) or 0) > NAME_MAX for part in path.split("/")):
+        return f"{shorten(path)} has a component longer than {NAME_MAX} bytes"
+    return None
+
+
+def inside(folder: Path, rel: str) -> Path:
     """The path `rel` names inside `folder`: refused when the string is malformed or the path,
-    symlinks resolved, would lead out of `folder`. `resolve=False` checks the string only,
-    for a caller that refuses every symlink in the folder anyway (resolving costs two
-    system calls per component, which a manifest of many files pays many times over)."""
+    symlinks resolved, would lead out of `folder`."""
     if problem := rel_problem(rel):
         raise CheckpointError(f"{folder}: {problem}")
     target = folder / rel
-    if not resolve:
-        return target
     try:
         escapes = not target.resolve().is_relative_to(folder.resolve())
     except (OSError, RuntimeError, ValueError) as exc:

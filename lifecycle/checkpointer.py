@@ -23,20 +23,14 @@ from lifecycle.config import LifecycleConfig
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.extra import save_extra
 from lifecycle.manifest import MANIFEST, check_folder, read_manifest_file
-from lifecycle.resumer import Resumer, log_resumed
+from lifecycle.resumer import HashFn, Resumer, _value, log_resumed
 from lifecycle.store import CheckpointStore, check_role
 from lifecycle.types import Parts, Progress, SaveInfo
 from lifecycle.writer_lock import WriterLock
 
-HashFn = Callable[[Parts], str | None]
 _T = TypeVar("_T")
 EXTRA_BACKEND = "extra"
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
-
-
-def _value(item: Any) -> str:
-    """Config enums are `str` Enums; the manifest and the registry want their plain value."""
-    return str(getattr(item, "value", item))
 
 
 def model_config_hash(parts: Parts) -> str | None:
@@ -118,9 +112,6 @@ class DiskCheckpointer:
         self._barrier = barrier
         self._hash_fn = model_config_hash
         self._parallel = {"world_size": world_size, **(parallel or {})}
-        self._protected: dict[int, int] = {}
-        """Step resumed from -> steps newer than it committed since; kept from retention until
-        `keep_last` newer ones are committed."""
         self._store: CheckpointStore | None = None
         self._resumer = Resumer(config, lambda: self.store, role=self.role, roles=self.roles, rank=rank,
                                 collective=lambda: self._collective,
@@ -147,34 +138,11 @@ class DiskCheckpointer:
     def _agree_fn(self, group: Any = None) -> Callable[[bool], int] | None:
         return partial(failed_ranks, group=group) if self._collective else None
 
-    def protect(self, step: int) -> None:
-        """Keep `step` out of retention until `keep_last` newer steps are committed: it is what
-        this worker resumed from, and until then the newest steps may not be its successors."""
-        self._protected[int(step)] = 0
-
-    @property
-    def protected(self) -> frozenset[int]:
-        return frozenset(self._protected)
-
-    def _committed(self, step: int) -> set[int]:
-        """Count `step` against each protection; returns the steps still protected."""
-        keep = self.config.checkpoint.keep_last or 0
-        for protected in list(self._protected):
-            if step > protected:
-                self._protected[protected] += 1
-            if self._protected[protected] >= keep:
-                del self._protected[protected]
-        return set(self._protected)
-
-    @property
-    def _overwritten(self) -> str | None:
-        return self._resumer.overwritten
-
     def load_initial(self, parts: Parts) -> dict[str, Any]:
         pre = self.config.checkpoint.pre_load
-        if not pre.path and self._overwritten:
+        if not pre.path and self._resumer.overwritten:
             raise CheckpointError(
-                f"the model's weights may be partly overwritten by {self._overwritten}, and "
+                f"the model's weights may be partly overwritten by {self._resumer.overwritten}, and "
                 "checkpoint.pre_load.path is not set to load fresh ones: set it, or rebuild the model"
             )
         if not pre.path:
@@ -289,7 +257,7 @@ class DiskCheckpointer:
         except BaseException:
             self._cleanup(store, step, lock)()
             raise
-        store.apply_retention(self.config.checkpoint.keep_last, self.roles, self._committed(step) | {step})
+        store.apply_retention(self.config.checkpoint.keep_last, self.roles, {step})
         size = count = 0
         try:
             files = read_manifest_file(final)["files"]
@@ -334,7 +302,12 @@ class DiskCheckpointer:
                 if lock is not None:
                     lock.release()
 
-        committed = background.submit(step, write_and_commit)
+        try:
+            committed = background.submit(step, write_and_commit)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         return PendingSave(step=step, path=self.store.role_dir(step, self.role), contents=wanted, backend=name,
                            bytes=background.copier.bytes, seconds=time.perf_counter() - started,
                            committed=committed)
@@ -404,13 +377,8 @@ class DiskCheckpointer:
         """Restore the newest step every role can resume from (see `lifecycle.resumer`)."""
         if self._background is not None:
             self._background.wait(raise_failure=False)  # logged already; resume picks the newest complete step
-        found = self._resumer.resume(parts)
-        if found is None:
+        resumed = self._resumer.resume(parts)
+        if resumed is None:
             return None
-        step, progress = found
-        if _value(self.config.resume.mode) == "path" and self.config.checkpoint.root is not None and self.rank == 0:
-            self.store.supersede(step)  # a rollback: steps past it must not be resumed after a crash
-        self.protect(step)
-        log_resumed(self.role, step, self.store.role_dir(step, self.role) if self.config.checkpoint.root
-                    else Path(str(self.config.resume.path)), self.config.checkpoint.load.verify)
-        return progress
+        log_resumed(self.role, resumed.step, resumed.folder, self.config.checkpoint.load.verify)
+        return resumed.progress

@@ -15,14 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from lifecycle.boundary import kind, parse_step, role_problem, step_name_problem
+from lifecycle.boundary import kind, os_error, parse_step, role_problem, step_name_problem
 from lifecycle.errors import CheckpointError
 from lifecycle.manifest import read_manifest_file
-from lifecycle.store import TRACKER, CheckpointStore
+from lifecycle.retention import TRASH
+from lifecycle.store import REPLACED, TRACKER, CheckpointStore
+from lifecycle.writer_lock import LOCK_PREFIX
 
 MAX_LINES = 20
 """Lines of one kind (junk entries, problems of one role) shown before a summary line."""
-_HOUSEKEEPING = (TRACKER, f".{TRACKER}.tmp-", ".lock-", ".trash-")
+_HOUSEKEEPING = (TRACKER, f".{TRACKER}.tmp-", LOCK_PREFIX, TRASH, REPLACED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,7 @@ def survey(store: CheckpointStore, roles: list[str] | None) -> Survey:
         try:
             entries = sorted(os.scandir(store.step_dir(step)), key=lambda e: e.name)
         except OSError as exc:
-            found.wrong.append(f"{store.step_dir(step)}: cannot list: {exc.strerror or exc}")
+            found.wrong.append(str(os_error(exc, "cannot list", store.step_dir(step))))
             continue
         for entry in entries:
             if entry.name.startswith("."):
@@ -223,7 +225,7 @@ def verify_root(root: Path, step: int | None, roles: list[str] | None, out: Text
     failures = 0
     for number in steps:
         for role in found.roles:
-            progress = _ProgressLine(f"global_step_{number}/{role}", err)
+            progress = _ProgressLine(f"{store.step_dir(number).name}/{role}", err)
             problems = store.verify(number, role, progress)
             progress.close(not problems)
             _bounded(problems, out, "    ", "problems")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
@@ -24,17 +25,26 @@ from typing import Any
 import structlog
 
 from backends.base import backend_class, listed, reduce_int
-from lifecycle.boundary import lstat, os_errors, parse_step, real_dir
+from lifecycle.boundary import inside, os_errors, parse_step, real_dir
 from lifecycle.checksum import ALGORITHM, check_unverified, expecting
 from lifecycle.config import LifecycleConfig, format_family
 from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint
 from lifecycle.extra import load_extra
-from lifecycle.manifest import MANIFEST, check_folder, checksum_of, read_manifest_file, resolve_inside
+from lifecycle.manifest import MANIFEST, NewerFormat, check_folder, checksum_of, read_manifest_file
 from lifecycle.store import CheckpointStore
 from lifecycle.types import Parts, Progress
 
 _RANK_DIR = re.compile(r"rank_([0-9]+)")
 HashFn = Callable[[Parts], str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """What a resume restored: the step, the role folder it came from, and the progress."""
+
+    step: int
+    folder: Path
+    progress: Progress
 
 
 class Verdict(IntEnum):
@@ -67,35 +77,37 @@ class Resumer:
         self.overwritten: str | None = None
         """Set when a failed load may have left the model's weights half-replaced."""
 
-    def resume(self, parts: Parts) -> tuple[int, Progress] | None:
-        """(step, progress) resumed from, or None when there is nothing to resume from."""
+    def resume(self, parts: Parts) -> Resumed | None:
+        """The step resumed from, or None when there is nothing to resume from."""
         mode = _value(self.config.resume.mode)
         if mode == "disable":
             return None
+        model_hash = self._agreed_hash(parts)
         if mode == "path":
-            folder, step = self._resolve_path(Path(str(self.config.resume.path)))
-            return step, self._one(parts, folder, step, fallback=False)
+            folder, step = self._agreed_path()
+            resumed = Resumed(step, folder, self._one(parts, folder, step, model_hash, fallback=False))
+            self._supersede(resumed)
+            return resumed
         if self.config.checkpoint.root is None:
             return None
-        return self._auto(parts, fallback=_value(self.config.resume.on_damaged) == "fallback")
+        return self._auto(parts, model_hash, fallback=_value(self.config.resume.on_damaged) == "fallback")
 
-    def _auto(self, parts: Parts, *, fallback: bool) -> tuple[int, Progress] | None:
+    def _auto(self, parts: Parts, model_hash: str | None, *, fallback: bool) -> Resumed | None:
         store = self._store()
         below: int | None = None
         set_aside: list[str] = []
         while True:
-            found = store.newest_committed(self.roles, below=below)
-            step = self._agreed_step(found)
+            step = self._agreed_step(store.newest_committed(self.roles, below=below))
             if step is None:
                 break
+            folder = store.role_dir(step, self.role)
             try:
-                return step, self._one(parts, store.role_dir(step, self.role), step, fallback=fallback)
+                return Resumed(step, folder, self._one(parts, folder, step, model_hash, fallback=fallback))
             except DamagedCheckpoint as exc:
                 aside = self._set_aside(store, step, exc.problems)
                 set_aside.append(f"step {step}, now {aside or 'set aside by rank 0'}:\n    "
                                  + "\n    ".join(exc.problems[:10]))
                 below = step
-        self._refuse_unreadable(store)
         earlier = store.quarantined()
         if set_aside or earlier:
             found = "\n  ".join(set_aside) if set_aside else "earlier: " + ", ".join(earlier)
@@ -120,18 +132,42 @@ class Resumer:
                                            "(see its error)")
         return aside
 
-    def _refuse_unreadable(self, store: CheckpointStore) -> None:
-        """No committed step, yet manifests are there that cannot be read (damaged, or from a
-        newer release): a fresh start would train over them, so refuse and say which."""
-        unreadable = [problems[0] for step in reversed(store.steps())
-                      if lstat(folder := store.role_dir(step, self.role)) is not None
-                      and lstat(folder / MANIFEST) is not None
-                      and (problems := check_folder(folder, deep=False))]
-        if unreadable:
-            raise CheckpointError(
-                f"{store.root}: holds checkpoints of role {self.role!r}, but none can be resumed; refusing to "
-                "start fresh over them (fix or remove them, or set resume.mode to disable):\n  "
-                + "\n  ".join(unreadable[:10]))
+    def _supersede(self, resumed: Resumed) -> None:
+        """A resume by path into this run's own root is a rollback: the steps past it are set
+        aside (best effort, rank 0), so neither retention nor a crash-restart takes that
+        abandoned line for the new one. A step from another root leaves this root alone."""
+        if self.config.checkpoint.root is None or self.rank != 0:
+            return
+        store = self._store()
+        if resumed.folder.parent == store.step_dir(resumed.step):
+            store.supersede(resumed.step)
+
+    def _agreed_hash(self, parts: Parts) -> str | None:
+        """The running model's config hash (with `resume.strict`); a rank whose hash function
+        raises stops them all before any of them waits in a collective."""
+        if not self.config.resume.strict:
+            return None
+        found, error = None, None
+        try:
+            found = self._model_hash(parts)
+        except Exception as failure:  # a caller's hash function: any type, reported typed
+            error = CheckpointError(f"the model-config hash cannot be computed: {type(failure).__name__}: {failure}")
+        if self._agree(Verdict.REFUSED if error is not None else Verdict.OK) is not Verdict.OK:
+            raise error or CheckpointError("another rank cannot compute the model-config hash (see its error)")
+        return found
+
+    def _agreed_path(self) -> tuple[Path, int]:
+        """`resume.path` resolved on every rank; one rank that cannot stops them all."""
+        found, error = None, None
+        try:
+            found = self._resolve_path(Path(str(self.config.resume.path)))
+        except CheckpointError as failure:
+            error = failure
+        if self._agree(Verdict.REFUSED if error is not None else Verdict.OK) is not Verdict.OK:
+            raise error or CheckpointError(f"{self.config.resume.path}: another rank cannot read resume.path "
+                                           "(see its error)")
+        assert found is not None
+        return found
 
     def _agreed_step(self, found: int | None) -> int | None:
         """Ranks that saw the disk at different moments take the oldest step any of them saw."""
@@ -143,7 +179,7 @@ class Resumer:
     def _agree(self, verdict: Verdict) -> Verdict:
         return Verdict(reduce_int(int(verdict), "max")) if self._collective() else verdict
 
-    def _one(self, parts: Parts, folder: Path, step: int, *, fallback: bool) -> Progress:
+    def _one(self, parts: Parts, folder: Path, step: int, model_hash: str | None, *, fallback: bool) -> Progress:
         """Verify and load one step; `DamagedCheckpoint` (with `fallback`) for one to set aside."""
         verify = self.config.checkpoint.load.verify
         verdict, problems, manifest, later = Verdict.OK, [], None, set[str]()
@@ -154,16 +190,20 @@ class Resumer:
                                     verified_later=later, manifest=manifest)
             if fallback and not problems:
                 problems = self._other_roles(step, deep=verify)
+            if problems:
+                verdict = Verdict.DAMAGED
+            elif (refusal := _hash_refusal(model_hash, manifest, folder)) is not None:
+                verdict, problems = Verdict.REFUSED, [refusal]
+        except NewerFormat as exc:
+            verdict, problems = Verdict.REFUSED, [str(exc)]
         except CheckpointError as exc:
-            problems = [str(exc)]
-        if problems:
-            verdict = Verdict.DAMAGED
-        elif (refusal := self._hash_refusal(parts, manifest, folder)) is not None:
-            verdict, problems = Verdict.REFUSED, [refusal]
+            verdict, problems = Verdict.DAMAGED, [str(exc)]
         agreed = self._agree(verdict)
         if agreed is Verdict.OK:
             progress, verdict, problems = self._load_verified(parts, manifest, folder, step, later)
             agreed = self._agree(verdict)
+            if agreed is not Verdict.OK:  # every rank loaded (some of) it: none may trust its weights now
+                self.overwritten = f"a failed resume from {folder}"
         if agreed is Verdict.OK:
             self.overwritten = None
             return progress
@@ -187,7 +227,6 @@ class Resumer:
         except Exception as exc:  # a backend or a dataloader raising its own type: still a refusal, typed
             if not isinstance(exc, CheckpointError):
                 exc = CheckpointError(f"{folder}: loading step {step} failed: {type(exc).__name__}: {exc}")
-            self.overwritten = f"a failed resume from {folder}"
             damage = check_folder(folder, deep=True, expect_step=step, expect_role=self.role, manifest=manifest)
             if damage:
                 return Progress(), Verdict.DAMAGED, [*damage, f"(loading it failed with: {exc})"]
@@ -205,15 +244,6 @@ class Resumer:
             if role != self.role:
                 problems += store.validate(step, role, deep=deep)
         return problems
-
-    def _hash_refusal(self, parts: Parts, manifest: Any, folder: Path) -> str | None:
-        if not self.config.resume.strict or manifest is None:
-            return None
-        saved, current = manifest["model_config_hash"], self._model_hash(parts)
-        if saved is not None and current is not None and saved != current:
-            return (f"{folder / MANIFEST}: model-config hash {saved} differs from the running model's "
-                    f"{current}; set resume.strict=false to load anyway")
-        return None
 
     def _verified_while_reading(self, manifest: dict[str, Any]) -> set[str]:
         """Weight files whose backend checks the digest as it reads them: no separate pass.
@@ -261,9 +291,7 @@ class Resumer:
             if entry is None:
                 raise CheckpointError(f"{folder / MANIFEST}: no {content!r} content to resume from "
                                       f"(holds {sorted(entries)})")
-            sub = resolve_inside(folder, entry["folder"])
-            if sub is None:
-                raise CheckpointError(f"{folder / MANIFEST}: {content!r} folder {entry['folder']!r} escapes {folder}")
+            sub = inside(folder, entry["folder"])  # check_folder refused a bad one already; belt and braces
             if content == "extra":
                 progress = self._load_extra(sub, parts, manifest)
             else:
@@ -305,6 +333,14 @@ class Resumer:
             action="progress from rank 0; RNG and dataloader state not restored",
         )
         return load_extra(folder / "rank_0", None, restore_rng=False)
+
+
+def _hash_refusal(current: str | None, manifest: dict[str, Any], folder: Path) -> str | None:
+    saved = manifest["model_config_hash"]
+    if saved is not None and current is not None and saved != current:
+        return (f"{folder / MANIFEST}: model-config hash {saved} differs from the running model's "
+                f"{current}; set resume.strict=false to load anyway")
+    return None
 
 
 def log_resumed(role: str, step: int, folder: Path, verify: bool) -> None:

@@ -93,7 +93,11 @@ def apply_retention(store: CheckpointStore, keep_last: int | None, roles: Sequen
         except OSError as exc:
             log.warning("checkpoint.retention_failed", step=step, path=str(folder), error=str(exc),
                         action="left for the next save to remove")
-            if step not in deleted and lstat(folder) is None:
+            try:
+                gone = lstat(folder) is None
+            except CheckpointError:
+                gone = False
+            if step not in deleted and gone:
                 deleted.append(step)
     if deleted:
         log.info("checkpoint.retention", root=str(store.root), deleted=deleted, keep_last=keep_last,

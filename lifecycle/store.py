@@ -29,7 +29,7 @@ from lifecycle.manifest import (
     write_json_atomic,
     write_text_atomic,
 )
-from lifecycle.retention import apply_retention, rmtree, sweep, trash_path
+from lifecycle.retention import apply_retention, rmtree, trash_path
 from lifecycle.writer_lock import WriterLock
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -37,6 +37,8 @@ TRACKER_LIMIT = 64
 """The tracker holds one step number: anything longer is not a tracker."""
 DAMAGED = ".damaged-"
 """`global_step_N.damaged-<time>`: a step resume set aside; never resumed, never deleted by retention."""
+REPLACED = ".replaced-"
+"""`root/.replaced-*`: a committed role folder while a re-commit of its step replaces it."""
 SUPERSEDED = ".superseded-"
 """`global_step_N.superseded-<time>`: a step newer than the one a run was rolled back to."""
 MAX_LOGGED = 50
@@ -163,19 +165,22 @@ class CheckpointStore:
         """
         final = self.role_dir(step, role)
         self._sync()
-        committed = False
+        failed = self.rank == 0
         try:
             if self.rank == 0:
                 with os_errors(f"cannot commit step {step} (role {role})"):
                     self._commit_rank0(step, role, contents, parallel or {}, model_config_hash,
                                        extra_meta or {}, folders or {}, fsync)
-                committed = True
-        finally:
-            self._sync()
-        if committed:
+                failed = False
+        finally:  # rank 0 reaches this however its commit went, so no peer waits for it
+            told = self._agree is not None and self.world_size > 1
+            rank0_failed = bool(self._agree(failed)) if told else False  # type: ignore[misc]
+            if not told:
+                self._sync()
+        if self.rank == 0:
             self._advance_tracker(step, list(roles or [role]))
-        elif lstat(final / MANIFEST) is None:
-            raise CheckpointError(f"{final / MANIFEST}: rank 0 did not commit step {step}")
+        elif rank0_failed or (not told and lstat(final / MANIFEST) is None):
+            raise CheckpointError(f"{final / MANIFEST}: rank 0 did not commit step {step} (see its error)")
         return final
 
     def _commit_rank0(
@@ -198,10 +203,10 @@ class CheckpointStore:
                                   model_config_hash=model_config_hash, meta=meta, fsync=fsync)
         write_json_atomic(staging / MANIFEST, manifest)
         final = self.role_dir(step, role)
-        old = trash_path(self.root, f"{step}-{role}") if lstat(final) is not None else None
+        old = self.root / f"{REPLACED}{step}-{role}-{uuid.uuid4().hex[:8]}" if lstat(final) is not None else None
         if old is not None:
-            os.rename(final, old)
-        try:
+            os.rename(final, old)  # not a .trash- name: if the rename below fails and so does putting
+        try:                       # it back, no sweep may remove the only committed copy
             os.rename(staging, final)
         except OSError:
             if old is not None:
@@ -218,7 +223,8 @@ class CheckpointStore:
             log.error("checkpoint.commit_not_durable", step=step, path=str(final.parent), error=str(exc))
         if old is not None:
             try:
-                rmtree(old)
+                os.rename(old, trash := trash_path(self.root, old.name))
+                rmtree(trash)
             except OSError as exc:
                 log.warning("checkpoint.retention_failed", step=step, path=str(old), error=str(exc),
                             action="left for the next save to remove")
@@ -294,26 +300,15 @@ class CheckpointStore:
         return None
 
     def newest_committed(self, roles: Sequence[str], below: int | None = None) -> int | None:
-        """Newest step (older than `below`, when given) every role published a readable
-        manifest for, whatever its files hold now: resume checks those files next."""
+        """Newest step (older than `below`, when given) in which every role's folder holds a
+        manifest, whatever the manifest and the files hold now: resume judges those next (a
+        role folder only ever appears with its manifest, by the commit's rename)."""
         for step in reversed(self.steps()):
             if below is not None and step >= below:
                 continue
-            if roles and all(self._has_manifest(step, role) for role in roles):
+            if roles and all(lstat(self.role_dir(step, role) / MANIFEST) is not None for role in roles):
                 return step
         return None
-
-    def _has_manifest(self, step: int, role: str) -> bool:
-        folder = self.role_dir(step, role)
-        try:
-            if lstat(folder / MANIFEST) is None:
-                return False
-            read_manifest_file(folder)
-        except CheckpointError as exc:
-            structlog.get_logger().warning("checkpoint.manifest_unreadable", step=step, role=role, error=str(exc),
-                                           action="the step counts as not committed")
-            return False
-        return True
 
     def quarantine(self, step: int, problems: Sequence[str]) -> Path | None:
         """Rename a damaged step aside (`global_step_N.damaged-<time>`); nothing is deleted.
@@ -330,8 +325,14 @@ class CheckpointStore:
         """Rename aside (`global_step_N.superseded-<time>`) every step newer than `newer_than`:
         the run was rolled back past them, and neither a later resume nor retention may take
         them for its own."""
-        moved = [aside for step in self.steps() if step > newer_than
-                 and (aside := self._set_aside(step, SUPERSEDED, "rolled back past")) is not None]
+        moved: list[Path] = []
+        for step in self.steps():
+            try:
+                if step > newer_than and (aside := self._set_aside(step, SUPERSEDED, "rolled back past")) is not None:
+                    moved.append(aside)
+            except CheckpointError as exc:  # best effort: the rollback itself already happened
+                structlog.get_logger().error("checkpoint.supersede_failed", step=step, error=str(exc),
+                                             action="a later automatic resume may pick this step")
         if moved:
             structlog.get_logger().warning("checkpoint.steps_superseded", resumed_step=newer_than,
                                            paths=[str(p) for p in moved],
@@ -346,8 +347,7 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise CheckpointError(f"{self.step_dir(step)}: {why}, and cannot be set aside: "
-                                  f"{exc.strerror or exc}") from exc
+            raise os_error(exc, f"{why}, and cannot be set aside", self.step_dir(step)) from exc
         return aside
 
     def read_tracker(self) -> int | None:
@@ -366,11 +366,6 @@ class CheckpointStore:
         with os_errors("cannot write the tracker", self.tracker_path):
             self.root.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.tracker_path, f"{int(step)}\n")
-
-    def sweep(self) -> None:
-        """Remove what earlier removals left (`.trash-*`), best effort (rank 0)."""
-        if self.rank == 0:
-            sweep(self.root, self.entries())
 
     def apply_retention(self, keep_last: int | None, roles: Sequence[str], protect: set[int]) -> list[int]:
         """Delete steps older than the newest `keep_last` complete ones (see `lifecycle.retention`)."""

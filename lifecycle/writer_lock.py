@@ -31,8 +31,11 @@ from lifecycle.errors import CheckpointError
 _HOLDER_LIMIT = 4096
 
 
+LOCK_PREFIX = ".lock-"
+
+
 def lock_path(root: Path, role: str) -> Path:
-    return root / f".lock-{role}"
+    return root / f"{LOCK_PREFIX}{role}"
 
 
 class WriterLock:

@@ -187,21 +187,29 @@ def test_missing_file_of_a_committed_step_is_named(root: Path, rel: str) -> None
     refused(lifecycle_at(root), str(step_folder(root) / rel), "listed in the manifest but missing")
 
 
-# Never committed: skipped ------------------------------------------------------------------
+# Never committed: skipped; a manifest that is there but unreadable: judged ----------------
 
-@pytest.mark.parametrize("manifest", [None, "{not json", '{"step": 2', "", "[]", '{"step": 2}'])
-def test_step_without_a_valid_manifest_is_skipped_for_the_older_one(root: Path, manifest: str | None) -> None:
-    path = step_folder(root) / MANIFEST
-    if manifest is None:
-        path.unlink()
-    else:
-        path.write_text(manifest)
+def test_a_role_folder_without_a_manifest_is_skipped_for_the_older_one(root: Path) -> None:
+    (step_folder(root) / MANIFEST).unlink()
     resumes_at(root, 1)
 
 
-def test_a_manifest_from_a_newer_format_is_skipped_and_named_by_verify(root: Path) -> None:
+@pytest.mark.parametrize("manifest", ["{not json", '{"step": 2', "", "[]", '{"step": 2}'])
+def test_a_manifest_that_does_not_parse_is_refused_not_skipped(root: Path, manifest: str) -> None:
+    """A role folder appears only with its manifest (the commit renames both at once): one
+    that cannot be read is damage, refused here (`refuse`) or set aside (`fallback`)."""
+    (step_folder(root) / MANIFEST).write_text(manifest)
+    refused(lifecycle_at(root), str(step_folder(root) / MANIFEST), "cannot resume from step 2")
+    assert step_folder(root).is_dir()
+
+
+def test_a_manifest_from_a_newer_format_is_refused_and_never_set_aside(root: Path) -> None:
+    """Written by a newer release: resuming the older step would silently lose its progress,
+    and setting it aside would hide it from that release. Refused, in both modes."""
     edit_manifest(step_folder(root), format_version=99)
-    resumes_at(root, 1)
+    for on_damaged in ("refuse", "fallback"):
+        refused(lifecycle_at(root, on_damaged=on_damaged), "format_version 99", "newer release")
+    assert step_folder(root).is_dir() and not list(root.glob("*.damaged-*"))
     assert any("format_version 99" in p for p in check_folder(step_folder(root), deep=False))
 
 

@@ -201,7 +201,7 @@ def test_resume_from_a_path(tmp_path: Path, which: str) -> None:
     path = step_dir if which == "step" else step_dir / "actor"
     cfg = config(tmp_path / "run2", resume={"mode": "path", "path": str(path)})
     resumer = DiskCheckpointer(cfg, role="actor")
-    assert resumer.resume(parts()).step == 1 and 1 in resumer.protected
+    assert resumer.resume(parts()).step == 1
 
 
 def test_resume_from_a_missing_path_names_it(tmp_path: Path) -> None:
@@ -269,7 +269,7 @@ def test_retention_forgets_the_step_resumed_from_once_keep_last_newer_steps_are_
     ckpt = DiskCheckpointer(cfg, role="actor")
     assert ckpt.resume(parts()).step == 20
     save_steps(ckpt, parts(), [25, 30, 35])
-    assert steps_on_disk(tmp_path) == [30, 35] and ckpt.protected == frozenset()
+    assert steps_on_disk(tmp_path) == [30, 35]
 
 
 def test_a_rollback_sets_the_steps_past_it_aside_so_a_crash_restart_resumes_the_rollback(tmp_path: Path) -> None:
@@ -387,3 +387,24 @@ def test_load_initial_from_an_uncommitted_torch_dcp_folder_loads_and_says_it_is_
         DiskCheckpointer(cfg, role="actor").load_initial(target)
     assert all(torch.equal(a, b) for a, b in zip(source.model.parameters(), target.model.parameters()))
     assert [r["path"] for r in logs if r["event"] == "checkpoint.pre_load.unverified"] == [str(tmp_path / "loose")]
+
+
+def test_a_resume_by_path_from_another_root_leaves_this_roots_steps_alone(tmp_path: Path) -> None:
+    save_steps(DiskCheckpointer(config(tmp_path / "run1"), role="actor"), parts(), [1])
+    save_steps(DiskCheckpointer(config(tmp_path / "run2"), role="actor"), parts(), [5, 6])
+    elsewhere = config(tmp_path / "run2", resume={"mode": "path", "path": str(tmp_path / "run1" / "global_step_1")})
+    with capture_logs() as logs:
+        assert DiskCheckpointer(elsewhere, role="actor").resume(parts()).step == 1
+    assert steps_on_disk(tmp_path / "run2") == [5, 6]
+    [resumed] = [r for r in logs if r["event"] == "checkpoint.resumed"]
+    assert resumed["path"] == str(tmp_path / "run1" / "global_step_1" / "actor")
+
+
+def test_a_model_hash_function_that_raises_is_a_checkpoint_error(tmp_path: Path) -> None:
+    save_steps(DiskCheckpointer(config(tmp_path), role="actor"), parts(), [1])
+
+    def broken(p: Parts) -> str:
+        raise KeyError("hidden_size")
+
+    with pytest.raises(CheckpointError, match="model-config hash cannot be computed: KeyError"):
+        DiskCheckpointer(config(tmp_path), role="actor", model_config_hash=broken).resume(parts())

@@ -97,8 +97,8 @@ def test_a_manifest_nested_too_deep_or_with_a_huge_number_is_not_a_manifest(tmp_
     store = CheckpointStore(tmp_path)
     assert "nested too deeply" in store.validate(2, ROLE, deep=False)[0]
     assert "not valid JSON" in store.validate(1, ROLE, deep=False)[0]
-    lc = lifecycle_at(tmp_path)  # neither counts as committed, yet a fresh start would train over them
-    with pytest.raises(CheckpointError, match="(?s)none can be resumed.*nested too deeply.*not valid JSON"):
+    lc = lifecycle_at(tmp_path)  # both set aside as damaged; then no fresh start over them
+    with pytest.raises(CheckpointError, match="(?s)no undamaged checkpoint.*nested too deeply.*not valid JSON"):
         lc.resume()
     assert lc.state is State.FAILED
 
@@ -111,11 +111,11 @@ def test_a_fifo_in_place_of_the_manifest_is_refused_without_blocking(tmp_path: P
     os.mkfifo(folder(tmp_path) / MANIFEST)
     with pytest.raises(CheckpointError, match="FIFO"):
         within(HANG_GUARD_S, lambda: CheckpointStore(tmp_path).read_manifest(2, ROLE))
-    lc = lifecycle_at(tmp_path)
-    assert within(HANG_GUARD_S, lc.resume) == 1 and has_weights_of(lc.parts.model, 1)
     assert within(HANG_GUARD_S, lambda: inspect_root(tmp_path, None, io.StringIO())) == 1
     result = within(HANG_GUARD_S, lambda: cli("verify", str(tmp_path)))
     assert result.returncode == 1 and "FIFO" in result.stdout  # type: ignore[union-attr]
+    lc = lifecycle_at(tmp_path)  # fallback: the step whose manifest is a FIFO is set aside
+    assert within(HANG_GUARD_S, lc.resume) == 1 and has_weights_of(lc.parts.model, 1)
 
 
 @pytest.mark.parametrize("where", ["model/model.safetensors", "model/planted.safetensors", "extra/rank_0/fifo"])
@@ -195,11 +195,8 @@ def test_unreadable_files_and_folders_are_named_with_the_errno_text(tmp_path: Pa
     try:
         refused = run_unprivileged(UNPRIVILEGED_RESUME, str(tmp_path), "refuse")
         assert "Traceback" not in refused.stderr, refused.stderr
-        if target == "manifest":  # an unreadable manifest: not committed, the step before resumes
-            assert "RESUMED 1 True" in refused.stdout
-        else:
-            assert "REFUSED" in refused.stdout and str(path) in refused.stdout
-            assert "Permission denied" in refused.stdout
+        assert "REFUSED" in refused.stdout and str(path) in refused.stdout
+        assert "Permission denied" in refused.stdout
         falls_back = run_unprivileged(UNPRIVILEGED_RESUME, str(tmp_path), "fallback")
         assert "RESUMED 1 True" in falls_back.stdout, falls_back.stdout + falls_back.stderr
         listing = run_unprivileged("import sys; from lifecycle.cli import main; sys.exit(main(sys.argv[1:]))",
@@ -355,7 +352,8 @@ def test_retention_that_cannot_delete_is_logged_and_retried_never_failing_a_save
     try:
         first = run_unprivileged(RETENTION, str(tmp_path), "2", "3,4")
         assert "STATE READY" in first.stdout, first.stdout + first.stderr
-        assert "FAILED 0" not in first.stdout  # the step went out of sight; removing it failed, logged
+        failed = int(first.stdout.split("FAILED ")[1].split()[0])
+        assert failed >= 1  # the step went out of sight; removing what it holds failed, logged
         assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_4"]
         assert list(tmp_path.glob(".trash-*"))  # the leftover waits for a later save
     finally:
@@ -453,11 +451,19 @@ def test_a_dataloader_raising_its_own_error_on_resume_is_a_checkpoint_error(tmp_
     assert again.state is State.FAILED
 
 
-def test_a_manifest_naming_a_format_of_another_model_family_is_refused_before_importing_it(tmp_path: Path) -> None:
+def test_a_manifest_naming_a_format_of_another_model_family_is_refused_before_importing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lifecycle.resumer as resumer
+
     saved_run(tmp_path)
     rewrite_manifest(folder(tmp_path), lambda d: d["contents"]["model"].update(backend="dist_ckpt"))
+    asked: list[str] = []
+    backend_class = resumer.backend_class
+    monkeypatch.setattr(resumer, "backend_class", lambda name: asked.append(name) or backend_class(name))
     with pytest.raises(CheckpointError, match="saved with format 'dist_ckpt' .Megatron."):
         lifecycle_at(tmp_path, on_damaged="refuse").resume()
+    assert "dist_ckpt" not in asked
 
 
 def test_a_manifest_stating_an_impossible_size_is_not_a_manifest_and_inspect_says_so(tmp_path: Path) -> None:
@@ -467,3 +473,11 @@ def test_a_manifest_stating_an_impossible_size_is_not_a_manifest_and_inspect_say
     assert result.returncode == 1 and "Traceback" not in result.stderr and "0 to 2**62" in result.stdout
     lc = lifecycle_at(tmp_path)
     assert lc.resume() == 1 and has_weights_of(lc.parts.model, 1)
+
+
+def test_a_config_error_raised_inside_a_guarded_call_keeps_its_key() -> None:
+    from lifecycle.boundary import os_errors
+    from lifecycle.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="parallel: bad"), os_errors("cannot write"):
+        raise ConfigError("parallel", "bad")
