@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from lifecycle.data import ResumableBatchSampler
-from lifecycle.driver import Driver, DriverConfig, DriverHooks
 from lifecycle.logging import configure
-from lifecycle.run_report import Failure, StepRecord, render_summary
+from lifecycle.ray import Driver, DriverConfig, DriverHooks, Failure, StepRecord, render_summary
 from lifecycle.types import Parts
 
 PROMPT, ANSWER = 8, 8

@@ -1,13 +1,19 @@
-"""Trainer lifecycle: one explicit state machine per RL worker for load, train, save, sync, resume."""
+"""Trainer lifecycle: one explicit state machine per RL worker for load, train, save, sync, resume.
+
+The Ray application lives in `lifecycle.ray` and is not imported here: `import lifecycle`
+never imports Ray.
+"""
 
 from lifecycle.config import LifecycleConfig
-from lifecycle.core import Lifecycle, Observer
+from lifecycle.core import Lifecycle
 from lifecycle.errors import CheckpointError, ConfigError, EngineError, InvalidTransition, LifecycleError
 from lifecycle.machine import TABLE, State
-from lifecycle.phase import DELETE, Transition
+from lifecycle.phase import DELETE, Observer, TransitionRecord
 from lifecycle.types import Parts, Progress, SaveInfo
+from lifecycle.version import __version__
 
-__version__ = "0.1.0"
+Transition = TransitionRecord
+"""The record's earlier name, kept for `from lifecycle import Transition`."""
 
 __all__ = [
     "DELETE",
@@ -25,5 +31,6 @@ __all__ = [
     "SaveInfo",
     "State",
     "Transition",
+    "TransitionRecord",
     "__version__",
 ]

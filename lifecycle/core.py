@@ -1,4 +1,4 @@
-"""`Lifecycle`: one worker's state machine, and the bracket every phase's work runs in."""
+"""`Lifecycle`: one worker's state machine and its triggers; each runs as a `phase.Phase`."""
 
 from __future__ import annotations
 
@@ -12,86 +12,22 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 import structlog
-from structlog.contextvars import bind_contextvars, reset_contextvars
 from transitions import MachineError
 
 from lifecycle.boundary import check_step
 from lifecycle.config import LifecycleConfig, ResumeMode
 from lifecycle.errors import InvalidTransition, LifecycleError
-from lifecycle.machine import (
-    DONE, FAIL, NAMES, ROWS, WORKING, MachineModel, State, allowed_triggers, build_machine,
-)
-from lifecycle.phase import RUNNING_UNDOS, Temporary, Transition, run_undos
+from lifecycle.machine import NAMES, ROWS, MachineModel, State, allowed_triggers, build_machine
+from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase, Temporary, TransitionRecord
 from lifecycle.types import Checkpointer, Parts, Progress, SaveInfo, WeightSyncer
 
 F = TypeVar("F", bound=Callable[[], object])
 
 
-class Observer:
-    """Hooks called as the machine moves; each does nothing unless overridden."""
-
-    def on_state_change(self, lc: Lifecycle, src: State, dst: State, trigger: str) -> None:
-        """Called on every move of the machine, phase begin and phase end alike."""
-
-    def on_transition(self, lc: Lifecycle, record: Transition) -> None:
-        """Called once per trigger, when its record is final."""
-
-
-GLOBAL_OBSERVERS: list[Observer] = []
-"""Observers of every Lifecycle in the process (what `testing.capture_transitions()` uses)."""
-
-
-class Phase:
-    """The context every phase's work runs in: begin trigger, work, undos, done or fail."""
-
-    __slots__ = ("lc", "trigger", "step", "src", "figures", "undos", "_start", "_t0", "_tokens", "_undo_token")
-
-    def __init__(self, lc: Lifecycle, trigger: str, step: int | None) -> None:
-        self.lc = lc
-        self.trigger = trigger
-        self.step = step
-        self.figures: dict[str, Any] = {}
-        self.undos: list[Callable[[], object]] = []
-
-    def __enter__(self) -> Phase:
-        lc = self.lc
-        self.src = lc._model.state
-        self._start = time.time()
-        self._t0 = time.perf_counter()
-        lc._move(self.trigger)
-        lc._phase = self
-        self._undo_token = RUNNING_UNDOS.set(self.undos)
-        self._tokens = bind_contextvars(role=lc.role, rank=lc.rank, step=self.step)
-        return self
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        lc = self.lc
-        try:
-            undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
-        finally:
-            lc._phase = None
-            RUNNING_UNDOS.reset(self._undo_token)
-            reset_contextvars(**self._tokens)
-        error: BaseException | None = exc
-        if error is None and undo_errors:
-            error = LifecycleError(
-                f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
-                f"objects are not as they were (role {lc.role}); first: {undo_errors[0]!r}"
-            )
-        if lc._model.state in WORKING:
-            lc._move(FAIL if error is not None else DONE)
-        lc._record(self, error)
-        if exc is None:
-            if error is not None:
-                raise error from undo_errors[0]
-            if self.trigger == "train_step":
-                lc.progress.step = self.step  # type: ignore[assignment]
-
-
 class Lifecycle:
     """One worker's lifecycle: init-load, train, save, weight-sync and resume, as one machine.
 
-    Every trigger runs as begin -> work -> undo stack -> done/fail, leaves one `Transition`
+    Every trigger runs as begin -> work -> undo stack -> done/fail, leaves one `TransitionRecord`
     in `history` and one `lifecycle.transition` log record. A trigger that the table does
     not allow from the current state raises `InvalidTransition` and changes nothing.
     """
@@ -118,7 +54,7 @@ class Lifecycle:
         self.parts = Parts(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader)
         self.progress = Progress()
         self.observers: list[Observer] = list(observers)
-        self._history: deque[Transition] = deque(maxlen=history_limit)
+        self._history: deque[TransitionRecord] = deque(maxlen=history_limit)
         if checkpointer is None:
             from lifecycle.checkpointer import check_parts
 
@@ -136,7 +72,7 @@ class Lifecycle:
         return self._model.state
 
     @property
-    def history(self) -> list[Transition]:
+    def history(self) -> list[TransitionRecord]:
         return list(self._history)
 
     @property
@@ -242,6 +178,7 @@ class Lifecycle:
         self.observers.remove(observer)
 
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> Path:
+        """The history as a Chrome trace; the writer (and the checkpoint I/O it uses) loads on first use."""
         from lifecycle.trace import write_chrome_trace
 
         return write_chrome_trace(self._history, path, role=self.role, rank=self.rank)
@@ -269,13 +206,14 @@ class Lifecycle:
 
     def _record(self, phase: Phase, error: BaseException | None) -> None:
         """The one history entry and the one `lifecycle.transition` record of a trigger."""
-        duration = time.perf_counter() - phase._t0
+        start, t0 = phase.started
+        duration = time.perf_counter() - t0
         dst = self._model.state
         message = None if error is None else f"{type(error).__name__}: {error}"
         working = ROWS[phase.trigger].working
         path = (phase.src, dst) if working is None else (phase.src, working, dst)
-        record = Transition(phase.trigger, phase.src, dst, phase.step, phase._start, duration,
-                            error is None, message, path, phase.figures)
+        record = TransitionRecord(phase.trigger, phase.src, dst, phase.step, start, duration,
+                                  error is None, message, path, phase.figures)
         self._history.append(record)
         emit = self._log.info if error is None else partial(self._log.error, error=message)
         emit("lifecycle.transition", trigger=phase.trigger, src=NAMES[phase.src], dst=NAMES[dst],
@@ -312,4 +250,4 @@ def _named_tensors(model: Any) -> Iterator[tuple[str, Any]]:
         yield name, tensor
 
 
-__all__ = ["GLOBAL_OBSERVERS", "Lifecycle", "Observer", "Phase"]
+__all__ = ["Lifecycle"]

@@ -1,13 +1,24 @@
-"""What a phase leaves and undoes: the history entry, temporary attribute changes, the undo run."""
+"""A phase and what it leaves: the bracket every trigger's work runs in, its undo stack, its record.
+
+Everything a phase is lives here, below the `Lifecycle` that starts it, so code deep in a
+backend can join the running phase's undo stack (`temporarily`, `DELETE`) by importing this
+leaf module alone, and observers and traces read the record without importing the core.
+"""
 
 from __future__ import annotations
 
+import time
 from contextvars import ContextVar
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import structlog
+from structlog.contextvars import bind_contextvars, reset_contextvars
 
-from lifecycle.machine import State
+from lifecycle.errors import LifecycleError
+from lifecycle.machine import DONE, FAIL, WORKING, State
+
+if TYPE_CHECKING:
+    from lifecycle.core import Lifecycle
 
 
 class _Delete:
@@ -28,8 +39,12 @@ DELETE = _Delete()
 _MISSING = object()
 
 
-class Transition(NamedTuple):
-    """One entry of `lc.history`: a whole trigger, from its source to where it ended."""
+class TransitionRecord(NamedTuple):
+    """One entry of `lc.history`: a whole trigger, from its source to where it ended.
+
+    Named apart from `transitions.Transition` (an edge of the machine), which the machine
+    module subclasses: a record is what happened, an edge what may happen.
+    """
 
     trigger: str
     src: State
@@ -44,6 +59,20 @@ class Transition(NamedTuple):
     """Every state visited, source first: (READY, SAVING, READY)."""
     figures: dict[str, Any]
     """The operation's own figures (backend, path, bytes, gbps, version...)."""
+
+
+class Observer:
+    """Hooks called as the machine moves; each does nothing unless overridden."""
+
+    def on_state_change(self, lc: Lifecycle, src: State, dst: State, trigger: str) -> None:
+        """Called on every move of the machine, phase begin and phase end alike."""
+
+    def on_transition(self, lc: Lifecycle, record: TransitionRecord) -> None:
+        """Called once per trigger, when its record is final."""
+
+
+GLOBAL_OBSERVERS: list[Observer] = []
+"""Observers of every Lifecycle in the process (what `testing.capture_transitions()` uses)."""
 
 
 class Temporary:
@@ -121,3 +150,66 @@ def run_undos(undos: list[Callable[[], object]], trigger: str) -> list[BaseExcep
                 "lifecycle.undo_failed", trigger=trigger, undo=repr(undo), error=repr(exc)
             )
     return errors
+
+
+class Phase:
+    """The context every phase's work runs in: begin trigger, work, undos, done or fail.
+
+    The lifecycle owns the machine and the history; a phase only moves it through them
+    (`_move`, `_record`), so the order begin -> work -> undos -> done/fail -> record is
+    written once, here.
+    """
+
+    __slots__ = ("lc", "trigger", "step", "src", "figures", "undos", "_start", "_t0", "_tokens", "_undo_token")
+
+    def __init__(self, lc: Lifecycle, trigger: str, step: int | None) -> None:
+        self.lc = lc
+        self.trigger = trigger
+        self.step = step
+        self.figures: dict[str, Any] = {}
+        self.undos: list[Callable[[], object]] = []
+
+    @property
+    def started(self) -> tuple[float, float]:
+        """Wall-clock start (for traces) and the perf-counter start (for the duration)."""
+        return self._start, self._t0
+
+    def __enter__(self) -> Phase:
+        lc = self.lc
+        self.src = lc.state
+        self._start = time.time()
+        self._t0 = time.perf_counter()
+        lc._move(self.trigger)
+        lc._phase = self
+        self._undo_token = RUNNING_UNDOS.set(self.undos)
+        self._tokens = bind_contextvars(role=lc.role, rank=lc.rank, step=self.step)
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        lc = self.lc
+        try:
+            undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
+        finally:
+            lc._phase = None
+            RUNNING_UNDOS.reset(self._undo_token)
+            reset_contextvars(**self._tokens)
+        error: BaseException | None = exc
+        if error is None and undo_errors:
+            error = LifecycleError(
+                f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
+                f"objects are not as they were (role {lc.role}); first: {undo_errors[0]!r}"
+            )
+        if lc.state in WORKING:
+            lc._move(FAIL if error is not None else DONE)
+        lc._record(self, error)
+        if exc is None:
+            if error is not None:
+                raise error from undo_errors[0]
+            if self.trigger == "train_step":
+                lc.progress.step = self.step  # type: ignore[assignment]
+
+
+__all__ = [
+    "DELETE", "GLOBAL_OBSERVERS", "RUNNING_UNDOS", "Observer", "Phase", "Temporary", "TransitionRecord",
+    "run_undos", "temporarily",
+]

@@ -18,9 +18,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from lifecycle.core import GLOBAL_OBSERVERS, Lifecycle, Observer
+from lifecycle.core import Lifecycle
 from lifecycle.machine import State
-from lifecycle.phase import Transition
+from lifecycle.phase import GLOBAL_OBSERVERS, Observer, TransitionRecord
 from lifecycle.types import Parts, Progress, SaveInfo, updating
 
 
@@ -142,7 +142,7 @@ class Capture(Observer):
 
     def __init__(self, only: Lifecycle | None) -> None:
         self.only = only
-        self.records: list[Transition] = []
+        self.records: list[TransitionRecord] = []
         self.path: list[State] = []
 
     def on_state_change(self, lc: Lifecycle, src: State, dst: State, trigger: str) -> None:
@@ -151,7 +151,7 @@ class Capture(Observer):
                 self.path.append(src)
             self.path.append(dst)
 
-    def on_transition(self, lc: Lifecycle, record: Transition) -> None:
+    def on_transition(self, lc: Lifecycle, record: TransitionRecord) -> None:
         if self.only is None or lc is self.only:
             self.records.append(record)
 

@@ -1,18 +1,23 @@
-"""Export a lifecycle's history as a Chrome trace (chrome://tracing, Perfetto)."""
+"""Export a lifecycle's history as a Chrome trace (chrome://tracing, Perfetto).
+
+It reads transition records only, so the core imports it and not the other way round.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from lifecycle.core import Lifecycle, Observer
 from lifecycle.manifest import write_text_atomic
-from lifecycle.phase import Transition
+from lifecycle.phase import Observer, TransitionRecord
+
+if TYPE_CHECKING:
+    from lifecycle.core import Lifecycle
 
 
-def chrome_trace_events(history: Iterable[Transition], *, role: str, rank: int) -> list[dict[str, Any]]:
+def chrome_trace_events(history: Iterable[TransitionRecord], *, role: str, rank: int) -> list[dict[str, Any]]:
     """Complete ('X') events, one per transition: process = rank, thread = role."""
     return process_events(role, rank) + [transition_event(record, rank) for record in history]
 
@@ -25,7 +30,7 @@ def process_events(role: str, rank: int) -> list[dict[str, Any]]:
     ]
 
 
-def transition_event(record: Transition, rank: int) -> dict[str, Any]:
+def transition_event(record: TransitionRecord, rank: int) -> dict[str, Any]:
     """One transition as a complete ('X') event with its edge, step, outcome and figures."""
     args: dict[str, Any] = {
         "src": record.src.name, "dst": record.dst.name, "step": record.step, "ok": record.ok,
@@ -69,7 +74,7 @@ class TraceFile(Observer):
     def __init__(self, log: EventLog) -> None:
         self.log = log
 
-    def on_transition(self, lc: Lifecycle, record: Transition) -> None:
+    def on_transition(self, lc: Lifecycle, record: TransitionRecord) -> None:
         self.log.append(transition_event(record, lc.rank))
 
 
@@ -93,6 +98,6 @@ def write_trace_events(events: list[dict[str, Any]], path: str | os.PathLike[str
 
 
 def write_chrome_trace(
-    history: Iterable[Transition], path: str | os.PathLike[str], *, role: str, rank: int
+    history: Iterable[TransitionRecord], path: str | os.PathLike[str], *, role: str, rank: int
 ) -> Path:
     return write_trace_events(chrome_trace_events(history, role=role, rank=rank), path)

@@ -17,11 +17,11 @@ from typing import Any, Iterator
 import pytest
 from structlog.testing import capture_logs
 
-from lifecycle.driver import Driver, DriverConfig, DriverHooks
 from lifecycle.manifest import MANIFEST
-from lifecycle.run_report import RunSummary
-from lifecycle.trace import read_events
+from lifecycle.ray.driver import Driver, DriverConfig, DriverHooks
+from lifecycle.ray.run_report import RunSummary
 from lifecycle.store import CheckpointStore
+from lifecycle.trace import read_events
 from lifecycle.types import Parts
 from tests.ray.recipe import DigitsRecipe
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lifecycle import EngineError, State
-from lifecycle.workers import RolloutWorker, TrainerWorker, WorkerSpec
+from lifecycle.ray.workers import RolloutWorker, TrainerWorker, WorkerSpec
 from tests.ray.recipe import DigitsRecipe
 
 
