@@ -2,9 +2,16 @@
 
 Every rank writes its own shards and DCP records where each piece of every tensor sits, so a
 checkpoint saved by one parallel layout loads into another, or into one process with no
-process group at all. Only tensors go through DCP: the optimizer's non-tensor state (param
-groups, hyper-parameters) and the lr scheduler's state are JSON through `lifecycle.jsontree`,
-because DCP would pickle them and unpickle them on load with `torch.load(weights_only=False)`.
+process group at all. Model and optimizer state come from torch's own
+`torch.distributed.checkpoint.state_dict` helpers, so both are keyed by parameter name as other
+DCP users write them: the model's tensors by their names (`0.weight`), the optimizer's as
+`optimizer.state.<name>.<key>` (`optimizer.state.0.weight.exp_avg`, torchtitan's keys), whatever
+the sharding (FSDP2 keeps the names). The optimizer calls therefore need the model (`model=`).
+
+Only tensors go through DCP: the optimizer's non-tensor state (param groups, which list their
+parameters by name, and hyper-parameters) and the lr scheduler's state are JSON through
+`lifecycle.jsontree`, because DCP would pickle them and unpickle them on load with
+`torch.load(weights_only=False)`.
 
 DCP's own `.metadata`, which says which bytes of which file hold which tensor, is a pickle.
 It is never read with a plain `pickle.load` here: `backends.dcp_metadata.MetadataReader` reads
@@ -43,14 +50,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from backends.base import current_rank, listed
+from backends.base import TORCH_DCP_CAPABILITIES, FormatBackend, FormatCapabilities, current_rank, listed
 from backends.dcp_metadata import METADATA, MetadataReader
 from backends.hf import write_hf_folder
-from lifecycle.errors import CheckpointError
-from lifecycle.jsontree import decode, encode, read_optimizer_json
+from lifecycle.errors import CheckpointError, shorten
+from lifecycle.jsontree import decode, encode, read_json
 from lifecycle.optim_state import check_param_groups
 
 OPTIM_JSON = "optimizer.json"
+FORMAT_VERSION = 2
+"""Of `optimizer.json`: 2 keys optimizer state by parameter name; 1 (by position) is refused by name."""
 
 
 def _failure(exc: BaseException) -> str:
@@ -58,23 +67,6 @@ def _failure(exc: BaseException) -> str:
     if isinstance(exc, CheckpointException):
         return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in exc.failures.items())
     return f"{type(exc).__name__}: {exc}"
-
-
-class _ParamsByIndex(nn.Module):
-    """Stands in for the model in `get/set_optimizer_state_dict`, which key state by parameter name.
-
-    The backend protocol hands the optimizer calls no model, so each parameter is named by its
-    position in the optimizer, as `optimizer.state_dict()` itself does. That position does not
-    change with FSDP2 / DTensor sharding, so the layout stays parallel-invariant.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for i, p in enumerate(params):
-            if not isinstance(p, nn.Parameter):
-                raise CheckpointError(f"optimizer parameter {i} is a {type(p).__name__}, not an nn.Parameter")
-            self.register_parameter(f"param{i}", p)
 
 
 def _model_tensors(model: nn.Module, folder: Path) -> dict[str, torch.Tensor]:
@@ -87,11 +79,58 @@ def _model_tensors(model: nn.Module, folder: Path) -> dict[str, torch.Tensor]:
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def _optimizer_tree(optimizer: Any, lr_scheduler: Any) -> dict[str, Any]:
-    """The optimizer's state, created first by torch's zero-lr step when it is still empty
-    (as in torchtitan): a saved and a fresh optimizer then hold the same tensors to match."""
-    return {"optimizer": get_optimizer_state_dict(_ParamsByIndex(optimizer), optimizer),
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
+def _optimizer_tree(model: Any, optimizer: torch.optim.Optimizer, lr_scheduler: Any, folder: Path) -> dict[str, Any]:
+    """torch's optimizer state dict, keyed by the model's parameter names; created first by
+    torch's zero-lr step when it is still empty (as in torchtitan), so a saved and a fresh
+    optimizer hold the same tensors to match."""
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(f"{folder}: torch_dcp keys optimizer state by parameter name and needs the "
+                              f"model the optimizer steps (model=...), got {type(model).__name__}")
+    try:
+        state = get_optimizer_state_dict(model, optimizer)
+    except KeyError as exc:  # torch's own lookup of a parameter's name
+        raise CheckpointError(f"{folder}: the optimizer steps a parameter that is not one of the model's, "
+                              f"so it has no name to save or load it by") from exc
+    return {"optimizer": state, "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
+
+
+def _read_doc(path: Path) -> dict[str, Any]:
+    doc = read_json(path)
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    if version == 1:
+        raise CheckpointError(f"{path}: format_version 1 keys optimizer state by position in the optimizer "
+                              f"(optimizer.state.param<i>); this torch_dcp reads state keyed by parameter name "
+                              f"(format_version {FORMAT_VERSION}) only")
+    if version != FORMAT_VERSION or "optimizer" not in doc:
+        raise CheckpointError(f"{path}: not a torch_dcp optimizer.json of format_version {FORMAT_VERSION}")
+    return doc
+
+
+def _same_names(saved: Any, running: Any, where: str) -> None:
+    missing, extra = sorted(set(running) - set(saved), key=str), sorted(set(saved) - set(running), key=str)
+    found = ([f"lacks {shorten(missing, 200)}"] if missing else []) + (
+        [f"has {shorten(extra, 200)}, which the running optimizer does not"] if extra else [])
+    if found:
+        raise CheckpointError(f"{where} {' and '.join(found)}")
+
+
+def _check_names(saved: Any, running: dict[str, Any], where: str) -> None:
+    """`set_optimizer_state_dict` pairs saved groups and state with parameters by name and passes
+    over names it does not know: a group whose names all differ would load without its
+    hyper-parameters, and the step fail on them. Run before `check_param_groups`, so that a
+    parameter more or less is named; groups that are not lists of names are left to it."""
+    if not isinstance(saved, dict):
+        return
+    groups = saved.get("param_groups")
+    for g, (group, want) in enumerate(zip(groups if isinstance(groups, list) else [], running["param_groups"])):
+        names = group.get("params") if isinstance(group, dict) else None
+        if isinstance(names, list) and all(isinstance(n, str) for n in names):
+            _same_names(names, want["params"], f"{where}: param_groups[{g}].params")
+    state = saved.get("state")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where}: optimizer.state must map parameter names to their state, "
+                              f"found {shorten(state, 120)}")
+    _same_names(state, running["state"], f"{where}: optimizer.state")
 
 
 def _write(state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -130,8 +169,8 @@ def _mismatches(state: Mapping[str, torch.Tensor], metadata: Metadata, folder: P
     return problems
 
 
-def _read_into(state: dict[str, torch.Tensor], folder: Path) -> None:
-    """Fill `state`'s tensors in place; every mismatch is reported before DCP reads any data.
+def _checked_reader(state: Mapping[str, torch.Tensor], folder: Path) -> MetadataReader:
+    """The reader to fill `state` with, once every mismatch with it has been reported.
 
     The checks are the same on every rank (same files, same global shapes), so either every
     rank raises or none does, and no rank is left waiting in a DCP collective.
@@ -140,25 +179,31 @@ def _read_into(state: dict[str, torch.Tensor], folder: Path) -> None:
     problems = _mismatches(state, metadata, folder)
     if problems:
         raise CheckpointError(f"{folder}: checkpoint does not match:\n  {listed(problems)}")
+    return reader
+
+
+def _read_into(state: dict[str, torch.Tensor], folder: Path, reader: MetadataReader | None = None) -> None:
+    """Fill `state`'s tensors in place, from `reader` when it was checked already."""
+    reader = reader or _checked_reader(state, folder)
     try:
         dcp.load(state, storage_reader=reader)
     except (CheckpointException, RuntimeError, ValueError, OSError) as exc:
         raise CheckpointError(f"{folder}: torch.distributed.checkpoint load failed: {_failure(exc)}") from exc
 
 
-class TorchDCPBackend:
+class TorchDCPBackend(FormatBackend):
     """Sharded state: every rank calls every method and DCP coordinates who writes what."""
 
     name: ClassVar[str] = "torch_dcp"
-    parallel_invariant: ClassVar[bool] = True
-    supports_async: ClassVar[bool] = True
-    native_hf: ClassVar[bool] = False
-    verifies_reads: ClassVar[bool] = False
+    capabilities: ClassVar[FormatCapabilities] = TORCH_DCP_CAPABILITIES
 
-    def save_model(self, model: nn.Module, folder: Path) -> None:
+    def save_model(self, model: nn.Module, folder: Path) -> dict[str, str]:
+        """DCP hashes nothing it writes: no digests to hand the manifest."""
         _write(_model_tensors(model, folder), folder)
+        return {}
 
-    def load_model(self, model: nn.Module, folder: Path) -> None:
+    def load_model(self, model: nn.Module, folder: Path, *, expected: Mapping[str, str] | None = None) -> set[str]:
+        """Verifies no file while reading (the manifest's check, when there is one, came first)."""
         state = _model_tensors(model, folder)
         _read_into(state, folder)
         loaded: dict[str, Any] = dict(state)
@@ -166,44 +211,53 @@ class TorchDCPBackend:
             set_model_state_dict(model, loaded)
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{folder}: set_model_state_dict failed: {exc}") from exc
+        return set()
 
     def save_optimizer(
         self, optimizer: torch.optim.Optimizer, lr_scheduler: Any, folder: Path, *, model: Any = None
-    ) -> None:
+    ) -> dict[str, str]:
         tensors: dict[str, torch.Tensor] = {}
-        doc = encode(_optimizer_tree(optimizer, lr_scheduler), where=str(folder / OPTIM_JSON), tensors=tensors)
+        tree = _optimizer_tree(model, optimizer, lr_scheduler, folder)
+        doc = encode(tree, where=str(folder / OPTIM_JSON), tensors=tensors)
         _write(tensors, folder)
         if current_rank() == 0:
-            text = json.dumps({"format_version": 1, **doc}, indent=1) + "\n"
+            text = json.dumps({"format_version": FORMAT_VERSION, **doc}, indent=1) + "\n"
             (folder / OPTIM_JSON).write_text(text, encoding="utf-8")
+        return {}
 
     def load_optimizer(
         self, optimizer: torch.optim.Optimizer, lr_scheduler: Any, folder: Path, *, model: Any = None
     ) -> None:
         """The running optimizer's own state (created by a zero step if empty) is the template
-        DCP fills, so each rank reads exactly its own shards."""
+        DCP fills, so each rank reads exactly its own shards. The saved groups and names are
+        checked against it before DCP reads a byte, so a refusal leaves the state as it was."""
         path = folder / OPTIM_JSON
-        doc = read_optimizer_json(path)
+        doc = _read_doc(path)
         if lr_scheduler is not None and doc.get("lr_scheduler") is None:
             raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
+        running = _optimizer_tree(model, optimizer, lr_scheduler, folder)
+        where = f"{path}: does not fit the optimizer"
+        _check_names(doc["optimizer"], running["optimizer"], where)  # names are plain JSON strings and keys
         tensors: dict[str, torch.Tensor] = {}
-        encode(_optimizer_tree(optimizer, lr_scheduler), where=str(path), tensors=tensors)
-        _read_into(tensors, folder)
-        state = decode(doc, where=str(path), tensors=tensors)
+        encode(running, where=str(path), tensors=tensors)
+        reader = _checked_reader(tensors, folder)
+        state = decode(doc, where=str(path), tensors=tensors)  # holds `tensors` themselves, filled below
         saved = state["optimizer"]
-        check_param_groups(optimizer, saved.get("param_groups") if isinstance(saved, dict) else None,
-                           f"{path}: does not fit the optimizer", ids=str)
+        check_param_groups(optimizer, saved.get("param_groups") if isinstance(saved, dict) else None, where, ids=str)
+        _read_into(tensors, folder, reader)
         try:
-            set_optimizer_state_dict(_ParamsByIndex(optimizer), optimizer, state["optimizer"])
+            set_optimizer_state_dict(model, optimizer, saved)
             if lr_scheduler is not None:
                 lr_scheduler.load_state_dict(state["lr_scheduler"])
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise CheckpointError(f"{path}: does not fit the optimizer or scheduler: {exc!r}") from exc
 
-    def export_hf(self, model: nn.Module, folder: Path) -> None:
-        """Every rank joins the gather; rank 0, the only one holding the full tensors, writes."""
+    def export_hf(self, model: nn.Module, folder: Path) -> dict[str, str]:
+        """Every rank joins the gather; rank 0, the only one holding the full tensors, writes
+        and returns the digests of the files it wrote."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)
-        if current_rank() == 0:
-            hints = frozenset(getattr(model, "_tied_weights_keys", None) or ())
-            write_hf_folder(state, folder, config=getattr(model, "config", None), tied_hints=hints)
+        if current_rank() != 0:
+            return {}
+        hints = frozenset(getattr(model, "_tied_weights_keys", None) or ())
+        return write_hf_folder(state, folder, config=getattr(model, "config", None), tied_hints=hints)

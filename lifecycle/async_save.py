@@ -166,9 +166,23 @@ class FrozenModule(nn.Module):
         """`params`: which names are parameters, and whether each requires grad."""
         super().__init__()
         self._frozen: dict[str, Any] = state
+        self._shared: dict[tuple[Any, ...], nn.Parameter] = {}
+        """One Parameter per copied view: tied weights stay one parameter, as in the live module,
+        so name-keyed optimizer state (torch_dcp) finds each parameter under its first name."""
         for name, value in state.items():
             if isinstance(value, torch.Tensor):
                 self._attach(name, value, params.get(name))
+
+    def _parameter(self, value: torch.Tensor, grad: bool) -> nn.Parameter:
+        if isinstance(value, nn.Parameter):
+            return value
+        if value.numel() == 0:  # empty tensors share data_ptr 0 without being tied
+            return nn.Parameter(value, requires_grad=grad)
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride(),
+               value.dtype)
+        if key not in self._shared:
+            self._shared[key] = nn.Parameter(value, requires_grad=grad)
+        return self._shared[key]
 
     def _attach(self, name: str, value: torch.Tensor, grad: bool | None) -> None:
         *path, leaf = name.split(".")
@@ -180,8 +194,7 @@ class FrozenModule(nn.Module):
                 owner.add_module(part, child)
             owner = child
         if grad is not None:
-            owner.register_parameter(leaf, value if isinstance(value, nn.Parameter)
-                                     else nn.Parameter(value, requires_grad=grad))
+            owner.register_parameter(leaf, self._parameter(value, grad))
         else:
             owner.register_buffer(leaf, value)
 

@@ -261,7 +261,7 @@ def test_emptied_chunks_of_a_real_checkpoint_are_refused(tmp_path: Path, part: s
     backend = TorchDCPBackend()
     backend.save_model(model, tmp_path / "model")
     (tmp_path / "optimizer").mkdir()
-    backend.save_optimizer(optimizer, None, tmp_path / "optimizer")
+    backend.save_optimizer(optimizer, None, tmp_path / "optimizer", model=model)
     path = tmp_path / part / METADATA
     metadata = pickle.loads(path.read_bytes())
     for entry in metadata.state_dict_metadata.values():
@@ -272,7 +272,7 @@ def test_emptied_chunks_of_a_real_checkpoint_are_refused(tmp_path: Path, part: s
         if part == "model":
             backend.load_model(fresh, tmp_path / part)
         else:
-            backend.load_optimizer(fresh_optimizer, None, tmp_path / part)
+            backend.load_optimizer(fresh_optimizer, None, tmp_path / part, model=fresh)
     assert str(path) in str(caught.value) and "tensor '" in str(caught.value)
 
 

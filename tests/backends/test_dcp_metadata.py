@@ -98,7 +98,7 @@ def saved(tmp_path: Path) -> Path:
     model, optimizer = trained()
     TorchDCPBackend().save_model(model, tmp_path / "model")
     (tmp_path / "optimizer").mkdir()
-    TorchDCPBackend().save_optimizer(optimizer, None, tmp_path / "optimizer")
+    TorchDCPBackend().save_optimizer(optimizer, None, tmp_path / "optimizer", model=model)
     return tmp_path
 
 
@@ -133,7 +133,7 @@ def test_torch_dcp_loads_bit_exactly_without_ever_calling_the_plain_reader(saved
     model, optimizer = trained(seed=1)
     with mock.patch.object(FileSystemReader, "read_metadata", side_effect=AssertionError("plain pickle.load")):
         TorchDCPBackend().load_model(model, saved / "model")
-        TorchDCPBackend().load_optimizer(optimizer, None, saved / "optimizer")
+        TorchDCPBackend().load_optimizer(optimizer, None, saved / "optimizer", model=model)
     got, want = model.state_dict(), want_model.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype
                                              for k in got)
@@ -186,9 +186,9 @@ def test_exploit_in_model_metadata_is_refused_naming_file_and_global(saved: Path
 def test_exploit_in_optimizer_metadata_is_refused_naming_file_and_global(saved: Path, marker: Path) -> None:
     path = saved / "optimizer" / METADATA
     plant(path, marker)
-    _, optimizer = trained(seed=1)
+    model, optimizer = trained(seed=1)
     with pytest.raises(CheckpointError) as caught:
-        TorchDCPBackend().load_optimizer(optimizer, None, saved / "optimizer")
+        TorchDCPBackend().load_optimizer(optimizer, None, saved / "optimizer", model=model)
     assert str(path) in str(caught.value) and "refused to unpickle io.open" in str(caught.value)
     assert not marker.exists()
 

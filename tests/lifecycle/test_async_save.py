@@ -6,6 +6,8 @@ so nothing here depends on timing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import signal
 import subprocess
@@ -231,7 +233,8 @@ def test_async_refuses_at_construction_formats_that_cannot_write_in_the_backgrou
     with pytest.raises(ConfigError, match="checkpoint.save.async: format 'torch_dcp' saves with collectives"):
         build("torch_dcp", 2)
     build("torch_dcp", 1)
-    monkeypatch.setattr(backend_class("hf"), "supports_async", False)
+    hf = backend_class("hf")
+    monkeypatch.setattr(hf, "capabilities", dataclasses.replace(hf.capabilities, supports_async=False))
     with pytest.raises(ConfigError, match="format 'hf' cannot write in the background"):
         build("hf", 1)
     config = LifecycleConfig.from_dict({"checkpoint": {"root": "unused", "save": {"format": "hf", "async": True}}})
