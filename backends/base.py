@@ -1,42 +1,168 @@
-"""The protocol every checkpoint format strategy follows, and the registry that names them."""
+"""The contract every checkpoint format follows, and the registry that names the formats.
+
+A format is a `FormatBackend` subclass: one frozen `FormatCapabilities` object says what it
+can do (callers ask it, never test a format's name), an optional options dataclass holds its
+own config keys, and five methods write and read the bytes. It is selected by name like a
+built-in once registered: `@FORMATS.register("name")`, an entry point in the group
+`trainer_lifecycle.formats`, or an import path `pkg.module:Class` in the config.
+"""
 
 from __future__ import annotations
 
-import importlib
 import socket
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
-from lifecycle.errors import ConfigError
+from backends.registry import Builtin, Registry
+from lifecycle.errors import CheckpointError, ConfigError
+
+FORMAT_ENTRY_POINT_GROUP = "trainer_lifecycle.formats"
+PLAIN_TORCH = "plain-torch"
+"""Model family of torch modules whose state dict is the weights (HF, FSDP2, DTensor)."""
+MEGATRON = "Megatron"
+"""Model family of Megatron-Core models (`backends.megatron.MegatronModel`)."""
+MODEL_CONTENTS: frozenset[str] = frozenset({"model", "hf_model", "optimizer"})
+"""The step-folder contents a format writes; `extra` (RNG, data position) is the lifecycle's own."""
 
 
-class FormatBackend(Protocol):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FormatCapabilities:
+    """What a format can do, declared once: the config and the checkpointer ask this object."""
+
+    family: str
+    """The model implementation it loads into (`PLAIN_TORCH`, `MEGATRON` or a family of its own):
+    one worker runs one implementation, so all the formats a config names must share it."""
+    contents: frozenset[str] = MODEL_CONTENTS
+    """Which of model, hf_model and optimizer it can write into a step folder."""
+    parallel_invariant: bool = False
+    """A checkpoint saved at one parallel layout loads at another."""
+    collective_save: bool = False
+    """Every rank takes part in a save through collectives, which in the background would
+    interleave with training's own: no async save at a world size above one."""
+    supports_async: bool = False
+    """It can write from a host copy on a background thread."""
+    native_hf: bool = False
+    """`save_model` already writes HF safetensors: `model` and `hf_model` are written once."""
+    verifies_reads: bool = False
+    """`load_model` checks files against the digests it is given as it reads them."""
+    reads_pickles: bool = False
+    """Its reads unpickle metadata (DCP's .metadata, Megatron's byte entries), through an
+    allow-list: a folder that no committed manifest vouches for is loaded with a warning."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "contents", frozenset(self.contents))
+        if "model" not in self.contents or not self.contents <= MODEL_CONTENTS:
+            raise ConfigError("capabilities.contents", f"a format holds 'model' and any of "
+                                                       f"{sorted(MODEL_CONTENTS)}, got {sorted(self.contents)}")
+
+
+class FormatBackend:
     """Writes and reads one worker's model and optimizer state in one on-disk format.
 
-    Every rank of a role calls each method with the same folder; a backend decides which
-    ranks write (replicated state: rank 0; sharded state: every rank its own shards).
+    Every rank of a role calls each method with the same folder; a format decides which ranks
+    write (replicated state: rank 0; sharded state: every rank its own shards). A subclass sets
+    `capabilities`, and `Options` when it takes config keys of its own; its `name` is the one
+    it was registered under (its import path until then).
     """
 
-    name: ClassVar[str]
-    parallel_invariant: ClassVar[bool]
-    """True when a checkpoint saved at one parallel layout loads at another."""
-    supports_async: ClassVar[bool]
-    native_hf: ClassVar[bool]
-    """True when `save_model` already writes HF safetensors: `model` and `hf_model` are written once."""
-    verifies_reads: ClassVar[bool]
-    """True when its reads check each .safetensors file against `lifecycle.checksum.expecting`."""
+    name: ClassVar[str] = "format"
+    capabilities: ClassVar[FormatCapabilities]
+    Options: ClassVar[type[Any] | None] = None
+    """The format's options dataclass: its fields are keys of `checkpoint.save` when the
+    format is saved with, bounded by plain field metadata (`ge`, `le`, `choices`)."""
 
-    def save_model(self, model: Any, folder: Path) -> None: ...
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = f"{cls.__module__}:{cls.__qualname__}"
 
-    def load_model(self, model: Any, folder: Path) -> None: ...
+    def __init__(self, options: Any = None, /, **values: Any) -> None:
+        """`options`: an instance of `Options`, or its fields as keyword values; neither: defaults."""
+        if self.Options is None:
+            if options is not None or values:
+                raise CheckpointError(f"format {self.name!r} takes no options, got {options or values!r}")
+            self.options: Any = None
+            return
+        if options is not None and values:
+            raise CheckpointError(f"format {self.name!r}: give an options object or keyword values, not both")
+        try:
+            self.options = options if options is not None else self.Options(**values)
+        except TypeError as exc:
+            raise CheckpointError(f"format {self.name!r}: {exc}") from None
 
-    def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
-        """`model` is given for formats that place optimizer state by the model's sharding."""
+    @classmethod
+    def check_model(cls, model: Any, contents: Collection[str], key: str) -> Any:
+        """Refuse, when the lifecycle is built, a model this format could only refuse mid-save
+        (`ConfigError` on `key`), or wrap it into the type it works on. `contents`: what the
+        save writes (empty for loads). The default takes the model as it is."""
+        return model
 
-    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None: ...
+    def save_model(self, model: Any, folder: Path) -> dict[str, str]:
+        """Write the weights; returns {path relative to `folder`: digest (`lifecycle.checksum.
+        ALGORITHM`)} for the files it hashed while writing, which the manifest takes as they are."""
+        raise NotImplementedError
 
-    def export_hf(self, model: Any, folder: Path) -> None:
-        """Write full HF safetensors (plus index when sharded) that `transformers` can load."""
+    def load_model(self, model: Any, folder: Path, *, expected: Mapping[str, str] | None = None) -> set[str]:
+        """Read the weights into `model`; returns the relative paths it checked against
+        `expected` while reading (the rest are hashed apart by the resume)."""
+        raise NotImplementedError
+
+    def save_optimizer(
+        self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None
+    ) -> dict[str, str]:
+        """As `save_model`; `model` is given for formats that place optimizer state by the model's sharding."""
+        raise NotImplementedError
+
+    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
+        raise NotImplementedError
+
+    def export_hf(self, model: Any, folder: Path) -> dict[str, str]:
+        """Write full HF safetensors (plus index when sharded) that `transformers` can load; returns as `save_model`."""
+        raise NotImplementedError
+
+
+HF_CAPABILITIES = FormatCapabilities(family=PLAIN_TORCH, supports_async=True, native_hf=True, verifies_reads=True)
+TORCH_DCP_CAPABILITIES = FormatCapabilities(family=PLAIN_TORCH, parallel_invariant=True, collective_save=True,
+                                            supports_async=True, reads_pickles=True)
+MBRIDGE_CAPABILITIES = FormatCapabilities(family=MEGATRON, parallel_invariant=True, collective_save=True,
+                                          native_hf=True)
+DIST_CKPT_CAPABILITIES = FormatCapabilities(family=MEGATRON, parallel_invariant=True, collective_save=True,
+                                            reads_pickles=True)
+
+FORMATS: Registry[FormatBackend] = Registry("format", base=FormatBackend, group=FORMAT_ENTRY_POINT_GROUP,
+                                            key="checkpoint.save.format", builtins={
+    "hf": Builtin("backends.hf:HFBackend", info=HF_CAPABILITIES),
+    "torch_dcp": Builtin("backends.torch_dcp:TorchDCPBackend", info=TORCH_DCP_CAPABILITIES),
+    "mbridge": Builtin("backends.mbridge:MBridgeBackend", extra="megatron", info=MBRIDGE_CAPABILITIES),
+    "dist_ckpt": Builtin("backends.dist_ckpt:DistCkptBackend", extra="megatron", info=DIST_CKPT_CAPABILITIES),
+})
+"""Every format by name. The built-ins' capabilities are declared here, beside their import
+path, and their classes take these very objects: a config that names one is checked without
+importing torch, megatron or mbridge."""
+
+
+def backend_names() -> list[str]:
+    return FORMATS.names()
+
+
+def backend_class(name: str, key: str = "checkpoint.save.format") -> type[FormatBackend]:
+    """The format class `name` selects, imported only now, so megatron and mbridge stay optional."""
+    return FORMATS.get(name, key)
+
+
+def format_capabilities(name: str, key: str = "checkpoint.save.format") -> FormatCapabilities:
+    """What format `name` can do; a built-in's without importing it."""
+    builtin = FORMATS.builtin(name)
+    if builtin is not None and isinstance(builtin.info, FormatCapabilities):
+        return builtin.info
+    cls = FORMATS.get(name, key)
+    capabilities = getattr(cls, "capabilities", None)
+    if not isinstance(capabilities, FormatCapabilities):
+        raise ConfigError(key, f"format {name!r} ({cls.__qualname__}) declares no FormatCapabilities "
+                               "as its `capabilities`")
+    return capabilities
 
 
 _MAX_LISTED = 20
@@ -85,31 +211,3 @@ def listed(problems: list[str]) -> str:
     more = len(problems) - _MAX_LISTED
     return "\n  ".join(problems[:_MAX_LISTED] + ([f"... and {more} more"] if more > 0 else []))
 
-
-_BACKENDS: dict[str, str] = {
-    "hf": "backends.hf:HFBackend",
-    "torch_dcp": "backends.torch_dcp:TorchDCPBackend",
-    "mbridge": "backends.mbridge:MBridgeBackend",
-    "dist_ckpt": "backends.dist_ckpt:DistCkptBackend",
-}
-_EXTRAS: dict[str, str] = {"mbridge": "megatron", "dist_ckpt": "megatron"}
-
-
-def backend_names() -> list[str]:
-    return sorted(_BACKENDS)
-
-
-def backend_class(name: str) -> type[FormatBackend]:
-    """Import a backend only when asked for, so megatron and mbridge stay optional."""
-    try:
-        target = _BACKENDS[name]
-    except KeyError:
-        raise ConfigError("format", f"unknown format {name!r}; known: {', '.join(backend_names())}") from None
-    module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        extra = _EXTRAS.get(name)
-        hint = f"; install the extra: pip install 'trainer-lifecycle[{extra}]'" if extra else ""
-        raise ConfigError("format", f"format {name!r} needs {exc.name or exc}{hint}") from exc
-    return getattr(module, attr)

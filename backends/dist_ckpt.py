@@ -20,6 +20,7 @@ Entries DCP stores as bytes (the layers' `_extra_state`) are read with `torch.lo
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,7 +31,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 from torch import nn
 
-from backends.base import current_rank
+from backends.base import DIST_CKPT_CAPABILITIES, FormatBackend, FormatCapabilities, current_rank
 from backends.megatron import (
     bridge_of,
     MegatronModel,
@@ -101,7 +102,7 @@ def _write_json(doc: dict[str, Any], folder: Path) -> None:
         (folder / OPTIM_JSON).write_text(text + "\n", encoding="utf-8")
 
 
-class DistCkptBackend:
+class DistCkptBackend(FormatBackend):
     """Megatron-Core models: every rank calls every method; each writes and reads its own shards.
 
     With a bridge, the HF `config.json` goes next to the shards, so the folder names its own
@@ -109,10 +110,7 @@ class DistCkptBackend:
     """
 
     name: ClassVar[str] = "dist_ckpt"
-    parallel_invariant: ClassVar[bool] = True
-    supports_async: ClassVar[bool] = False
-    native_hf: ClassVar[bool] = False
-    verifies_reads: ClassVar[bool] = False
+    capabilities: ClassVar[FormatCapabilities] = DIST_CKPT_CAPABILITIES
 
     @staticmethod
     def check_model(model: Any, contents: list[str], key: str) -> MegatronModel:
@@ -121,7 +119,8 @@ class DistCkptBackend:
             bridge_of(wrapped, "hf_model with the dist_ckpt format (an HF export)", key="checkpoint.save.contents")
         return wrapped
 
-    def save_model(self, model: Any, folder: Path) -> None:
+    def save_model(self, model: Any, folder: Path) -> dict[str, str]:
+        """Megatron writes the shards itself, unhashed: no digest to hand on."""
         chunks = chunks_of(model)
         save_sharded(sharded_model_state(chunks), folder)
         if current_rank() == 0:
@@ -129,8 +128,10 @@ class DistCkptBackend:
             bridge = getattr(model, "bridge", None)
             if bridge is not None:
                 bridge.hf_config.save_pretrained(str(folder))
+        return {}
 
-    def load_model(self, model: Any, folder: Path) -> None:
+    def load_model(self, model: Any, folder: Path, *, expected: Mapping[str, str] | None = None) -> set[str]:
+        """Megatron reads the shards itself, unhashed: none is reported verified."""
         chunks = chunks_of(model)
         template = sharded_model_state(chunks)
         loaded = load_sharded(template, folder)
@@ -139,20 +140,24 @@ class DistCkptBackend:
                 chunk.load_state_dict(loaded[key])
             except (RuntimeError, KeyError) as exc:
                 raise CheckpointError(f"{folder}: {key} does not fit the model: {exc}") from exc
+        return set()
 
-    def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
+    def save_optimizer(
+        self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None
+    ) -> dict[str, str]:
         sched = lr_scheduler.state_dict() if lr_scheduler is not None else None
         if hasattr(optimizer, "sharded_state_dict"):
             model_state = sharded_model_state(chunks_of(model))
             save_sharded({"optimizer": optimizer.sharded_state_dict(model_state)}, folder)
             _write_json({"optimizer": {"kind": "megatron"}, "lr_scheduler": sched}, folder)
-            return
+            return {}
         state = optimizer.state_dict()["state"]
         keys = sorted({k for s in state.values() for k in s if k != "step"})
         save_sharded({_STATE: _sharded_torch_state(optimizer, model, folder, keys)}, folder)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
         _write_json({"optimizer": {"kind": "torch", "state_keys": keys, "step": _common_step(state, folder),
                                    "param_groups": groups}, "lr_scheduler": sched}, folder)
+        return {}
 
     def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
         path = folder / OPTIM_JSON
@@ -171,8 +176,8 @@ class DistCkptBackend:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{path}: does not fit the optimizer or scheduler: {exc!r}") from exc
 
-    def export_hf(self, model: Any, folder: Path) -> None:
-        write_hf_export(model, folder)
+    def export_hf(self, model: Any, folder: Path) -> dict[str, str]:
+        return write_hf_export(model, folder)
 
 
 def _load_torch_optimizer(optimizer: torch.optim.Optimizer, model: Any, folder: Path, saved: dict[str, Any]) -> None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from backends.base import current_rank, listed
+from backends.base import HF_CAPABILITIES, FormatBackend, FormatCapabilities, current_rank, listed
 from backends.safetensors_io import NAMES, Header, read_file, read_header, write_file
 from lifecycle.boundary import lstat, name_problem, read_bytes
 from lifecycle.errors import CheckpointError, shorten
@@ -26,6 +27,9 @@ INDEX = "model.safetensors.index.json"
 OPTIM_JSON = "optimizer.json"
 OPTIM_TENSORS = "optimizer.safetensors"
 HF_SHARD_BYTES = 5 * 1024**3
+"""The default largest weight file, as `save_pretrained` writes them."""
+MAX_SHARD_BYTES = 1 << 40
+"""1 TiB: no filesystem or hub takes one file larger."""
 INDEX_LIMIT = 64 * 1024**2
 """Bytes a safetensors index may have: those of the largest public models (~100k tensors) take
 about 10 MB."""
@@ -90,8 +94,10 @@ def write_hf_folder(
     config: Any = None,
     tied_hints: set[str] | frozenset[str] = frozenset(),
     max_shard_bytes: int = HF_SHARD_BYTES,
-) -> None:
-    """A folder `from_pretrained` reads: weights (sharded with an index when large), config.json."""
+) -> dict[str, str]:
+    """A folder `from_pretrained` reads: weights (sharded with an index when large), config.json.
+
+    Returns each weight file's name and the digest it was written with, for the manifest."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in [folder / SINGLE, folder / INDEX, *folder.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
@@ -100,8 +106,8 @@ def write_hf_folder(
     shards = plan_shards(sizes, max_shard_bytes)
     names = [SINGLE] if len(shards) == 1 else [
         f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    for fname, shard in zip(names, shards):
-        write_file(folder / fname, {n: state[n] for n in shard}, metadata={"format": "pt"})
+    digests = {fname: write_file(folder / fname, {n: state[n] for n in shard}, metadata={"format": "pt"})
+               for fname, shard in zip(names, shards)}
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
@@ -109,50 +115,68 @@ def write_hf_folder(
     save_pretrained = getattr(config, "save_pretrained", None)
     if callable(save_pretrained):
         save_pretrained(str(folder))
+    return digests
 
 
-class HFBackend:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HFOptions:
+    """The hf format's own keys of `checkpoint.save`."""
+
+    max_shard_bytes: int = field(default=HF_SHARD_BYTES, metadata={"ge": 1, "le": MAX_SHARD_BYTES})
+    """Largest weight file: a bigger state dict is split into numbered shards plus an index,
+    as `save_pretrained` does, so no single file outgrows what a filesystem or upload takes."""
+
+    def __post_init__(self) -> None:
+        size = self.max_shard_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_SHARD_BYTES:
+            raise CheckpointError(f"max_shard_bytes must be an integer in 1..{MAX_SHARD_BYTES}, got {size!r}")
+
+
+class HFBackend(FormatBackend):
     """Replicated weights: rank 0 writes, every rank reads."""
 
     name: ClassVar[str] = "hf"
-    parallel_invariant: ClassVar[bool] = False
-    supports_async: ClassVar[bool] = True
-    native_hf: ClassVar[bool] = True
-    """`save_model` already writes what `export_hf` would: one copy serves both contents."""
-    verifies_reads: ClassVar[bool] = True
-    max_shard_bytes: int = HF_SHARD_BYTES
+    capabilities: ClassVar[FormatCapabilities] = HF_CAPABILITIES
+    Options: ClassVar[type[HFOptions]] = HFOptions
 
-    def __init__(self, max_shard_bytes: int | None = None) -> None:
-        if max_shard_bytes is not None:
-            if max_shard_bytes < 1:
-                raise CheckpointError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-            self.max_shard_bytes = max_shard_bytes
+    @property
+    def max_shard_bytes(self) -> int:
+        """`checkpoint.save.max_shard_bytes`, through the options the format was built with."""
+        return int(self.options.max_shard_bytes)
 
-    def save_model(self, model: Any, folder: Path) -> None:
-        if current_rank() == 0:
-            write_hf_folder(model.state_dict(), folder, config=getattr(model, "config", None),
-                            tied_hints=_tied_hints(model), max_shard_bytes=self.max_shard_bytes)
+    def save_model(self, model: Any, folder: Path) -> dict[str, str]:
+        if current_rank() != 0:
+            return {}
+        return write_hf_folder(model.state_dict(), folder, config=getattr(model, "config", None),
+                               tied_hints=_tied_hints(model), max_shard_bytes=self.max_shard_bytes)
 
-    def export_hf(self, model: Any, folder: Path) -> None:
-        self.save_model(model, folder)
+    def export_hf(self, model: Any, folder: Path) -> dict[str, str]:
+        return self.save_model(model, folder)
 
-    def load_model(self, model: Any, folder: Path) -> None:
+    def load_model(self, model: Any, folder: Path, *, expected: Mapping[str, str] | None = None) -> set[str]:
         """Strict: every difference between folder and model is reported before a byte loads.
 
-        Tensors are read straight into the model's own, tied names once, each file checked
-        against its digest as it is read: a file that fails leaves the model partly overwritten.
+        Tensors are read straight into the model's own, tied names once. A weight file with a
+        digest in `expected` is checked as it is read and returned as verified; one that fails
+        leaves the model partly overwritten.
         """
-        expected = model.state_dict()
-        files, problems = self._plan(folder, expected)
+        state = model.state_dict()
+        files, problems = self._plan(folder, state)
         targets = {name for _, _, names in files for name in names}
-        for group in alias_groups(expected):
+        for group in alias_groups(state):
             if any(n in targets for n in group):
                 targets.update(group)
-        problems += [f"{folder}: tensor {n!r} missing" for n in expected if n not in targets]
+        problems += [f"{folder}: tensor {n!r} missing" for n in state if n not in targets]
         if problems:
             raise CheckpointError(f"{folder}: weights do not match the model:\n  {listed(problems)}")
+        verified: set[str] = set()
         for path, header, names in files:
-            read_file(path, {n: expected[n] for n in names}, header=header)
+            rel = path.relative_to(folder).as_posix()
+            want = (expected or {}).get(rel)
+            read_file(path, {n: state[n] for n in names}, expect=want, header=header)
+            if want is not None:
+                verified.add(rel)
+        return verified
 
     def _plan(
         self, folder: Path, expected: Mapping[str, torch.Tensor]
@@ -181,17 +205,20 @@ class HFBackend:
             files.append((path, header, names))
         return files, problems
 
-    def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
+    def save_optimizer(
+        self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None
+    ) -> dict[str, str]:
         if current_rank() != 0:
-            return
+            return {}
         folder.mkdir(parents=True, exist_ok=True)
         tensors: dict[str, torch.Tensor] = {}
         where = str(folder / OPTIM_JSON)
         state = {"optimizer": optimizer.state_dict(),
                  "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
         doc = {"format_version": 1, **encode(state, where=where, tensors=tensors)}
-        write_file(folder / OPTIM_TENSORS, tensors)
+        digest = write_file(folder / OPTIM_TENSORS, tensors)
         (folder / OPTIM_JSON).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        return {OPTIM_TENSORS: digest}
 
     def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
         path = folder / OPTIM_JSON

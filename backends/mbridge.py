@@ -9,9 +9,11 @@ form; it is written in Megatron's sharded format by the `dist_ckpt` backend's co
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
+from backends.base import MBRIDGE_CAPABILITIES, FormatBackend, FormatCapabilities
 from backends.dist_ckpt import DistCkptBackend
 from backends.megatron import (
     MegatronModel,
@@ -71,14 +73,11 @@ def _load_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None:
         return str(exc)
 
 
-class MBridgeBackend:
+class MBridgeBackend(FormatBackend):
     """Megatron-Core models built with `backends.megatron.build_model` (they carry a bridge)."""
 
     name: ClassVar[str] = "mbridge"
-    parallel_invariant: ClassVar[bool] = True
-    supports_async: ClassVar[bool] = False
-    native_hf: ClassVar[bool] = True
-    verifies_reads: ClassVar[bool] = False
+    capabilities: ClassVar[FormatCapabilities] = MBRIDGE_CAPABILITIES
 
     @staticmethod
     def check_model(model: Any, contents: list[str], key: str) -> MegatronModel:
@@ -86,20 +85,25 @@ class MBridgeBackend:
         bridge_of(wrapped, "the mbridge format", key=key)
         return wrapped
 
-    def save_model(self, model: Any, folder: Path) -> None:
-        write_hf_export(model, folder)
+    def save_model(self, model: Any, folder: Path) -> dict[str, str]:
+        return write_hf_export(model, folder)
 
-    def export_hf(self, model: Any, folder: Path) -> None:
-        write_hf_export(model, folder)
+    def export_hf(self, model: Any, folder: Path) -> dict[str, str]:
+        return write_hf_export(model, folder)
 
-    def load_model(self, model: Any, folder: Path) -> None:
+    def load_model(self, model: Any, folder: Path, *, expected: Mapping[str, str] | None = None) -> set[str]:
+        """The bridge reads the files itself, unhashed: none is reported verified, so resume
+        hashes each one (after loading) against `expected`."""
         bridge, chunks = bridge_of(model, "the mbridge format"), chunks_of(model)
         agree(_load_problem(bridge, chunks, folder))
         with library_errors("mbridge load", folder), cpu_safe():
             bridge.load_weights(chunks, str(folder))
+        return set()
 
-    def save_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
-        DistCkptBackend().save_optimizer(optimizer, lr_scheduler, folder, model=model)
+    def save_optimizer(
+        self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None
+    ) -> dict[str, str]:
+        return DistCkptBackend().save_optimizer(optimizer, lr_scheduler, folder, model=model)
 
     def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
         DistCkptBackend().load_optimizer(optimizer, lr_scheduler, folder, model=model)

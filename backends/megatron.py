@@ -345,9 +345,10 @@ def write_transformer_config(config: Any, folder: Path) -> Path:
     return path
 
 
-def write_hf_export(model: Any, folder: Path) -> None:
+def write_hf_export(model: Any, folder: Path) -> dict[str, str]:
     """Full HF safetensors through the model's bridge: every rank joins the gathers, rank 0,
-    which receives every full tensor, writes (checksummed as it writes, like the hf backend)."""
+    which receives every full tensor, writes (checksummed as it writes, like the hf backend).
+    Returns the weight files' digests (none on other ranks), for the manifest."""
     bridge = bridge_of(model, "an HF copy of a Megatron model")
     chunks = chunks_of(model)
     with cpu_safe():
@@ -355,7 +356,8 @@ def write_hf_export(model: Any, folder: Path) -> None:
         if current_rank() != 0:
             for _ in weights:
                 pass
-            return
+            return {}
         state = {name: tensor.cpu() for name, tensor in weights}
-    write_hf_folder(state, folder, config=bridge.hf_config)
+    digests = write_hf_folder(state, folder, config=bridge.hf_config)
     write_transformer_config(chunks[0].config, folder)
+    return digests

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from lifecycle.boundary import os_errors, open_regular
-from lifecycle.checksum import PIECE_BYTES, expected_digest, mark_verified, piece_digest, remember, tree_digest
+from lifecycle.checksum import PIECE_BYTES, piece_digest, tree_digest
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import parse_json
 
@@ -69,7 +69,11 @@ def _prepare(tensor: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def write_file(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> str:
-    """Write `tensors` as one safetensors file; returns (and remembers) its digest (`checksum.ALGORITHM`)."""
+    """Write `tensors` as one safetensors file; returns its digest (`checksum.ALGORITHM`).
+
+    The digest is of the bytes handed to the kernel, hashed from the tensors' memory while
+    they are written: a caller passes it on to the manifest, which then never reads the file.
+    """
     if METADATA in tensors:
         raise CheckpointError(f"{path}: tensor {METADATA!r} cannot be saved: safetensors reserves that name "
                               f"for the header's metadata, so the file could never be loaded; rename it")
@@ -105,7 +109,6 @@ def write_file(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappin
             digest = hashing.result()
     finally:
         os.close(fd)
-    remember(path, digest)
     return digest
 
 
@@ -230,12 +233,13 @@ def read_file(
     """Every tensor of `path`, read piece by piece while the file's digest is checked.
 
     Tensors named in `into` are filled in place (shapes and dtypes checked first), the rest
-    are new. The digest must match `expect`, or the one a resume published for the file
-    (`checksum.expecting`), else CheckpointError; CPU tensors of `into` then hold bad bytes.
+    are new. With `expect` (the manifest's digest), the file is hashed as it is read and must
+    match, else CheckpointError; CPU tensors of `into` then hold bad bytes. A return means the
+    file was verified whenever `expect` was given: the caller reports it so, and nothing
+    hashes it again. Without `expect`, nothing is hashed.
     `header`: what `read_header` already returned for `path` (a caller that planned from it),
     so it is not read and parsed again; the digest covers the header's bytes all the same.
     """
-    expect = expect if expect is not None else expected_digest(path)
     entries, _, start = header if header is not None else read_header(path)
     targets = dict(into or {})
     for name, entry in entries.items():
@@ -249,7 +253,6 @@ def read_file(
     digest = tree_digest(len(pieces), lambda i: _read_piece(source, pieces[i], i, hashed=expect is not None))
     if expect is not None:
         _compare(path, digest, expect)
-        mark_verified(path)
     with torch.no_grad():
         for name, dest in targets.items():
             if name in out and out[name] is not dest:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from backends.base import FormatBackend, backend_class, failed_ranks, listed
+from backends.base import FormatBackend, backend_class, failed_ranks, format_capabilities, listed
 from lifecycle.async_save import BackgroundSaver, PendingSave
 from lifecycle.boundary import check_step, lstat, os_errors, special_files
 from lifecycle.config import LifecycleConfig
@@ -25,7 +25,7 @@ from lifecycle.extra import save_extra
 from lifecycle.manifest import MANIFEST, check_folder, read_manifest_file
 from lifecycle.resumer import HashFn, Resumer, _value, log_resumed
 from lifecycle.store import CheckpointStore, check_role
-from lifecycle.types import Parts, Progress, SaveInfo
+from lifecycle.types import Parts, Progress, SaveInfo, Written
 from lifecycle.writer_lock import WriterLock
 
 _T = TypeVar("_T")
@@ -66,22 +66,26 @@ def check_parts(config: LifecycleConfig, parts: Parts, world_size: int = 1) -> N
     if ckpt.pre_load.path:
         uses.append(("checkpoint.pre_load.format", ckpt.pre_load_format, []))
     for key, fmt, contents in uses:
-        check = getattr(backend_class(_value(fmt)), "check_model", None)
-        if check is not None:
-            parts.model = check(parts.model, contents, key)
+        parts.model = backend_class(_value(fmt), key).check_model(parts.model, contents, key)
 
 
 def check_async(backend: type[FormatBackend], world_size: int) -> None:
     """`ConfigError` on `checkpoint.save.async` when `backend` cannot save in the background."""
-    if not backend.supports_async:
+    if not backend.capabilities.supports_async:
         raise ConfigError("checkpoint.save.async", f"format {backend.name!r} cannot write in the background; "
                           "set checkpoint.save.async to false")
-    if world_size > 1 and backend.parallel_invariant:
+    if world_size > 1 and backend.capabilities.collective_save:
         raise ConfigError(
             "checkpoint.save.async",
             f"format {backend.name!r} saves with collectives on every rank, which in the background would "
             f"interleave with training's own; with world_size {world_size} set checkpoint.save.async to false",
         )
+
+
+def _under(folder: str, digests: Mapping[str, str] | None) -> dict[str, str]:
+    """A content's digests (relative to its folder) keyed relative to the role folder; None
+    from a backend written before formats returned digests means nothing was hashed."""
+    return {f"{folder}/{rel}": digest for rel, digest in (digests or {}).items()}
 
 
 def folder_figures(folder: Path) -> tuple[int, int]:
@@ -167,7 +171,7 @@ class DiskCheckpointer:
             committed = next((f for f in (folder, folder.parent) if lstat(f / MANIFEST) is not None), None)
         if committed is None and (odd := special_files(folder)):
             raise CheckpointError(f"{folder}: cannot load initial weights:\n  " + listed(odd))
-        if committed is None and name in ("torch_dcp", "dist_ckpt"):
+        if committed is None and format_capabilities(name, "checkpoint.pre_load.format").reads_pickles:
             structlog.get_logger().warning(
                 "checkpoint.pre_load.unverified", path=str(folder), format=name,
                 reason="not a committed checkpoint: no checksums to verify the files against; metadata is "
@@ -185,19 +189,19 @@ class DiskCheckpointer:
         step = check_step(step)
         self.wait()
         name = _value(self.config.checkpoint.save.format)
-        backend = backend_class(name)()
+        backend = backend_class(name)(**self.config.checkpoint.save.options)
         background = self._async_saver(backend) if self.config.checkpoint.save.async_ else None
         model_hash = self._model_hash(parts)
         lock = self.store.writer_lock(self.role) if self.rank == 0 else None
         if background is not None:
             return self._save_async(background, backend, step, parts, progress, model_hash, started, lock)
         try:
-            def write() -> tuple[dict[str, str], dict[str, str]]:
+            def write() -> Written:
                 staging = self.store.staging(step, self.role, lock)
                 return self._write_contents(backend, name, staging, parts, progress, step)
 
-            contents, folders = self._agreed(step, write, cleanup=self._cleanup(self.store, step, lock))
-            return self._commit(self.store, step, name, contents, folders, model_hash, started, lock)
+            written = self._agreed(step, write, cleanup=self._cleanup(self.store, step, lock))
+            return self._commit(self.store, step, name, written, model_hash, started, lock)
         finally:
             if lock is not None:
                 lock.release()
@@ -246,14 +250,14 @@ class DiskCheckpointer:
                 and dist.is_initialized())
 
     def _commit(
-        self, store: CheckpointStore, step: int, name: str, contents: dict[str, str], folders: dict[str, str],
+        self, store: CheckpointStore, step: int, name: str, written: Written,
         model_hash: str | None, started: float, lock: WriterLock | None,
     ) -> SaveInfo:
         """Commit, then housekeeping that never fails the save: retention, and the figures."""
         try:
-            final = store.commit(step, self.role, contents=contents, folders=folders, parallel=self._parallel,
-                                 model_config_hash=model_hash, extra_meta={}, roles=self.roles,
-                                 fsync=self.config.checkpoint.fsync)
+            final = store.commit(step, self.role, contents=written.contents, folders=written.folders,
+                                 parallel=self._parallel, model_config_hash=model_hash, extra_meta={},
+                                 roles=self.roles, fsync=self.config.checkpoint.fsync, digests=written.digests)
         except BaseException:
             self._cleanup(store, step, lock)()
             raise
@@ -264,8 +268,8 @@ class DiskCheckpointer:
             size, count = sum(f["size"] for f in files), len(files)
         except CheckpointError as exc:
             structlog.get_logger().warning("checkpoint.figures_unavailable", step=step, error=str(exc))
-        return SaveInfo(step=step, path=final, contents=list(contents), backend=name, bytes=size, files=count,
-                        seconds=time.perf_counter() - started)
+        return SaveInfo(step=step, path=final, contents=list(written.contents), backend=name, bytes=size,
+                        files=count, seconds=time.perf_counter() - started)
 
     def _save_async(
         self, background: BackgroundSaver, backend: FormatBackend, step: int, parts: Parts, progress: Progress,
@@ -279,7 +283,7 @@ class DiskCheckpointer:
         store = self._commit_store()
         cleanup = self._cleanup(self.store, step, lock)
 
-        def extra_and_copy() -> tuple[Path, tuple[dict[str, str], dict[str, str]], Parts]:
+        def extra_and_copy() -> tuple[Path, Written, Parts]:
             staging = self.store.staging(step, self.role, lock)
             return (staging, self._write_contents(backend, name, staging, parts, progress, step, only={"extra"}),
                     background.copier.snapshot(parts))
@@ -296,8 +300,7 @@ class DiskCheckpointer:
                 later = self._agreed(step, lambda: self._write_contents(
                     backend, name, staging, frozen, progress, step, only={c for c in wanted if c != "extra"}),
                     group=self._background_group, cleanup=cleanup)
-                contents, folders = {**later[0], **now[0]}, {**later[1], **now[1]}
-                return self._commit(store, step, name, contents, folders, model_hash, started, lock)
+                return self._commit(store, step, name, later | now, model_hash, started, lock)
             finally:
                 if lock is not None:
                     lock.release()
@@ -343,12 +346,11 @@ class DiskCheckpointer:
     def _write_contents(
         self, backend: FormatBackend, name: str, staging: Path, parts: Parts, progress: Progress, step: int,
         only: Collection[str] | None = None,
-    ) -> tuple[dict[str, str], dict[str, str]]:
-        """Write each wanted content (of `only`, when given) once; returns content -> backend and
-        content -> folder. An `OSError` (disk full, permission) names the step, content and file."""
+    ) -> Written:
+        """Write each wanted content (of `only`, when given) once, collecting what each writer
+        returned. An `OSError` (disk full, permission) names the step, content and file."""
         wanted = [_value(c) for c in self.config.checkpoint.save.contents]
-        contents: dict[str, str] = {}
-        folders: dict[str, str] = {}
+        written = Written()
         log = structlog.get_logger()
         needs = {"model": parts.model, "hf_model": parts.model, "optimizer": parts.optimizer}
         for content in wanted:
@@ -359,19 +361,28 @@ class DiskCheckpointer:
                             reason="the worker has no object to save for it")
                 continue
             with os_errors(f"save of step {step} (role {self.role}) cannot write {content!r}", staging):
-                if content == "model":
-                    backend.save_model(parts.model, staging / "model")
-                elif content == "hf_model" and backend.native_hf and "model" in wanted:
-                    folders[content] = "model"
-                elif content == "hf_model":
-                    backend.export_hf(parts.model, staging / "hf_model")
-                elif content == "optimizer":
-                    backend.save_optimizer(parts.optimizer, parts.lr_scheduler, staging / "optimizer",
-                                           model=parts.model)
-                elif content == "extra":
-                    save_extra(staging / "extra" / f"rank_{self.rank}", progress, parts.dataloader)
-            contents[content] = EXTRA_BACKEND if content == "extra" else name
-        return contents, folders
+                if content == "hf_model" and backend.capabilities.native_hf and "model" in wanted:
+                    written.folders[content] = "model"
+                else:
+                    sub = f"extra/rank_{self.rank}" if content == "extra" else content
+                    written.digests.update(_under(sub, self._write_one(backend, content, staging / sub, parts,
+                                                                      progress)))
+            written.contents[content] = EXTRA_BACKEND if content == "extra" else name
+        return written
+
+    def _write_one(
+        self, backend: FormatBackend, content: str, folder: Path, parts: Parts, progress: Progress
+    ) -> dict[str, str] | None:
+        """Write one content into `folder`; returns the digests its writer took while writing."""
+        if content == "model":
+            return backend.save_model(parts.model, folder)
+        if content == "hf_model":
+            return backend.export_hf(parts.model, folder)
+        if content == "optimizer":
+            return backend.save_optimizer(parts.optimizer, parts.lr_scheduler, folder, model=parts.model)
+        if content == "extra":
+            return save_extra(folder, progress, parts.dataloader)
+        raise CheckpointError(f"{folder}: no writer for content {content!r}")
 
     def resume(self, parts: Parts) -> Progress | None:
         """Restore the newest step every role can resume from (see `lifecycle.resumer`)."""

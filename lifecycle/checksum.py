@@ -1,4 +1,4 @@
-"""File checksums and the bookkeeping that lets writers and readers skip a second pass.
+"""File checksums, and the one check a reader's second pass may still need.
 
 Every file of a checkpoint is checksummed in its manifest. The checksum (`ALGORITHM`) is a
 tree: the file is cut by offset into pieces of `PIECE_BYTES`, each piece gets its own
@@ -7,11 +7,11 @@ on one core at a time; pieces hash on every core, and a reader can hash each pie
 after reading it, while its bytes are still in cache. Manifests written before the tree
 name the plain stream (`PLAIN`) and still verify.
 
-A writer that hashed a file's bytes while writing them `remember`s the digest, and the
-manifest takes it from there instead of reading the file again. On resume, the files'
-expected digests are published with `expecting`; a reader that verifies a file while
-reading it reports it with `mark_verified`, and only the files nobody verified are hashed
-separately.
+Digests travel as values, never through this module: a writer that hashed a file while
+writing it returns the digest (a format's `save_model` returns them all), and the commit
+takes them from there; on resume the expected digests are handed to the reader, which
+returns the files it verified, and `check_unverified` hashes the rest. Nothing here keeps
+state between calls.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import itertools
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 
 import xxhash
@@ -42,9 +40,6 @@ ALGORITHMS = (ALGORITHM, PLAIN)
 THREADS = max(1, min(8, os.cpu_count() or 1))
 """Threads that move and hash pieces: every core, up to 8, past which memory bandwidth bounds a copy."""
 CHUNK_BYTES = 64 * 1024 * 1024
-
-_written: dict[str, tuple[int, int, str]] = {}
-_expected: ContextVar[tuple[Mapping[str, str], set[str]] | None] = ContextVar("lifecycle_expected", default=None)
 
 
 class Hasher:
@@ -151,49 +146,9 @@ def _hash_mapped(mapped: mmap.mmap | bytes, size: int, algorithm: str) -> str:
     return tree_digest(-(-size // PIECE_BYTES), piece)
 
 
-def _key(path: Path) -> str:
-    return os.path.realpath(path)
-
-
-def remember(path: Path, digest: str) -> None:
-    """Record the digest of a file this process just wrote, tied to its size and mtime."""
-    st = os.stat(path)
-    _written[_key(path)] = (st.st_size, st.st_mtime_ns, digest)
-
-
-def known_digest(path: Path) -> str | None:
-    """The remembered digest, if the file is still exactly as it was written; forgets it after."""
-    entry = _written.pop(_key(path), None)
-    if entry is None:
-        return None
-    st = os.stat(path)
-    return entry[2] if (st.st_size, st.st_mtime_ns) == entry[:2] else None
-
-
-@contextmanager
-def expecting(digests: Mapping[Path, str]) -> Iterator[set[str]]:
-    """Publish expected digests for readers; yields the set of files they verified."""
-    verified: set[str] = set()
-    token = _expected.set(({_key(p): d for p, d in digests.items()}, verified))
-    try:
-        yield verified
-    finally:
-        _expected.reset(token)
-
-
-def expected_digest(path: Path) -> str | None:
-    current = _expected.get()
-    return None if current is None else current[0].get(_key(path))
-
-
-def check_unverified(digests: Mapping[Path, str], verified: set[str]) -> None:
-    """Hash, after the fact, the files published with `expecting` that no reader verified."""
-    for path, want in digests.items():
-        if _key(path) not in verified and (got := file_digest(path)) != want:
-            raise CheckpointError(f"{path}: checksum {got} != manifest {want}")
-
-
-def mark_verified(path: Path) -> None:
-    current = _expected.get()
-    if current is not None:
-        current[1].add(_key(path))
+def check_unverified(folder: Path, expected: Mapping[str, str], verified: Collection[str]) -> None:
+    """Hash, after loading, each file of `expected` (path relative to `folder`: digest) that is
+    not in `verified`: the ones no reader checked while reading them."""
+    for rel, want in expected.items():
+        if rel not in verified and (got := file_digest(folder / rel)) != want:
+            raise CheckpointError(f"{folder / rel}: checksum {got} != manifest {want}")

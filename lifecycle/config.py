@@ -4,6 +4,13 @@ Each section validates itself in `__post_init__` from its type hints and per-fie
 (`lifecycle.config_rules`): kwargs, nested dicts and YAML all go through that one path, and a
 value that cannot work (an infinite timeout, a bucket no engine can pack, a role that is no
 folder name, an empty path) is refused there rather than in the middle of a save or a sync.
+
+The components own their keys: `engine:` is `backends.engines.options.EngineOptions` plus the
+backend's name, and a format's or an engine's own options (`checkpoint.save.max_shard_bytes`
+for hf) are checked against the class the section names. Formats and engines are names in
+their registries, so one registered from outside is selected exactly as a built-in is. The
+registries are imported when a config is checked, not with this module: the `lifecycle`
+package imports this module, and a backend module imported first imports `lifecycle.errors`.
 """
 
 from __future__ import annotations
@@ -11,32 +18,33 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 import yaml
 
+from backends.engines.options import (
+    APPLY_MODES, AUTO, MAX_BUCKET_BYTES, MAX_TIMEOUT_S, MIN_BUCKET_BYTES, ROLLOUT_DTYPES, EngineOptions,
+)
 from lifecycle.boundary import read_bytes, role_problem
-from lifecycle.config_rules import Section, build, describe, path_problem, place_sections, rule, validate
+from lifecycle.config_rules import (
+    Section, build, check_extras, describe, join, path_problem, place_sections, rule, validate,
+)
 from lifecycle.errors import CheckpointError, ConfigError
 
+if TYPE_CHECKING:
+    from backends.base import FormatCapabilities
+
 __all__ = [
-    "APPLY_MODES", "CONFIG_FILE_LIMIT", "ENGINE_BACKENDS", "MAX_BUCKET_BYTES", "MAX_KEEP_LAST", "MAX_TIMEOUT_S",
-    "MIN_BUCKET_BYTES", "ROLLOUT_DTYPES", "CheckpointConfig", "Content", "EngineConfig", "Format", "LifecycleConfig",
+    "APPLY_MODES", "CONFIG_FILE_LIMIT", "MAX_BUCKET_BYTES", "MAX_KEEP_LAST", "MAX_TIMEOUT_S",
+    "MIN_BUCKET_BYTES", "ROLLOUT_DTYPES", "CheckpointConfig", "Content", "EngineConfig", "LifecycleConfig",
     "LoadConfig", "OnDamaged", "format_family", "PreLoadConfig", "ResumeConfig", "ResumeMode", "SaveConfig",
 ]
 
-
-class Format(str, Enum):
-    """On-disk layout of model weights; decides which checkpointer reads or writes them."""
-
-    HF = "hf"
-    MBRIDGE = "mbridge"
-    DIST_CKPT = "dist_ckpt"
-    TORCH_DCP = "torch_dcp"
+O = TypeVar("O", bound=EngineOptions)
 
 
 class Content(str, Enum):
@@ -63,36 +71,34 @@ class OnDamaged(str, Enum):
     REFUSE = "refuse"
 
 
-ENGINE_BACKENDS: tuple[str, ...] = ("auto", "gloo", "nccl", "hccl", "shm", "naive")
-ROLLOUT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
-APPLY_MODES: tuple[str, ...] = ("atomic", "streamed")
-
-MIN_BUCKET_BYTES: int = 64
-"""Smallest bucket an engine can pack (one aligned piece); the engines refuse less when built."""
-MAX_BUCKET_BYTES: int = 1 << 40
-"""1 TiB: a sender allocates two buckets up front, and no device or host here holds two of more."""
-MAX_TIMEOUT_S: float = 7 * 24 * 3600.0
-"""A week: a sync still running then has hung, and a deadline this far out stays well inside what
-`timedelta`, threading waits and the transports' steady-clock arithmetic can hold."""
 MAX_KEEP_LAST: int = 10**18
 """Step folders have at most 18 digits, so no root can hold more steps than this."""
 CONFIG_FILE_LIMIT: int = 1 << 20
 """Bytes a YAML config file may hold: a real one is a few KiB, and a wrong path (a log, a device
 file) is refused instead of read whole."""
 
-_MEGATRON, _TORCH = "Megatron", "plain-torch"
-_FAMILIES: dict[Format, str] = {
-    Format.MBRIDGE: _MEGATRON, Format.DIST_CKPT: _MEGATRON, Format.HF: _TORCH, Format.TORCH_DCP: _TORCH
-}
 _ALL_CONTENTS: tuple[Content, ...] = (Content.MODEL, Content.OPTIMIZER, Content.EXTRA)
+
+
+def _format_problem(name: str) -> str | None:
+    from backends.base import FORMATS
+
+    return FORMATS.problem(name)
+
+
+def _engine_problem(name: str) -> str | None:
+    from backends.engines.registry import CheckpointEngineRegistry
+
+    return CheckpointEngineRegistry.problem(name)
 
 
 @dataclass(kw_only=True, slots=True)
 class PreLoadConfig(Section):
     """Weights for the first load, before any checkpoint of this run exists."""
 
-    format: Format | None = None
-    """Layout of the weights at `path`; None: mbridge for a Megatron save format, else hf."""
+    format: str | None = field(default=None, metadata=rule(problem=_format_problem))
+    """Layout of the weights at `path`; None: the format that reads HF weights into the save
+    format's model family (mbridge for a Megatron one, hf for plain torch)."""
     path: str | None = field(default=None, metadata=rule(problem=path_problem))
     """Folder of the initial weights; None keeps the model's own initialisation."""
 
@@ -101,7 +107,7 @@ class PreLoadConfig(Section):
 class LoadConfig(Section):
     """How resume reads a step folder."""
 
-    format: Format | None = None
+    format: str | None = field(default=None, metadata=rule(problem=_format_problem))
     """Layout to read; None reads whatever `save.format` writes."""
     contents: list[Content] = field(
         default_factory=lambda: list(_ALL_CONTENTS), metadata=rule(non_empty=True, unique=True)
@@ -123,14 +129,29 @@ class LoadConfig(Section):
 class SaveConfig(Section):
     """How each step folder is written."""
 
-    format: Format = Format.HF
-    """Layout of the saved model weights."""
+    format: str = field(default="hf", metadata=rule(problem=_format_problem))
+    """Layout of the saved model weights: a registered format's name or `pkg.module:Class`."""
     contents: list[Content] = field(
         default_factory=lambda: list(_ALL_CONTENTS), metadata=rule(non_empty=True, unique=True)
     )
     """Parts written into each step folder."""
     async_: bool = field(default=False, metadata=rule(key="async"))
     """Write in the background so training resumes before the files are on disk."""
+    options: dict[str, Any] = field(default_factory=dict, metadata=rule(extras=True))
+    """The format's own keys (hf: `max_shard_bytes`), written beside the others and checked
+    against the format's options dataclass, which holds their defaults."""
+
+    def _check(self) -> None:
+        from backends.base import FORMATS, format_capabilities
+
+        key = join(self._prefix, "format")
+        capabilities = format_capabilities(self.format, key)
+        if held := [c.value for c in self.contents if c is not Content.EXTRA and c.value not in capabilities.contents]:
+            raise ConfigError(join(self._prefix, "contents"),
+                              f"format {self.format!r} cannot hold {', '.join(held)}; it holds "
+                              f"{', '.join(sorted(capabilities.contents))} (and extra)")
+        if self.options:
+            self.options = check_extras(self, self.options, FORMATS.get(self.format, key).Options)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -158,16 +179,25 @@ class CheckpointConfig(Section):
     """Deprecated (verl's flag): true means pre_load.format and save.format mbridge."""
 
     @property
-    def load_format(self) -> Format:
+    def load_format(self) -> str:
         """The format resume reads with, since an unset `load.format` follows `save.format`."""
         return self.load.format or self.save.format
 
     @property
-    def pre_load_format(self) -> Format:
-        """The first load's format; unset, HF weights enter a Megatron model through mbridge."""
+    def pre_load_format(self) -> str:
+        """The first load's format; unset, the save format if it reads HF weights, else the
+        built-in that reads them into the save format's family (HF weights enter a Megatron
+        model through mbridge), else the save format itself."""
+        from backends.base import FORMATS, format_capabilities
+
         if self.pre_load.format is not None:
             return self.pre_load.format
-        return Format.MBRIDGE if _FAMILIES[self.save.format] == _MEGATRON else Format.HF
+        save = self.save.format
+        capabilities = format_capabilities(save)
+        if capabilities.native_hf:
+            return save
+        family = capabilities.family
+        return next((name for name in FORMATS.builtin_names() if _reads_hf(format_capabilities(name), family)), save)
 
     def _translate_legacy_flags(self) -> None:
         """verl's two booleans become the formats they chose there: dist_checkpointing wins the
@@ -175,17 +205,17 @@ class CheckpointConfig(Section):
         dist, bridge = self.use_dist_checkpointing, self.use_mbridge
         if dist is None and bridge is None:
             return
-        fmt = Format.DIST_CKPT if dist else Format.MBRIDGE if bridge else None
+        fmt = "dist_ckpt" if dist else "mbridge" if bridge else None
         given = [f"checkpoint.use_dist_checkpointing={dist}"] if dist is not None else []
         given += [f"checkpoint.use_mbridge={bridge}"] if bridge is not None else []
         if fmt is not None:
             for key, current in (("checkpoint.save.format", self.save.format),
                                  ("checkpoint.pre_load.format", self.pre_load.format)):
-                if current not in (None, Format.HF, fmt):
-                    raise ConfigError(key, f"{key} {current.value!r} conflicts with the deprecated "
-                                           f"{' and '.join(given)}, which mean {fmt.value!r}; drop the flags")
+                if current not in (None, "hf", fmt):
+                    raise ConfigError(key, f"{key} {current!r} conflicts with the deprecated "
+                                           f"{' and '.join(given)}, which mean {fmt!r}; drop the flags")
             self.save.format = self.pre_load.format = fmt
-        action = f"use checkpoint.save.format and checkpoint.pre_load.format = {fmt.value!r}" if fmt else \
+        action = f"use checkpoint.save.format and checkpoint.pre_load.format = {fmt!r}" if fmt else \
             "drop them (false changes nothing)"
         message = f"deprecated config {' and '.join(given)}: {action}"
         warnings.warn(message, DeprecationWarning, stacklevel=2)
@@ -231,40 +261,28 @@ class ResumeConfig(Section):
 
 
 @dataclass(kw_only=True, slots=True)
-class EngineConfig(Section):
-    """The weight-sync engine that moves trained weights to the rollout workers."""
+class EngineConfig(Section, EngineOptions):
+    """The weight-sync engine that moves trained weights to the rollout workers: its name, and
+    the options every engine takes (`EngineOptions`, whose fields and defaults these are)."""
 
-    backend: str = field(
-        default="auto",
-        metadata=rule(
-            choices=ENGINE_BACKENDS,
-            pattern=r"[A-Za-z_][\w.]*:[A-Za-z_]\w*",
-            shape="an import path 'pkg.module:Name'",
-        ),
-    )
-    """Built-in engine name, or an import path to a custom engine class."""
-    bucket_bytes: int = field(default=2 * 1024**3, metadata=rule(ge=MIN_BUCKET_BYTES, le=MAX_BUCKET_BYTES))
-    """Largest transfer bucket; bounds the extra memory one sync needs."""
-    verify: bool = True
-    """Checksum each bucket so a corrupt transfer fails loudly instead of serving bad weights."""
-    apply: str = field(default="atomic", metadata=rule(choices=APPLY_MODES))
-    """When a receiver hands tensors to its rollout: `atomic` once every bucket of the sync has
-    verified (it holds the whole sync meanwhile), `streamed` bucket by bucket (two buckets held;
-    a later bad bucket leaves earlier ones applied and the rollout stale)."""
-    timeout_s: float = field(default=300.0, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
-    """Seconds one sync may take before it is an error."""
-    rollout_dtype: str | None = field(default=None, metadata=rule(choices=ROLLOUT_DTYPES))
-    """Dtype the rollout side expects; None sends the trainer's dtype unchanged."""
-    profile: bool = False
-    """Record a profiler trace of each sync."""
-    profile_dir: str | None = field(default=None, metadata=rule(problem=path_problem))
-    """Folder for profiler traces; required when `profile` is true."""
+    backend: str = field(default=AUTO, metadata=rule(problem=_engine_problem))
+    """`auto` (the engine for the model's device), a registered engine's name, or `pkg.module:Class`."""
+    options: dict[str, Any] = field(default_factory=dict, metadata=rule(extras=True))
+    """The named engine's own keys, written beside the others and checked against its `Options`."""
 
     def _check(self) -> None:
-        if self.profile and self.profile_dir is None:
-            raise ConfigError(
-                "engine.profile_dir", "engine.profile is true but engine.profile_dir is not set"
-            )
+        if found := self.problem():
+            raise ConfigError(join(self._prefix, found[0]), found[1])
+        if self.options:
+            from backends.engines.registry import ENGINES
+
+            engine = None if self.backend == AUTO else ENGINES.get(self.backend, join(self._prefix, "backend"))
+            common = [f.name for f in fields(EngineOptions)]
+            self.options = check_extras(self, self.options, engine and engine.Options, exclude=common)
+
+    def options_for(self, options: type[O]) -> O:
+        """The options of an engine whose `Options` class is `options`: this section's values."""
+        return options(**{f.name: getattr(self, f.name) for f in fields(EngineOptions)}, **self.options)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -365,21 +383,30 @@ def _parse_yaml(name: str, text: str) -> object:
 
 
 def format_family(name: str) -> str | None:
-    """The model family a format belongs to ("Megatron" or "plain-torch"); None for a name
-    that is not a format."""
+    """The model family a format belongs to ("Megatron", "plain-torch" or a plugin's own); None
+    for a name that selects no format here."""
+    from backends.base import format_capabilities
+
     try:
-        return _FAMILIES[Format(name)]
-    except ValueError:
+        return format_capabilities(name).family
+    except ConfigError:
         return None
 
 
-def _same_family(key: str, fmt: Format, other_key: str, other: Format) -> None:
+def _reads_hf(capabilities: FormatCapabilities, family: str) -> bool:
+    return capabilities.native_hf and capabilities.family == family
+
+
+def _same_family(key: str, fmt: str, other_key: str, other: str) -> None:
     """One worker runs one model implementation, so all its formats must suit that implementation."""
-    if _FAMILIES[fmt] != _FAMILIES[other]:
+    from backends.base import format_capabilities
+
+    mine, theirs = format_capabilities(fmt, key).family, format_capabilities(other, other_key).family
+    if mine != theirs:
         raise ConfigError(
             key,
-            f"{key} {fmt.value!r} is a {_FAMILIES[fmt]} format but {other_key} {other.value!r} "
-            f"is a {_FAMILIES[other]} format; a worker's formats must share one model family",
+            f"{key} {fmt!r} is a {mine} format but {other_key} {other!r} "
+            f"is a {theirs} format; a worker's formats must share one model family",
         )
 
 

@@ -4,6 +4,11 @@ type hints, and error messages that stay short and printable whatever value they
 Apart from `lifecycle.config` so that module reads as the list of keys; nothing here knows a key.
 Whatever the input (a YAML file, a dict from another tool, a hostile mapping), the only
 exception that leaves is a `ConfigError` naming the dotted key.
+
+A component outside the lifecycle (an engine's or a format's options dataclass) states its
+bounds as plain field metadata named like `Rule`'s fields (`{"ge": 64, "choices": (...)}`), so
+it need not import this module; a section composes such a dataclass by inheriting it, and a
+component's own extra keys land in the section's `extras` field (see `check_extras`).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import Field, dataclass, fields, is_dataclass
 from enum import Enum
 from functools import cache
@@ -48,9 +53,24 @@ class Rule:
     """A list must hold at least one item."""
     deprecated: bool = False
     """Accepted and translated, but neither listed among the valid keys nor dumped."""
+    path: bool = False
+    """The string names a file or folder: checked by `path_problem`."""
+    extras: bool = False
+    """A `dict` field holding the keys the section does not declare, for the component the
+    section selects to check (`check_extras`); flattened into the section in data and dumps."""
 
 
 NO_RULE = Rule()
+_RULE_KEYS = frozenset(Rule.__dataclass_fields__)
+
+
+def rule_of(f: Field[Any]) -> Rule:
+    """A field's rule: `rule(...)` metadata, or plain metadata keys named like `Rule`'s fields."""
+    given = f.metadata.get("rule")
+    if isinstance(given, Rule):
+        return given
+    plain = {key: value for key, value in f.metadata.items() if key in _RULE_KEYS}
+    return Rule(**plain) if plain else NO_RULE
 
 
 def rule(**kwargs: Any) -> dict[str, Rule]:
@@ -73,8 +93,14 @@ class Section:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data that `from_dict` turns back into an equal config."""
-        return {_key_of(f): _plain(getattr(self, f.name)) for f in fields(self)  # type: ignore[arg-type]
-                if not f.metadata.get("rule", NO_RULE).deprecated}
+        data: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            rule = rule_of(f)
+            if rule.extras:
+                data.update(_plain(getattr(self, f.name)))
+            elif not rule.deprecated:
+                data[_key_of(f)] = _plain(getattr(self, f.name))
+        return data
 
 
 def place_sections(cls: type[Section], prefix: str = "") -> None:
@@ -106,7 +132,7 @@ def path_problem(path: str) -> str | None:
 
 
 def _key_of(f: Field[Any]) -> str:
-    return f.metadata.get("rule", NO_RULE).key or f.name
+    return rule_of(f).key or f.name
 
 
 @cache
@@ -116,11 +142,22 @@ def _hints(cls: type) -> dict[str, Any]:
 
 @cache
 def _keys(cls: type) -> dict[str, str]:
-    return {_key_of(f): f.name for f in fields(cls)}
+    """External key -> attribute of the fields that take a key of their own (not `extras`)."""
+    return {_key_of(f): f.name for f in fields(cls) if not rule_of(f).extras}
+
+
+@cache
+def _extras_field(cls: type) -> str | None:
+    return next((f.name for f in fields(cls) if rule_of(f).extras), None)
+
+
+def valid_keys(cls: type) -> list[str]:
+    """The keys a section lists as valid: its own, less the deprecated ones."""
+    return sorted(key for key, name in _keys(cls).items() if not _deprecated(cls, name))
 
 
 def _deprecated(cls: type, name: str) -> bool:
-    return any(f.name == name and f.metadata.get("rule", NO_RULE).deprecated for f in fields(cls))
+    return any(f.name == name and rule_of(f).deprecated for f in fields(cls))
 
 
 def build(cls: type[Any], data: object) -> Any:
@@ -128,16 +165,40 @@ def build(cls: type[Any], data: object) -> Any:
     path = cls._prefix
     if not isinstance(data, Mapping):
         raise ConfigError(path, f"expected a mapping for section {path or 'config'}, got {describe(data)}")
-    keys = _keys(cls)
+    keys, extras_field = _keys(cls), _extras_field(cls)
     kwargs: dict[str, Any] = {}
+    extras: dict[str, Any] = {}
     for key, value in data.items():
         if not isinstance(key, str):
             raise ConfigError(join(path, key), f"a key must be a string, got {describe(key)}")
-        if key not in keys:
-            listed = sorted(k for k, name in keys.items() if not _deprecated(cls, name))
-            raise ConfigError(join(path, key), f"unknown key; valid keys: {', '.join(listed)}")
-        kwargs[keys[key]] = value
+        if key in keys:
+            kwargs[keys[key]] = value
+        elif extras_field is not None:
+            extras[key] = value
+        else:
+            raise ConfigError(join(path, key), f"unknown key; valid keys: {', '.join(valid_keys(cls))}")
+    if extras:
+        kwargs[extras_field] = extras  # type: ignore[index]
     return cls(**kwargs)
+
+
+def check_extras(section: Section, extras: Mapping[str, Any], options: type | None,
+                 exclude: Collection[str] = ()) -> dict[str, Any]:
+    """`extras` (keys `section` does not declare) coerced and checked as fields of the
+    component's `options` dataclass (None: it takes none); `exclude`: fields of `options` that
+    the section declares itself. A key that is neither is unknown, listed with all valid keys."""
+    own = {} if options is None else {f.name: f for f in fields(options) if f.init and f.name not in exclude}
+    hints = {} if options is None else _hints(options)
+    checked: dict[str, Any] = {}
+    for key, value in extras.items():
+        where = join(section._prefix, key)
+        if key not in own:
+            listed = sorted({*valid_keys(type(section)), *own})
+            raise ConfigError(where, f"unknown key; valid keys: {', '.join(listed)}")
+        checked[key] = _coerce(value, hints[key], where)
+        if checked[key] is not None:
+            _apply_rule(checked[key], rule_of(own[key]), where)
+    return checked
 
 
 def validate(section: Section) -> None:
@@ -147,7 +208,7 @@ def validate(section: Section) -> None:
         key = join(section._prefix, _key_of(f))
         value = _coerce(getattr(section, f.name), hints[f.name], key)
         if value is not None:
-            _apply_rule(value, f.metadata.get("rule", NO_RULE), key)
+            _apply_rule(value, rule_of(f), key)
         setattr(section, f.name, value)
     section._check()
 
@@ -169,6 +230,10 @@ def _coerce(value: object, hint: Any, key: str, where: str = "") -> Any:
     if get_origin(hint) in (Union, types.UnionType):
         inner = [arg for arg in get_args(hint) if arg is not type(None)]
         return None if value is None else _coerce(value, inner[0], key, where)
+    if get_origin(hint) is dict:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(key, f"{where}expected a mapping of keys to values, got {describe(value)}")
+        return dict(value)
     if get_origin(hint) is list:
         if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
             raise ConfigError(key, f"expected a list, got {describe(value)}")
@@ -178,6 +243,8 @@ def _coerce(value: object, hint: Any, key: str, where: str = "") -> Any:
         if isinstance(value, str) and value in choices:
             return hint(value)
         raise ConfigError(key, f"{where}expected one of {', '.join(choices)}, got {describe(value)}")
+    if hint is str and isinstance(value, Enum) and isinstance(value.value, str):
+        value = value.value  # a str Enum's member (`Format.HF`) stands for its name
     if hint in _SCALARS:
         what, accepted = _SCALARS[hint]
         if isinstance(value, bool) and hint is not bool or not isinstance(value, accepted):
@@ -229,6 +296,8 @@ def _apply_rule(value: Any, rule: Rule, key: str) -> None:
 
 def _check_string(value: str, rule: Rule, key: str, where: str) -> None:
     if rule.problem is not None and (problem := rule.problem(value)):
+        raise ConfigError(key, f"{where}{problem}")
+    if rule.path and (problem := path_problem(value)):
         raise ConfigError(key, f"{where}{problem}")
     if (not rule.choices and rule.pattern is None) or value in rule.choices:
         return

@@ -29,8 +29,9 @@ ALLOWED = frozenset({EXTRA_JSON, RNG_FILE})
 _PROGRESS_INTS = ("step", "epoch", "consumed_samples", "weights_version")
 
 
-def save_extra(folder: Path, progress: Progress, dataloader: Any = None) -> None:
-    """Write extra.json and rng.safetensors into `folder` (created when missing)."""
+def save_extra(folder: Path, progress: Progress, dataloader: Any = None) -> dict[str, str]:
+    """Write extra.json and rng.safetensors into `folder` (created when missing); returns the
+    digest rng.safetensors was written with, for the manifest."""
     where = str(folder / EXTRA_JSON)
     try:
         user = encode(progress.user, where=where)
@@ -47,8 +48,9 @@ def save_extra(folder: Path, progress: Progress, dataloader: Any = None) -> None
         tensors["cuda"] = torch.cuda.get_rng_state().cpu()
     doc["rng"]["torch"] = sorted(tensors)
     folder.mkdir(parents=True, exist_ok=True)
-    write_file(folder / RNG_FILE, tensors)
+    digest = write_file(folder / RNG_FILE, tensors)
     (folder / EXTRA_JSON).write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
+    return {RNG_FILE: digest}
 
 
 def _python_rng() -> dict[str, Any]:

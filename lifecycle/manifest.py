@@ -22,8 +22,9 @@ from typing import Any
 from lifecycle.boundary import (
     inside, kind, lstat, os_error, os_errors, read_bytes, real_dir, regular_size, rel_problem,
 )
-from lifecycle.checksum import ALGORITHM, ALGORITHMS, file_digest, known_digest
+from lifecycle.checksum import ALGORITHM, ALGORITHMS, file_digest
 from lifecycle.errors import CheckpointError
+from lifecycle.version import __version__
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
@@ -118,9 +119,22 @@ def _hash_all(
     return out
 
 
-def _digests(folder: Path, rels: list[str], *, fsync: bool) -> dict[str, str]:
-    """Digests a writer remembered are taken as they are; the rest are read and hashed."""
-    out = {rel: d for rel in rels if (d := known_digest(folder / rel)) is not None}
+def _digests(folder: Path, rels: list[str], written: Mapping[str, str], *, fsync: bool) -> dict[str, str]:
+    """The digests the save's writers returned (`written`), taken as they are; the rest of
+    `rels` read and hashed.
+
+    A returned digest is trusted without a look at the file: it comes from this process, from
+    this save's own writer, which hashed the very bytes it handed to the kernel. That is the
+    digest the manifest should state. Were the file changed between its write and this commit
+    (by anyone), a re-hash here would bless the change; the writer's digest instead makes
+    resume refuse it, as it refuses any later damage. Nothing is kept between saves, so no
+    digest can outlive its file (the size and mtime check an earlier process-wide cache
+    needed). A digest for a file the folder does not hold is a broken save, refused.
+    """
+    if missing := sorted(set(written) - set(rels)):
+        raise CheckpointError(f"{folder}: the save returned digests for files it does not hold: "
+                              + ", ".join(missing[:10]))
+    out = dict(written)
     if fsync:
         for rel in out:
             fd = os.open(folder / rel, os.O_RDONLY)
@@ -163,15 +177,13 @@ def scan(folder: Path) -> tuple[list[str], list[str]]:
 
 
 def library_versions() -> dict[str, str]:
-    import lifecycle
-
     out = {"python": sys.version.split()[0]}
     for dist in ("torch", "safetensors"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = "not installed"
-    out["trainer_lifecycle"] = str(getattr(lifecycle, "__version__", "unknown"))
+    out["trainer_lifecycle"] = __version__
     return out
 
 
@@ -185,9 +197,12 @@ def build_manifest(
     model_config_hash: str | None,
     meta: Mapping[str, Any],
     fsync: bool = False,
+    digests: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Describe every file the ranks wrote; with `fsync`, make their data durable first.
 
+    `digests`: relative path -> `ALGORITHM` digest for the files this process's writers hashed
+    while writing them; those are not read again (see `_digests`).
     Without fsync a process crash loses nothing (the kernel holds the written pages); a
     power loss may, and the checksums then refuse the damaged step on resume.
     """
@@ -195,7 +210,7 @@ def build_manifest(
     if odd:
         raise CheckpointError(f"{folder}: cannot commit:\n  " + "\n  ".join(odd[:20]))
     rels = [rel for rel in found if rel != MANIFEST and not rel.startswith(f".{MANIFEST}")]
-    digests = _digests(folder, rels, fsync=fsync)
+    digests = _digests(folder, rels, digests or {}, fsync=fsync)
     for sub in sorted({(folder / rel).parent for rel in rels} | {folder}):
         fsync_dir(sub)
     files = [{"path": rel, "size": (folder / rel).stat().st_size, ALGORITHM: digests[rel]} for rel in rels]

@@ -16,7 +16,7 @@ reaches the same verdict on the same bytes, and a step one role renames aside is
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -24,9 +24,9 @@ from typing import Any
 
 import structlog
 
-from backends.base import backend_class, listed, reduce_int
+from backends.base import backend_class, format_capabilities, listed, reduce_int
 from lifecycle.boundary import inside, os_errors, parse_step, real_dir
-from lifecycle.checksum import ALGORITHM, check_unverified, expecting
+from lifecycle.checksum import ALGORITHM, check_unverified
 from lifecycle.config import LifecycleConfig, format_family
 from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint
 from lifecycle.extra import load_extra
@@ -182,10 +182,10 @@ class Resumer:
     def _one(self, parts: Parts, folder: Path, step: int, model_hash: str | None, *, fallback: bool) -> Progress:
         """Verify and load one step; `DamagedCheckpoint` (with `fallback`) for one to set aside."""
         verify = self.config.checkpoint.load.verify
-        verdict, problems, manifest, later = Verdict.OK, [], None, set[str]()
+        verdict, problems, manifest, later = Verdict.OK, [], None, dict[str, str]()
         try:
             manifest = read_manifest_file(folder)
-            later = self._verified_while_reading(manifest) if verify else set()
+            later = self._checked_while_loading(manifest) if verify else {}
             problems = check_folder(folder, deep=verify, expect_step=step, expect_role=self.role,
                                     verified_later=later, manifest=manifest)
             if fallback and not problems:
@@ -214,16 +214,15 @@ class Resumer:
         raise CheckpointError(f"{what}:\n  {detail}")
 
     def _load_verified(
-        self, parts: Parts, manifest: Any, folder: Path, step: int, later: set[str],
+        self, parts: Parts, manifest: Any, folder: Path, step: int, later: dict[str, str],
     ) -> tuple[Progress, Verdict, list[str]]:
-        """Load, checking the fused files' digests; a failure is damage when a full check of
-        the folder now finds something wrong with its files, else a refusal."""
-        digests = {folder / f["path"]: checksum_of(f)[1] for f in manifest["files"] if f["path"] in later}
+        """Load, handing the model's reader the digests of `later` (see `_checked_while_loading`),
+        then hash those it did not verify; a failure is damage when a full check of the folder
+        now finds something wrong with its files, else a refusal."""
         try:
             with os_errors(f"cannot read step {step}", folder):
-                with expecting(digests) as verified:
-                    progress = self._load(parts, manifest, folder, step)
-                check_unverified(digests, verified)
+                progress, verified = self._load(parts, manifest, folder, step, later)
+                check_unverified(folder, later, verified)
         except Exception as exc:  # a backend or a dataloader raising its own type: still a refusal, typed
             if not isinstance(exc, CheckpointError):
                 exc = CheckpointError(f"{folder}: loading step {step} failed: {type(exc).__name__}: {exc}")
@@ -245,24 +244,33 @@ class Resumer:
                 problems += store.validate(step, role, deep=deep)
         return problems
 
-    def _verified_while_reading(self, manifest: dict[str, Any]) -> set[str]:
-        """Weight files whose backend checks the digest as it reads them: no separate pass.
+    def _checked_while_loading(self, manifest: dict[str, Any]) -> dict[str, str]:
+        """The model's weight files whose checks wait for its load (role-folder path: digest).
 
-        Only files the manifest checksums with the current `ALGORITHM`, the one readers compute;
-        older manifests are hashed apart, before loading.
+        Only when the model's format checks files as it reads them (`verifies_reads`): their
+        digests go to its reader, so their bytes are read once, and whichever it does not
+        return as verified is hashed right after the load. Any other format's files are
+        verified before anything reads them, so a damaged step never overwrites the model.
+        Only `.safetensors` files (reading one unverified runs nothing in it), and only digests
+        of the current `ALGORITHM`, the one readers compute: older manifests are hashed first.
         """
-        later: set[str] = set()
-        family = format_family(_value(self.config.checkpoint.load_format))
-        for entry in manifest["contents"].values():
-            try:  # a format of another family is refused when loading; never imported for this
-                fused = format_family(entry["backend"]) == family and backend_class(entry["backend"]).verifies_reads
-            except ConfigError:
-                fused = False
-            prefix = entry["folder"].rstrip("/") + "/"
-            later.update(f["path"] for f in manifest["files"]
-                         if fused and f["path"].startswith(prefix) and f["path"].endswith(".safetensors")
-                         and checksum_of(f)[0] == ALGORITHM)
-        return later
+        entry = manifest["contents"].get("model")
+        if entry is None or not self._verifies_reads(entry["backend"]):
+            return {}
+        prefix = _prefix(entry)
+        checked = ((f["path"], checksum_of(f)) for f in manifest["files"]
+                   if f["path"].startswith(prefix) and f["path"].endswith(".safetensors"))
+        return {path: digest for path, (algorithm, digest) in checked if algorithm == ALGORITHM}
+
+    def _verifies_reads(self, name: str) -> bool:
+        """Whether format `name` checks digests as it reads; one of another family, or one not
+        installed, is refused when loading (and a built-in's answer needs no import)."""
+        try:
+            capabilities = format_capabilities(name, "checkpoint.load.format")
+        except ConfigError:
+            return False
+        return (capabilities.verifies_reads
+                and capabilities.family == format_family(_value(self.config.checkpoint.load_format)))
 
     def _resolve_path(self, path: Path) -> tuple[Path, int]:
         """resume.path may name the step folder or this role's folder inside it."""
@@ -277,10 +285,13 @@ class Resumer:
         step = parse_step(folder.parent.name)
         return folder, read_manifest_file(folder)["step"] if step is None else step
 
-    def _load(self, parts: Parts, manifest: dict[str, Any], folder: Path, step: int) -> Progress:
-        """Restore each content of `checkpoint.load.contents` with the backend its manifest names."""
+    def _load(
+        self, parts: Parts, manifest: dict[str, Any], folder: Path, step: int, expected: Mapping[str, str],
+    ) -> tuple[Progress, set[str]]:
+        """Restore each content of `checkpoint.load.contents` with the backend its manifest names;
+        returns the progress and the files of `expected` (role-folder paths) the reader verified."""
         entries: dict[str, dict[str, str]] = manifest["contents"]
-        progress = Progress(step=step)
+        progress, verified = Progress(step=step), set[str]()
         for content in (_value(c) for c in self.config.checkpoint.load.contents):
             if content in ("model", "optimizer") and getattr(parts, content) is None:
                 continue
@@ -294,11 +305,27 @@ class Resumer:
             sub = inside(folder, entry["folder"])  # check_folder refused a bad one already; belt and braces
             if content == "extra":
                 progress = self._load_extra(sub, parts, manifest)
+            elif content == "model":
+                verified = self._load_model(entry, sub, parts, expected)
             else:
                 self._load_with_backend(content, entry["backend"], sub, parts)
-        return progress
+        return progress, verified
 
-    def _load_with_backend(self, content: str, name: str, folder: Path, parts: Parts) -> None:
+    def _load_model(
+        self, entry: Mapping[str, str], folder: Path, parts: Parts, expected: Mapping[str, str],
+    ) -> set[str]:
+        """Load the model, its reader given the digests of `expected` under its folder (relative to
+        it); returns the role-folder paths of those the reader says it verified."""
+        prefix = _prefix(entry)
+        mine = {rel.removeprefix(prefix): digest for rel, digest in expected.items() if rel.startswith(prefix)}
+        done = self._load_with_backend("model", entry["backend"], folder, parts, mine)
+        return {prefix + rel for rel in done if rel in mine}
+
+    def _load_with_backend(
+        self, content: str, name: str, folder: Path, parts: Parts, expected: Mapping[str, str] | None = None,
+    ) -> set[str]:
+        """Load one content; for the model, `expected` (paths relative to `folder`) goes to the
+        reader, and what it returns as verified comes back (nothing for the optimizer)."""
         wanted = _value(self.config.checkpoint.load_format)
         if name != wanted:
             structlog.get_logger().warning("checkpoint.resume.format_differs", content=content,
@@ -314,9 +341,9 @@ class Resumer:
             raise CheckpointError(f"{folder.parent / MANIFEST}: {content!r} was saved with format {name!r}, "
                                   f"which cannot be loaded here: {exc}") from exc
         if content == "model":
-            backend.load_model(parts.model, folder)
-        else:
-            backend.load_optimizer(parts.optimizer, parts.lr_scheduler, folder, model=parts.model)
+            return set(backend.load_model(parts.model, folder, expected=expected) or ())
+        backend.load_optimizer(parts.optimizer, parts.lr_scheduler, folder, model=parts.model)
+        return set()
 
     def _load_extra(self, folder: Path, parts: Parts, manifest: dict[str, Any]) -> Progress:
         """Per-rank RNG and dataloader state only fit the world size that saved them."""
@@ -333,6 +360,11 @@ class Resumer:
             action="progress from rank 0; RNG and dataloader state not restored",
         )
         return load_extra(folder / "rank_0", None, restore_rng=False)
+
+
+def _prefix(entry: Mapping[str, str]) -> str:
+    """How the paths of a content's files begin, in its manifest (`model/`)."""
+    return entry["folder"].rstrip("/") + "/"
 
 
 def _hash_refusal(current: str | None, manifest: dict[str, Any], folder: Path) -> str | None:

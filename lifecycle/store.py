@@ -154,12 +154,15 @@ class CheckpointStore:
         folders: Mapping[str, str] | None = None,
         roles: Sequence[str] | None = None,
         fsync: bool = False,
+        digests: Mapping[str, str] | None = None,
     ) -> Path:
         """Publish the staging folder once every rank has written its part.
 
         `contents` maps content -> backend name; `folders` maps content -> folder when it is
         not the content's own name (one folder may serve two contents). `roles` are the roles
-        the step must hold before the tracker may point at it (default: this role). The
+        the step must hold before the tracker may point at it (default: this role). `digests`
+        maps paths relative to the role folder to the digests this rank's writers returned:
+        rank 0's manifest takes them instead of reading those files again. The
         commit is the rename of the staging folder into place: what follows it (the tracker,
         removing a replaced folder) is best effort, logged when it fails, never raised.
         """
@@ -170,7 +173,7 @@ class CheckpointStore:
             if self.rank == 0:
                 with os_errors(f"cannot commit step {step} (role {role})"):
                     self._commit_rank0(step, role, contents, parallel or {}, model_config_hash,
-                                       extra_meta or {}, folders or {}, fsync)
+                                       extra_meta or {}, folders or {}, fsync, digests or {})
                 failed = False
         finally:  # rank 0 reaches this however its commit went, so no peer waits for it
             told = self._agree is not None and self.world_size > 1
@@ -193,6 +196,7 @@ class CheckpointStore:
         meta: Mapping[str, Any],
         folders: Mapping[str, str],
         fsync: bool,
+        digests: Mapping[str, str],
     ) -> None:
         staging = self.step_dir(step) / f".staging-{role}"
         if not real_dir(staging, "the staging folder"):
@@ -200,7 +204,7 @@ class CheckpointStore:
         entries = {name: {"backend": backend, "folder": folders.get(name, name)}
                    for name, backend in contents.items()}
         manifest = build_manifest(staging, step=step, role=role, contents=entries, parallel=parallel,
-                                  model_config_hash=model_config_hash, meta=meta, fsync=fsync)
+                                  model_config_hash=model_config_hash, meta=meta, fsync=fsync, digests=digests)
         write_json_atomic(staging / MANIFEST, manifest)
         final = self.role_dir(step, role)
         old = self.root / f"{REPLACED}{step}-{role}-{uuid.uuid4().hex[:8]}" if lstat(final) is not None else None

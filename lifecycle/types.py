@@ -57,6 +57,22 @@ class SaveInfo:
         }
 
 
+@dataclass(slots=True)
+class Written:
+    """What a save wrote, handed as a value from the writers to the commit."""
+
+    contents: dict[str, str] = field(default_factory=dict)
+    """Content -> the backend that wrote it, in the order written."""
+    folders: dict[str, str] = field(default_factory=dict)
+    """Content -> its folder, where that is not the content's own name."""
+    digests: dict[str, str] = field(default_factory=dict)
+    """Path relative to the role folder -> the digest its writer returned (`checksum.ALGORITHM`)."""
+
+    def __or__(self, other: Written) -> Written:
+        return Written({**self.contents, **other.contents}, {**self.folders, **other.folders},
+                       {**self.digests, **other.digests})
+
+
 @runtime_checkable
 class Checkpointer(Protocol):
     """Does the work of init-load, save and resume; the lifecycle only brackets it."""

@@ -2,16 +2,27 @@
 
 `CheckpointEngineRegistry` names the engines (gloo, nccl, hccl, shm, naive, and any added
 from outside); `WeightSync` is the trainer side a `Lifecycle` drives, `receive_into` the
-rollout side. Engine modules are imported only when their engine is asked for.
+rollout side. Names resolve on first use, so importing `backends.engines.options` or
+`backends.engines.registry` (as the config does) imports neither torch nor an engine.
 """
 
-from backends.engines.base import (
-    CheckpointEngine, Incoming, Rendezvous, SyncStats, Topology, TransportError,
-)
-from backends.engines.registry import DEVICE_BACKENDS, ENTRY_POINT_GROUP, CheckpointEngineRegistry
-from backends.engines.sync import WeightSync, profiled, receive_into
+from __future__ import annotations
 
-__all__ = [
-    "DEVICE_BACKENDS", "ENTRY_POINT_GROUP", "CheckpointEngine", "CheckpointEngineRegistry", "Incoming",
-    "Rendezvous", "SyncStats", "Topology", "TransportError", "WeightSync", "profiled", "receive_into",
-]
+import importlib
+from typing import Any
+
+_WHERE: dict[str, str] = {
+    "CheckpointEngine": "base", "Incoming": "base", "Rendezvous": "base", "SyncStats": "base", "Topology": "base",
+    "TransportError": "base", "EngineCapabilities": "options", "EngineOptions": "options",
+    "DEVICE_BACKENDS": "registry", "ENTRY_POINT_GROUP": "registry", "CheckpointEngineRegistry": "registry",
+    "WeightSync": "sync", "profiled": "sync", "receive_into": "sync",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -19,19 +19,17 @@ import time
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from lifecycle.config import APPLY_MODES, MAX_BUCKET_BYTES, MAX_TIMEOUT_S, MIN_BUCKET_BYTES
-from lifecycle.config import ROLLOUT_DTYPES as DTYPE_NAMES
+from backends.engines.options import (
+    DEFAULT_BUCKET_BYTES, ROLLOUT_DTYPES, EngineCapabilities, EngineOptions, EngineSource,
+)
 from lifecycle.errors import EngineError
 
-if TYPE_CHECKING:
-    from lifecycle.config import EngineConfig
 
-DEFAULT_BUCKET_BYTES = 2 * 1024**3
-ROLLOUT_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
+_TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ROLLOUT_DTYPES}
 
 
 class TransportError(EngineError):
@@ -128,45 +126,50 @@ class Incoming(Iterator[tuple[str, torch.Tensor]]):
 
 
 class CheckpointEngine:
-    """Moves named tensors from one sender to any number of receivers, bucket by bucket."""
+    """Moves named tensors from one sender to any number of receivers, bucket by bucket.
+
+    A subclass sets `capabilities`, and `Options` (a subclass of `EngineOptions`) when it takes
+    keys of its own; `name` is the one it was registered under.
+    """
 
     name: ClassVar[str] = "engine"
-    in_process: ClassVar[bool] = False
-    """True when sender and receivers live in one process (no rendezvous needed)."""
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
+    Options: ClassVar[type[EngineOptions]] = EngineOptions
 
-    def __init__(
-        self,
-        *,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        verify: bool = True,
-        timeout_s: float = 300.0,
-        rollout_dtype: str | torch.dtype | None = None,
-        apply: str = "atomic",
-    ) -> None:
-        if not MIN_BUCKET_BYTES <= bucket_bytes <= MAX_BUCKET_BYTES:
-            span = f"{_binary_size(MIN_BUCKET_BYTES)}..{_binary_size(MAX_BUCKET_BYTES)}"
-            raise EngineError(f"{self.name} engine: bucket_bytes must be in {MIN_BUCKET_BYTES}..{MAX_BUCKET_BYTES} "
-                              f"({span}), got {bucket_bytes}")
-        if not 0 < timeout_s <= MAX_TIMEOUT_S:
-            raise EngineError(f"{self.name} engine: timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {timeout_s}")
-        if apply not in APPLY_MODES:
-            raise EngineError(f"{self.name} engine: apply must be one of {', '.join(APPLY_MODES)}, got {apply!r}")
-        self.bucket_bytes = bucket_bytes
-        self.verify = verify
-        self.apply = apply
-        self.timeout_s = float(timeout_s)
-        self.rollout_dtype = _dtype(rollout_dtype, self.name)
+    def __init__(self, *, options: EngineOptions | None = None, **values: Any) -> None:
+        """`options`, or its fields as keyword values (`rollout_dtype` may be a torch dtype)."""
+        if options is not None and values:
+            raise EngineError(f"{self.name} engine: give options= or keyword values, not both")
+        options = self._options(values) if options is None else options
+        if found := options.problem():
+            raise EngineError(f"{self.name} engine: {found[0]} {found[1]}")
+        self.options = options
+        self.bucket_bytes = options.bucket_bytes
+        self.verify = options.verify
+        self.apply = options.apply
+        self.timeout_s = float(options.timeout_s)
+        self.rollout_dtype = None if options.rollout_dtype is None else _TORCH_DTYPES[options.rollout_dtype]
         self.topology: Topology | None = None
         self.deadline = 0.0
+
+    @classmethod
+    def _options(cls, values: dict[str, Any]) -> EngineOptions:
+        dtype = values.get("rollout_dtype")
+        if isinstance(dtype, torch.dtype):
+            values = {**values, "rollout_dtype": next((n for n, d in _TORCH_DTYPES.items() if d == dtype), str(dtype))}
+        try:
+            return cls.Options(**values)
+        except TypeError as exc:
+            raise EngineError(f"{cls.name} engine: {exc}") from None
 
     @classmethod
     def check_available(cls) -> None:
         """Raise `ConfigError` naming the missing package when this engine cannot run here."""
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs: Any) -> CheckpointEngine:
-        return cls(bucket_bytes=config.bucket_bytes, verify=config.verify, timeout_s=config.timeout_s,
-                   rollout_dtype=config.rollout_dtype, apply=config.apply, **kwargs)
+    def from_config(cls, config: EngineSource, **kwargs: Any) -> CheckpointEngine:
+        """The engine with the options `config` holds for it (its own keys included)."""
+        return cls(options=config.options_for(cls.Options), **kwargs)
 
     def prepare(self) -> dict[str, Any]:
         """Allocate what the engine holds across a sync; returns metadata for logs."""
@@ -174,9 +177,9 @@ class CheckpointEngine:
 
     def build_topology(self, rendezvous: Rendezvous | None, rank: int) -> Topology:
         world_size = 1 if rendezvous is None else rendezvous.receivers + 1
-        if rendezvous is None and not self.in_process:
+        if rendezvous is None and not self.capabilities.in_process:
             raise EngineError(f"{self.name} engine: needs a Rendezvous(host, port, receivers) to meet its peers")
-        if not 0 <= rank < world_size and not self.in_process:
+        if not 0 <= rank < world_size and not self.capabilities.in_process:
             raise EngineError(f"{self.name} engine: rank {rank} is outside 0..{world_size - 1} "
                               f"(rank 0 sends, 1..{world_size - 1} receive)")
         self.topology = Topology(rank, world_size, rendezvous)
@@ -242,24 +245,7 @@ def missing(expected: Collection[str] | None, names: Iterable[str]) -> str | Non
     return f"it leaves out {len(absent)} of the {len(expected)} weight(s) this rollout expects: {listed}"
 
 
-def _binary_size(n: int) -> str:
-    """`n` bytes in the largest binary unit that divides it exactly: 64 B, 4 KiB, 1 TiB."""
-    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
-        if n >= 1 << shift and not n % (1 << shift):
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
-
-def _dtype(value: str | torch.dtype | None, engine: str) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    try:
-        return ROLLOUT_DTYPES[value]
-    except KeyError:
-        raise EngineError(f"{engine} engine: rollout_dtype {value!r} is not one of "
-                          f"{', '.join(ROLLOUT_DTYPES)}") from None
-
-
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "CheckpointEngine", "Incoming", "Rendezvous", "SyncStats", "Topology", "TransportError",
+    "DEFAULT_BUCKET_BYTES", "CheckpointEngine", "EngineCapabilities", "EngineOptions", "Incoming", "Rendezvous",
+    "SyncStats", "Topology", "TransportError",
 ]

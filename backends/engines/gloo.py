@@ -9,12 +9,15 @@ from typing import Any
 
 from backends.engines.base import Topology
 from backends.engines.collective import GroupEngine
+from backends.engines.options import EngineCapabilities
 from backends.engines.registry import CheckpointEngineRegistry
 
 
 @CheckpointEngineRegistry.register("gloo")
 class GlooEngine(GroupEngine):
     """CPU tensors over gloo; the sender's buckets go to every receiver in one broadcast each."""
+
+    capabilities = EngineCapabilities(devices=frozenset({"cpu"}))
 
     def _make_group(self, store: Any, topology: Topology, timeout: timedelta) -> Any:
         import torch.distributed as dist

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from backends.engines.collective import DeviceGroupEngine
+from backends.engines.options import EngineCapabilities
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import ConfigError
 
@@ -19,6 +20,8 @@ from lifecycle.errors import ConfigError
 @CheckpointEngineRegistry.register("hccl")
 class HcclEngine(DeviceGroupEngine):
     """One NPU per rank; the current NPU by default."""
+
+    capabilities = EngineCapabilities(devices=frozenset({"npu"}))
 
     @classmethod
     def check_available(cls) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, missing
+from backends.engines.options import EngineCapabilities
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import EngineError
 
@@ -23,7 +24,7 @@ from lifecycle.errors import EngineError
 class NaiveEngine(CheckpointEngine):
     """Hands tensors over by reference within one process."""
 
-    in_process = True
+    capabilities = EngineCapabilities(in_process=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

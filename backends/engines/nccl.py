@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from backends.engines.collective import DeviceGroupEngine
+from backends.engines.options import EngineCapabilities
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import ConfigError
 
@@ -14,6 +15,8 @@ from lifecycle.errors import ConfigError
 @CheckpointEngineRegistry.register("nccl")
 class NcclEngine(DeviceGroupEngine):
     """One GPU per rank (NCCL refuses two ranks on one device); the current device by default."""
+
+    capabilities = EngineCapabilities(devices=frozenset({"cuda"}))
 
     @classmethod
     def check_available(cls) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lifecycle.config import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES
+from backends.engines.options import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES
 from lifecycle.errors import EngineError
 
 ALIGN = 64

@@ -37,18 +37,20 @@ import torch
 from backends.engines.base import Topology
 from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout
 from backends.engines.control import PARSE_ERRORS, clip
+from backends.engines.options import MIN_BUCKET_BYTES, EngineCapabilities
 from backends.engines.pipeline import BucketEngine
 from backends.engines.plan import ALIGN, Plan, PlanRefused, align
 from backends.engines.receiver import receive_sizes
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.boundary import PATH_MAX
-from lifecycle.config import MIN_BUCKET_BYTES
 from lifecycle.errors import EngineError
 
 
 @CheckpointEngineRegistry.register("shm")
 class ShmEngine(BucketEngine):
     """Sender and receivers on one host; `shm_dir` defaults to /dev/shm."""
+
+    capabilities = EngineCapabilities(devices=frozenset({"cpu"}))
 
     def __init__(self, *, shm_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)

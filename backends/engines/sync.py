@@ -17,17 +17,16 @@ import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from backends.engines.base import CheckpointEngine, Rendezvous, SyncStats
+from backends.engines.options import EngineSource
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import EngineError
 from lifecycle.types import RolloutTarget, updating
 
-if TYPE_CHECKING:
-    from lifecycle.config import EngineConfig
 
 
 class WeightSync:
@@ -38,7 +37,7 @@ class WeightSync:
         self.profile_dir = profile_dir
 
     @classmethod
-    def from_config(cls, config: EngineConfig, model: Any = None) -> WeightSync:
+    def from_config(cls, config: EngineSource, model: Any = None) -> WeightSync:
         """The engine `config.backend` names; `auto` picks by the device `model`'s weights are on."""
         name = CheckpointEngineRegistry.resolve(config.backend, device_type(model))
         engine = CheckpointEngineRegistry.get(name).from_config(config)
@@ -47,7 +46,7 @@ class WeightSync:
     def sync(self, named_tensors: Iterable[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
         start = time.perf_counter()
         with profiled(self.profile_dir, f"weight_sync_{self.engine.name}_v{version}_send"):
-            if self.engine.in_process:
+            if self.engine.capabilities.in_process:
                 stats = self._sync_local(named_tensors, target, version)
             else:
                 stats = self._sync_remote(named_tensors, target, version)
@@ -104,7 +103,7 @@ def receive_into(
                           "sync that leaves weights out; call receive_into without expected=")
     with updating(rollout) as landed:
         with profiled(profile_dir, f"weight_sync_{engine.name}_receive_rank{rank}"):
-            if engine.in_process:
+            if engine.capabilities.in_process:
                 received = _load(engine, rollout, version, expected)
             else:
                 with engine.session(rendezvous, rank):

@@ -20,6 +20,7 @@ import backends.safetensors_io as sio
 from backends.base import backend_class
 from backends.hf import HFBackend, plan_shards
 from backends.safetensors_io import write_file
+from lifecycle.checksum import file_digest
 from lifecycle.errors import CheckpointError
 from tests.edits import edit_json, swap_strings
 from tests.guards import within
@@ -68,7 +69,7 @@ def qwen2(tied: bool = False) -> Any:
 def test_registry_resolves_hf_backend() -> None:
     cls = backend_class("hf")
     assert cls is HFBackend
-    assert (cls.name, cls.parallel_invariant, cls.supports_async) == ("hf", False, True)
+    assert (cls.name, cls.capabilities.parallel_invariant, cls.capabilities.supports_async) == ("hf", False, True)
 
 
 def test_small_model_is_one_file_without_index(tmp_path: Path) -> None:
@@ -98,6 +99,28 @@ def test_large_model_is_sharded_with_hf_index(tmp_path: Path) -> None:
     fresh = mlp(32)
     HFBackend().load_model(fresh, tmp_path)
     assert same_state(model, fresh)
+
+
+def test_save_returns_the_digest_of_every_weight_file_it_wrote(tmp_path: Path) -> None:
+    model = mlp(32)
+    digests = HFBackend(max_shard_bytes=4200).save_model(model, tmp_path)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert sorted(digests) == shards and len(shards) == 2
+    assert all(digests[name] == file_digest(tmp_path / name) for name in shards)
+    optim = HFBackend().save_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), None, tmp_path / "optim")
+    assert optim == {"optimizer.safetensors": file_digest(tmp_path / "optim" / "optimizer.safetensors")}
+
+
+def test_load_checks_the_files_it_is_given_digests_for_and_returns_them(tmp_path: Path) -> None:
+    model = mlp(32)
+    digests = HFBackend(max_shard_bytes=4200).save_model(model, tmp_path)
+    first, second = sorted(digests)
+    fresh = mlp(32)
+    assert HFBackend().load_model(fresh, tmp_path, expected={first: digests[first]}) == {first}
+    assert same_state(model, fresh)
+    assert HFBackend().load_model(fresh, tmp_path) == set()
+    with pytest.raises(CheckpointError, match=f"{second}: checksum [0-9a-f]+ != manifest 0+"):
+        HFBackend().load_model(fresh, tmp_path, expected={**digests, second: "0" * 16})
 
 
 def test_resaving_smaller_removes_stale_shards(tmp_path: Path) -> None:
@@ -218,8 +241,8 @@ def test_index_pointing_outside_the_folder_is_refused(tmp_path: Path) -> None:
 def test_only_rank0_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hf, "current_rank", lambda: 1)
     model = mlp()
-    HFBackend().save_model(model, tmp_path / "model")
-    HFBackend().save_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), None, tmp_path / "optim")
+    assert HFBackend().save_model(model, tmp_path / "model") == {}
+    assert HFBackend().save_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), None, tmp_path / "optim") == {}
     assert list(tmp_path.iterdir()) == []
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import backends.safetensors_io as sio
 from backends.safetensors_io import read_file, read_header, write_file
-from lifecycle.checksum import PIECE_BYTES, expecting, file_digest, known_digest
+from lifecycle.checksum import PIECE_BYTES, file_digest
 from lifecycle.errors import CheckpointError
 from tests.edits import write_raw
 from tests.guards import within
@@ -77,14 +77,16 @@ def test_a_flipped_byte_fails_the_digest_while_reading(tmp_path: Path) -> None:
         read_file(path, expect=digest)
 
 
-def test_a_published_digest_is_checked_and_the_file_reported_verified(tmp_path: Path) -> None:
+def test_only_a_digest_given_to_the_reader_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "d.safetensors"
     digest = write_file(path, tensors())
-    with expecting({path: digest}) as verified:
-        read_file(path)
-    assert str(path.resolve()) in verified
-    with expecting({path: "0" * 16}), pytest.raises(CheckpointError, match="checksum"):
-        read_file(path)
+    read_file(path, expect=digest)
+    with pytest.raises(CheckpointError, match="checksum"):
+        read_file(path, expect="0" * 16)
+    hashed: list[int] = []
+    monkeypatch.setattr(sio, "piece_digest", lambda buffers: hashed.append(1) or 0)
+    read_file(path)
+    assert hashed == []
 
 
 def test_a_shape_or_dtype_that_differs_is_refused_before_reading(tmp_path: Path) -> None:
@@ -103,16 +105,6 @@ def test_a_truncated_file_is_a_checkpoint_error_naming_it(tmp_path: Path, keep: 
     path.write_bytes(path.read_bytes()[:keep])
     with pytest.raises(CheckpointError, match="f.safetensors.*(truncated|corrupt)"):
         read_file(path)
-
-
-def test_a_remembered_digest_is_forgotten_when_the_file_changes(tmp_path: Path) -> None:
-    path = tmp_path / "g.safetensors"
-    digest = write_file(path, tensors())
-    assert known_digest(path) == digest
-    assert known_digest(path) is None
-    write_file(path, tensors())
-    path.write_bytes(path.read_bytes() + b"x")
-    assert known_digest(path) is None
 
 
 def test_the_digest_of_a_file_of_several_pieces_is_the_tree_of_its_pieces(tmp_path: Path) -> None:

@@ -47,15 +47,17 @@ VALID: dict[str, list[Any]] = {
     "mode": ["auto", "disable", "path"], "on_damaged": ["fallback", "refuse"],
     "backend": ["auto", "gloo", "shm", "pkg.mod:Engine"], "bucket_bytes": [64, 4096, 2**31, 2**40],
     "apply": ["atomic", "streamed"], "timeout_s": [0.001, 12, 300.0, 604800.0],
-    "rollout_dtype": [None, "float32", "bfloat16"],
+    "rollout_dtype": [None, "float32", "bfloat16"], "max_shard_bytes": [1, 4096, 5 * 1024**3],
 }
 """Values each key takes, so that many examples build and the round trip is exercised."""
 
 
 def _template() -> dict[str, Any]:
-    """Every real key, nested as in the config, including the deprecated ones `to_dict` drops."""
+    """Every real key, nested as in the config, including the deprecated ones `to_dict` drops
+    and the default format's own option, which it dumps only when set."""
     tree = LifecycleConfig().to_dict()
     tree["checkpoint"].update(use_dist_checkpointing=None, use_mbridge=None)
+    tree["checkpoint"]["save"].update(max_shard_bytes=None)
     return tree
 
 

@@ -9,11 +9,13 @@ from importlib.metadata import EntryPoint
 import pytest
 import torch
 
-import backends.engines.registry as registry_module
+import backends.registry as registry_module
 from backends.engines import CheckpointEngine, CheckpointEngineRegistry, WeightSync
+from backends.engines.options import EngineCapabilities
+from backends.engines.registry import DEVICE_BACKENDS, ENGINES, ENTRY_POINT_GROUP
 from backends.engines.naive import NaiveEngine
 from lifecycle import Lifecycle
-from lifecycle.errors import ConfigError
+from lifecycle.errors import ConfigError, EngineError
 from tests.backends.engines.custom_engine import OutsideEngine
 
 BUILTIN = ["gloo", "hccl", "naive", "nccl", "shm"]
@@ -71,7 +73,7 @@ def test_an_import_path_names_an_engine_from_outside_the_package() -> None:
 @pytest.mark.parametrize(("path", "message"), [
     ("no_such_pkg.engines:Fast", "needs the package 'no_such_pkg'"),
     ("tests.backends.engines.custom_engine:Missing", "has no 'Missing'"),
-    ("tests.backends.engines.custom_engine:NOT_AN_ENGINE", "not a subclass of backends.engines.CheckpointEngine"),
+    ("tests.backends.engines.custom_engine:NOT_AN_ENGINE", "not a subclass of backends.engines.base.CheckpointEngine"),
 ])
 def test_a_bad_import_path_says_what_is_wrong(path: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -79,7 +81,7 @@ def test_a_bad_import_path_says_what_is_wrong(path: str, message: str) -> None:
 
 
 def test_register_adds_a_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(CheckpointEngineRegistry, "_registered", dict(CheckpointEngineRegistry._registered))
+    monkeypatch.setattr(ENGINES, "_registered", dict(ENGINES._registered))
 
     @CheckpointEngineRegistry.register("pigeon")
     class Pigeon(NaiveEngine):
@@ -90,18 +92,18 @@ def test_register_adds_a_name(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_an_entry_point_adds_a_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    point = EntryPoint("outside", "tests.backends.engines.custom_engine:OutsideEngine",
-                       registry_module.ENTRY_POINT_GROUP)
+    point = EntryPoint("outside", "tests.backends.engines.custom_engine:OutsideEngine", ENTRY_POINT_GROUP)
     scans: list[str] = []
+    monkeypatch.setattr(OutsideEngine, "name", OutsideEngine.name)
 
     def entry_points(group: str) -> list[EntryPoint]:
         scans.append(group)
-        return [point] if group == registry_module.ENTRY_POINT_GROUP else []
+        return [point] if group == ENTRY_POINT_GROUP else []
 
     monkeypatch.setattr(registry_module, "entry_points", entry_points)
     assert "outside" in CheckpointEngineRegistry.names()
     scans.clear()
-    assert CheckpointEngineRegistry.get("outside") is OutsideEngine
+    assert CheckpointEngineRegistry.get("outside") is OutsideEngine and OutsideEngine.name == "outside"
     assert len(scans) == 1
     with pytest.raises(ConfigError, match="unknown checkpoint engine 'smoke_signal'; known: .*outside"):
         CheckpointEngineRegistry.get("smoke_signal")
@@ -120,3 +122,39 @@ def test_lifecycle_with_an_engine_that_cannot_run_here_fails_naming_the_package(
     lc = Lifecycle({"engine": {"backend": "hccl"}}, model=torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="torch_npu"):
         lc.engine
+
+
+def test_a_registered_engine_is_selected_by_name_in_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ENGINES, "_registered", dict(ENGINES._registered))
+
+    @CheckpointEngineRegistry.register("courier")
+    class Courier(NaiveEngine):
+        pass
+
+    lc = Lifecycle({"engine": {"backend": "courier", "bucket_bytes": 4096}}, model=torch.nn.Linear(2, 2))
+    assert isinstance(lc.engine.engine, Courier) and lc.engine.engine.bucket_bytes == 4096
+
+
+def test_a_builtin_name_cannot_be_taken_by_another_class() -> None:
+    with pytest.raises(ConfigError, match="'gloo': the name belongs to the built-in backends.engines.gloo:GlooEngine"):
+        CheckpointEngineRegistry.register("gloo")(OutsideEngine)
+
+
+def test_each_auto_pick_serves_the_device_it_is_picked_for() -> None:
+    for device, name in DEVICE_BACKENDS.items():
+        capabilities = ENGINES.get(name).capabilities
+        assert capabilities.devices is not None and device in capabilities.devices
+
+
+def test_the_naive_engine_declares_it_runs_in_one_process() -> None:
+    assert NaiveEngine.capabilities == EngineCapabilities(in_process=True)
+    assert not ENGINES.get("gloo").capabilities.in_process
+
+
+def test_engine_options_are_checked_when_an_engine_is_built() -> None:
+    with pytest.raises(EngineError, match=r"^gloo engine: bucket_bytes must be in 64\.\.1099511627776 \(64 B\.\.1 TiB"):
+        CheckpointEngineRegistry.new("gloo", bucket_bytes=8)
+    with pytest.raises(EngineError, match="naive engine: .*unexpected keyword argument 'flavour'"):
+        CheckpointEngineRegistry.new("naive", flavour=1)
+    engine = CheckpointEngineRegistry.new("naive", rollout_dtype=torch.float16)
+    assert (engine.rollout_dtype, engine.options.rollout_dtype) == (torch.float16, "float16")
