@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from record import Figure, add_write_docs, write_docs
 from save_load import Blob, tensor_sizes
 
 from lifecycle import Lifecycle, SaveInfo
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=5.0, help="compute per training step between saves")
     parser.add_argument("--format", default="hf", choices=["hf", "torch_dcp"])
     parser.add_argument("--dir", type=Path, help="work folder (default: a temp folder, removed after)")
+    add_write_docs(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
     configure(json=True, file=open(os.devnull, "w"))
@@ -87,6 +89,11 @@ def main() -> None:
     print(f"async save (copy to host):         {async_s:.3f} s per save (median of {args.saves}); "
           f"first save, allocating host buffers: {asyn[0]:.3f} s")
     print(f"async stall / sync save time:      {async_s / sync_s:.1%} (target <= 10%)")
+    write_docs(args, "async_save.py", [Figure(
+        f"training stall per save, {4 * sum(sizes) / 2**30:.2f} GiB of state, `save.async` against a synchronous "
+        f"save ({args.format})", f"{async_s * 1e3:.0f} ms" if async_s < 1 else f"{async_s:.2f} s", f"{sync_s:.2f} s", f"{async_s / sync_s:.1%}", "<= 10%")],
+        f"Median of {args.saves} saves of each mode after a warm-up save; the first async save, which allocates "
+        f"the host buffers, stalled {asyn[0]:.2f} s.")
 
 
 if __name__ == "__main__":

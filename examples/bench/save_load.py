@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from record import Figure, add_write_docs, write_docs
 
 from lifecycle import Lifecycle
 
@@ -111,6 +112,10 @@ def bench_format(fmt: str, sizes: list[int], work: Path, repeats: int, verify: b
     return out
 
 
+RAW = {("hf", "save"): "`safetensors.torch.save_file`", ("hf", "load"): "`load_file` + `load_state_dict`",
+       ("torch_dcp", "save"): "`dcp.save`", ("torch_dcp", "load"): "`dcp.load`"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=1.0)
@@ -120,12 +125,14 @@ def main() -> None:
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                         help="checkpoint.load.verify: check every checksum on resume")
     parser.add_argument("--dir", type=Path, help="work folder (default: a temp folder, removed after)")
+    add_write_docs(parser)
     args = parser.parse_args()
     sizes = tensor_sizes(int(args.gib * 1024**3), args.tensors)
     nbytes = 4 * sum(sizes)
     work = args.dir or Path(tempfile.mkdtemp(prefix="bench-save-load-"))
     print(f"{len(sizes)} float32 tensors, {nbytes / 1e9:.3f} GB, best of {args.repeats}, "
           f"resume checksums {'verified' if args.verify else 'not verified'}, in {work}")
+    figures = []
     try:
         for fmt in args.formats:
             r = bench_format(fmt, sizes, work, args.repeats, args.verify)
@@ -134,9 +141,14 @@ def main() -> None:
                 lc_gbps, raw_gbps = nbytes / r[f"lc_{op}"] / 1e9, nbytes / r[f"raw_{op}"] / 1e9
                 print(f"{fmt:>9} {op}: lifecycle {lc_gbps:6.2f} GB/s  raw {raw_name} {raw_gbps:6.2f} GB/s  "
                       f"ratio {lc_gbps / raw_gbps:5.2f}x (target >= 0.9x)")
+                figures.append(Figure(f"`{fmt}` {'save' if op == 'save' else 'resume'} against {RAW[fmt, op]}",
+                                      f"{lc_gbps:.2f} GB/s", f"{raw_gbps:.2f} GB/s", f"{lc_gbps / raw_gbps:.2f}x",
+                                      ">= 0.9x"))
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
+    write_docs(args, "save_load.py", figures, f"{nbytes / 1e9:.3f} GB in {len(sizes)} float32 tensors, best of "
+               f"{args.repeats}; resume checksums {'verified' if args.verify else 'not verified'}.")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from record import Figure, add_write_docs, write_docs
 
 from backends.base import free_port
 from backends.engines import CheckpointEngine, CheckpointEngineRegistry, Rendezvous, receive_into
@@ -177,6 +178,18 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
               ("shm / memcpy", gbps["shm"] / gbps["memcpy"], 0.7))
     for label, ratio, target in checks:
         print(f"  {label:32s} {ratio:6.2f}x   target >= {target:g}x: {'met' if ratio >= target else 'NOT met'}")
+    baselines = {"gloo / (a) flat broadcast": ("gloo", "flat", "one broadcast of one flat tensor"),
+                 "gloo / (b) per-tensor broadcast": ("gloo", "per_tensor", "one broadcast per tensor"),
+                 "shm / memcpy": ("shm", "memcpy", f"one memcpy of {args.total / 2**30:.3g} GiB")}
+    figures = []
+    for label, ratio, target in checks:
+        engine, base, against = baselines[label]
+        figures.append(Figure(f"`{engine}` engine against {against}", f"{gbps[engine]:.2f} GB/s",
+                              f"{gbps[base]:.2f} GB/s", f"{ratio:.2f}x", f">= {target:g}x"))
+    write_docs(args, "weight_sync.py", figures,
+               f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors, {args.bucket / 2**20:g} MiB buckets, "
+               f"checksums {'on' if args.verify else 'off'}, apply {args.apply}, one sender and one receiver "
+               f"process, median of {args.repeat} syncs after an untimed first round.")
 
 
 def main() -> None:
@@ -190,6 +203,7 @@ def main() -> None:
     parser.add_argument("--apply", choices=APPLY_MODES, default="atomic",
                         help="engine.apply of the receiver: atomic holds the whole sync, streamed two buckets")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
+    add_write_docs(parser)
     args = parser.parse_args()
     args.total = int(args.gib * 2**30) // 4 * 4
     args.bucket = int(args.bucket_mib * 2**20)

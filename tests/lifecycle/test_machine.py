@@ -195,18 +195,31 @@ def test_mermaid_diagram_has_exactly_the_table_edges() -> None:
     assert _mermaid_edges(mermaid()) == _expected_edges()
 
 
-def _markdown_table(text: str) -> dict[str, tuple[set[State], State | None, State]]:
+Documented = tuple[set[State], State, State, State | None]
+
+
+def _markdown_table(text: str) -> dict[str, Documented]:
+    """Rows `| `trigger` ... | FROM, ... | TO (...) | DONE, or FAILED |`; `final` for a row with no phase."""
     rows = {}
-    for m in re.finditer(r"^\| `(\w+)`[^|]*\| ([A-Z, ]+) \| ([A-Z]+)", text, re.M):
+    row = r"^\| `(\w+)`[^|]*\| ([A-Z, ]+) \| ([A-Z]+)[^|]*\| ([A-Za-z, ]+?) \|$"
+    for m in re.finditer(row, text, re.MULTILINE):
         sources = {State[name.strip()] for name in m.group(2).split(",")}
-        rows[m.group(1)] = (sources, State[m.group(3)])
+        to = State[m.group(3)]
+        then = m.group(4)
+        if then == "final":
+            done, failed = to, None
+        else:
+            done_name, failed_name = then.split(", or ")
+            done, failed = State[done_name], State[failed_name]
+        rows[m.group(1)] = (sources, to, done, failed)
     return rows
 
 
 @pytest.mark.parametrize("doc", ["README.md"])  # the repository's own docs: a clone alone passes its tests
 def test_documented_table_agrees_with_the_code(doc: str) -> None:
+    """Every column of the README's machine table: trigger, sources, working state and outcome."""
     path = (REPO / doc).resolve()
     if not path.exists():
         pytest.fail(f"{path} is missing: the documented table cannot be checked")
     documented = _markdown_table(path.read_text())
-    assert documented == {t: (row[0], row[1] or row[2]) for t, row in CONTRACT.items()}
+    assert documented == {t: (row[0], row[1] or row[2], row[2], row[3]) for t, row in CONTRACT.items()}
