@@ -46,7 +46,8 @@ class FormatCapabilities:
     native_hf: bool = False
     """`save_model` already writes HF safetensors: `model` and `hf_model` are written once."""
     verifies_reads: bool = False
-    """`load_model` checks files against the digests it is given as it reads them."""
+    """`load_model` and `load_optimizer` check files against the digests they are given as they
+    read them."""
     reads_pickles: bool = False
     """Its reads unpickle metadata (DCP's .metadata, Megatron's byte entries), through an
     allow-list: a folder that no committed manifest vouches for is loaded with a warning."""
@@ -115,7 +116,12 @@ class FormatBackend:
         """As `save_model`; `model` is given for formats that place optimizer state by the model's sharding."""
         raise NotImplementedError
 
-    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
+    def load_optimizer(
+        self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None,
+        expected: Mapping[str, str] | None = None,
+    ) -> set[str]:
+        """Read the optimizer and scheduler state; returns, as `load_model`, the relative paths it
+        checked against `expected` while reading."""
         raise NotImplementedError
 
     def export_hf(self, model: Any, folder: Path) -> dict[str, str]:

@@ -159,7 +159,11 @@ class DistCkptBackend(FormatBackend):
                                    "param_groups": groups}, "lr_scheduler": sched}, folder)
         return {}
 
-    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
+    def load_optimizer(
+        self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None,
+        expected: Mapping[str, str] | None = None,
+    ) -> set[str]:
+        """Megatron's loader reads the files unhashed: none is returned as verified against `expected`."""
         path = folder / OPTIM_JSON
         doc = decode(read_optimizer_json(path), where=str(path))
         if lr_scheduler is not None and doc.get("lr_scheduler") is None:
@@ -175,6 +179,7 @@ class DistCkptBackend(FormatBackend):
                 lr_scheduler.load_state_dict(doc["lr_scheduler"])
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{path}: does not fit the optimizer or scheduler: {exc!r}") from exc
+        return set()
 
     def export_hf(self, model: Any, folder: Path) -> dict[str, str]:
         return write_hf_export(model, folder)

@@ -220,10 +220,16 @@ class HFBackend(FormatBackend):
         (folder / OPTIM_JSON).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         return {OPTIM_TENSORS: digest}
 
-    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
+    def load_optimizer(
+        self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None,
+        expected: Mapping[str, str] | None = None,
+    ) -> set[str]:
+        """The tensors are checked against their digest in `expected` as they are read, before
+        anything is loaded: a damaged file leaves the optimizer as it was."""
         path = folder / OPTIM_JSON
         doc = read_optimizer_json(path)
-        state = decode(doc, where=str(path), tensors=read_file(folder / OPTIM_TENSORS))
+        want = (expected or {}).get(OPTIM_TENSORS)
+        state = decode(doc, where=str(path), tensors=read_file(folder / OPTIM_TENSORS, expect=want))
         sched_state = state.get("lr_scheduler")
         if lr_scheduler is not None and sched_state is None:
             raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
@@ -234,6 +240,7 @@ class HFBackend(FormatBackend):
                 lr_scheduler.load_state_dict(sched_state)
         except (ValueError, KeyError, TypeError, RuntimeError, AttributeError, OverflowError) as exc:
             raise CheckpointError(f"{path}: does not fit the optimizer or scheduler: {exc!r}") from exc
+        return set() if want is None else {OPTIM_TENSORS}
 
 
 def _placement_problem(name: str, path: Path, mapped: Mapping[str, Path]) -> str | None:

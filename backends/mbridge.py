@@ -105,5 +105,8 @@ class MBridgeBackend(FormatBackend):
     ) -> dict[str, str]:
         return DistCkptBackend().save_optimizer(optimizer, lr_scheduler, folder, model=model)
 
-    def load_optimizer(self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None) -> None:
-        DistCkptBackend().load_optimizer(optimizer, lr_scheduler, folder, model=model)
+    def load_optimizer(
+        self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None,
+        expected: Mapping[str, str] | None = None,
+    ) -> set[str]:
+        return DistCkptBackend().load_optimizer(optimizer, lr_scheduler, folder, model=model, expected=expected)

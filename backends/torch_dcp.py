@@ -226,11 +226,13 @@ class TorchDCPBackend(FormatBackend):
         return {}
 
     def load_optimizer(
-        self, optimizer: torch.optim.Optimizer, lr_scheduler: Any, folder: Path, *, model: Any = None
-    ) -> None:
+        self, optimizer: torch.optim.Optimizer, lr_scheduler: Any, folder: Path, *, model: Any = None,
+        expected: Mapping[str, str] | None = None,
+    ) -> set[str]:
         """The running optimizer's own state (created by a zero step if empty) is the template
         DCP fills, so each rank reads exactly its own shards. The saved groups and names are
-        checked against it before DCP reads a byte, so a refusal leaves the state as it was."""
+        checked against it before DCP reads a byte, so a refusal leaves the state as it was.
+        DCP reads the files unhashed: none is returned as verified against `expected`."""
         path = folder / OPTIM_JSON
         doc = _read_doc(path)
         if lr_scheduler is not None and doc.get("lr_scheduler") is None:
@@ -251,6 +253,7 @@ class TorchDCPBackend(FormatBackend):
                 lr_scheduler.load_state_dict(state["lr_scheduler"])
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise CheckpointError(f"{path}: does not fit the optimizer or scheduler: {exc!r}") from exc
+        return set()
 
     def export_hf(self, model: nn.Module, folder: Path) -> dict[str, str]:
         """Every rank joins the gather; rank 0, the only one holding the full tensors, writes

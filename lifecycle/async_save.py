@@ -7,6 +7,10 @@ copy. At most one save is in flight: the next save, resume and close wait for it
 first, so two commits never interleave and the host buffers can be reused, which spares
 the page faults of fresh memory on every save after the first.
 
+`AsyncSaver` owns the host copy (`HostCopier`) and the background thread (`BackgroundSaver`)
+and drives the same `lifecycle.saver.Saver` as a synchronous save: one write, agree and commit
+path for both.
+
 The copy keeps what the backends look at: the same state-dict names, tied weights still
 one tensor, a module tree for `torch.distributed.checkpoint`, and an optimizer of the
 worker's own class whose parameters are the copied ones.
@@ -20,14 +24,18 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import structlog
 import torch
 from torch import nn
 
+from lifecycle.contents import CONTENTS
 from lifecycle.errors import CheckpointError
-from lifecycle.types import Parts, SaveInfo
+from lifecycle.saver import SaveJob, Saver, agree_fn
+from lifecycle.store import CheckpointStore
+from lifecycle.types import Parts, Progress, SaveInfo
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 
@@ -225,7 +233,6 @@ class BackgroundSaver:
 
     def __init__(self, role: str) -> None:
         self.role = role
-        self.copier = HostCopier()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: tuple[int, Future[SaveInfo]] | None = None
 
@@ -275,3 +282,73 @@ class BackgroundSaver:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+class AsyncSaver:
+    """The async path of a `Saver`: what cannot wait is staged now, the rest in the background.
+
+    `extra` (RNG states, data position) is written at once, as it stands at this step (the
+    table's `copied_for_async`); the other contents are copied to host in the same agreed
+    round, then written from the copy and committed by the same `Saver` on the background
+    thread. The writer lock goes with the save and is released after its commit.
+    """
+
+    def __init__(self, saver: Saver, *, own_barrier: bool) -> None:
+        """`own_barrier`: the caller gave the store a barrier of its own, which the background
+        thread shares; else its commit runs on a gloo group of its own."""
+        self.saver = saver
+        self.copier = HostCopier()
+        self.background = BackgroundSaver(saver.at.role)
+        self._own_barrier = own_barrier
+        self._commit_store: CheckpointStore | None = None
+        self._group: Any = None
+        """The gloo group the background commit's barriers and agreement run on (several ranks)."""
+
+    def save(self, job: SaveJob, parts: Parts, progress: Progress) -> PendingSave:
+        """Return once the state is copied; `committed` resolves when the background commit is done."""
+        now = [c for c in job.writer.wanted if not CONTENTS[c].copied_for_async]
+        later = [c for c in job.writer.wanted if c not in now]
+        try:
+            store = self._background_store()
+            staged = self.saver.stage(job, parts, progress, now, also=lambda: self.copier.snapshot(parts))
+        except BaseException:
+            job.release()
+            raise
+
+        def write_and_commit() -> SaveInfo:
+            try:
+                written = self.saver.write(job, staged.folder, staged.also, progress, later, group=self._group)
+                return self.saver.commit(job, staged.written | written, store)
+            finally:
+                job.release()
+
+        try:
+            committed = self.background.submit(job.step, write_and_commit)
+        except BaseException:
+            job.release()
+            raise
+        return PendingSave(step=job.step, path=self.saver.at.store().role_dir(job.step, self.saver.at.role),
+                           contents=list(job.writer.wanted), backend=job.writer.name, bytes=self.copier.bytes,
+                           seconds=time.perf_counter() - job.started, committed=committed)
+
+    def wait(self, *, raise_failure: bool = True) -> SaveInfo | None:
+        """Block until the save in flight (if any) has committed; its failure is raised once."""
+        return self.background.wait(raise_failure=raise_failure)
+
+    def close(self) -> None:
+        """Wait for the save in flight, then stop the background thread."""
+        self.background.close()
+
+    def _background_store(self) -> CheckpointStore:
+        """The commit's barriers run on the background thread: never on the group training uses."""
+        store, world_size = self.saver.at.store(), self.saver.at.world_size
+        if world_size <= 1 or self._own_barrier:
+            return store
+        if self._commit_store is None:
+            import torch.distributed as dist
+
+            group = self._group = dist.new_group(backend="gloo")
+            self._commit_store = CheckpointStore(store.root, rank=store.rank, world_size=world_size,
+                                                 barrier=partial(dist.barrier, group=group),
+                                                 agree=agree_fn(self.saver.at.collective(), group))
+        return self._commit_store

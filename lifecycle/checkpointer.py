@@ -1,7 +1,11 @@
 """The on-disk Checkpointer: one role's save, resume and first load through a format backend.
 
-Layout and commit belong to `CheckpointStore`; bytes belong to the backends. This module
-decides which content goes where, and refuses to load anything that does not verify.
+A facade over the parts that do the work: `lifecycle.contents` (how each content is written
+and read), `lifecycle.saver` (write -> agree -> commit) and its async wrapper
+`lifecycle.async_save.AsyncSaver` (host copy, background writer), and `lifecycle.resumer`
+(locate -> verify -> load, and the one place `resume.mode` is decided). Layout and commit
+belong to `CheckpointStore`, bytes to the format backends. This module builds the parts, checks
+at construction what they could only refuse mid-save, and does the first load (`pre_load`).
 """
 
 from __future__ import annotations
@@ -9,27 +13,25 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Collection, Mapping
-from functools import partial
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 
-from backends.base import FormatBackend, backend_class, failed_ranks, format_capabilities, listed
-from lifecycle.async_save import BackgroundSaver, PendingSave
+from backends.base import FormatBackend, backend_class, format_capabilities, listed
+from lifecycle.async_save import AsyncSaver
 from lifecycle.boundary import check_step, lstat, os_errors, special_files
 from lifecycle.config import LifecycleConfig
+from lifecycle.contents import ContentWriter
 from lifecycle.errors import CheckpointError, ConfigError
-from lifecycle.extra import save_extra
-from lifecycle.manifest import MANIFEST, check_folder, read_manifest_file
-from lifecycle.resumer import HashFn, Resumer, _value, log_resumed
+from lifecycle.manifest import MANIFEST, check_folder
+from lifecycle.resumer import HashFn, Resumed, Resumer, _value, log_outcome
+from lifecycle.role import RoleRank
+from lifecycle.saver import SaveJob, Saver, agree_fn
 from lifecycle.store import CheckpointStore, check_role
-from lifecycle.types import Parts, Progress, SaveInfo, Written
-from lifecycle.writer_lock import WriterLock
+from lifecycle.types import Parts, Progress, SaveInfo
 
-_T = TypeVar("_T")
-EXTRA_BACKEND = "extra"
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
 
 
@@ -82,12 +84,6 @@ def check_async(backend: type[FormatBackend], world_size: int) -> None:
         )
 
 
-def _under(folder: str, digests: Mapping[str, str] | None) -> dict[str, str]:
-    """A content's digests (relative to its folder) keyed relative to the role folder; None
-    from a backend written before formats returned digests means nothing was hashed."""
-    return {f"{folder}/{rel}": digest for rel, digest in (digests or {}).items()}
-
-
 def folder_figures(folder: Path) -> tuple[int, int]:
     files = [p for p in folder.rglob("*") if p.is_file()]
     return sum(p.stat().st_size for p in files), len(files)
@@ -115,16 +111,12 @@ class DiskCheckpointer:
         self.roles = roles if role in roles else [*roles, role]
         self._barrier = barrier
         self._hash_fn = model_config_hash
-        self._parallel = {"world_size": world_size, **(parallel or {})}
         self._store: CheckpointStore | None = None
-        self._resumer = Resumer(config, lambda: self.store, role=self.role, roles=self.roles, rank=rank,
-                                collective=lambda: self._collective,
-                                model_hash=self._model_hash,
-                                world_size=world_size)
-        self._background: BackgroundSaver | None = None
-        self._background_store: CheckpointStore | None = None
-        self._background_group: Any = None
-        """The gloo group the background commit's barriers and agreement run on (several ranks)."""
+        at = RoleRank(config=config, store=lambda: self.store, role=self.role, roles=self.roles, rank=rank,
+                      world_size=world_size, collective=lambda: self._collective)
+        self._resumer = Resumer(at, model_hash=self._model_hash)
+        self._saver = Saver(at, parallel={"world_size": world_size, **(parallel or {})})
+        self._async: AsyncSaver | None = None
 
     @property
     def store(self) -> CheckpointStore:
@@ -133,14 +125,19 @@ class DiskCheckpointer:
             if root is None:
                 raise ConfigError("checkpoint.root", "not set; saving and resuming need a folder")
             self._store = CheckpointStore(root, rank=self.rank, world_size=self.world_size,
-                                          barrier=self._barrier, agree=self._agree_fn())
+                                          barrier=self._barrier, agree=agree_fn(self._collective))
         return self._store
+
+    @property
+    def _collective(self) -> bool:
+        """Whether this save spans ranks of a process group (a caller's own barrier: not ours to use)."""
+        import torch.distributed as dist
+
+        return (self.world_size > 1 and self._barrier is None and dist.is_available()
+                and dist.is_initialized())
 
     def _model_hash(self, parts: Parts) -> str | None:
         return (self._hash_fn or model_config_hash)(parts)
-
-    def _agree_fn(self, group: Any = None) -> Callable[[bool], int] | None:
-        return partial(failed_ranks, group=group) if self._collective else None
 
     def load_initial(self, parts: Parts) -> dict[str, Any]:
         pre = self.config.checkpoint.pre_load
@@ -183,213 +180,40 @@ class DiskCheckpointer:
         """Write and commit `step`; with `save.async`, return once the state is copied to host.
 
         The figures' `seconds` include waiting for the previous async save's commit: all of it
-        is time the training loop stood still. Rank 0 holds the role's writer lock from
-        staging to commit; a save that fails before its commit removes what it staged."""
+        is time the training loop stood still."""
         started = time.perf_counter()
         step = check_step(step)
         self.wait()
-        name = _value(self.config.checkpoint.save.format)
-        backend = backend_class(name)(**self.config.checkpoint.save.options)
-        background = self._async_saver(backend) if self.config.checkpoint.save.async_ else None
-        model_hash = self._model_hash(parts)
-        lock = self.store.writer_lock(self.role) if self.rank == 0 else None
-        if background is not None:
-            return self._save_async(background, backend, step, parts, progress, model_hash, started, lock)
-        try:
-            def write() -> Written:
-                staging = self.store.staging(step, self.role, lock)
-                return self._write_contents(backend, name, staging, parts, progress, step)
+        save = self.config.checkpoint.save
+        name = _value(save.format)
+        backend = backend_class(name)(**save.options)
+        background = self._async_saver(backend) if save.async_ else None
+        writer = ContentWriter(backend=backend, name=name, wanted=[_value(c) for c in save.contents],
+                               rank=self.rank, role=self.role, step=step)
+        job = SaveJob(step=step, writer=writer, model_hash=self._model_hash(parts), started=started,
+                      lock=self.store.writer_lock(self.role) if self.rank == 0 else None)
+        return (background or self._saver).save(job, parts, progress)
 
-            written = self._agreed(step, write, cleanup=self._cleanup(self.store, step, lock))
-            return self._commit(self.store, step, name, written, model_hash, started, lock)
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def _cleanup(self, store: CheckpointStore, step: int, lock: WriterLock | None) -> Callable[[], None]:
-        """What a failed save leaves: its staging folder, removed by rank 0 once it holds the lock
-        (never another writer's staging)."""
-        def discard() -> None:
-            if lock is not None and lock.held:
-                store.discard_staging(step, self.role)
-        return discard
-
-    def _agreed(self, step: int, write: Callable[[], _T], group: Any = None,
-                cleanup: Callable[[], None] | None = None) -> _T:
-        """`write()` on every rank, then a count of the ranks whose write failed.
-
-        A rank that failed (rank 0 alone writing the HF files, say) would otherwise never reach
-        the commit barrier, and its peers would wait there until the process group's timeout.
-        The failed rank raises its own error, the others a `CheckpointError` naming the step;
-        once all know, `cleanup` runs (every rank has stopped writing by then).
-        `write` creates the staging folder too (rank 0 does, between barriers it always reaches).
-        """
-        try:
-            if not self._collective:
-                return write()
-            try:
-                result = write()
-            except BaseException:
-                failed_ranks(True, group)
-                raise
-            if failed := failed_ranks(False, group):
-                raise CheckpointError(f"save of step {step} (role {self.role}): {failed} other rank(s) failed to "
-                                      "write their part (see their errors); nothing was committed")
-            return result
-        except BaseException:
-            if cleanup is not None:
-                cleanup()
-            raise
-
-    @property
-    def _collective(self) -> bool:
-        """Whether this save spans ranks of a process group (a caller's own barrier: not ours to use)."""
-        import torch.distributed as dist
-
-        return (self.world_size > 1 and self._barrier is None and dist.is_available()
-                and dist.is_initialized())
-
-    def _commit(
-        self, store: CheckpointStore, step: int, name: str, written: Written,
-        model_hash: str | None, started: float, lock: WriterLock | None,
-    ) -> SaveInfo:
-        """Commit, then housekeeping that never fails the save: retention, and the figures."""
-        try:
-            final = store.commit(step, self.role, contents=written.contents, folders=written.folders,
-                                 parallel=self._parallel, model_config_hash=model_hash, extra_meta={},
-                                 roles=self.roles, fsync=self.config.checkpoint.fsync, digests=written.digests)
-        except BaseException:
-            self._cleanup(store, step, lock)()
-            raise
-        store.apply_retention(self.config.checkpoint.keep_last, self.roles, {step})
-        size = count = 0
-        try:
-            files = read_manifest_file(final)["files"]
-            size, count = sum(f["size"] for f in files), len(files)
-        except CheckpointError as exc:
-            structlog.get_logger().warning("checkpoint.figures_unavailable", step=step, error=str(exc))
-        return SaveInfo(step=step, path=final, contents=list(written.contents), backend=name, bytes=size,
-                        files=count, seconds=time.perf_counter() - started)
-
-    def _save_async(
-        self, background: BackgroundSaver, backend: FormatBackend, step: int, parts: Parts, progress: Progress,
-        model_hash: str | None, started: float, lock: WriterLock | None,
-    ) -> PendingSave:
-        """`extra` (RNG states, data position) is written now, as it stands at this step; the
-        rest is written from a host copy on the background thread, then committed there. The
-        writer lock goes with the save to the background and is released after its commit."""
-        name = backend.name
-        wanted = [_value(c) for c in self.config.checkpoint.save.contents]
-        store = self._commit_store()
-        cleanup = self._cleanup(self.store, step, lock)
-
-        def extra_and_copy() -> tuple[Path, Written, Parts]:
-            staging = self.store.staging(step, self.role, lock)
-            return (staging, self._write_contents(backend, name, staging, parts, progress, step, only={"extra"}),
-                    background.copier.snapshot(parts))
-
-        try:
-            staging, now, frozen = self._agreed(step, extra_and_copy, cleanup=cleanup)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-
-        def write_and_commit() -> SaveInfo:
-            try:
-                later = self._agreed(step, lambda: self._write_contents(
-                    backend, name, staging, frozen, progress, step, only={c for c in wanted if c != "extra"}),
-                    group=self._background_group, cleanup=cleanup)
-                return self._commit(store, step, name, later | now, model_hash, started, lock)
-            finally:
-                if lock is not None:
-                    lock.release()
-
-        try:
-            committed = background.submit(step, write_and_commit)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        return PendingSave(step=step, path=self.store.role_dir(step, self.role), contents=wanted, backend=name,
-                           bytes=background.copier.bytes, seconds=time.perf_counter() - started,
-                           committed=committed)
-
-    def _async_saver(self, backend: FormatBackend) -> BackgroundSaver:
+    def _async_saver(self, backend: FormatBackend) -> AsyncSaver:
         check_async(type(backend), self.world_size)
-        if self._background is None:
-            self._background = BackgroundSaver(self.role)
-        return self._background
-
-    def _commit_store(self) -> CheckpointStore:
-        """The commit's barriers run on the background thread: never on the group training uses."""
-        if self.world_size <= 1 or self._barrier is not None:
-            return self.store
-        if self._background_store is None:
-            import torch.distributed as dist
-
-            group = self._background_group = dist.new_group(backend="gloo")
-            self._background_store = CheckpointStore(self.store.root, rank=self.rank, world_size=self.world_size,
-                                                     barrier=partial(dist.barrier, group=group),
-                                                     agree=self._agree_fn(group))
-        return self._background_store
+        if self._async is None:
+            self._async = AsyncSaver(self._saver, own_barrier=self._barrier is not None)
+        return self._async
 
     def wait(self) -> SaveInfo | None:
         """Block until the async save in flight (if any) has committed; raises its failure, once."""
-        return None if self._background is None else self._background.wait()
+        return None if self._async is None else self._async.wait()
 
     def close(self) -> None:
         """Wait for the async save in flight and stop the background thread."""
-        if self._background is not None:
-            self._background.close()
-
-    def _write_contents(
-        self, backend: FormatBackend, name: str, staging: Path, parts: Parts, progress: Progress, step: int,
-        only: Collection[str] | None = None,
-    ) -> Written:
-        """Write each wanted content (of `only`, when given) once, collecting what each writer
-        returned. An `OSError` (disk full, permission) names the step, content and file."""
-        wanted = [_value(c) for c in self.config.checkpoint.save.contents]
-        written = Written()
-        log = structlog.get_logger()
-        needs = {"model": parts.model, "hf_model": parts.model, "optimizer": parts.optimizer}
-        for content in wanted:
-            if only is not None and content not in only:
-                continue
-            if content in needs and needs[content] is None:
-                log.warning("checkpoint.save.content_skipped", content=content, role=self.role,
-                            reason="the worker has no object to save for it")
-                continue
-            with os_errors(f"save of step {step} (role {self.role}) cannot write {content!r}", staging):
-                if content == "hf_model" and backend.capabilities.native_hf and "model" in wanted:
-                    written.folders[content] = "model"
-                else:
-                    sub = f"extra/rank_{self.rank}" if content == "extra" else content
-                    written.digests.update(_under(sub, self._write_one(backend, content, staging / sub, parts,
-                                                                      progress)))
-            written.contents[content] = EXTRA_BACKEND if content == "extra" else name
-        return written
-
-    def _write_one(
-        self, backend: FormatBackend, content: str, folder: Path, parts: Parts, progress: Progress
-    ) -> dict[str, str] | None:
-        """Write one content into `folder`; returns the digests its writer took while writing."""
-        if content == "model":
-            return backend.save_model(parts.model, folder)
-        if content == "hf_model":
-            return backend.export_hf(parts.model, folder)
-        if content == "optimizer":
-            return backend.save_optimizer(parts.optimizer, parts.lr_scheduler, folder, model=parts.model)
-        if content == "extra":
-            return save_extra(folder, progress, parts.dataloader)
-        raise CheckpointError(f"{folder}: no writer for content {content!r}")
+        if self._async is not None:
+            self._async.close()
 
     def resume(self, parts: Parts) -> Progress | None:
-        """Restore the newest step every role can resume from (see `lifecycle.resumer`)."""
-        if self._background is not None:
-            self._background.wait(raise_failure=False)  # logged already; resume picks the newest complete step
-        resumed = self._resumer.resume(parts)
-        if resumed is None:
-            return None
-        log_resumed(self.role, resumed.step, resumed.folder, self.config.checkpoint.load.verify)
-        return resumed.progress
+        """Restore the newest step every role can resume from (see `lifecycle.resumer`); None
+        when the resumer found none to restore, or `resume.mode` says not to."""
+        if self._async is not None:
+            self._async.wait(raise_failure=False)  # logged already; resume picks the newest complete step
+        outcome = self._resumer.resume(parts)
+        log_outcome(self.role, outcome, self.config.checkpoint.load.verify)
+        return outcome.progress if isinstance(outcome, Resumed) else None

@@ -15,7 +15,7 @@ import structlog
 from transitions import MachineError
 
 from lifecycle.boundary import check_step
-from lifecycle.config import LifecycleConfig, ResumeMode
+from lifecycle.config import LifecycleConfig
 from lifecycle.errors import InvalidTransition, LifecycleError
 from lifecycle.machine import NAMES, ROWS, MachineModel, State, allowed_triggers, build_machine
 from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase, Temporary, TransitionRecord
@@ -130,16 +130,14 @@ class Lifecycle:
     def resume(self) -> int | None:
         """CREATED/FAILED -> RESUMING -> READY from the newest complete checkpoint.
 
-        Returns the step resumed at, or None for a fresh start (init-load instead, when
-        `resume.mode` is `auto` and nothing complete is on disk, or when it is `disable`).
+        Returns the step resumed at, or None for a fresh start: init-load instead, when the
+        checkpointer restores nothing (the disk checkpointer decides `resume.mode` and logs why).
         """
         with Phase(self, "resume", None) as phase:
-            mode = self.config.resume.mode
-            restored = None if mode is ResumeMode.DISABLE else self.checkpointer.resume(self.parts)
+            restored = self.checkpointer.resume(self.parts)
             if restored is None:
-                self._log.info("lifecycle.resume_fallback", mode=mode.value, role=self.role,
-                               reason="resume disabled" if mode is ResumeMode.DISABLE
-                               else "no complete checkpoint", action="init_load")
+                self._log.info("lifecycle.resume_fallback", role=self.role, reason="the checkpointer restored nothing",
+                               action="init_load")
                 phase.figures.update(self.checkpointer.load_initial(self.parts), fallback="init_load")
                 self.progress = Progress()
                 return None

@@ -15,7 +15,6 @@ reaches the same verdict on the same bytes, and a step one role renames aside is
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
@@ -24,17 +23,17 @@ from typing import Any
 
 import structlog
 
-from backends.base import backend_class, format_capabilities, listed, reduce_int
+from backends.base import FormatBackend, backend_class, format_capabilities, listed, reduce_int
 from lifecycle.boundary import inside, os_errors, parse_step, real_dir
 from lifecycle.checksum import ALGORITHM, check_unverified
-from lifecycle.config import LifecycleConfig, format_family
+from lifecycle.config import format_family
+from lifecycle.contents import CONTENTS, Reading, has_state
 from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint
-from lifecycle.extra import load_extra
 from lifecycle.manifest import MANIFEST, NewerFormat, check_folder, checksum_of, read_manifest_file
+from lifecycle.role import RoleRank
 from lifecycle.store import CheckpointStore
 from lifecycle.types import Parts, Progress
 
-_RANK_DIR = re.compile(r"rank_([0-9]+)")
 HashFn = Callable[[Parts], str | None]
 
 
@@ -45,6 +44,13 @@ class Resumed:
     step: int
     folder: Path
     progress: Progress
+
+
+@dataclass(frozen=True, slots=True)
+class NotResumed:
+    """Why a resume restored nothing, so the caller starts fresh."""
+
+    reason: str
 
 
 class Verdict(IntEnum):
@@ -62,26 +68,18 @@ def _value(item: Any) -> str:
 class Resumer:
     """Picks, verifies and loads the step one role resumes from; see the module docstring."""
 
-    def __init__(
-        self, config: LifecycleConfig, store: Callable[[], CheckpointStore], *, role: str, roles: list[str],
-        rank: int, world_size: int, collective: Callable[[], bool], model_hash: HashFn,
-    ) -> None:
-        self.config = config
-        self._store = store
-        self.role = role
-        self.roles = roles
-        self.rank = rank
-        self._collective = collective
+    def __init__(self, at: RoleRank, *, model_hash: HashFn) -> None:
+        self.at = at
+        self.config = at.config
         self._model_hash = model_hash
-        self.world_size = world_size
         self.overwritten: str | None = None
         """Set when a failed load may have left the model's weights half-replaced."""
 
-    def resume(self, parts: Parts) -> Resumed | None:
-        """The step resumed from, or None when there is nothing to resume from."""
+    def resume(self, parts: Parts) -> Resumed | NotResumed:
+        """The step resumed from, or why there is none to resume from (the caller starts fresh)."""
         mode = _value(self.config.resume.mode)
         if mode == "disable":
-            return None
+            return NotResumed("resume.mode is disable")
         model_hash = self._agreed_hash(parts)
         if mode == "path":
             folder, step = self._agreed_path()
@@ -89,18 +87,19 @@ class Resumer:
             self._supersede(resumed)
             return resumed
         if self.config.checkpoint.root is None:
-            return None
-        return self._auto(parts, model_hash, fallback=_value(self.config.resume.on_damaged) == "fallback")
+            return NotResumed("checkpoint.root is not set")
+        found = self._auto(parts, model_hash, fallback=_value(self.config.resume.on_damaged) == "fallback")
+        return found or NotResumed("no complete checkpoint")
 
     def _auto(self, parts: Parts, model_hash: str | None, *, fallback: bool) -> Resumed | None:
-        store = self._store()
+        store = self.at.store()
         below: int | None = None
         set_aside: list[str] = []
         while True:
-            step = self._agreed_step(store.newest_committed(self.roles, below=below))
+            step = self._agreed_step(store.newest_committed(self.at.roles, below=below))
             if step is None:
                 break
-            folder = store.role_dir(step, self.role)
+            folder = store.role_dir(step, self.at.role)
             try:
                 return Resumed(step, folder, self._one(parts, folder, step, model_hash, fallback=fallback))
             except DamagedCheckpoint as exc:
@@ -122,7 +121,7 @@ class Resumer:
         """Rank 0 renames the damaged step aside; every rank learns whether it could, so none
         walks on to the next step's collectives while rank 0 has stopped."""
         aside, error = None, None
-        if self.rank == 0:
+        if self.at.rank == 0:
             try:
                 aside = store.quarantine(step, problems)
             except CheckpointError as failure:
@@ -136,9 +135,9 @@ class Resumer:
         """A resume by path into this run's own root is a rollback: the steps past it are set
         aside (best effort, rank 0), so neither retention nor a crash-restart takes that
         abandoned line for the new one. A step from another root leaves this root alone."""
-        if self.config.checkpoint.root is None or self.rank != 0:
+        if self.config.checkpoint.root is None or self.at.rank != 0:
             return
-        store = self._store()
+        store = self.at.store()
         if resumed.folder.parent == store.step_dir(resumed.step):
             store.supersede(resumed.step)
 
@@ -171,13 +170,13 @@ class Resumer:
 
     def _agreed_step(self, found: int | None) -> int | None:
         """Ranks that saw the disk at different moments take the oldest step any of them saw."""
-        if not self._collective():
+        if not self.at.collective():
             return found
         agreed = reduce_int(-1 if found is None else found, "min")
         return None if agreed < 0 else agreed
 
     def _agree(self, verdict: Verdict) -> Verdict:
-        return Verdict(reduce_int(int(verdict), "max")) if self._collective() else verdict
+        return Verdict(reduce_int(int(verdict), "max")) if self.at.collective() else verdict
 
     def _one(self, parts: Parts, folder: Path, step: int, model_hash: str | None, *, fallback: bool) -> Progress:
         """Verify and load one step; `DamagedCheckpoint` (with `fallback`) for one to set aside."""
@@ -185,8 +184,8 @@ class Resumer:
         verdict, problems, manifest, later = Verdict.OK, [], None, dict[str, str]()
         try:
             manifest = read_manifest_file(folder)
-            later = self._checked_while_loading(manifest) if verify else {}
-            problems = check_folder(folder, deep=verify, expect_step=step, expect_role=self.role,
+            later = self._checked_while_loading(manifest, parts) if verify else {}
+            problems = check_folder(folder, deep=verify, expect_step=step, expect_role=self.at.role,
                                     verified_later=later, manifest=manifest)
             if fallback and not problems:
                 problems = self._other_roles(step, deep=verify)
@@ -216,8 +215,8 @@ class Resumer:
     def _load_verified(
         self, parts: Parts, manifest: Any, folder: Path, step: int, later: dict[str, str],
     ) -> tuple[Progress, Verdict, list[str]]:
-        """Load, handing the model's reader the digests of `later` (see `_checked_while_loading`),
-        then hash those it did not verify; a failure is damage when a full check of the folder
+        """Load, handing the readers the digests of `later` (see `_checked_while_loading`), then
+        hash those they did not verify; a failure is damage when a full check of the folder
         now finds something wrong with its files, else a refusal."""
         try:
             with os_errors(f"cannot read step {step}", folder):
@@ -226,7 +225,7 @@ class Resumer:
         except Exception as exc:  # a backend or a dataloader raising its own type: still a refusal, typed
             if not isinstance(exc, CheckpointError):
                 exc = CheckpointError(f"{folder}: loading step {step} failed: {type(exc).__name__}: {exc}")
-            damage = check_folder(folder, deep=True, expect_step=step, expect_role=self.role, manifest=manifest)
+            damage = check_folder(folder, deep=True, expect_step=step, expect_role=self.at.role, manifest=manifest)
             if damage:
                 return Progress(), Verdict.DAMAGED, [*damage, f"(loading it failed with: {exc})"]
             return Progress(), Verdict.REFUSED, [str(exc)]
@@ -235,32 +234,37 @@ class Resumer:
     def _other_roles(self, step: int, *, deep: bool) -> list[str]:
         """The same check of every other role's folder, so every role reaches one verdict
         (rank 0 of a process group checks; the verdict is agreed)."""
-        if self._collective() and self.rank != 0:
+        if self.at.collective() and self.at.rank != 0:
             return []
-        store = self._store()
+        store = self.at.store()
         problems: list[str] = []
-        for role in self.roles:
-            if role != self.role:
+        for role in self.at.roles:
+            if role != self.at.role:
                 problems += store.validate(step, role, deep=deep)
         return problems
 
-    def _checked_while_loading(self, manifest: dict[str, Any]) -> dict[str, str]:
-        """The model's weight files whose checks wait for its load (role-folder path: digest).
+    def _checked_while_loading(self, manifest: dict[str, Any], parts: Parts) -> dict[str, str]:
+        """The files whose checks wait for their content's load (role-folder path: digest).
 
-        Only when the model's format checks files as it reads them (`verifies_reads`): their
-        digests go to its reader, so their bytes are read once, and whichever it does not
-        return as verified is hashed right after the load. Any other format's files are
-        verified before anything reads them, so a damaged step never overwrites the model.
-        Only `.safetensors` files (reading one unverified runs nothing in it), and only digests
-        of the current `ALGORITHM`, the one readers compute: older manifests are hashed first.
+        Only of the contents this resume reads with a format that checks files as it reads them
+        (`verifies_reads`): their digests go to its reader, so their bytes are read once, and
+        whichever it does not return as verified is hashed right after the load. Any other
+        format's files are verified before anything reads them, so a damaged step never
+        overwrites the model. Only `.safetensors` files (reading one unverified runs nothing in
+        it), and only digests of the current `ALGORITHM`, the one readers compute: older
+        manifests are hashed first.
         """
-        entry = manifest["contents"].get("model")
-        if entry is None or not self._verifies_reads(entry["backend"]):
-            return {}
-        prefix = _prefix(entry)
+        reads = self._reads(parts)
+        prefixes = tuple(_prefix(entry) for name, entry in manifest["contents"].items()
+                         if name in reads and CONTENTS[name].by_format and self._verifies_reads(entry["backend"]))
         checked = ((f["path"], checksum_of(f)) for f in manifest["files"]
-                   if f["path"].startswith(prefix) and f["path"].endswith(".safetensors"))
+                   if f["path"].endswith(".safetensors") and f["path"].startswith(prefixes))
         return {path: digest for path, (algorithm, digest) in checked if algorithm == ALGORITHM}
+
+    def _reads(self, parts: Parts) -> list[str]:
+        """The contents of `checkpoint.load.contents` this worker has the objects to load."""
+        wanted = (_value(c) for c in self.config.checkpoint.load.contents)
+        return [name for name in wanted if name in CONTENTS and has_state(CONTENTS[name], parts)]
 
     def _verifies_reads(self, name: str) -> bool:
         """Whether format `name` checks digests as it reads; one of another family, or one not
@@ -277,55 +281,45 @@ class Resumer:
         with os_errors("cannot read resume.path", path):
             if (path / MANIFEST).is_file():
                 folder = path
-            elif real_dir(path / self.role, f"the folder of role {self.role!r}"):
-                folder = path / self.role
+            elif real_dir(path / self.at.role, f"the folder of role {self.at.role!r}"):
+                folder = path / self.at.role
             else:
                 raise CheckpointError(f"{path}: resume.path is neither a committed role folder nor a "
-                                      f"global_step_N folder holding role {self.role!r}")
+                                      f"global_step_N folder holding role {self.at.role!r}")
         step = parse_step(folder.parent.name)
         return folder, read_manifest_file(folder)["step"] if step is None else step
 
     def _load(
         self, parts: Parts, manifest: dict[str, Any], folder: Path, step: int, expected: Mapping[str, str],
     ) -> tuple[Progress, set[str]]:
-        """Restore each content of `checkpoint.load.contents` with the backend its manifest names;
-        returns the progress and the files of `expected` (role-folder paths) the reader verified."""
+        """Restore each content of `checkpoint.load.contents` with its reader (`lifecycle.contents`)
+        and, for a format's content, the backend its manifest names; returns the progress and the
+        files of `expected` (role-folder paths) the readers verified."""
         entries: dict[str, dict[str, str]] = manifest["contents"]
         progress, verified = Progress(step=step), set[str]()
-        for content in (_value(c) for c in self.config.checkpoint.load.contents):
-            if content in ("model", "optimizer") and getattr(parts, content) is None:
-                continue
-            entry = entries.get(content)
-            if entry is None and content == "extra":
-                structlog.get_logger().warning("checkpoint.resume.no_extra", path=str(folder), step=step)
+        for name in self._reads(parts):
+            content, entry = CONTENTS[name], entries.get(name)
+            if entry is None and content.optional_on_resume:
+                structlog.get_logger().warning(f"checkpoint.resume.no_{name}", path=str(folder), step=step)
                 continue
             if entry is None:
-                raise CheckpointError(f"{folder / MANIFEST}: no {content!r} content to resume from "
+                raise CheckpointError(f"{folder / MANIFEST}: no {name!r} content to resume from "
                                       f"(holds {sorted(entries)})")
+            if content.read is None:
+                raise CheckpointError(f"{folder / MANIFEST}: {name!r} is an export, which no resume reads")
             sub = inside(folder, entry["folder"])  # check_folder refused a bad one already; belt and braces
-            if content == "extra":
-                progress = self._load_extra(sub, parts, manifest)
-            elif content == "model":
-                verified = self._load_model(entry, sub, parts, expected)
-            else:
-                self._load_with_backend(content, entry["backend"], sub, parts)
+            prefix = _prefix(entry)
+            mine = {rel.removeprefix(prefix): digest for rel, digest in expected.items() if rel.startswith(prefix)}
+            loaded = content.read(Reading(
+                backend=self._backend(name, entry["backend"], sub) if content.by_format else None,
+                parts=parts, folder=sub, expected=mine, rank=self.at.rank, world_size=self.at.world_size,
+                saved_world_size=manifest["parallel"].get("world_size")))
+            verified |= {prefix + rel for rel in loaded.verified if rel in mine}
+            progress = progress if loaded.progress is None else loaded.progress
         return progress, verified
 
-    def _load_model(
-        self, entry: Mapping[str, str], folder: Path, parts: Parts, expected: Mapping[str, str],
-    ) -> set[str]:
-        """Load the model, its reader given the digests of `expected` under its folder (relative to
-        it); returns the role-folder paths of those the reader says it verified."""
-        prefix = _prefix(entry)
-        mine = {rel.removeprefix(prefix): digest for rel, digest in expected.items() if rel.startswith(prefix)}
-        done = self._load_with_backend("model", entry["backend"], folder, parts, mine)
-        return {prefix + rel for rel in done if rel in mine}
-
-    def _load_with_backend(
-        self, content: str, name: str, folder: Path, parts: Parts, expected: Mapping[str, str] | None = None,
-    ) -> set[str]:
-        """Load one content; for the model, `expected` (paths relative to `folder`) goes to the
-        reader, and what it returns as verified comes back (nothing for the optimizer)."""
+    def _backend(self, content: str, name: str, folder: Path) -> FormatBackend:
+        """The format `name` that saved `content`, refused when it loads into another model family."""
         wanted = _value(self.config.checkpoint.load_format)
         if name != wanted:
             structlog.get_logger().warning("checkpoint.resume.format_differs", content=content,
@@ -336,30 +330,10 @@ class Resumer:
                                   f"({saved_family or 'not a format'}), which cannot load into this worker's "
                                   f"{wanted_family} model (checkpoint.load.format {wanted!r})")
         try:
-            backend = backend_class(name)()
+            return backend_class(name)()
         except ConfigError as exc:
             raise CheckpointError(f"{folder.parent / MANIFEST}: {content!r} was saved with format {name!r}, "
                                   f"which cannot be loaded here: {exc}") from exc
-        if content == "model":
-            return set(backend.load_model(parts.model, folder, expected=expected) or ())
-        backend.load_optimizer(parts.optimizer, parts.lr_scheduler, folder, model=parts.model)
-        return set()
-
-    def _load_extra(self, folder: Path, parts: Parts, manifest: dict[str, Any]) -> Progress:
-        """Per-rank RNG and dataloader state only fit the world size that saved them."""
-        for entry in folder.iterdir():
-            if not (_RANK_DIR.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()):
-                raise CheckpointError(f"{entry}: unexpected entry in extra folder (only rank_N folders)")
-        same_layout = manifest["parallel"].get("world_size") == self.world_size
-        own = folder / f"rank_{self.rank}"
-        if same_layout and own.is_dir():
-            return load_extra(own, parts.dataloader)
-        structlog.get_logger().warning(
-            "checkpoint.resume.extra_layout_changed", path=str(folder), rank=self.rank,
-            saved_world_size=manifest["parallel"].get("world_size"), world_size=self.world_size,
-            action="progress from rank 0; RNG and dataloader state not restored",
-        )
-        return load_extra(folder / "rank_0", None, restore_rng=False)
 
 
 def _prefix(entry: Mapping[str, str]) -> str:
@@ -375,6 +349,11 @@ def _hash_refusal(current: str | None, manifest: dict[str, Any], folder: Path) -
     return None
 
 
-def log_resumed(role: str, step: int, folder: Path, verify: bool) -> None:
-    structlog.get_logger().info("checkpoint.resumed", role=role, step=step, path=str(folder),
-                                checksums_verified=verify)
+def log_outcome(role: str, outcome: Resumed | NotResumed, verify: bool) -> None:
+    """One record of what a resume did: the step it restored, or why it restored none."""
+    log = structlog.get_logger()
+    if isinstance(outcome, NotResumed):
+        log.info("checkpoint.resume.none", role=role, reason=outcome.reason)
+    else:
+        log.info("checkpoint.resumed", role=role, step=outcome.step, path=str(outcome.folder),
+                 checksums_verified=verify)

@@ -1,5 +1,5 @@
 """Digests travel as values: a save's writers hand theirs to the manifest, a resume hands the
-manifest's to the model's reader and hashes only what the reader did not verify."""
+manifest's to the readers (model and optimizer) and hashes only what they did not verify."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from lifecycle.manifest import build_manifest
 from lifecycle.types import Parts, Progress
 
 WEIGHTS = "model/model.safetensors"
-WRITTEN_WHILE_HASHED = {WEIGHTS, "optimizer/optimizer.safetensors", "extra/rank_0/rng.safetensors"}
+OPTIMIZER_TENSORS = "optimizer/optimizer.safetensors"
+WRITTEN_WHILE_HASHED = {WEIGHTS, OPTIMIZER_TENSORS, "extra/rank_0/rng.safetensors"}
 
 
 def config(root: Path, **checkpoint: Any) -> LifecycleConfig:
@@ -104,16 +105,18 @@ def saved(tmp_path: Path) -> Parts:
     return source
 
 
-def spy_loads(monkeypatch: pytest.MonkeyPatch, verify_in_reader: bool = True) -> list[set[str]]:
-    """What each `HFBackend.load_model` returned; without `verify_in_reader`, a reader that checks nothing."""
+def spy_loads(monkeypatch: pytest.MonkeyPatch, verify_in_reader: bool = True, method: str = "load_model"
+              ) -> list[set[str]]:
+    """What each `HFBackend.load_model` (or `method`) returned; without `verify_in_reader`, a
+    reader that checks nothing."""
     returned: list[set[str]] = []
-    real: Callable[..., set[str]] = HFBackend.load_model
+    real: Callable[..., set[str]] = getattr(HFBackend, method)
 
-    def load(self: HFBackend, model: Any, folder: Path, *, expected: Any = None) -> set[str]:
-        returned.append(real(self, model, folder, expected=expected if verify_in_reader else None))
+    def load(self: HFBackend, *args: Any, expected: Any = None, **kwargs: Any) -> set[str]:
+        returned.append(real(self, *args, expected=expected if verify_in_reader else None, **kwargs))
         return returned[-1]
 
-    monkeypatch.setattr(HFBackend, "load_model", load)
+    monkeypatch.setattr(HFBackend, method, load)
     return returned
 
 
@@ -127,7 +130,7 @@ def test_resume_lets_the_reader_verify_the_weights_and_hashes_only_the_other_fil
     assert DiskCheckpointer(config(tmp_path), role="actor").resume(fresh) == Progress(step=1)
     assert returned == [{"model.safetensors"}]
     files = set(manifest_of(tmp_path / "global_step_1" / "actor"))
-    assert sorted(hashed_before) == sorted(files - {WEIGHTS}) and hashed_after == []
+    assert sorted(hashed_before) == sorted(files - {WEIGHTS, OPTIMIZER_TENSORS}) and hashed_after == []
     assert all(torch.equal(a, b) for a, b in zip(source.model.parameters(), fresh.model.parameters()))
 
 
@@ -152,6 +155,29 @@ def test_a_flipped_byte_in_the_weights_is_caught_whoever_checks_them(
     ckpt = DiskCheckpointer(config(tmp_path, load={"verify": True}), role="actor")
     with pytest.raises(CheckpointError, match="model.safetensors: checksum [0-9a-f]+ != manifest"):
         ckpt.resume(parts(seed=2))
+
+
+def test_resume_reads_the_hf_optimizer_tensors_once_and_still_refuses_a_flipped_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = saved(tmp_path)
+    returned = spy_loads(monkeypatch, method="load_optimizer")
+    hashed_before, hashed_after = spy(monkeypatch, manifest_module), spy(monkeypatch, checksum)
+    fresh = parts(seed=2)
+    assert DiskCheckpointer(config(tmp_path), role="actor").resume(fresh) == Progress(step=1)
+    assert returned == [{"optimizer.safetensors"}]
+    assert OPTIMIZER_TENSORS not in hashed_before + hashed_after
+    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"],
+                       source.optimizer.state_dict()["state"][0]["exp_avg"])
+    tensors = tmp_path / "global_step_1" / "actor" / OPTIMIZER_TENSORS
+    data = bytearray(tensors.read_bytes())
+    data[-3] ^= 0x10
+    tensors.write_bytes(bytes(data))
+    damaged = parts(seed=2)
+    untouched = damaged.optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    with pytest.raises(CheckpointError, match="optimizer.safetensors: checksum [0-9a-f]+ != manifest"):
+        DiskCheckpointer(config(tmp_path), role="actor").resume(damaged)
+    assert torch.equal(damaged.optimizer.state_dict()["state"][0]["exp_avg"], untouched)
 
 
 def test_a_format_that_does_not_verify_as_it_reads_has_its_weights_checked_before_the_load(

@@ -1,0 +1,194 @@
+"""The contents of a step folder as one table: how each is written and how it is read.
+
+A save writes each content of `checkpoint.save.contents` with its entry's `write`, a resume
+reads each of `checkpoint.load.contents` with its `read`; neither knows a content by name.
+Adding a content is one `ContentIO` entry in `CONTENTS` (and its name in the config's
+`Content`). Writers return the digests they took while writing, readers the files they
+verified while reading: both travel as values to the manifest and to the resume's checks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import structlog
+
+from backends.base import FormatBackend
+from lifecycle.boundary import os_errors
+from lifecycle.errors import CheckpointError
+from lifecycle.extra import load_extra, save_extra
+from lifecycle.types import Parts, Progress, Written
+
+_RANK_DIR = re.compile(r"rank_([0-9]+)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Writing:
+    """What one content's writer is given."""
+
+    backend: FormatBackend
+    parts: Parts
+    progress: Progress
+    folder: Path
+    """The content's own folder inside the staging folder (created by the writer)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reading:
+    """What one content's reader is given."""
+
+    backend: FormatBackend | None
+    """The format its manifest names; None for a content the lifecycle writes itself."""
+    parts: Parts
+    folder: Path
+    expected: Mapping[str, str]
+    """Digests (paths relative to `folder`) the reader may check as it reads; any it does not
+    return as verified are hashed after the load."""
+    rank: int
+    world_size: int
+    saved_world_size: Any
+    """The world size the manifest states the step was saved at (unchecked JSON)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """What a reader restored: the files of `Reading.expected` it verified, and any progress."""
+
+    verified: frozenset[str] = frozenset()
+    progress: Progress | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContentIO:
+    """How one content is written and read."""
+
+    write: Callable[[Writing], Mapping[str, str] | None]
+    """Writes the content; returns {path relative to its folder: digest} for what it hashed
+    (None from a format written before formats returned digests: nothing was hashed)."""
+    read: Callable[[Reading], Loaded] | None
+    """Restores the content; None for an export, which no resume reads."""
+    holds: str | None = None
+    """The `Parts` field it is the state of: a worker without that object neither saves nor loads it."""
+    by_format: bool = True
+    """Written and read by the checkpoint format; False: the lifecycle's own, the same in every format."""
+    per_rank: bool = False
+    """Each rank writes a sub-folder of its own (`rank_N`)."""
+    shares_folder_when_native_hf: str | None = None
+    """With a format whose `save_model` already writes HF safetensors (`native_hf`), this content
+    is the folder of that other content when both are saved: the files are written once."""
+    copied_for_async: bool = True
+    """An async save copies its state to host and writes it in the background; False: written
+    at once, as it stands at the step (RNG states and data position move as training goes on)."""
+    optional_on_resume: bool = False
+    """A step saved without it still resumes, with a warning."""
+
+    def folder(self, name: str, rank: int) -> str:
+        """Its folder in the role folder."""
+        return f"{name}/rank_{rank}" if self.per_rank else name
+
+
+def _read_model(reading: Reading) -> Loaded:
+    verified = _backend(reading).load_model(reading.parts.model, reading.folder, expected=reading.expected)
+    return Loaded(frozenset(verified or ()))
+
+
+def _read_optimizer(reading: Reading) -> Loaded:
+    parts = reading.parts
+    verified = _backend(reading).load_optimizer(parts.optimizer, parts.lr_scheduler, reading.folder,
+                                                model=parts.model, expected=reading.expected)
+    return Loaded(frozenset(verified or ()))
+
+
+def _backend(reading: Reading) -> FormatBackend:
+    if reading.backend is None:
+        raise CheckpointError(f"{reading.folder}: no format given to read it with")
+    return reading.backend
+
+
+def _read_extra(reading: Reading) -> Loaded:
+    """Per-rank RNG and dataloader state only fit the world size that saved them."""
+    folder = reading.folder
+    for entry in folder.iterdir():
+        if not (_RANK_DIR.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()):
+            raise CheckpointError(f"{entry}: unexpected entry in extra folder (only rank_N folders)")
+    own = folder / f"rank_{reading.rank}"
+    if reading.saved_world_size == reading.world_size and own.is_dir():
+        return Loaded(progress=load_extra(own, reading.parts.dataloader))
+    structlog.get_logger().warning(
+        "checkpoint.resume.extra_layout_changed", path=str(folder), rank=reading.rank,
+        saved_world_size=reading.saved_world_size, world_size=reading.world_size,
+        action="progress from rank 0; RNG and dataloader state not restored",
+    )
+    return Loaded(progress=load_extra(folder / "rank_0", None, restore_rng=False))
+
+
+CONTENTS: Mapping[str, ContentIO] = MappingProxyType({
+    "model": ContentIO(
+        write=lambda w: w.backend.save_model(w.parts.model, w.folder),
+        read=_read_model, holds="model"),
+    "hf_model": ContentIO(
+        write=lambda w: w.backend.export_hf(w.parts.model, w.folder),
+        read=None, holds="model", shares_folder_when_native_hf="model"),
+    "optimizer": ContentIO(
+        write=lambda w: w.backend.save_optimizer(w.parts.optimizer, w.parts.lr_scheduler, w.folder,
+                                                 model=w.parts.model),
+        read=_read_optimizer, holds="optimizer"),
+    "extra": ContentIO(
+        write=lambda w: save_extra(w.folder, w.progress, w.parts.dataloader),
+        read=_read_extra, by_format=False, per_rank=True, copied_for_async=False, optional_on_resume=True),
+})
+"""Every content a step folder can hold, in the order of the config's `Content`."""
+
+
+def content_io(name: str, where: Path) -> ContentIO:
+    """The table's entry for `name`; `CheckpointError` naming `where` for a content it lacks."""
+    found = CONTENTS.get(name)
+    if found is None:
+        raise CheckpointError(f"{where}: no content {name!r} is known here (known: {', '.join(CONTENTS)})")
+    return found
+
+
+def has_state(content: ContentIO, parts: Parts) -> bool:
+    """Whether the worker has the object the content is the state of."""
+    return content.holds is None or getattr(parts, content.holds) is not None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContentWriter:
+    """Writes contents of one save into its staging folder, collecting what the writers returned."""
+
+    backend: FormatBackend
+    name: str
+    """The format's name as the config gives it, which the manifest records."""
+    wanted: Sequence[str]
+    """Every content the save writes (some perhaps in another call: see `write`)."""
+    rank: int
+    role: str
+    step: int
+
+    def write(self, staging: Path, parts: Parts, progress: Progress, only: Collection[str]) -> Written:
+        """Write each wanted content of `only`. An `OSError` (disk full, permission) names the
+        save, the content and the file."""
+        written, what = Written(), f"save of step {self.step} (role {self.role})"
+        for name in (c for c in self.wanted if c in only):
+            content = content_io(name, staging)
+            if not has_state(content, parts):
+                structlog.get_logger().warning("checkpoint.save.content_skipped", content=name, role=self.role,
+                                               reason="the worker has no object to save for it")
+                continue
+            with os_errors(f"{what} cannot write {name!r}", staging):
+                shared = content.shares_folder_when_native_hf
+                if shared is not None and self.backend.capabilities.native_hf and shared in self.wanted:
+                    written.folders[name] = shared
+                else:
+                    sub = content.folder(name, self.rank)
+                    digests = content.write(Writing(backend=self.backend, parts=parts, progress=progress,
+                                                    folder=staging / sub))
+                    written.digests.update({f"{sub}/{rel}": d for rel, d in (digests or {}).items()})
+            written.contents[name] = self.name if content.by_format else name
+        return written
