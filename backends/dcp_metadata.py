@@ -21,14 +21,13 @@ attributes on an allowed class (BUILD onto the class, not an instance) is undone
 and bytes that unpickle into allowed objects of the wrong shape (damage can do that) are
 refused unless they form the Metadata structure DCP and Megatron read.
 
-Well-formed Metadata can still describe a load that silently does less than it says: DCP copies
-into each tensor only what its chunks cover, so a tensor with no chunks, or with chunks that
-leave part of it out, keeps the values it had before the load, and nothing fails. So before DCP
-reads any data, every tensor's chunks are proven to tile it exactly (in bounds, disjoint, their
-volumes adding up to its size), and every chunk to have its bytes in a regular file of the
-folder, with a length a chunk of its size can have. Checkpoints DCP and Megatron write pass
-(checked: one process; FSDP2 shards of three gloo ranks, with the empty chunks FSDP2 records for
-a rank without a shard; Megatron-Core TP2, whose chunks are spread over every rank's files).
+Well-formed Metadata can still describe a load that silently does less than it says (a tensor
+part of which is in no chunk keeps its old values). So before DCP reads any data, every
+tensor's chunks are proven to tile it exactly (`backends.dcp_tiling`), and every chunk to have
+its bytes in a regular file of the folder, with a length a chunk of its size can have.
+Checkpoints DCP and Megatron write pass (checked: one process; FSDP2 shards of three gloo ranks,
+with the empty chunks FSDP2 records for a rank without a shard; Megatron-Core TP2, whose chunks
+are spread over every rank's files).
 """
 
 from __future__ import annotations
@@ -41,9 +40,8 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
-from itertools import combinations
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, Metadata
@@ -57,6 +55,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from backends.dcp_tiling import tiling_problem
 from lifecycle.boundary import kind, name_problem, read_bytes
 from lifecycle.errors import CheckpointError, shorten
 
@@ -72,9 +71,6 @@ Megatron's writer) `torch.save` each chunk, cloned first when it is a view of a 
 so the bytes are the chunk's plus zip records and the pickled shape: 1.5-1.7 KiB measured for 0
 to 20 dimensions, with torch's 64-byte alignment. A chunk's entry shorter than its own bytes, or
 longer than this above them, cannot be that chunk."""
-
-_PAIRWISE = 8
-"""Chunks that no cut along a dimension separates are compared pair by pair up to this many."""
 
 _GONE = object()
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
@@ -237,73 +233,9 @@ def _check(metadata: object, path: Path) -> Metadata:
     return metadata
 
 
-class _Box(NamedTuple):
-    """The elements `start[d] <= i[d] < end[d]` of a tensor: one non-empty chunk."""
-
-    start: tuple[int, ...]
-    end: tuple[int, ...]
-
-
-def _outside(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> str | None:
-    if len(offsets) != len(shape) or len(sizes) != len(shape):
-        return f"has {len(offsets)} offsets and {len(sizes)} sizes for a {len(shape)}-D tensor"
-    if min(offsets + sizes, default=0) < 0:
-        return "has a negative offset or size"
-    if any(o + n > m for o, n, m in zip(offsets, sizes, shape)):
-        return f"reaches past the tensor's size {list(shape)}"
-    return None
-
-
-def _slabs(boxes: list[_Box], dim: int) -> list[list[_Box]]:
-    """`boxes` cut along `dim` into groups whose extents there are disjoint from each other's."""
-    slabs: list[list[_Box]] = []
-    end = -1
-    for box in sorted(boxes, key=lambda b: b.start[dim]):
-        if box.start[dim] >= end:
-            slabs.append([])
-        slabs[-1].append(box)
-        end = max(end, box.end[dim])
-    return slabs
-
-
-def _overlap(boxes: list[_Box], cuts: int) -> str | None:
-    """None once no two boxes are proven to share an element; else why not.
-
-    Boxes in different slabs of one dimension cannot meet, so the boxes are cut into slabs,
-    each slab again along some dimension, up to `cuts` times, and compared pairwise once few are
-    left: O(cuts * dims * n log n). Grids (DTensor, FSDP2, Megatron's TP/PP) are proven in one cut
-    per sharded dimension. Boxes that no cut separates are never taken as disjoint unchecked."""
-    if len(boxes) <= _PAIRWISE:
-        for a, b in combinations(boxes, 2):
-            if all(a.start[d] < b.end[d] and b.start[d] < a.end[d] for d in range(len(a.start))):
-                return f"has chunks at offsets {list(a.start)} and {list(b.start)} that overlap"
-        return None
-    for dim in range(len(boxes[0].start) if cuts > 0 else 0):
-        if len(slabs := _slabs(boxes, dim)) > 1:
-            return next((problem for slab in slabs if (problem := _overlap(slab, cuts - 1)) is not None), None)
-    return f"has {len(boxes)} chunks that overlap, or are cut too irregularly to prove they do not"
-
-
 def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
-    """Why `entry`'s chunks do not cover each of its elements exactly once. In bounds, disjoint
-    and adding up to its number of elements, they cover it all; empty chunks cover nothing."""
-    shape = tuple(entry.size)
-    if min(shape, default=0) < 0:
-        return f"has a negative size {list(shape)}"
-    boxes, total = [], 0
-    for chunk in entry.chunks:
-        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-        if (problem := _outside(offsets, sizes, shape)) is not None:
-            return f"has a chunk at offsets {list(offsets)} with sizes {list(sizes)} that {problem}"
-        volume = math.prod(sizes)
-        total += volume
-        if volume:
-            boxes.append(_Box(offsets, tuple(o + n for o, n in zip(offsets, sizes))))
-    numel = math.prod(shape)
-    if total != numel:
-        return (f"has chunks of {total} elements in all for its {numel} (size {list(shape)}): "
-                f"{'part of it is in no chunk' if total < numel else 'chunks overlap'}")
-    return _overlap(boxes, cuts=2 * len(shape) + 1)
+    """Why `entry`'s chunks do not cover each of its elements exactly once (`backends.dcp_tiling`)."""
+    return tiling_problem(tuple(entry.size), ((chunk.offsets, chunk.sizes) for chunk in entry.chunks))
 
 
 def _file_size(path: Path) -> int | str:

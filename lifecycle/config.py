@@ -11,6 +11,8 @@ for hf) are checked against the class the section names. Formats and engines are
 their registries, so one registered from outside is selected exactly as a built-in is. The
 registries are imported when a config is checked, not with this module: the `lifecycle`
 package imports this module, and a backend module imported first imports `lifecycle.errors`.
+Composing a component's options is `lifecycle.config_components`' part, reading a YAML file
+`lifecycle.config_file`'s.
 """
 
 from __future__ import annotations
@@ -20,20 +22,20 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
-import yaml
 
 from backends.engines.options import (
     APPLY_MODES, AUTO, MAX_BUCKET_BYTES, MAX_TIMEOUT_S, MIN_BUCKET_BYTES, ROLLOUT_DTYPES, EngineOptions,
 )
-from lifecycle.boundary import read_bytes, role_problem
+from lifecycle.boundary import role_problem
+from lifecycle.config_components import compose
+from lifecycle.config_file import CONFIG_FILE_LIMIT, read_yaml
 from lifecycle.config_rules import (
-    Section, build, check_extras, describe, join, path_problem, place_sections, rule, validate,
+    Section, build, describe, join, path_problem, place_sections, rule, validate,
 )
-from lifecycle.errors import CheckpointError, ConfigError
+from lifecycle.errors import ConfigError, shorten
 
 if TYPE_CHECKING:
     from backends.base import FormatCapabilities
@@ -73,9 +75,6 @@ class OnDamaged(str, Enum):
 
 MAX_KEEP_LAST: int = 10**18
 """Step folders have at most 18 digits, so no root can hold more steps than this."""
-CONFIG_FILE_LIMIT: int = 1 << 20
-"""Bytes a YAML config file may hold: a real one is a few KiB, and a wrong path (a log, a device
-file) is refused instead of read whole."""
 
 _ALL_CONTENTS: tuple[Content, ...] = (Content.MODEL, Content.OPTIMIZER, Content.EXTRA)
 
@@ -150,8 +149,10 @@ class SaveConfig(Section):
             raise ConfigError(join(self._prefix, "contents"),
                               f"format {self.format!r} cannot hold {', '.join(held)}; it holds "
                               f"{', '.join(sorted(capabilities.contents))} (and extra)")
-        if self.options:
-            self.options = check_extras(self, self.options, FORMATS.get(self.format, key).Options)
+        if self.options or FORMATS.builtin(self.format) is None:  # a built-in is imported only when needed
+            options = FORMATS.get(self.format, key).Options
+            self.options = compose(self, self.options, options, selector=key,
+                                   what=f"format {shorten(self.format)}")[0]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -271,14 +272,27 @@ class EngineConfig(Section, EngineOptions):
     """The named engine's own keys, written beside the others and checked against its `Options`."""
 
     def _check(self) -> None:
-        if found := self.problem():
-            raise ConfigError(join(self._prefix, found[0]), found[1])
-        if self.options:
-            from backends.engines.registry import ENGINES
+        """The named engine's own keys are checked against its `Options`, which is then built
+        and asked for its `problem()`: an engine's own cross-field rule fails here, not at the
+        first sync. `auto` takes only the keys every engine does; a built-in named without keys
+        of its own is not imported."""
+        from backends.engines.registry import ENGINES
 
-            engine = None if self.backend == AUTO else ENGINES.get(self.backend, join(self._prefix, "backend"))
-            common = [f.name for f in fields(EngineOptions)]
-            self.options = check_extras(self, self.options, engine and engine.Options, exclude=common)
+        key = join(self._prefix, "backend")
+        named = self.backend != AUTO and (self.options or ENGINES.builtin(self.backend) is None)
+        engine = ENGINES.get(self.backend, key) if named else None
+        what = f"engine {shorten(self.backend)}" if self.backend != AUTO else \
+            "backend 'auto', which picks the engine by device,"
+        common = {f.name: getattr(self, f.name) for f in fields(EngineOptions)}
+        self.options, options = compose(self, self.options, engine.Options if engine else EngineOptions,
+                                        selector=key, what=what, common=EngineOptions, values=common)
+        try:
+            where, why = options.problem() or (None, None)
+        except Exception as exc:  # noqa: BLE001 - an engine's own problem() may raise anything
+            raise ConfigError(key, f"{what}: checking its options failed: {type(exc).__name__}: "
+                                   f"{shorten(str(exc))}") from exc
+        if where is not None:
+            raise ConfigError(join(self._prefix, where), str(why))
 
     def options_for(self, options: type[O]) -> O:
         """The options of an engine whose `Options` class is `options`: this section's values."""
@@ -305,7 +319,7 @@ class LifecycleConfig(Section):
     def from_yaml(cls, path: str | os.PathLike[str]) -> LifecycleConfig:
         """Build from a YAML file; file-level errors name the file since there is no key yet."""
         name = os.fspath(path)
-        data = _parse_yaml(name, _read_config_file(name))
+        data = read_yaml(name)
         if data is not None and not isinstance(data, Mapping):
             raise ConfigError(name, f"the top level must be a mapping of sections, got {describe(data)}")
         return cls.from_dict(data)
@@ -325,61 +339,6 @@ class LifecycleConfig(Section):
         raise ConfigError(
             "", f"expected a LifecycleConfig, a mapping, a YAML path or None, got {describe(source)}"
         )
-
-
-def _read_config_file(name: str) -> str:
-    """The file's text through the filesystem boundary: a FIFO or device at the path is refused
-    instead of blocking, a huge file unread. The path is resolved first, since a config file may
-    be a symlink (Kubernetes mounts ConfigMaps so); only its target must be a regular file."""
-    if problem := path_problem(name):
-        raise ConfigError(name or repr(name), f"cannot read config file: {problem}")
-    try:
-        real = Path(name).resolve()
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise ConfigError(name, f"cannot read config file: {exc}") from exc
-    try:
-        data = read_bytes(real, CONFIG_FILE_LIMIT, "the config file")
-    except CheckpointError as exc:
-        raise ConfigError(name, f"cannot read config file: {exc}") from exc
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(name, f"not UTF-8 text: cannot decode byte {exc.start} ({data[exc.start]:#04x})") from exc
-
-
-_YAML_DEPTH_LIMIT = 32
-"""Levels of nesting a config file may have; the tree itself is four deep (a list in a section)."""
-
-
-class _ShallowLoader(yaml.SafeLoader):
-    """`SafeLoader` that stops at `_YAML_DEPTH_LIMIT` levels: PyYAML's composer recurses once per
-    level, so deeper input would end in a `RecursionError` after seconds of work."""
-
-    _depth = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        self._depth += 1
-        try:
-            if self._depth > _YAML_DEPTH_LIMIT:
-                mark = self.peek_event().start_mark
-                raise yaml.composer.ComposerError(None, None, f"nested deeper than {_YAML_DEPTH_LIMIT} levels", mark)
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-def _parse_yaml(name: str, text: str) -> object:
-    """Safe YAML, with the parser's own exceptions as `ConfigError`s naming the file: past
-    `YAMLError`, PyYAML raises `ValueError` on values such as a date of month 13 or an integer of
-    more than 4300 digits (and `RecursionError` if called with little stack left)."""
-    try:
-        return yaml.load(text, Loader=_ShallowLoader)  # noqa: S506 (a SafeLoader)
-    except yaml.YAMLError as exc:
-        raise ConfigError(name, f"not valid YAML: {exc}") from exc
-    except RecursionError as exc:
-        raise ConfigError(name, "not valid YAML: nested too deeply to parse") from exc
-    except (ValueError, ArithmeticError) as exc:
-        raise ConfigError(name, f"not valid YAML: a value cannot be read: {exc}") from exc
 
 
 def format_family(name: str) -> str | None:

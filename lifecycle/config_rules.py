@@ -8,7 +8,8 @@ exception that leaves is a `ConfigError` naming the dotted key.
 A component outside the lifecycle (an engine's or a format's options dataclass) states its
 bounds as plain field metadata named like `Rule`'s fields (`{"ge": 64, "choices": (...)}`), so
 it need not import this module; a section composes such a dataclass by inheriting it, and a
-component's own extra keys land in the section's `extras` field (see `check_extras`).
+component's own extra keys land in the section's `extras` field (see
+`lifecycle.config_components.compose`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 import math
 import re
 import types
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import Field, dataclass, fields, is_dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import Field, dataclass, fields
 from enum import Enum
 from functools import cache
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
@@ -57,7 +58,7 @@ class Rule:
     """The string names a file or folder: checked by `path_problem`."""
     extras: bool = False
     """A `dict` field holding the keys the section does not declare, for the component the
-    section selects to check (`check_extras`); flattened into the section in data and dumps."""
+    section selects to check (`compose`); flattened into the section in data and dumps."""
 
 
 NO_RULE = Rule()
@@ -106,7 +107,7 @@ class Section:
 def place_sections(cls: type[Section], prefix: str = "") -> None:
     """Give each section class its dotted path; each sits at exactly one place in the tree."""
     cls._prefix = prefix
-    for name, hint in _hints(cls).items():
+    for name, hint in hints_of(cls).items():
         if isinstance(hint, type) and issubclass(hint, Section):
             place_sections(hint, join(prefix, name))
 
@@ -136,12 +137,13 @@ def _key_of(f: Field[Any]) -> str:
 
 
 @cache
-def _hints(cls: type) -> dict[str, Any]:
+def hints_of(cls: type) -> dict[str, Any]:
+    """A dataclass's resolved type hints, once per class."""
     return get_type_hints(cls)
 
 
 @cache
-def _keys(cls: type) -> dict[str, str]:
+def keys_of(cls: type) -> dict[str, str]:
     """External key -> attribute of the fields that take a key of their own (not `extras`)."""
     return {_key_of(f): f.name for f in fields(cls) if not rule_of(f).extras}
 
@@ -153,7 +155,7 @@ def _extras_field(cls: type) -> str | None:
 
 def valid_keys(cls: type) -> list[str]:
     """The keys a section lists as valid: its own, less the deprecated ones."""
-    return sorted(key for key, name in _keys(cls).items() if not _deprecated(cls, name))
+    return sorted(key for key, name in keys_of(cls).items() if not _deprecated(cls, name))
 
 
 def _deprecated(cls: type, name: str) -> bool:
@@ -165,7 +167,7 @@ def build(cls: type[Any], data: object) -> Any:
     path = cls._prefix
     if not isinstance(data, Mapping):
         raise ConfigError(path, f"expected a mapping for section {path or 'config'}, got {describe(data)}")
-    keys, extras_field = _keys(cls), _extras_field(cls)
+    keys, extras_field = keys_of(cls), _extras_field(cls)
     kwargs: dict[str, Any] = {}
     extras: dict[str, Any] = {}
     for key, value in data.items():
@@ -182,35 +184,21 @@ def build(cls: type[Any], data: object) -> Any:
     return cls(**kwargs)
 
 
-def check_extras(section: Section, extras: Mapping[str, Any], options: type | None,
-                 exclude: Collection[str] = ()) -> dict[str, Any]:
-    """`extras` (keys `section` does not declare) coerced and checked as fields of the
-    component's `options` dataclass (None: it takes none); `exclude`: fields of `options` that
-    the section declares itself. A key that is neither is unknown, listed with all valid keys."""
-    own = {} if options is None else {f.name: f for f in fields(options) if f.init and f.name not in exclude}
-    hints = {} if options is None else _hints(options)
-    checked: dict[str, Any] = {}
-    for key, value in extras.items():
-        where = join(section._prefix, key)
-        if key not in own:
-            listed = sorted({*valid_keys(type(section)), *own})
-            raise ConfigError(where, f"unknown key; valid keys: {', '.join(listed)}")
-        checked[key] = _coerce(value, hints[key], where)
-        if checked[key] is not None:
-            _apply_rule(checked[key], rule_of(own[key]), where)
-    return checked
-
-
 def validate(section: Section) -> None:
     """The one validation path: coerce every field by its type hint, apply its rule, then cross-check."""
-    hints = _hints(type(section))
+    hints = hints_of(type(section))
     for f in fields(section):  # type: ignore[arg-type]
-        key = join(section._prefix, _key_of(f))
-        value = _coerce(getattr(section, f.name), hints[f.name], key)
-        if value is not None:
-            _apply_rule(value, rule_of(f), key)
-        setattr(section, f.name, value)
+        setattr(section, f.name, check_value(getattr(section, f.name), hints[f.name], rule_of(f),
+                                             join(section._prefix, _key_of(f))))
     section._check()
+
+
+def check_value(value: object, hint: Any, rule: Rule, key: str) -> Any:
+    """`value` coerced to the type `hint` and checked against `rule`; a `ConfigError` on `key`."""
+    value = _coerce(value, hint, key)
+    if value is not None:
+        _apply_rule(value, rule, key)
+    return value
 
 
 _SCALARS: dict[type, tuple[str, tuple[type, ...]]] = {
@@ -229,20 +217,28 @@ def _coerce(value: object, hint: Any, key: str, where: str = "") -> Any:
     """
     if get_origin(hint) in (Union, types.UnionType):
         inner = [arg for arg in get_args(hint) if arg is not type(None)]
+        if len(inner) > 1:  # which member a value meant is not for a coercion to guess
+            raise ConfigError(key, f"no coercion for field type {hint!r}")
         return None if value is None else _coerce(value, inner[0], key, where)
     if get_origin(hint) is dict:
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
             raise ConfigError(key, f"{where}expected a mapping of keys to values, got {describe(value)}")
-        return dict(value)
+        inner = get_args(hint)[1] if len(get_args(hint)) == 2 else Any
+        return {k: v if inner is Any else _coerce(v, inner, key, f"{where}key {shorten(k)}: ")
+                for k, v in value.items()}
     if get_origin(hint) is list:
         if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
             raise ConfigError(key, f"expected a list, got {describe(value)}")
         return [_coerce(v, get_args(hint)[0], key, f"item {i}: ") for i, v in enumerate(value)]
     if isinstance(hint, type) and issubclass(hint, Enum):
-        choices = [member.value for member in hint]
-        if isinstance(value, str) and value in choices:
-            return hint(value)
-        raise ConfigError(key, f"{where}expected one of {', '.join(choices)}, got {describe(value)}")
+        if isinstance(value, hint):
+            return value
+        for member in hint:  # by value, of the value's own type: True is no stand-in for 1
+            if isinstance(value, type(member.value)) and isinstance(value, bool) == isinstance(member.value, bool) \
+                    and value == member.value:
+                return member
+        choices = ", ".join(str(member.value) for member in hint)
+        raise ConfigError(key, f"{where}expected one of {choices}, got {describe(value)}")
     if hint is str and isinstance(value, Enum) and isinstance(value.value, str):
         value = value.value  # a str Enum's member (`Format.HF`) stands for its name
     if hint in _SCALARS:
@@ -250,7 +246,7 @@ def _coerce(value: object, hint: Any, key: str, where: str = "") -> Any:
         if isinstance(value, bool) and hint is not bool or not isinstance(value, accepted):
             raise ConfigError(key, f"{where}expected {what}, got {describe(value)}")
         return _finite(value, key, where) if hint is float else value  # type: ignore[arg-type]
-    if is_dataclass(hint):
+    if isinstance(hint, type) and issubclass(hint, Section):
         if isinstance(value, hint):
             validate(value)  # type: ignore[arg-type]
             return value
@@ -295,7 +291,11 @@ def _apply_rule(value: Any, rule: Rule, key: str) -> None:
 
 
 def _check_string(value: str, rule: Rule, key: str, where: str) -> None:
-    if rule.problem is not None and (problem := rule.problem(value)):
+    try:
+        problem = rule.problem(value) if rule.problem is not None else None
+    except Exception as exc:  # noqa: BLE001 - a component's own rule may raise anything
+        raise ConfigError(key, f"{where}checking the value failed: {type(exc).__name__}: {shorten(str(exc))}") from exc
+    if problem:
         raise ConfigError(key, f"{where}{problem}")
     if rule.path and (problem := path_problem(value)):
         raise ConfigError(key, f"{where}{problem}")
@@ -315,4 +315,6 @@ def _plain(value: Any) -> Any:
         return value.value
     if isinstance(value, list):
         return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     return value

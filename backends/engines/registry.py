@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from backends.engines.options import AUTO
+from backends.engines.options import AUTO, EngineCapabilities, EngineOptions
 from backends.registry import Builtin, Registry
-from lifecycle.errors import ConfigError
+from lifecycle.errors import ConfigError, shorten
 
 if TYPE_CHECKING:
     from backends.engines.base import CheckpointEngine
@@ -28,9 +28,20 @@ DEVICE_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 """What `backend: auto` picks for the device the model lives on."""
 _KEY = "engine.backend"
 
+
+def _contract(cls: type) -> str | None:
+    """What `WeightSync` and the config rely on beyond subclassing `CheckpointEngine`."""
+    capabilities, options = getattr(cls, "capabilities", None), getattr(cls, "Options", None)
+    if not isinstance(capabilities, EngineCapabilities):
+        return f"its `capabilities` is {shorten(capabilities)}, not an EngineCapabilities"
+    if not (isinstance(options, type) and issubclass(options, EngineOptions)):
+        return f"its `Options` is {shorten(options)}, not a subclass of EngineOptions"
+    return None
+
+
 ENGINES: Registry[CheckpointEngine] = Registry(
     "checkpoint engine", base="backends.engines.base:CheckpointEngine", group=ENTRY_POINT_GROUP, key=_KEY,
-    builtins={
+    reserved=(AUTO,), check=_contract, builtins={
         "gloo": Builtin("backends.engines.gloo:GlooEngine"),
         "nccl": Builtin("backends.engines.nccl:NcclEngine"),
         "hccl": Builtin("backends.engines.hccl:HcclEngine"),

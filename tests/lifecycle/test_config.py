@@ -42,7 +42,7 @@ checkpoint:
   save: {format: dist_ckpt, contents: [model, optimizer], async: true}
 resume: {mode: path, path: /ckpt/global_step_7, strict: false}
 engine:
-  backend: my_pkg.engines:FastEngine
+  backend: tests.backends.engines.custom_engine:OutsideEngine
   bucket_bytes: 1024
   verify: false
   apply: streamed
@@ -66,7 +66,7 @@ def _custom_dict() -> dict[str, Any]:
         },
         "resume": {"mode": "path", "path": "/ckpt/global_step_7", "strict": False, "on_damaged": "fallback"},
         "engine": {
-            "backend": "my_pkg.engines:FastEngine",
+            "backend": "tests.backends.engines.custom_engine:OutsideEngine",
             "bucket_bytes": 1024,
             "verify": False,
             "apply": "streamed",
@@ -254,12 +254,13 @@ def test_async_underscore_is_not_a_dict_key() -> None:
         ({"checkpoint": {"save": {"fromat": "hf"}}}, "checkpoint.save.fromat",
          "async, contents, format, max_shard_bytes"),
         ({"checkpoint": {"save": {"format": "torch_dcp", "fromat": 1}}}, "checkpoint.save.fromat",
-         "async, contents, format"),
+         "async, contents, format; format 'torch_dcp' takes no keys of its own"),
         ({"resume": {"mod": "auto"}}, "resume.mod", "mode, on_damaged, path, strict"),
         (
             {"engine": {"bucket": 1}},
             "engine.bucket",
-            "apply, backend, bucket_bytes, profile, profile_dir, rollout_dtype, timeout_s, verify",
+            "apply, backend, bucket_bytes, profile, profile_dir, rollout_dtype, timeout_s, verify; "
+            "backend 'auto', which picks the engine by device, takes no keys of its own",
         ),
     ],
 )
@@ -362,7 +363,8 @@ def test_the_hf_shard_size_is_a_save_key_bounded_by_the_hf_options() -> None:
 
 def test_the_hf_shard_size_is_no_key_of_a_format_without_it() -> None:
     err = _error({"checkpoint": {"save": {"format": "torch_dcp", "max_shard_bytes": 4096}}})
-    assert str(err) == "checkpoint.save.max_shard_bytes: unknown key; valid keys: async, contents, format"
+    assert str(err) == ("checkpoint.save.max_shard_bytes: unknown key; valid keys: async, contents, format; "
+                        "format 'torch_dcp' takes no keys of its own")
 
 
 def test_bad_list_item_says_which_item() -> None:
@@ -490,10 +492,16 @@ def test_duplicate_contents_is_an_error(section: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "backend", ["auto", "gloo", "nccl", "hccl", "shm", "naive", "pkg.mod:Engine", "_p:_E"]
+    "backend", ["auto", "gloo", "nccl", "hccl", "shm", "naive", "tests.backends.engines.custom_engine:OutsideEngine"]
 )
 def test_engine_backend_accepts_the_names_and_import_paths(backend: str) -> None:
     assert LifecycleConfig(engine={"backend": backend}).engine.backend == backend
+
+
+@pytest.mark.parametrize("backend", ["pkg.mod:Engine", "_p:_E"])
+def test_engine_backend_naming_a_module_that_is_not_installed_is_refused_by_the_config(backend: str) -> None:
+    err = _error({"engine": {"backend": backend}})
+    assert err.key == "engine.backend" and f"checkpoint engine {backend!r} needs the package" in str(err)
 
 
 @pytest.mark.parametrize("backend", ["NCCL", "pkg.mod.Engine", "1pkg:Engine", "pkg:", "pkg:Eng.ine", "a b:C"])

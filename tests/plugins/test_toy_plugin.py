@@ -7,7 +7,6 @@ YAML config selects both by name, and a `Lifecycle` saves, resumes and syncs thr
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from backends.engines.registry import ENGINES
 from lifecycle import Lifecycle, LifecycleConfig
 from lifecycle.errors import ConfigError
 from lifecycle.testing import MemoryRollout
+from tests.plugins.distribution import install
 
 SITE = Path(__file__).parent / "site"
 ENTRY_POINTS = """\
@@ -60,12 +60,7 @@ def toy_site(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.fixture
 def installed(toy_site: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A dist-info declaring the package's entry points, found by `importlib.metadata`."""
-    dist = tmp_path / "site-packages" / "toy_checkpoints-0.1.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-checkpoints\nVersion: 0.1\n", encoding="utf-8")
-    (dist / "entry_points.txt").write_text(ENTRY_POINTS, encoding="utf-8")
-    monkeypatch.syspath_prepend(str(dist.parent))
-    importlib.invalidate_caches()
+    install(tmp_path, monkeypatch, "toy-checkpoints", ENTRY_POINTS)
 
 
 @pytest.fixture

@@ -222,8 +222,9 @@ def _mutate(data: dict[str, Any], kind: str, where: list[int], value: Any) -> No
     elif kind == "drop_bucket" and buckets:
         buckets.pop(where[0] % len(buckets))
     elif kind == "bucket_bytes":
-        data["bucket_bytes"] = value if not isinstance(value, int) or isinstance(value, bool) else data[
-            "bucket_bytes"] + value
+        size = data["bucket_bytes"]  # an earlier edit may have made it a non-number already
+        numbers = all(isinstance(n, int) and not isinstance(n, bool) for n in (value, size))
+        data["bucket_bytes"] = size + value if numbers else value
     elif kind == "verify":
         data["verify"] = value if not isinstance(value, int) else not data["verify"]
     elif kind in ("name", "dtype", "shape") and tensors:

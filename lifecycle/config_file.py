@@ -1,0 +1,82 @@
+"""A config file read into plain data, every failure a `ConfigError` naming the file.
+
+The file is read through the filesystem boundary (a FIFO or device at the path is refused, not
+waited on; a huge file is not read) and parsed as safe YAML with a nesting limit, so neither a
+wrong path nor hostile text gets past here as anything but a typed error. What the data means
+is `lifecycle.config`'s business.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lifecycle.boundary import read_bytes
+from lifecycle.config_rules import path_problem
+from lifecycle.errors import CheckpointError, ConfigError
+
+CONFIG_FILE_LIMIT: int = 1 << 20
+"""Bytes a YAML config file may hold: a real one is a few KiB, and a wrong path (a log, a device
+file) is refused instead of read whole."""
+
+
+def read_yaml(name: str) -> object:
+    """The data in the YAML file `name`; None for an empty file."""
+    return _parse_yaml(name, _read_config_file(name))
+
+
+def _read_config_file(name: str) -> str:
+    """The file's text through the filesystem boundary: a FIFO or device at the path is refused
+    instead of blocking, a huge file unread. The path is resolved first, since a config file may
+    be a symlink (Kubernetes mounts ConfigMaps so); only its target must be a regular file."""
+    if problem := path_problem(name):
+        raise ConfigError(name or repr(name), f"cannot read config file: {problem}")
+    try:
+        real = Path(name).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise ConfigError(name, f"cannot read config file: {exc}") from exc
+    try:
+        data = read_bytes(real, CONFIG_FILE_LIMIT, "the config file")
+    except CheckpointError as exc:
+        raise ConfigError(name, f"cannot read config file: {exc}") from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(name, f"not UTF-8 text: cannot decode byte {exc.start} ({data[exc.start]:#04x})") from exc
+
+
+_YAML_DEPTH_LIMIT = 32
+"""Levels of nesting a config file may have; the tree itself is four deep (a list in a section)."""
+
+
+class _ShallowLoader(yaml.SafeLoader):
+    """`SafeLoader` that stops at `_YAML_DEPTH_LIMIT` levels: PyYAML's composer recurses once per
+    level, so deeper input would end in a `RecursionError` after seconds of work."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > _YAML_DEPTH_LIMIT:
+                mark = self.peek_event().start_mark
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {_YAML_DEPTH_LIMIT} levels", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _parse_yaml(name: str, text: str) -> object:
+    """Safe YAML, with the parser's own exceptions as `ConfigError`s naming the file: past
+    `YAMLError`, PyYAML raises `ValueError` on values such as a date of month 13 or an integer of
+    more than 4300 digits (and `RecursionError` if called with little stack left)."""
+    try:
+        return yaml.load(text, Loader=_ShallowLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(name, f"not valid YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise ConfigError(name, "not valid YAML: nested too deeply to parse") from exc
+    except (ValueError, ArithmeticError) as exc:
+        raise ConfigError(name, f"not valid YAML: a value cannot be read: {exc}") from exc
