@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from backends.registry import Builtin, Registry
-from lifecycle.errors import CheckpointError, ConfigError
+from lifecycle.errors import CheckpointError, ConfigError, shorten
 
 FORMAT_ENTRY_POINT_GROUP = "trainer_lifecycle.formats"
 PLAIN_TORCH = "plain-torch"
@@ -57,6 +57,9 @@ class FormatCapabilities:
         if "model" not in self.contents or not self.contents <= MODEL_CONTENTS:
             raise ConfigError("capabilities.contents", f"a format holds 'model' and any of "
                                                        f"{sorted(MODEL_CONTENTS)}, got {sorted(self.contents)}")
+        if not (isinstance(self.family, str) and self.family):
+            raise ConfigError("capabilities.family", f"a format names the model family it loads into, "
+                                                     f"got {shorten(self.family)}")
 
 
 class FormatBackend:
@@ -137,8 +140,17 @@ MBRIDGE_CAPABILITIES = FormatCapabilities(family=MEGATRON, parallel_invariant=Tr
 DIST_CKPT_CAPABILITIES = FormatCapabilities(family=MEGATRON, parallel_invariant=True, collective_save=True,
                                             reads_pickles=True)
 
+def _contract(cls: type) -> str | None:
+    """What the config and the checkpointer rely on beyond subclassing `FormatBackend`, checked
+    when a format is registered or looked up rather than when a save needs it (its `Options`
+    are checked where the config composes them)."""
+    if not isinstance(getattr(cls, "capabilities", None), FormatCapabilities):
+        return "declares no FormatCapabilities as its `capabilities`"
+    return None
+
+
 FORMATS: Registry[FormatBackend] = Registry("format", base=FormatBackend, group=FORMAT_ENTRY_POINT_GROUP,
-                                            key="checkpoint.save.format", builtins={
+                                            key="checkpoint.save.format", check=_contract, builtins={
     "hf": Builtin("backends.hf:HFBackend", info=HF_CAPABILITIES),
     "torch_dcp": Builtin("backends.torch_dcp:TorchDCPBackend", info=TORCH_DCP_CAPABILITIES),
     "mbridge": Builtin("backends.mbridge:MBridgeBackend", extra="megatron", info=MBRIDGE_CAPABILITIES),
@@ -163,12 +175,7 @@ def format_capabilities(name: str, key: str = "checkpoint.save.format") -> Forma
     builtin = FORMATS.builtin(name)
     if builtin is not None and isinstance(builtin.info, FormatCapabilities):
         return builtin.info
-    cls = FORMATS.get(name, key)
-    capabilities = getattr(cls, "capabilities", None)
-    if not isinstance(capabilities, FormatCapabilities):
-        raise ConfigError(key, f"format {name!r} ({cls.__qualname__}) declares no FormatCapabilities "
-                               "as its `capabilities`")
-    return capabilities
+    return FORMATS.get(name, key).capabilities  # the registry's check vouches for the type
 
 
 _MAX_LISTED = 20

@@ -151,10 +151,12 @@ def test_a_format_registered_by_decorator_is_usable_in_config(monkeypatch: pytes
     assert Twin(**cfg.checkpoint.save.options).max_shard_bytes == 64
 
 
-def test_a_format_without_capabilities_is_refused_by_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_format_without_capabilities_is_refused_when_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(FORMATS, "_registered", dict(FORMATS._registered))
-    FORMATS.register("bare")(type("Bare", (FormatBackend,), {}))
-    with pytest.raises(ConfigError, match=r"^checkpoint\.save\.format: format 'bare' \(Bare\) declares no "):
+    with pytest.raises(ConfigError, match=r"^checkpoint\.save\.format: format 'bare' \(Bare\): declares no "
+                                          r"FormatCapabilities"):
+        FORMATS.register("bare")(type("Bare", (FormatBackend,), {}))
+    with pytest.raises(ConfigError, match=r"^checkpoint\.save\.format: .*'bare'"):
         LifecycleConfig(checkpoint={"save": {"format": "bare"}})
 
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import backends.registry as registry_module
-from backends.base import FORMATS, backend_class
+from backends.base import FORMATS, FormatBackend, FormatCapabilities, backend_class
 from backends.engines import CheckpointEngineRegistry
 from backends.engines.naive import NaiveEngine
 from backends.engines.options import EngineCapabilities
@@ -281,3 +281,23 @@ def test_an_engine_whose_capabilities_are_right_is_registered() -> None:
     registry = registry_module.Registry("checkpoint engine", base=NaiveEngine, group="tests.none", key="k",
                                         check=ENGINES._check)
     assert registry.register("fine")(fine) is fine and registry.get("fine") is fine
+
+
+# --- a format's contract beyond subclassing --------------------------------------------------------
+
+
+@pytest.mark.parametrize("capabilities", [{"family": "plain-torch"}, None])
+def test_a_format_with_capabilities_of_the_wrong_type_is_refused_when_registered(
+    capabilities: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FORMATS, "_registered", dict(FORMATS._registered))
+    careless = type("CarelessFormat", (FormatBackend,), {"__module__": __name__, "capabilities": capabilities})
+    said = "declares no FormatCapabilities as its `capabilities`"
+    assert said in _refused(FORMATS.register("careless_format"), careless, key="checkpoint.save.format")
+    assert "careless_format" not in FORMATS.names()
+
+
+@pytest.mark.parametrize("family", ["", None, 3])
+def test_capabilities_without_a_model_family_are_refused(family: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^capabilities\.family: a format names the model family"):
+        FormatCapabilities(family=family)
