@@ -136,8 +136,8 @@ class Lifecycle:
         with Phase(self, "resume", None) as phase:
             restored = self.checkpointer.resume(self.parts)
             if restored is None:
-                self._log.info("lifecycle.resume_fallback", role=self.role, reason="the checkpointer restored nothing",
-                               action="init_load")
+                self._log.info("lifecycle.resume_fallback", role=self.role, mode=self.config.resume.mode.value,
+                               reason="the checkpointer restored nothing", action="init_load")
                 phase.figures.update(self.checkpointer.load_initial(self.parts), fallback="init_load")
                 self.progress = Progress()
                 return None

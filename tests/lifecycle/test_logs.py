@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+import torch
 from structlog.testing import capture_logs
 
 from lifecycle import InvalidTransition, Lifecycle, State
@@ -143,3 +144,16 @@ def test_chrome_trace_has_one_complete_event_per_transition(lc: Lifecycle, tmp_p
     assert events[0]["ts"] <= events[1]["ts"] <= events[2]["ts"]
     assert events[2]["args"]["ok"] is False and "SAVING" in events[2]["args"]["path"]
     assert lc.state is State.FAILED
+
+
+@pytest.mark.parametrize(("mode", "reason"), [("disable", "resume.mode is disable"),
+                                              ("auto", "no complete checkpoint")])
+def test_a_resume_that_restores_nothing_logs_why_and_the_mode(tmp_path: Path, mode: str, reason: str) -> None:
+    lc = Lifecycle({"checkpoint": {"root": str(tmp_path)}, "resume": {"mode": mode}}, model=torch.nn.Linear(2, 2))
+    with capture_logs() as logs:
+        assert lc.resume() is None
+    lc.close()
+    none = [e for e in logs if e["event"] == "checkpoint.resume.none"]
+    fallback = [e for e in logs if e["event"] == "lifecycle.resume_fallback"]
+    assert [e["reason"] for e in none] == [reason]
+    assert [(e["mode"], e["action"]) for e in fallback] == [(mode, "init_load")]
