@@ -17,13 +17,14 @@ from typing import Any, ClassVar
 
 from backends.registry import Builtin, Registry
 from lifecycle.errors import CheckpointError, ConfigError, shorten
+from lifecycle.types import FORMAT_CONTENTS
 
 FORMAT_ENTRY_POINT_GROUP = "trainer_lifecycle.formats"
 PLAIN_TORCH = "plain-torch"
 """Model family of torch modules whose state dict is the weights (HF, FSDP2, DTensor)."""
 MEGATRON = "Megatron"
 """Model family of Megatron-Core models (`backends.megatron.MegatronModel`)."""
-MODEL_CONTENTS: frozenset[str] = frozenset({"model", "hf_model", "optimizer"})
+MODEL_CONTENTS: frozenset[str] = FORMAT_CONTENTS
 """The step-folder contents a format writes; `extra` (RNG, data position) is the lifecycle's own."""
 
 

@@ -36,6 +36,7 @@ from lifecycle.config_rules import (
     Section, build, describe, join, path_problem, place_sections, rule, validate,
 )
 from lifecycle.errors import ConfigError, shorten
+from lifecycle.types import Content
 
 if TYPE_CHECKING:
     from backends.base import FormatCapabilities
@@ -47,15 +48,6 @@ __all__ = [
 ]
 
 O = TypeVar("O", bound=EngineOptions)
-
-
-class Content(str, Enum):
-    """One part of a checkpoint step folder."""
-
-    MODEL = "model"
-    HF_MODEL = "hf_model"
-    OPTIMIZER = "optimizer"
-    EXTRA = "extra"
 
 
 class ResumeMode(str, Enum):

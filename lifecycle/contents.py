@@ -22,7 +22,7 @@ from backends.base import FormatBackend
 from lifecycle.boundary import os_errors
 from lifecycle.errors import CheckpointError
 from lifecycle.extra import load_extra, save_extra
-from lifecycle.types import Parts, Progress, Written
+from lifecycle.types import Content, Parts, Progress, Written
 
 _RANK_DIR = re.compile(r"rank_([0-9]+)")
 
@@ -128,21 +128,21 @@ def _read_extra(reading: Reading) -> Loaded:
 
 
 CONTENTS: Mapping[str, ContentIO] = MappingProxyType({
-    "model": ContentIO(
+    Content.MODEL.value: ContentIO(
         write=lambda w: w.backend.save_model(w.parts.model, w.folder),
         read=_read_model, holds="model"),
-    "hf_model": ContentIO(
+    Content.HF_MODEL.value: ContentIO(
         write=lambda w: w.backend.export_hf(w.parts.model, w.folder),
         read=None, holds="model", shares_folder_when_native_hf="model"),
-    "optimizer": ContentIO(
+    Content.OPTIMIZER.value: ContentIO(
         write=lambda w: w.backend.save_optimizer(w.parts.optimizer, w.parts.lr_scheduler, w.folder,
                                                  model=w.parts.model),
         read=_read_optimizer, holds="optimizer"),
-    "extra": ContentIO(
+    Content.EXTRA.value: ContentIO(
         write=lambda w: save_extra(w.folder, w.progress, w.parts.dataloader),
         read=_read_extra, by_format=False, per_rank=True, copied_for_async=False, optional_on_resume=True),
 })
-"""Every content a step folder can hold, in the order of the config's `Content`."""
+"""Every content a step folder can hold, keyed by the plain names of `Content`."""
 
 
 def content_io(name: str, where: Path) -> ContentIO:

@@ -5,8 +5,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
+
+
+class Content(str, Enum):
+    """One part of a checkpoint step folder. Named here, once, for the config (which parts to
+    write and read), the content table (how) and the formats (which parts each can hold)."""
+
+    MODEL = "model"
+    HF_MODEL = "hf_model"
+    OPTIMIZER = "optimizer"
+    EXTRA = "extra"
+
+
+FORMAT_CONTENTS: frozenset[str] = frozenset({Content.MODEL.value, Content.HF_MODEL.value, Content.OPTIMIZER.value})
+"""The contents a format writes; `extra` (progress, RNG, data position) is the lifecycle's own."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -692,3 +692,14 @@ def test_a_false_legacy_flag_changes_nothing_but_still_warns() -> None:
 def test_a_legacy_flag_contradicting_an_explicit_format_names_both_keys() -> None:
     with pytest.raises(ConfigError, match=r"checkpoint\.save\.format 'mbridge'.*use_dist_checkpointing"):
         LifecycleConfig.from_dict({"checkpoint": {"use_dist_checkpointing": True, "save": {"format": "mbridge"}}})
+
+
+def test_content_names_come_from_one_enum_for_the_config_the_content_table_and_the_formats() -> None:
+    from backends.base import MODEL_CONTENTS
+    from lifecycle.config import Content as ConfigContent
+    from lifecycle.contents import CONTENTS
+    from lifecycle.types import Content
+
+    assert ConfigContent is Content
+    assert list(CONTENTS) == [c.value for c in Content] and all(type(name) is str for name in CONTENTS)
+    assert MODEL_CONTENTS == {c.value for c in Content} - {Content.EXTRA.value}
