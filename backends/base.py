@@ -35,8 +35,9 @@ class FormatCapabilities:
     family: str
     """The model implementation it loads into (`PLAIN_TORCH`, `MEGATRON` or a family of its own):
     one worker runs one implementation, so all the formats a config names must share it."""
-    contents: frozenset[str] = MODEL_CONTENTS
-    """Which of model, hf_model and optimizer it can write into a step folder."""
+    contents: frozenset[str] = frozenset({"model", "optimizer"})
+    """Which of model, hf_model and optimizer it can write into a step folder; hf_model only with
+    `native_hf` or an `export_hf` of its own (checked at registration)."""
     parallel_invariant: bool = False
     """A checkpoint saved at one parallel layout loads at another."""
     collective_save: bool = False
@@ -133,20 +134,27 @@ class FormatBackend:
         raise NotImplementedError
 
 
-HF_CAPABILITIES = FormatCapabilities(family=PLAIN_TORCH, supports_async=True, native_hf=True, verifies_reads=True)
-TORCH_DCP_CAPABILITIES = FormatCapabilities(family=PLAIN_TORCH, parallel_invariant=True, collective_save=True,
-                                            supports_async=True, reads_pickles=True)
-MBRIDGE_CAPABILITIES = FormatCapabilities(family=MEGATRON, parallel_invariant=True, collective_save=True,
-                                          native_hf=True)
-DIST_CKPT_CAPABILITIES = FormatCapabilities(family=MEGATRON, parallel_invariant=True, collective_save=True,
-                                            reads_pickles=True)
+HF_CAPABILITIES = FormatCapabilities(family=PLAIN_TORCH, contents=MODEL_CONTENTS, supports_async=True,
+                                     native_hf=True, verifies_reads=True)
+TORCH_DCP_CAPABILITIES = FormatCapabilities(family=PLAIN_TORCH, contents=MODEL_CONTENTS, parallel_invariant=True,
+                                            collective_save=True, supports_async=True, reads_pickles=True)
+MBRIDGE_CAPABILITIES = FormatCapabilities(family=MEGATRON, contents=MODEL_CONTENTS, parallel_invariant=True,
+                                          collective_save=True, native_hf=True)
+DIST_CKPT_CAPABILITIES = FormatCapabilities(family=MEGATRON, contents=MODEL_CONTENTS, parallel_invariant=True,
+                                            collective_save=True, reads_pickles=True)
+
 
 def _contract(cls: type) -> str | None:
     """What the config and the checkpointer rely on beyond subclassing `FormatBackend`, checked
     when a format is registered or looked up rather than when a save needs it (its `Options`
     are checked where the config composes them)."""
-    if not isinstance(getattr(cls, "capabilities", None), FormatCapabilities):
+    capabilities = getattr(cls, "capabilities", None)
+    if not isinstance(capabilities, FormatCapabilities):
         return "declares no FormatCapabilities as its `capabilities`"
+    if ("hf_model" in capabilities.contents and not capabilities.native_hf
+            and getattr(cls, "export_hf", None) is FormatBackend.export_hf):
+        return ("its capabilities hold hf_model, but it neither writes HF safetensors (native_hf) nor overrides "
+                "export_hf: leave hf_model out of its contents")
     return None
 
 

@@ -92,8 +92,8 @@ class MBridgeBackend(FormatBackend):
         return write_hf_export(model, folder)
 
     def load_model(self, model: Any, folder: Path, *, expected: Mapping[str, str] | None = None) -> set[str]:
-        """The bridge reads the files itself, unhashed: none is reported verified, so resume
-        hashes each one (after loading) against `expected`."""
+        """The bridge reads the files itself, unhashed: mbridge does not claim `verifies_reads`,
+        so resume hashes every file against the manifest before this load starts."""
         bridge, chunks = bridge_of(model, "the mbridge format"), chunks_of(model)
         agree(_load_problem(bridge, chunks, folder))
         with library_errors("mbridge load", folder), cpu_safe():

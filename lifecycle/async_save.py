@@ -132,7 +132,10 @@ class HostCopier:
         if not isinstance(optimizer, torch.optim.Optimizer):
             return StateOnly(self.tree(optimizer.state_dict(), "optimizer"))
         frozen = type(optimizer).__new__(type(optimizer))
-        frozen.__dict__.update(vars(optimizer))
+        # Not the instance's own callables: an lr scheduler patches `step` onto the live optimizer,
+        # bound to it, and a copy that kept it would step the live one (torch's state-dict helper
+        # steps an optimizer without state once, at lr 0, to create it).
+        frozen.__dict__.update({k: v for k, v in vars(optimizer).items() if not callable(v)})
         groups = []
         for i, group in enumerate(optimizer.param_groups):
             hyper = self.tree({k: v for k, v in group.items() if k != "params"}, f"optimizer.group{i}")

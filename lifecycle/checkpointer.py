@@ -26,7 +26,7 @@ from lifecycle.config import LifecycleConfig
 from lifecycle.contents import ContentWriter
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.manifest import MANIFEST, check_folder
-from lifecycle.resumer import HashFn, Resumed, Resumer, _value, log_outcome
+from lifecycle.resumer import HashFn, Resumed, Resumer, _value, build_format, log_outcome
 from lifecycle.role import RoleRank
 from lifecycle.saver import SaveJob, Saver, agree_fn
 from lifecycle.store import CheckpointStore, check_role
@@ -155,7 +155,7 @@ class DiskCheckpointer:
             raise CheckpointError(f"{folder}: checkpoint.pre_load.path is not a folder")
         self._verify_pre_load(folder, name)
         with os_errors("cannot read checkpoint.pre_load.path", folder):
-            backend_class(name)().load_model(parts.model, folder)
+            build_format(self.config, name).load_model(parts.model, folder)
         self._resumer.overwritten = None
         size, count = folder_figures(folder)
         return {"backend": name, "path": str(folder), "bytes": size, "files": count}

@@ -119,6 +119,10 @@ def _hash_all(
     return out
 
 
+def _is_digest(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
+
+
 def _digests(folder: Path, rels: list[str], written: Mapping[str, str], *, fsync: bool) -> dict[str, str]:
     """The digests the save's writers returned (`written`), taken as they are; the rest of
     `rels` read and hashed.
@@ -134,6 +138,9 @@ def _digests(folder: Path, rels: list[str], written: Mapping[str, str], *, fsync
     if missing := sorted(set(written) - set(rels)):
         raise CheckpointError(f"{folder}: the save returned digests for files it does not hold: "
                               + ", ".join(missing[:10]))
+    if odd := sorted(rel for rel, digest in written.items() if not _is_digest(digest)):
+        raise CheckpointError(f"{folder}: the save returned digests that are not {ALGORITHM} digests (16 lowercase "
+                              f"hex digits, as lifecycle.checksum.file_digest gives) for: " + ", ".join(odd[:10]))
     out = dict(written)
     if fsync:
         for rel in out:

@@ -330,10 +330,17 @@ class Resumer:
                                   f"({saved_family or 'not a format'}), which cannot load into this worker's "
                                   f"{wanted_family} model (checkpoint.load.format {wanted!r})")
         try:
-            return backend_class(name)()
+            return build_format(self.config, name)
         except ConfigError as exc:
             raise CheckpointError(f"{folder.parent / MANIFEST}: {content!r} was saved with format {name!r}, "
                                   f"which cannot be loaded here: {exc}") from exc
+
+
+def build_format(config: Any, name: str) -> FormatBackend:
+    """Format `name`, with the options configured under `checkpoint.save` when it is the format
+    saved with (they are composed for that format only); any other with its defaults."""
+    save = config.checkpoint.save
+    return backend_class(name)(**save.options) if name == _value(save.format) else backend_class(name)()
 
 
 def _prefix(entry: Mapping[str, str]) -> str:

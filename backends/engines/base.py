@@ -136,6 +136,13 @@ class CheckpointEngine:
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
     Options: ClassVar[type[EngineOptions]] = EngineOptions
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """An engine nobody registered (one given by import path) answers to its import path,
+        in figures and messages, rather than to a base class's name."""
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = f"{cls.__module__}:{cls.__qualname__}"
+
     def __init__(self, *, options: EngineOptions | None = None, **values: Any) -> None:
         """`options`, or its fields as keyword values (`rollout_dtype` may be a torch dtype)."""
         if options is not None and values:

@@ -301,3 +301,16 @@ def test_a_format_with_capabilities_of_the_wrong_type_is_refused_when_registered
 def test_capabilities_without_a_model_family_are_refused(family: Any) -> None:
     with pytest.raises(ConfigError, match=r"^capabilities\.family: a format names the model family"):
         FormatCapabilities(family=family)
+
+
+def test_a_format_claiming_hf_model_without_a_way_to_write_it_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FORMATS, "_registered", dict(FORMATS._registered))
+    claims = type("Claims", (FormatBackend,), {"__module__": __name__, "capabilities": FormatCapabilities(
+        family="plain-torch", contents=frozenset({"model", "hf_model"}))})
+    said = "its capabilities hold hf_model, but it neither writes HF safetensors (native_hf) nor overrides export_hf"
+    assert said in _refused(FORMATS.register("claims_hf"), claims, key="checkpoint.save.format")
+
+
+def test_an_engine_nobody_registered_answers_to_its_import_path() -> None:
+    unnamed = type("Unnamed", (NaiveEngine,), {"__module__": __name__})
+    assert unnamed.name == f"{__name__}:Unnamed" and NaiveEngine.name == "naive"

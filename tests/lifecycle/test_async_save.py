@@ -335,3 +335,26 @@ def test_sigkill_after_the_background_write_before_its_commit_resumes_the_previo
     lc.save(2).wait(30)
     assert store.newest_complete([ROLE]) == 2 and not staging.exists()
     lc.close()
+
+
+@pytest.mark.parametrize("fmt", ["hf", "torch_dcp"])
+def test_an_async_save_before_the_first_step_with_a_scheduler_resumes_and_leaves_the_live_optimizer_alone(
+    tmp_path: Path, fmt: str
+) -> None:
+    def parts() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
+
+    config = {"checkpoint": {"root": str(tmp_path), "save": {"format": fmt, "async": True}}}
+    model, optimizer, scheduler = parts()
+    lc = Lifecycle(config, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    lc.init_load()
+    lc.save(0).wait()
+    lc.close()
+    assert optimizer.state_dict()["state"] == {}  # the save stepped nothing of the live optimizer
+    model, optimizer, scheduler = parts()
+    resumed = Lifecycle(config, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    assert resumed.resume() == 0
+    resumed.close()

@@ -213,3 +213,18 @@ def test_checksum_keeps_no_state_between_calls() -> None:
     assert not any(isinstance(value, ContextVar) for value in vars(checksum).values())
     for removed in ("remember", "known_digest", "expecting", "expected_digest", "mark_verified"):
         assert not hasattr(checksum, removed)
+
+
+@pytest.mark.parametrize("digest", ["e3b0c44298fc1c149afbf4c8996fb924", "0123456789ABCDEF", "012345", 17])
+def test_a_returned_digest_of_another_algorithm_or_shape_fails_the_commit(tmp_path: Path, digest: Any) -> None:
+    (tmp_path / "a.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"digests that are not xxh3_64-tree-4MiB digests .* for: a\.bin"):
+        build_manifest(tmp_path, step=1, role="actor", contents={}, parallel={}, model_config_hash=None,
+                       meta={}, digests={"a.bin": digest})
+
+
+def test_loads_build_the_saved_format_with_its_configured_options_and_others_with_defaults() -> None:
+    config = LifecycleConfig.from_dict({"checkpoint": {"save": {"format": "hf", "max_shard_bytes": 4096}}})
+    assert resumer.build_format(config, "hf").options.max_shard_bytes == 4096
+    default = LifecycleConfig.from_dict({"checkpoint": {"save": {"format": "torch_dcp"}}})
+    assert resumer.build_format(default, "hf").options.max_shard_bytes == HFBackend().options.max_shard_bytes
