@@ -208,6 +208,7 @@ class CheckpointConfig(Section):
                     raise ConfigError(key, f"{key} {current!r} conflicts with the deprecated "
                                            f"{' and '.join(given)}, which mean {fmt!r}; drop the flags")
             self.save.format = self.pre_load.format = fmt
+            validate(self.save)  # the options given under checkpoint.save are now the new format's to check
         action = f"use checkpoint.save.format and checkpoint.pre_load.format = {fmt!r}" if fmt else \
             "drop them (false changes nothing)"
         message = f"deprecated config {' and '.join(given)}: {action}"

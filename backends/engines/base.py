@@ -137,10 +137,10 @@ class CheckpointEngine:
     Options: ClassVar[type[EngineOptions]] = EngineOptions
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """An engine nobody registered (one given by import path) answers to its import path,
-        in figures and messages, rather than to a base class's name."""
+        """An engine nobody named (one given by import path) answers to its import path in
+        figures and messages, not to "engine"; a subclass of a named engine keeps that name."""
         super().__init_subclass__(**kwargs)
-        if "name" not in cls.__dict__:
+        if "name" not in cls.__dict__ and cls.name == CheckpointEngine.name:
             cls.name = f"{cls.__module__}:{cls.__qualname__}"
 
     def __init__(self, *, options: EngineOptions | None = None, **values: Any) -> None:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import backends.registry as registry_module
 from backends.base import FORMATS, FormatBackend, FormatCapabilities, backend_class
-from backends.engines import CheckpointEngineRegistry
+from backends.engines import CheckpointEngine, CheckpointEngineRegistry
 from backends.engines.naive import NaiveEngine
 from backends.engines.options import EngineCapabilities
 from backends.engines.registry import ENGINES
@@ -311,6 +311,7 @@ def test_a_format_claiming_hf_model_without_a_way_to_write_it_is_refused(monkeyp
     assert said in _refused(FORMATS.register("claims_hf"), claims, key="checkpoint.save.format")
 
 
-def test_an_engine_nobody_registered_answers_to_its_import_path() -> None:
-    unnamed = type("Unnamed", (NaiveEngine,), {"__module__": __name__})
-    assert unnamed.name == f"{__name__}:Unnamed" and NaiveEngine.name == "naive"
+def test_an_engine_nobody_named_answers_to_its_import_path_and_a_subclass_of_a_named_one_keeps_its_name() -> None:
+    unnamed = type("Unnamed", (CheckpointEngine,), {"__module__": __name__})
+    assert unnamed.name == f"{__name__}:Unnamed"
+    assert type("Tweaked", (NaiveEngine,), {"__module__": __name__}).name == "naive"

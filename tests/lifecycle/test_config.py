@@ -703,3 +703,9 @@ def test_content_names_come_from_one_enum_for_the_config_the_content_table_and_t
     assert ConfigContent is Content
     assert list(CONTENTS) == [c.value for c in Content] and all(type(name) is str for name in CONTENTS)
     assert MODEL_CONTENTS == {c.value for c in Content} - {Content.EXTRA.value}
+
+
+def test_format_options_are_checked_against_the_format_a_deprecated_flag_selects() -> None:
+    with pytest.raises(ConfigError, match=r"^checkpoint\.save\.max_shard_bytes: unknown key.*'mbridge' takes no keys"), \
+            pytest.warns(DeprecationWarning):
+        LifecycleConfig.from_dict({"checkpoint": {"save": {"max_shard_bytes": 1}, "use_mbridge": True}})
