@@ -706,6 +706,5 @@ def test_content_names_come_from_one_enum_for_the_config_the_content_table_and_t
 
 
 def test_format_options_are_checked_against_the_format_a_deprecated_flag_selects() -> None:
-    with pytest.raises(ConfigError, match=r"^checkpoint\.save\.max_shard_bytes: unknown key.*'mbridge' takes no keys"), \
-            pytest.warns(DeprecationWarning):
+    with pytest.raises(ConfigError, match=r"^checkpoint\.save\.max_shard_bytes: unknown key.*'mbridge' takes no keys"):
         LifecycleConfig.from_dict({"checkpoint": {"save": {"max_shard_bytes": 1}, "use_mbridge": True}})
