@@ -11,15 +11,21 @@ from tests.backends.dist_util import run_ranks
 from tests.lifecycle.hostile import ROLE, fill, has_weights_of, lifecycle_at
 
 
-def _one_rank_sees_damage(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
-    import lifecycle.resumer as resumer
-
-    root = tmp_path / "ckpt"
+def _saved_steps_1_and_2(root: Path) -> Any:
+    """A lifecycle over `root` that saved steps 1 and 2, each with weights filled by its step."""
     lc = lifecycle_at(root)
     lc.init_load()
     for step in (1, 2):
         fill(lc.parts.model, step)
         lc.save(step)
+    return lc
+
+
+def _one_rank_sees_damage(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+    import lifecycle.resumer as resumer
+
+    root = tmp_path / "ckpt"
+    lc = _saved_steps_1_and_2(root)
     lc.close()
     if rank == 1:
         check_folder = resumer.check_folder
@@ -50,11 +56,7 @@ def _rank0_commit_fails_over_an_existing_folder(rank: int, world_size: int, tmp_
     import lifecycle.store as store
 
     root = tmp_path / "ckpt"
-    lc = lifecycle_at(root)
-    lc.init_load()
-    for step in (1, 2):
-        fill(lc.parts.model, step)
-        lc.save(step)
+    lc = _saved_steps_1_and_2(root)
     if rank == 0:
         def full_disk(*args: Any, **kwargs: Any) -> None:
             raise OSError(28, "No space left on device")
