@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "APPLY_MODES", "CONFIG_FILE_LIMIT", "MAX_BUCKET_BYTES", "MAX_KEEP_LAST", "MAX_TIMEOUT_S",
     "MIN_BUCKET_BYTES", "ROLLOUT_DTYPES", "CheckpointConfig", "Content", "EngineConfig", "LifecycleConfig",
-    "LoadConfig", "OnDamaged", "format_family", "PreLoadConfig", "ResumeConfig", "ResumeMode", "SaveConfig",
+    "LoadConfig", "OnDamaged", "WatchdogConfig", "format_family", "PreLoadConfig", "ResumeConfig", "ResumeMode", "SaveConfig",
 ]
 
 O = TypeVar("O", bound=EngineOptions)
@@ -293,6 +293,25 @@ class EngineConfig(Section, EngineOptions):
 
 
 @dataclass(kw_only=True, slots=True)
+class WatchdogConfig(Section):
+    """Budgets, in seconds, past which a running phase logs `lifecycle.phase_overdue` with every
+    thread's stack (again at each further multiple); None watches nothing. The work is never
+    interrupted: an engine's `timeout_s` still ends a sync that waits on a dead peer."""
+
+    init_load_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
+    train_step_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
+    save_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
+    sync_weights_s: float | None = field(default=120.0, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
+    """On by default: a sync is the phase that hangs most often (a rollout that never joins)."""
+    resume_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
+    close_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
+
+    def budget(self, trigger: str) -> float | None:
+        """The budget of `trigger`'s phase, or None."""
+        return getattr(self, f"{trigger}_s", None)
+
+
+@dataclass(kw_only=True, slots=True)
 class LifecycleConfig(Section):
     """Everything one trainer worker's lifecycle needs to know."""
 
@@ -302,6 +321,8 @@ class LifecycleConfig(Section):
     """Picking up after a restart."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Weight sync to the rollout workers."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """How long each phase may run before it is reported as overdue."""
 
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any] | None) -> LifecycleConfig:

@@ -15,7 +15,8 @@ import structlog
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from lifecycle.errors import LifecycleError
-from lifecycle.machine import DONE, FAIL, WORKING, State
+from lifecycle.machine import DONE, FAIL, NAMES, WORKING, State
+from lifecycle.watchdog import WATCHDOG
 
 if TYPE_CHECKING:
     from lifecycle.core import Lifecycle
@@ -160,7 +161,8 @@ class Phase:
     written once, here.
     """
 
-    __slots__ = ("lc", "trigger", "step", "src", "figures", "undos", "_start", "_t0", "_tokens", "_undo_token")
+    __slots__ = ("lc", "trigger", "step", "src", "figures", "undos", "_start", "_t0", "_tokens", "_undo_token",
+                 "_watched")
 
     def __init__(self, lc: Lifecycle, trigger: str, step: int | None) -> None:
         self.lc = lc
@@ -183,6 +185,13 @@ class Phase:
         lc._phase = self
         self._undo_token = RUNNING_UNDOS.set(self.undos)
         self._tokens = bind_contextvars(role=lc.role, rank=lc.rank, step=self.step)
+        where = {"trigger": self.trigger, "state": NAMES[lc.state], "role": lc.role, "rank": lc.rank,
+                 "step": self.step}
+        lc._log.debug("lifecycle.phase_started", src=NAMES[self.src], **where)
+        budget = lc.config.watchdog.budget(self.trigger)
+        self._watched = budget is not None
+        if self._watched:
+            WATCHDOG.watch(id(self), budget, **where)
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -190,6 +199,8 @@ class Phase:
         try:
             undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
         finally:
+            if self._watched:
+                WATCHDOG.unwatch(id(self))
             lc._phase = None
             RUNNING_UNDOS.reset(self._undo_token)
             reset_contextvars(**self._tokens)

@@ -22,6 +22,7 @@ from lifecycle.config import (
     ResumeConfig,
     ResumeMode,
     SaveConfig,
+    WatchdogConfig,
 )
 from lifecycle.errors import ConfigError
 
@@ -50,6 +51,11 @@ engine:
   rollout_dtype: bfloat16
   profile: true
   profile_dir: /profiles
+watchdog:
+  train_step_s: 30
+  save_s: 600
+  sync_weights_s: null
+  resume_s: 900
 """
 
 
@@ -75,6 +81,8 @@ def _custom_dict() -> dict[str, Any]:
             "profile": True,
             "profile_dir": "/profiles",
         },
+        "watchdog": {"init_load_s": None, "train_step_s": 30.0, "save_s": 600.0, "sync_weights_s": None,
+                     "resume_s": 900.0, "close_s": None},
     }
 
 
@@ -135,6 +143,7 @@ def test_dict_yaml_and_kwargs_build_the_same_config(tmp_path: Path) -> None:
         ),
         resume=ResumeConfig(mode="path", path="/ckpt/global_step_7", strict=False),
         engine=EngineConfig(**data["engine"]),
+        watchdog=WatchdogConfig(train_step_s=30, save_s=600, sync_weights_s=None, resume_s=900),
     )
     assert from_dict == from_yaml == from_kwargs == from_sections
 
@@ -247,7 +256,7 @@ def test_async_underscore_is_not_a_dict_key() -> None:
 @pytest.mark.parametrize(
     ("data", "key", "valid"),
     [
-        ({"chekpoint": {}}, "chekpoint", "checkpoint, engine, resume"),
+        ({"chekpoint": {}}, "chekpoint", "checkpoint, engine, resume, watchdog"),
         ({"checkpoint": {"sav": {}}}, "checkpoint.sav", "fsync, keep_last, load, pre_load, roles, root, save"),
         ({"checkpoint": {"pre_load": {"fmt": "hf"}}}, "checkpoint.pre_load.fmt", "format, path"),
         ({"checkpoint": {"load": {"content": []}}}, "checkpoint.load.content", "contents, format, verify"),

@@ -48,6 +48,8 @@ VALID: dict[str, list[Any]] = {
     "backend": ["auto", "gloo", "shm", "pkg.mod:Engine"], "bucket_bytes": [64, 4096, 2**31, 2**40],
     "apply": ["atomic", "streamed"], "timeout_s": [0.001, 12, 300.0, 604800.0],
     "rollout_dtype": [None, "float32", "bfloat16"], "max_shard_bytes": [1, 4096, 5 * 1024**3],
+    **{f"{trigger}_s": [None, 0.001, 120.0, 604800.0]
+       for trigger in ("init_load", "train_step", "save", "sync_weights", "resume", "close")},
 }
 """Values each key takes, so that many examples build and the round trip is exercised."""
 

@@ -1,0 +1,108 @@
+"""The hang watchdog: one daemon thread per process that notices phases running past their budget.
+
+A phase with a budget (`watchdog.<trigger>_s`) is registered when it begins and dropped when it
+ends. When one overruns, the thread logs `lifecycle.phase_overdue` at warning level with the
+phase, the time it has run and every thread's stack, then again at each further multiple of the
+budget. It never interrupts the work: a hung collective is for the engine's own timeout or the
+driver to end; the record is what tells a person where it hung.
+
+The thread starts with the first budgeted phase and sleeps until the nearest deadline, so a
+phase without a budget costs nothing and one with a budget costs a lock and a dict entry.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+__all__ = ["WATCHDOG", "Watchdog", "thread_stacks"]
+
+
+@dataclass(slots=True)
+class _Watched:
+    budget_s: float
+    start: float
+    thread: int
+    fields: Mapping[str, Any]
+    overdue: int = field(default=0)
+    """How many budget multiples have been reported."""
+
+    @property
+    def deadline(self) -> float:
+        return self.start + self.budget_s * (self.overdue + 1)
+
+
+def thread_stacks(skip: int | None = None, first: int | None = None) -> dict[str, str]:
+    """Every live thread's stack, `name (ident)` -> formatted frames; `first`'s thread leads."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    frames = sys._current_frames()
+    order = sorted(frames, key=lambda ident: ident != first)
+    return {f"{names.get(ident, '?')} ({ident})": "".join(traceback.format_stack(frames[ident]))
+            for ident in order if ident != skip}
+
+
+class Watchdog:
+    """Budgets of running phases, checked by one daemon thread started on first use."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 emit: Callable[..., object] | None = None) -> None:
+        self._clock = clock
+        self._emit = emit
+        self._cond = threading.Condition(threading.Lock())
+        self._watched: dict[int, _Watched] = {}
+        self._thread: threading.Thread | None = None
+
+    def watch(self, key: int, budget_s: float, **fields: Any) -> None:
+        """Start the budget of the phase `key` (its id) running on the calling thread."""
+        entry = _Watched(budget_s, self._clock(), threading.get_ident(), fields)
+        with self._cond:
+            self._watched[key] = entry
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="lifecycle-watchdog", daemon=True)
+                self._thread.start()
+            else:
+                self._cond.notify()
+
+    def unwatch(self, key: int) -> None:
+        with self._cond:
+            self._watched.pop(key, None)
+
+    @property
+    def watching(self) -> int:
+        with self._cond:
+            return len(self._watched)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = self._clock()
+                due = [(key, entry) for key, entry in self._watched.items() if entry.deadline <= now]
+                for _, entry in due:  # a late wake-up reports once, at the multiple reached
+                    entry.overdue = int((now - entry.start) // entry.budget_s)
+                if not due:
+                    nearest = min((entry.deadline for entry in self._watched.values()), default=None)
+                    self._cond.wait(None if nearest is None else max(nearest - now, 0.0))
+                    continue
+            for _, entry in due:
+                self._report(entry, now)
+
+    def _report(self, entry: _Watched, now: float) -> None:
+        elapsed = now - entry.start
+        emit = self._emit or structlog.get_logger().warning
+        try:
+            emit("lifecycle.phase_overdue", **entry.fields, elapsed_s=round(elapsed, 3),
+                 budget_s=entry.budget_s, overdue=entry.overdue,
+                 stacks=thread_stacks(skip=threading.get_ident(), first=entry.thread))
+        except Exception:  # noqa: BLE001 - a broken log sink must not kill the watchdog
+            pass
+
+
+WATCHDOG = Watchdog()
+"""The process's watchdog, used by every `Phase` with a budget."""
