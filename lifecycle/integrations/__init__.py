@@ -1,0 +1,1 @@
+"""Adapters that plug this library into other frameworks (verl). Each module imports its framework lazily."""

@@ -1,0 +1,354 @@
+"""verl checkpoint engines backed by this library's `gloo` and `shm` engines.
+
+Importing this module registers `trainer_lifecycle_gloo` and `trainer_lifecycle_shm` in verl's
+`CheckpointEngineRegistry`; verl imports it on every worker when a config names it as
+`checkpoint_engine.custom_backend_module`. verl's own manager and workers then drive an
+adapter exactly as they drive their engines (prepare on every worker, `build_topology` on the
+driver, `init_process_group`, `send_weights` / `receive_weights`, `finalize`), and the adapter
+runs one of our engines underneath, with its checks: a checksum per bucket, a receiver that
+checks the sender's plan against its own settings before allocating anything, and atomic
+apply, so `receive_weights` yields nothing until every bucket of the version has verified and
+verl's server adapter never loads part of a version. A receive that fails leaves the adapter
+`stale` with its `version` unchanged and raises our `EngineError`, naming the bucket and the
+tensors in it.
+
+Without verl this module still imports (it registers nothing), and building an adapter raises
+a `ConfigError` naming the missing module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from typing import Any, ClassVar, TypeVar
+
+import structlog
+import torch
+
+from backends.base import free_port
+from backends.engines.base import CheckpointEngine, Incoming, Rendezvous
+from backends.engines.registry import CheckpointEngineRegistry
+from backends.engines.sync import profiled
+from lifecycle.errors import ConfigError, EngineError, shorten
+
+_VerlBase: type
+_MISSING: ImportError | None
+try:
+    from verl.checkpoint_engine import CheckpointEngine as _VerlBase
+    from verl.checkpoint_engine import CheckpointEngineRegistry as _VerlRegistry
+except ImportError as exc:
+    _VerlBase, _VerlRegistry, _MISSING = object, None, exc
+else:
+    _MISSING = None
+
+T = TypeVar("T")
+Weights = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
+
+BYSTANDER = -1
+"""The rank `build_topology` gives actor ranks other than 0: they join no group, and their
+`send_weights` only walks the weights (producing them is collective over the actor group)."""
+KEY = "checkpoint_engine"
+"""Where verl's config holds these settings (under actor_rollout_ref.rollout. in the PPO trainer)."""
+_ADAPTER_KWARGS = ("host", "port")
+_GRACE_S = 5.0
+
+
+class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
+    """One of our engines behind verl's `CheckpointEngine`; a subclass names which.
+
+    Actor rank 0 sends (our rank 0), rollout worker i receives (our rank i + 1); other actor
+    ranks are bystanders. verl builds the adapter with `bucket_size` (bytes, from
+    `update_weights_bucket_megabytes`), `is_master` (true on actor rank 0 only) and
+    `engine_kwargs[<backend>]`: our engine's options other than `bucket_bytes` (`verify`,
+    `timeout_s`, `rollout_dtype`, `profile`, `profile_dir`, `apply`, which must stay `atomic`),
+    the engine's own keys (`shm_dir`), and where actor rank 0 hosts the rendezvous (`host`,
+    `port`: by default this node's address and a free port, picked once and kept).
+    """
+
+    verl_name: ClassVar[str] = ""
+    engine_name: ClassVar[str] = ""
+    extra_kwargs: ClassVar[tuple[str, ...]] = ()
+    """Keyword arguments of the engine's constructor beyond its options."""
+    default_host: ClassVar[str | None] = None
+    """The rendezvous host when engine_kwargs names none; None: this node's address as Ray sees it."""
+
+    def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
+        if _MISSING is not None:
+            package = _MISSING.name or "verl"
+            raise ConfigError(f"{KEY}.backend", f"{self.verl_name} is a verl checkpoint engine and needs the package "
+                                                f"{package!r}: importing verl.checkpoint_engine failed: {_MISSING}")
+        self.is_master = bool(is_master)
+        self.host: str | None = engine_kwargs.pop("host", None)
+        self.port: int | None = engine_kwargs.pop("port", None)
+        self._check_address()
+        self.engine = self._build(bucket_size, engine_kwargs)
+        self.rank: int | None = None
+        self.version: int | None = None
+        """The last version this adapter sent, or received whole and verified."""
+        self.stale = False
+        """A receiver's: its last receive failed, so the rollout may hold part of a version."""
+        self._profile_dir = self.engine.options.profile_dir if self.engine.options.profile else None
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._worker: concurrent.futures.Future[Any] | None = None
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def _key(cls, name: str) -> str:
+        return f"{KEY}.engine_kwargs.{cls.verl_name}.{name}"
+
+    def _check_address(self) -> None:
+        if self.host is not None and not (isinstance(self.host, str) and self.host):
+            raise ConfigError(self._key("host"), f"must be a host name or address, got {shorten(self.host)}")
+        if self.port is not None and not (type(self.port) is int and 0 < self.port < 65536):
+            raise ConfigError(self._key("port"), f"must be a TCP port in 1..65535, got {shorten(self.port)}")
+
+    def _build(self, bucket_size: int, kwargs: dict[str, Any]) -> CheckpointEngine:
+        """Our engine with verl's bucket size and the engine_kwargs mapped onto its options;
+        any other key is refused, naming it and the keys there are."""
+        engine_class = CheckpointEngineRegistry.get(self.engine_name)
+        fields = {f.name for f in dataclasses.fields(engine_class.Options)} - {"bucket_bytes"}
+        known = ", ".join(sorted(fields | set(self.extra_kwargs) | set(_ADAPTER_KWARGS)))
+        for key in kwargs:
+            if key == "bucket_bytes":
+                raise ConfigError(self._key(key), f"the bucket size comes from {KEY}.update_weights_bucket_megabytes")
+            if key not in fields and key not in self.extra_kwargs:
+                raise ConfigError(self._key(str(key)), f"unknown key for checkpoint engine {self.verl_name}; "
+                                                       f"known: {known}")
+        values = {key: value for key, value in kwargs.items() if key in fields}
+        if isinstance(values.get("rollout_dtype"), torch.dtype):
+            values["rollout_dtype"] = str(values["rollout_dtype"]).removeprefix("torch.")
+        options = engine_class.Options(bucket_bytes=bucket_size, **values)
+        if found := options.problem():
+            key = f"{KEY}.update_weights_bucket_megabytes" if found[0] == "bucket_bytes" else self._key(found[0])
+            raise ConfigError(key, found[1])
+        if options.apply != "atomic":
+            raise ConfigError(self._key("apply"), f"must be 'atomic' for a verl rollout, got {options.apply!r}: "
+                                                  "verl's server adapter loads tensors as they are yielded, so only "
+                                                  "an atomic receive keeps a bad bucket from leaving it half-updated")
+        extras = {key: value for key, value in kwargs.items() if key in self.extra_kwargs}
+        return engine_class(options=options, **extras)
+
+    # -- verl's protocol ----------------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        """Metadata for `build_topology`; actor rank 0 adds the rendezvous it will host.
+
+        Ends first whatever is left of the last sync: verl skips `finalize` when a worker's
+        `update_weights` raised."""
+        self._end_session()
+        metadata: dict[str, Any] = {"backend": self.verl_name, "is_master": self.is_master}
+        if self.is_master:
+            if self.host is None:
+                self.host = self.default_host or _node_address()
+            if self.port is None:
+                self.port = free_port(self.host)
+            metadata.update(host=self.host, port=self.port)
+        return metadata
+
+    @classmethod
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Actor rank 0 sends as our rank 0, rollout worker i receives as rank i + 1, and every
+        other actor rank is a `BYSTANDER`; `metadata` lists the actor ranks' first."""
+        actors, rollouts = actor_wg_world_size, rollout_world_size
+        if actors < 1 or rollouts < 1:
+            raise EngineError(f"{cls.verl_name}: a weight sync needs an actor and a rollout worker; got "
+                              f"{actors} actor and {rollouts} rollout worker(s)")
+        if len(metadata) != actors + rollouts:
+            raise EngineError(f"{cls.verl_name}: got metadata from {len(metadata)} workers, expected "
+                              f"{actors} actor + {rollouts} rollout")
+        for i, meta in enumerate(metadata):
+            who = f"actor rank {i}" if i < actors else f"rollout rank {i - actors}"
+            backend = meta.get("backend") if isinstance(meta, dict) else None
+            if backend != cls.verl_name:
+                raise EngineError(f"{cls.verl_name}: {who} runs checkpoint engine {shorten(backend)}; every actor "
+                                  f"and rollout worker must select {cls.verl_name}")
+            if bool(meta.get("is_master")) != (i == 0):
+                raise EngineError(f"{cls.verl_name}: {who} was built with is_master={bool(meta.get('is_master'))}; "
+                                  "only actor rank 0 hosts the rendezvous (verl passes is_master=True there)")
+        shared = {"host": metadata[0]["host"], "port": metadata[0]["port"], "receivers": rollouts}
+        actor_kwargs = {"rank": [0] + [BYSTANDER] * (actors - 1), **{k: [v] * actors for k, v in shared.items()}}
+        rollout_kwargs = {"rank": list(range(1, rollouts + 1)), **{k: [v] * rollouts for k, v in shared.items()}}
+        return actor_kwargs, rollout_kwargs
+
+    def init_process_group(self, rank: int, host: str, port: int, receivers: int) -> None:
+        """Meet this sync's peers (a bystander meets none); the engine's clock starts here."""
+        self.rank = rank
+        if rank == BYSTANDER:
+            return
+        try:
+            self.engine.prepare()
+            self.engine.build_topology(Rendezvous(host, port, receivers), rank)
+            self.engine.init_process_group()
+        except BaseException:
+            self.engine.finalize()
+            raise
+
+    async def send_weights(self, weights: Weights, global_steps: int | None = None) -> dict[str, float]:
+        """Actor rank 0 sends `weights` as version `global_steps` (one more than the last sent
+        when None) and returns the sync's figures; other actor ranks only walk `weights`."""
+        rank = self._joined("send_weights")
+        if rank > 0:
+            raise EngineError(f"{self.verl_name}: rank {rank} is a rollout worker; only actor ranks send_weights")
+        if rank == BYSTANDER:
+            await _collect(weights, keep=False)
+            return {}
+        try:
+            version = _version(global_steps) if global_steps is not None else (self.version or 0) + 1
+            pairs = await _collect(weights, keep=True)
+            stats = await self._in_thread(self._send, pairs, version)
+        except BaseException:
+            self._fail(None)
+            raise
+        self.version = version
+        return {f"trainer_lifecycle/{key}": value for key, value in stats.figures().items() if key != "backend"}
+
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """The tensors of version `global_steps` (whatever the sender sends when None), the first
+        once every bucket has verified. A tensor may be a view into the engine's buffers, valid
+        until the next sync: the consumer copies it (verl's server adapters do)."""
+        rank = self._joined("receive_weights")
+        if rank < 1:
+            raise EngineError(f"{self.verl_name}: this is an actor rank; receive_weights runs on rollout workers")
+        incoming: Incoming | None = None
+        try:
+            version = None if global_steps is None else _version(global_steps)
+            incoming, item = await self._in_thread(self._receive_first, version)
+            while item is not None:
+                yield item
+                item = next(incoming, None)
+            if not incoming.complete:
+                raise EngineError(f"{self.verl_name}: the receive of weights v{incoming.version} ended after "
+                                  f"{incoming.tensors} tensors, before the last one")
+        except BaseException as exc:
+            self._fail(incoming, exc)
+            raise
+        self.version, self.stale = incoming.version, False
+
+    def finalize(self) -> None:
+        """Tear this sync down (the group, the sync's keys); buckets and the rendezvous stay."""
+        self._end_session()
+        self.rank = None
+
+    def close(self) -> None:
+        """Give back everything: buckets, the rendezvous store, shared-memory files, the thread."""
+        self.finalize()
+        self.engine.close()
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+            self._threads = None
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _joined(self, what: str) -> int:
+        if self.rank is None:
+            raise EngineError(f"{self.verl_name}: {what} before init_process_group (verl's order: prepare, "
+                              "build_topology, init_process_group, then send_weights / receive_weights)")
+        return self.rank
+
+    def _send(self, pairs: list[tuple[str, torch.Tensor]], version: int) -> Any:
+        with profiled(self._profile_dir, f"weight_sync_{self.verl_name}_v{version}_send"):
+            return self.engine.send_weights(pairs, version)
+
+    def _receive_first(self, version: int | None) -> tuple[Incoming, tuple[str, torch.Tensor] | None]:
+        """Check the plan, receive and verify every bucket; returns the tensors and the first one."""
+        with profiled(self._profile_dir, f"weight_sync_{self.verl_name}_receive_rank{self.rank}"):
+            incoming = self.engine.receive_weights(version)
+            return incoming, next(incoming, None)
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run the engine's blocking part off verl's event loop, on this adapter's one thread."""
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.verl_name)
+        self._worker = self._threads.submit(fn, *args)
+        return await asyncio.wrap_future(self._worker)
+
+    def _fail(self, incoming: Incoming | None, exc: BaseException | None = None) -> None:
+        """A sync that failed: a receiver is stale; the group goes at once, so peers fail fast.
+
+        While the engine's thread still runs (verl cancelled the task), `finalize` or the next
+        `prepare` ends the sync once it is done."""
+        if self.rank is not None and self.rank > 0:
+            self.stale = True
+            reason = f"{type(exc).__name__}: {exc}" if exc is not None else "the receive failed"
+            structlog.get_logger().warning("engine.verl_rollout_stale", engine=self.verl_name, rank=self.rank,
+                                           version=self.version, error=reason)
+            if incoming is not None and not incoming.complete:
+                incoming.abort(f"verl's server adapter stopped reading ({reason})")
+        if self._worker is None or self._worker.done():
+            self._end_session()
+
+    def _end_session(self) -> None:
+        """Finalize the engine once its thread is done (every wait in it has a deadline)."""
+        worker, self._worker = self._worker, None
+        if worker is not None and not worker.done():
+            concurrent.futures.wait([worker], timeout=self.engine.timeout_s + _GRACE_S)
+        self.engine.finalize()
+
+
+class LifecycleGlooCheckpointEngine(LifecycleCheckpointEngine):
+    """`trainer_lifecycle_gloo`: buckets in host memory over a private gloo group (TCP)."""
+
+    verl_name = "trainer_lifecycle_gloo"
+    engine_name = "gloo"
+
+
+class LifecycleShmCheckpointEngine(LifecycleCheckpointEngine):
+    """`trainer_lifecycle_shm`: actor rank 0 and every rollout worker on one host, buckets in
+    shared memory; the rendezvous defaults to loopback."""
+
+    verl_name = "trainer_lifecycle_shm"
+    engine_name = "shm"
+    extra_kwargs = ("shm_dir",)
+    default_host = "127.0.0.1"
+
+
+ADAPTERS: dict[str, type[LifecycleCheckpointEngine]] = {
+    cls.verl_name: cls for cls in (LifecycleGlooCheckpointEngine, LifecycleShmCheckpointEngine)
+}
+"""verl backend name -> adapter; registered in verl's registry when verl imports."""
+
+if _VerlRegistry is not None:
+    for _name, _adapter in ADAPTERS.items():
+        _VerlRegistry.register(_name)(_adapter)
+
+
+async def _collect(weights: Weights, *, keep: bool) -> list[tuple[str, torch.Tensor]]:
+    """Walk verl's (possibly async) generator on the event loop's thread, where the actor's
+    collectives and current device live; kept tensors come to host memory as they arrive, so the
+    device never holds more than the one being produced."""
+    pairs: list[tuple[str, torch.Tensor]] = []
+    if isinstance(weights, AsyncIterable):
+        async for name, tensor in weights:
+            if keep:
+                pairs.append((name, _on_host(tensor)))
+    else:
+        for name, tensor in weights:
+            if keep:
+                pairs.append((name, _on_host(tensor)))
+    return pairs
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
+
+
+def _version(global_steps: Any) -> int:
+    if type(global_steps) is not int or global_steps < 0:
+        raise EngineError(f"global_steps must be a non-negative integer (it becomes the weights version), "
+                          f"got {shorten(global_steps)}")
+    return global_steps
+
+
+def _node_address() -> str:
+    """This node's address as Ray reports it (verl runs on Ray; its own engines do the same)."""
+    import ray.util
+
+    return str(ray.util.get_node_ip_address()).strip("[]")
+
+
+__all__ = ["ADAPTERS", "BYSTANDER", "LifecycleCheckpointEngine", "LifecycleGlooCheckpointEngine",
+           "LifecycleShmCheckpointEngine"]

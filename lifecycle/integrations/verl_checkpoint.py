@@ -1,0 +1,308 @@
+"""verl's checkpoint-manager interface over a `Lifecycle`: a drop-in for `FSDPCheckpointManager`.
+
+A verl worker builds its checkpoint manager once and calls `save_checkpoint(local_path, ...)`
+and `load_checkpoint(local_path, ...)` with `local_path = <root>/global_step_<N>/<role>`. This
+class reads root, step and role from that path and runs the save or the resume through a
+`Lifecycle` over `<root>`: staging and an atomic commit, a manifest with checksums, retention
+counted from disk, the tracker written only after the commit, and a resume that verifies every
+file before it trusts it. The on-disk layout is the one verl's `find_latest_ckpt_path` already
+reads (`latest_checkpointed_iteration.txt`, `global_step_<N>/`); verl's trainer writes its
+`data.pt` and its own tracker beside the role folders, which none of this reads.
+
+Duck-typed rather than a subclass of verl's `BaseCheckpointManager`: that constructor asks
+`torch.distributed` for a rank (no process group, no manager), importing it pulls in verl's
+trainer config (about 15 s), and verl's workers only ever call the two methods. So this module
+imports without verl, and nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from lifecycle.boundary import STEP_PREFIX, check_step, parse_step, path_problem, role_problem
+from lifecycle.config import LifecycleConfig
+from lifecycle.config_file import read_yaml
+from lifecycle.core import Lifecycle
+from lifecycle.errors import CheckpointError, ConfigError, LifecycleError
+from lifecycle.machine import State
+
+DEFAULT_FORMAT = "torch_dcp"
+"""Plain torch modules, FSDP1 and FSDP2 alike, through torch's own state-dict helpers."""
+VERL_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+"""The names verl's `checkpoint_config.save_contents` / `load_contents` take; ours are the same."""
+_ADAPTER_KEYS = {
+    ("checkpoint", "pre_load", "path"): "verl loads the initial weights itself; drop it",
+    ("resume", "mode"): "verl's trainer decides (trainer.resume_mode); drop it",
+    ("resume", "path"): "verl's trainer names the step (trainer.resume_from_path); drop it",
+}
+"""Keys of this library's config that verl decides; set to anything but their default, refused."""
+_SECTIONS = (("checkpoint",), ("checkpoint", "save"), ("checkpoint", "load"), ("resume",))
+"""Sections the adapter writes into, created when missing (in this order: parents first)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepPath:
+    """What verl's `local_path` names: `<root>/global_step_<step>/<role>`."""
+
+    root: Path
+    step: int
+    role: str
+
+    @property
+    def folder(self) -> Path:
+        return self.root / f"{STEP_PREFIX}{self.step}" / self.role
+
+    @classmethod
+    def parse(cls, local_path: str | os.PathLike[str]) -> StepPath:
+        """Refuses, naming the path, anything verl's trainer would not have built."""
+        try:
+            text = os.fspath(local_path)
+        except TypeError:
+            raise CheckpointError(f"local_path must be a path, got {type(local_path).__name__}") from None
+        if not isinstance(text, str) or (problem := path_problem(text)):
+            raise CheckpointError(f"{text!r}: not a usable local_path: {problem or 'not a str path'}")
+        path = Path(os.path.abspath(text))
+        step, role = parse_step(path.parent.name), path.name
+        if step is None or role_problem(role) is not None:
+            raise CheckpointError(
+                f"{text}: not a verl checkpoint path: expected <root>/{STEP_PREFIX}<N>/<role> (N without zero "
+                f"padding, the role a plain folder name), got step folder {path.parent.name!r} and role {role!r}")
+        return cls(root=path.parent.parent, step=step, role=role)
+
+
+class LifecycleCheckpointManager:
+    """A verl checkpoint manager whose saves and loads run through this library's `Lifecycle`.
+
+    Constructed with `FSDPCheckpointManager`'s keywords, plus `lifecycle_config`: this
+    library's config (a `LifecycleConfig`, a dict or a YAML path) for the format, verification,
+    `checkpoint.roles` and the like; a dict or YAML that names no format gets `torch_dcp`.
+    verl's `checkpoint_config` decides what is saved and loaded (`save_contents`,
+    `load_contents`) and `async_save`; `checkpoint.root` and `keep_last` come from each call.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        processing_class: Any = None,
+        checkpoint_config: Any = None,
+        trust_remote_code: bool = False,
+        *,
+        tokenizer: Any = None,
+        lifecycle_config: LifecycleConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.processing_class = processing_class if processing_class is not None else tokenizer
+        """Kept for callers that read it; not saved (verl's `huggingface/` folder is not written)."""
+        self.checkpoint_config = checkpoint_config
+        self.trust_remote_code = trust_remote_code
+        self.checkpoint_save_contents = _contents(checkpoint_config, "save_contents", ["model", "optimizer", "extra"])
+        self.checkpoint_load_contents = _contents(checkpoint_config, "load_contents", self.checkpoint_save_contents)
+        if _option(checkpoint_config, "save_lora_only"):
+            raise ConfigError("checkpoint_config.save_lora_only",
+                              "not supported: this checkpoint manager saves the whole model; set it to false")
+        self._async = bool(_option(checkpoint_config, "async_save"))
+        self._base = _base_config(lifecycle_config)
+        # a config, or a format that cannot hold this model, fails here rather than at the first save
+        Lifecycle(self._config_for(None, keep_last=None, resume_path=None), model=model, optimizer=optimizer,
+                  lr_scheduler=lr_scheduler)
+        self._lc: Lifecycle | None = None
+        self._key: tuple[Any, ...] | None = None
+
+    @property
+    def lifecycle(self) -> Lifecycle | None:
+        """The `Lifecycle` of the last save or load, for its `history` and `state`."""
+        return self._lc
+
+    def save_checkpoint(
+        self,
+        local_path: str | os.PathLike[str] | None,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+    ) -> None:
+        """Save and commit step `global_step` of the role `local_path` names, then apply
+        retention (`max_ckpt_to_keep` newest complete steps, counted from disk)."""
+        _refuse_hdfs(hdfs_path)
+        if local_path is None:
+            return  # as verl's managers do
+        where = StepPath.parse(local_path)
+        step = check_step(global_step)
+        if step != where.step:
+            raise CheckpointError(f"{local_path}: the path is for step {where.step} but global_step is {global_step}")
+        keep = _keep_last(max_ckpt_to_keep)
+        lc = self._lifecycle(where, ("save", keep), keep_last=keep, resume_path=None)
+        if lc.state is State.CREATED:
+            lc.init_load()  # no pre_load path: nothing is read, the machine reaches READY
+        lc.save(step)
+
+    def load_checkpoint(
+        self,
+        local_path: str | os.PathLike[str] | None,
+        hdfs_path: str | None = None,
+        del_local_after_load: bool = False,
+    ) -> None:
+        """Resume exactly the step and role `local_path` names, every file verified first; a
+        damaged or uncommitted step is refused with a `CheckpointError` naming the file.
+
+        `del_local_after_load`: verl deletes only local copies it downloaded from HDFS; this
+        manager reads local checkpoints only, so there is nothing to delete and nothing is."""
+        _refuse_hdfs(hdfs_path)
+        if local_path is None:
+            return  # as verl's managers do: nothing to resume from
+        where = StepPath.parse(local_path)
+        if del_local_after_load:
+            structlog.get_logger().info("checkpoint.verl.del_local_after_load_ignored", path=str(where.folder),
+                                        reason="the checkpoint is local, not a downloaded copy: it is kept")
+        lc = self._lifecycle(where, ("load", str(where.folder)), keep_last=None, resume_path=where.folder,
+                             fresh=True)
+        try:
+            resumed = lc.resume()
+        except LifecycleError:
+            self.close()
+            raise
+        if resumed != where.step:
+            raise CheckpointError(f"{where.folder}: resumed step {resumed}, not the step {where.step} the path names")
+
+    def wait(self) -> None:
+        """Block until an async save in flight has committed (raises its failure)."""
+        if self._lc is not None and self._lc.state is not State.CLOSED:
+            wait = getattr(self._lc.checkpointer, "wait", None)
+            if wait is not None:
+                wait()
+
+    def close(self) -> None:
+        """Wait for an async save in flight and release the `Lifecycle`."""
+        lc, self._lc, self._key = self._lc, None, None
+        if lc is not None and lc.state is not State.CLOSED:
+            lc.close()
+
+    def _lifecycle(
+        self, where: StepPath, purpose: tuple[Any, ...], *, keep_last: int | None, resume_path: Path | None,
+        fresh: bool = False,
+    ) -> Lifecycle:
+        """The `Lifecycle` for this root, role and purpose: the last one while it fits and is
+        READY, else a new one (a failed save leaves its machine FAILED; the next save starts over)."""
+        key = (where.root, where.role, *purpose)
+        lc = self._lc
+        if lc is not None and not fresh and key == self._key and lc.state in (State.CREATED, State.READY):
+            return lc
+        self.close()
+        config = self._config_for(where.root, keep_last=keep_last, resume_path=resume_path)
+        self._lc = Lifecycle(config, role=where.role, model=self.model, optimizer=self.optimizer,
+                             lr_scheduler=self.lr_scheduler)
+        self._key = key
+        return self._lc
+
+    def _config_for(self, root: Path | None, *, keep_last: int | None, resume_path: Path | None) -> LifecycleConfig:
+        """The base config with what verl decides: root, retention, contents, async, resume path."""
+        data = copy.deepcopy(self._base)
+        ckpt = data["checkpoint"]
+        given_root = ckpt.get("root")
+        if root is not None and given_root is not None and os.path.abspath(str(given_root)) != str(root):
+            raise ConfigError("checkpoint.root", f"{given_root} differs from the root {root} that verl's local_path "
+                                                 "names; drop checkpoint.root (the path decides)")
+        ckpt["root"] = None if root is None else str(root)
+        if keep_last is not None:
+            ckpt["keep_last"] = keep_last
+        ckpt["save"].update(contents=list(self.checkpoint_save_contents), **{"async": self._async})
+        ckpt["load"]["contents"] = [c for c in self.checkpoint_load_contents if c != "hf_model"]
+        if resume_path is not None:
+            data["resume"].update(mode="path", path=str(resume_path))
+        return LifecycleConfig.from_dict(data)
+
+    def __repr__(self) -> str:
+        return f"LifecycleCheckpointManager(lifecycle={self._lc!r})"
+
+
+def _base_config(source: LifecycleConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
+    """This library's config as plain data, with `torch_dcp` unless it names a format."""
+    if source is None:
+        data: Any = {}
+    elif isinstance(source, LifecycleConfig):
+        data = source.to_dict()
+    elif isinstance(source, (str, os.PathLike)):
+        data = read_yaml(os.fspath(source)) or {}
+    elif isinstance(source, Mapping):
+        data = source
+    else:
+        raise ConfigError("lifecycle_config", f"expected a LifecycleConfig, a mapping or a YAML path, "
+                                              f"got {type(source).__name__}")
+    data = _plain(data)
+    if not isinstance(data, dict):
+        raise ConfigError("lifecycle_config", f"the top level must be a mapping, got {type(data).__name__}")
+    for keys in _SECTIONS:
+        parent = _dig(data, keys[:-1])
+        if not isinstance(parent.setdefault(keys[-1], {}), dict):
+            raise ConfigError(".".join(keys), f"must be a mapping, got {type(parent[keys[-1]]).__name__}")
+    for keys, why in _ADAPTER_KEYS.items():
+        value = _dig(data, keys)
+        if value is not None and not (keys == ("resume", "mode") and value == "auto"):
+            raise ConfigError(".".join(keys), f"set to {value!r}, but {why}")
+    ckpt = data["checkpoint"]
+    if "format" not in ckpt["save"] and not (ckpt.get("use_dist_checkpointing") or ckpt.get("use_mbridge")):
+        ckpt["save"]["format"] = DEFAULT_FORMAT
+    return data
+
+
+def _plain(value: Any) -> Any:
+    """Mappings and sequences (an OmegaConf `DictConfig` or `ListConfig` too) as dicts and lists."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _dig(data: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(key)  # type: ignore[assignment]
+    return data
+
+
+def _option(config: Any, key: str) -> Any:
+    """A key of verl's `checkpoint_config`: a `DictConfig`, a dict or a `CheckpointConfig` dataclass."""
+    if config is None:
+        return None
+    if isinstance(config, Mapping):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
+def _contents(config: Any, key: str, default: list[str]) -> list[str]:
+    given = _option(config, key)
+    contents = list(default) if given is None else [str(c) for c in _plain(given)]
+    if unknown := [c for c in contents if c not in VERL_CONTENTS]:
+        raise ConfigError(f"checkpoint_config.{key}", f"unknown content(s) {unknown}; choose from {list(VERL_CONTENTS)}")
+    return contents
+
+
+def _keep_last(max_ckpt_to_keep: object) -> int | None:
+    """verl's `max_ckpt_to_keep`: None or 0 keeps every step, as in verl."""
+    if max_ckpt_to_keep is None:
+        return None
+    if isinstance(max_ckpt_to_keep, bool) or not isinstance(max_ckpt_to_keep, int) or max_ckpt_to_keep < 0:
+        raise ConfigError("max_ckpt_to_keep", f"must be None or an integer >= 0, got {max_ckpt_to_keep!r}")
+    return max_ckpt_to_keep or None
+
+
+def _refuse_hdfs(hdfs_path: object) -> None:
+    if hdfs_path is not None:
+        raise ConfigError("hdfs_path", f"{hdfs_path}: copying checkpoints to HDFS is not supported by this "
+                                       "checkpoint manager; set trainer.default_hdfs_dir to null (checkpoints "
+                                       "stay under trainer.default_local_dir)")
+
+
+__all__ = ["DEFAULT_FORMAT", "LifecycleCheckpointManager", "StepPath", "VERL_CONTENTS"]
