@@ -328,11 +328,18 @@ class CheckpointStore:
     def supersede(self, newer_than: int) -> list[Path]:
         """Rename aside (`global_step_N.superseded-<time>`) every step newer than `newer_than`:
         the run was rolled back past them, and neither a later resume nor retention may take
-        them for its own."""
+        them for its own. A newer step without any committed role (a crashed save's staging
+        folder, a trainer's own files) is no line to return to: it is removed, as retention
+        removes, rather than kept forever. A tracker left naming a step now gone is pointed at
+        `newer_than`, since verl's trainer resumes from what the tracker names."""
         moved: list[Path] = []
         for step in self.steps():
             try:
-                if step > newer_than and (aside := self._set_aside(step, SUPERSEDED, "rolled back past")) is not None:
+                if step <= newer_than:
+                    continue
+                if not self._holds_commit(step):
+                    self._remove_uncommitted(step)
+                elif (aside := self._set_aside(step, SUPERSEDED, "rolled back past")) is not None:
                     moved.append(aside)
             except CheckpointError as exc:  # best effort: the rollback itself already happened
                 structlog.get_logger().error("checkpoint.supersede_failed", step=step, error=str(exc),
@@ -341,7 +348,38 @@ class CheckpointStore:
             structlog.get_logger().warning("checkpoint.steps_superseded", resumed_step=newer_than,
                                            paths=[str(p) for p in moved],
                                            reason="resumed from an older step; these are never resumed or deleted")
+        self._tracker_back_to(newer_than)
         return moved
+
+    def _holds_commit(self, step: int) -> bool:
+        """Whether any role folder of `step` holds a manifest; unreadable counts as holding one."""
+        try:
+            with os.scandir(self.step_dir(step)) as entries:
+                return any(role_problem(e.name) is None and e.is_dir(follow_symlinks=False)
+                           and lstat(Path(e.path) / MANIFEST) is not None for e in entries)
+        except (OSError, CheckpointError):
+            return True
+
+    def _remove_uncommitted(self, step: int) -> None:
+        folder = self.step_dir(step)
+        try:
+            os.rename(folder, trash := trash_path(self.root, folder.name))
+            rmtree(trash)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise os_error(exc, "holds no committed role, and cannot be removed", folder) from exc
+        structlog.get_logger().info("checkpoint.uncommitted_removed", step=step, path=str(folder),
+                                    reason="newer than the step resumed from, and no role of it was committed")
+
+    def _tracker_back_to(self, step: int) -> None:
+        try:
+            named = self.read_tracker()
+            if named is not None and named > step and lstat(self.step_dir(named)) is None:
+                self.write_tracker(step)
+        except CheckpointError as exc:
+            structlog.get_logger().warning("checkpoint.tracker_failed", step=step, path=str(self.tracker_path),
+                                           error=str(exc), action="the next save rewrites it")
 
     def _set_aside(self, step: int, marker: str, why: str) -> Path | None:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
