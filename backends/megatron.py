@@ -30,6 +30,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from backends.base import current_rank, failed_ranks
 from backends.dcp_metadata import MetadataReader
 from backends.hf import write_hf_folder
+from backends.hf_config import bridge_view, config_dtype
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.phase import DELETE, temporarily
 
@@ -169,14 +170,6 @@ def _bridge_class(model_type: str) -> type:
     })
 
 
-def _hf_dtype(hf_config: Any) -> torch.dtype:
-    """The checkpoint's own dtype, so a float32 checkpoint round-trips exactly (mbridge: bf16)."""
-    dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
-
-
 def init_parallel(tp: int, pp: int) -> None:
     """Megatron's process groups for this TP / PP, over the already-initialised default group."""
     import torch.distributed as dist
@@ -217,13 +210,15 @@ def build_model(
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         _seed_cuda_rng(seed)
-    bridge = _bridge_class(hf_config.model_type)(hf_config, dtype=dtype or _hf_dtype(hf_config))
-    if not on_gpu:
-        bridge.set_extra_args(use_cpu_initialization=True, sequence_parallel=False)
-    dtype = bridge.dtype
-    with cpu_safe():
-        chunks = bridge.get_model(wrap_with_ddp=False, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
-                                  use_cpu_initialization=not on_gpu)
+    # The checkpoint's own dtype, so a float32 checkpoint round-trips exactly (mbridge: bf16).
+    dtype = dtype or config_dtype(hf_config) or torch.float32
+    with bridge_view(hf_config):
+        bridge = _bridge_class(hf_config.model_type)(hf_config, dtype=dtype)
+        if not on_gpu:
+            bridge.set_extra_args(use_cpu_initialization=True, sequence_parallel=False)
+        with cpu_safe():
+            chunks = bridge.get_model(wrap_with_ddp=False, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+                                      use_cpu_initialization=not on_gpu)
     return MegatronModel(chunks=list(chunks), bridge=bridge)
 
 

@@ -28,6 +28,7 @@ from tests.guards import within
 HANG_GUARD_S = 20
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.transformers
 
 
 class Tied(nn.Module):
@@ -167,7 +168,7 @@ def test_qwen2_folder_loads_with_from_pretrained(tmp_path: Path, tied: bool) -> 
     HFBackend().export_hf(model, tmp_path)
     assert (tmp_path / "config.json").is_file()
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
-    assert info["missing_keys"] == [] and info["unexpected_keys"] == []
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # lists on transformers 4, sets on 5
     ids = torch.randint(0, 256, (1, 6))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)

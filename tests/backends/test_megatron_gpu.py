@@ -15,7 +15,7 @@ import torch
 from tests.backends.dist_util import run_ranks
 from tests.backends.megatron_util import hf_tensors, make_hf_checkpoint, same_tensors
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.transformers]
 
 
 def _ranks() -> int:

@@ -24,6 +24,7 @@ from tests.backends.megatron_util import hf_tensors, make_hf_checkpoint, same_te
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
+pytestmark = pytest.mark.transformers
 
 
 def _fresh_parallel() -> None:

@@ -242,6 +242,7 @@ def test_async_refuses_at_construction_formats_that_cannot_write_in_the_backgrou
         DiskCheckpointer(config, role=ROLE).save(1, Parts(model=nn.Linear(2, 2)), Progress(step=1))
 
 
+@pytest.mark.transformers
 def test_host_copy_reuses_its_buffers_and_keeps_tied_weights_tied() -> None:
     model = tiny_qwen2()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

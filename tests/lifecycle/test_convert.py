@@ -15,6 +15,7 @@ from tests.backends.megatron_util import hf_tensors, make_hf_checkpoint, same_te
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
+pytestmark = pytest.mark.transformers
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -83,6 +83,7 @@ def test_after_a_train_step_and_a_sync_over_each_engine_every_rollout_generates_
         assert trainer[engine]["version"] == 1
 
 
+@pytest.mark.transformers
 def test_after_a_naive_sync_in_process_rollouts_generate_as_the_trainer() -> None:
     model = tiny_qwen2()
     rollouts = [ModelRollout(tiny_qwen2(seed=s)) for s in (1, 2)]

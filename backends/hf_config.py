@@ -1,0 +1,113 @@
+"""What mbridge reads of an HF config, on transformers 4 and 5 alike.
+
+mbridge 0.15.1 was written against transformers 4, whose configs carry `rope_theta` (and, for
+GLM-4 MoE, `partial_rotary_factor`) as attributes. transformers 5 keeps both inside
+`config.rope_parameters`, so the bridge fails on a missing attribute. Its `rope_scaling` became
+a property returning that same dict, and mbridge's `"rope_scaling" in config` test looks at the
+instance's own attributes only: on a transformers-5 config any RoPE scaling would be dropped
+without a word.
+
+The other way round, transformers 4 reading a config.json that transformers 5 wrote keeps
+`rope_parameters` as an unknown key and its class default for `rope_theta`.
+
+`bridge_attributes` derives the old attributes from the config's own `rope_parameters`, never
+from a default, and refuses what the bridge would build differently from the checkpoint;
+`bridge_view` sets them for a block only, through the running phase's undo stack, so they never
+reach a saved config.json or the model's fingerprint. This module imports neither transformers
+nor mbridge: it reads the config object it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lifecycle.errors import ConfigError, shorten
+from lifecycle.phase import Temporary, temporarily
+
+KEY = "hf_config"
+"""The config key the errors name: the HF config (folder or object) given to build_model."""
+
+FROM_ROPE_PARAMETERS: dict[str, bool] = {"rope_theta": True, "partial_rotary_factor": False}
+"""Each transformers-4 attribute mbridge reads that transformers 5 moved into `rope_parameters`
+(under the same name) -> whether every RoPE config has it (`partial_rotary_factor` only the
+models with partial rotary embeddings, and only their bridges read it)."""
+
+BRIDGE_ROPE_TYPES = frozenset({"default"})
+"""The rope types a bridge builds from a transformers-5 config: mbridge passes on `rope_theta`
+and nothing of the scaling (see the module docstring)."""
+
+
+def _describe(params: Mapping[str, Any]) -> str:
+    return f"rope_type {shorten(params.get('rope_type'))}, rope_theta {shorten(params.get('rope_theta'))}"
+
+
+def rope_parameters(config: Any) -> Mapping[str, Any]:
+    """The config's one set of RoPE parameters. Per-layer-type parameters (`{"full_attention":
+    {...}, "sliding_attention": {...}}`) are accepted only when every layer type has the same,
+    since a bridge builds one rotary embedding for all layers."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, Mapping) or not params:
+        raise ConfigError(f"{KEY}.rope_theta", f"mbridge reads rope_theta, which this {type(config).__name__} "
+                          f"neither has nor holds in rope_parameters (got {shorten(params)}); it cannot be derived")
+    nested = {name: value for name, value in params.items() if isinstance(value, Mapping)}
+    if not nested:
+        return params
+    if len(nested) != len(params) or any(value != next(iter(nested.values())) for value in nested.values()):
+        per_type = "; ".join(f"{name}: {_describe(value) if isinstance(value, Mapping) else shorten(value)}"
+                             for name, value in params.items())
+        raise ConfigError(f"{KEY}.rope_parameters", f"the layer types' RoPE differ ({per_type}), and an "
+                          "mbridge model has one rotary embedding for every layer")
+    return next(iter(nested.values()))
+
+
+def bridge_attributes(config: Any) -> dict[str, Any]:
+    """The attributes mbridge reads that `config` lacks, derived from its `rope_parameters`.
+
+    A config with the attributes and no `rope_parameters` (transformers 4) gets nothing and is
+    read by the bridge as it is. One with both (a config.json written by transformers 5, read by
+    transformers 4, which keeps `rope_parameters` as an unknown key and its own defaults for the
+    rest) must agree with itself. A ConfigError names the key that cannot be derived or that
+    disagrees, or the rope type the bridge would not build.
+    """
+    required = [name for name, always in FROM_ROPE_PARAMETERS.items() if always]
+    if all(hasattr(config, name) for name in required) and getattr(config, "rope_parameters", None) is None:
+        return {}
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type")
+    if rope_type not in BRIDGE_ROPE_TYPES:
+        raise ConfigError(f"{KEY}.rope_parameters.rope_type", f"{shorten(rope_type)}: from a config that keeps "
+                          "its RoPE in rope_parameters (transformers 5's form) mbridge 0.15.1 takes rope_theta "
+                          "alone and would build the model without this scaling; it builds only "
+                          f"{', '.join(sorted(BRIDGE_ROPE_TYPES))} RoPE from one")
+    supplied: dict[str, Any] = {}
+    for name, always in FROM_ROPE_PARAMETERS.items():
+        if hasattr(config, name):
+            if name in params and getattr(config, name) != params[name]:
+                raise ConfigError(f"{KEY}.{name}", f"the config says {shorten(getattr(config, name))} and its "
+                                  f"rope_parameters {shorten(params[name])}: a config.json written by transformers 5 "
+                                  "read by transformers 4, which ignores rope_parameters; read it with "
+                                  f"transformers 5, or write {name} into config.json")
+        elif name in params:
+            supplied[name] = params[name]
+        elif always:
+            raise ConfigError(f"{KEY}.rope_parameters.{name}", f"mbridge reads {name}, and this config's "
+                              f"rope_parameters ({_describe(params)}) has none")
+    return supplied
+
+
+def bridge_view(config: Any) -> Temporary:
+    """`config` with the attributes mbridge reads, for a `with` block (and at the latest until
+    the running phase ends); a transformers-4 config is left untouched."""
+    return temporarily(config, **bridge_attributes(config))
+
+
+def config_dtype(config: Any) -> torch.dtype | None:
+    """The config's parameter dtype under the name it has: `dtype` (transformers 4.56 and 5),
+    else `torch_dtype` (4.51 to 4.55), so no deprecation warning is raised on either major."""
+    value = getattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
