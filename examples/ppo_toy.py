@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from lifecycle.data import ResumableBatchSampler
 from lifecycle.logging import configure
-from lifecycle.ray import Driver, DriverConfig, DriverHooks, Failure, StepRecord, render_summary
+from lifecycle.ray import Driver, DriverConfig, DriverHooks, Failure, Overdue, StepRecord, render_summary
 from lifecycle.types import Parts
 
 PROMPT, ANSWER = 8, 8
@@ -166,6 +166,10 @@ class Progress(DriverHooks):
     def on_resume(self, driver: Driver, failure: Failure) -> None:
         self.say(f"step {failure.step:3d}  <<< every role resumed from step {failure.resumed_at} in "
                  f"{failure.recovery_s:.1f} s; the rollout holds weights v{driver.version}")
+
+    def on_overdue(self, driver: Driver, overdue: Overdue) -> None:
+        step = "  -" if overdue.step is None else f"{overdue.step:3d}"
+        self.say(f"step {step}  ... {overdue.line()} (at {overdue.where or 'an unknown frame'})")
 
     def say(self, text: str) -> None:
         print(f"[{time.perf_counter() - self.started:6.1f}s] {text}", flush=True)

@@ -1,4 +1,4 @@
-"""`python -m lifecycle ...`: the machine's diagram, and tools for checkpoints on disk."""
+"""`python -m lifecycle ...`: the machines' diagrams, and tools for checkpoints on disk."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Callable, Sequence
 
 from lifecycle.boundary import os_error
 from lifecycle.errors import LifecycleError
-from lifecycle.machine import mermaid
+from lifecycle.machine import MACHINES
 
 
 def _diagram(args: argparse.Namespace) -> int:
-    sys.stdout.write(mermaid())
+    sys.stdout.write(MACHINES[args.machine].mermaid())
     return 0
 
 
@@ -40,7 +40,9 @@ def _convert(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lifecycle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    diagram = sub.add_parser("diagram", help="print the state machine as a Mermaid diagram")
+    diagram = sub.add_parser("diagram", help="print a state machine as a Mermaid diagram, from its table")
+    diagram.add_argument("--machine", choices=sorted(MACHINES), default="trainer",
+                         help="the trainer's lifecycle (default), a rollout's weights, or the Ray driver's run")
     diagram.set_defaults(run=_diagram)
     roles_help = "roles a complete step must hold (default: every role found on disk)"
     inspect = sub.add_parser("inspect", help="table of steps and roles: contents, format, size, complete or why not")

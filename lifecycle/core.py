@@ -4,33 +4,27 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-import time
-from collections import deque
-from functools import partial
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
-
-import structlog
-from transitions import MachineError
+from typing import Any, Iterable, Iterator, Mapping
 
 from lifecycle.boundary import check_step
 from lifecycle.config import LifecycleConfig
-from lifecycle.errors import InvalidTransition, LifecycleError
-from lifecycle.machine import NAMES, ROWS, MachineModel, State, allowed_triggers, build_machine
-from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase, Temporary, TransitionRecord
+from lifecycle.errors import LifecycleError
+from lifecycle.machine import TRAINER, State
+from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase
+from lifecycle.stateful import Stateful
 from lifecycle.types import Checkpointer, Parts, Progress, SaveInfo, WeightSyncer
+from lifecycle.watchdog import Watchdog
 
-F = TypeVar("F", bound=Callable[[], object])
 
-
-class Lifecycle:
+class Lifecycle(Stateful[State]):
     """One worker's lifecycle: init-load, train, save, weight-sync and resume, as one machine.
 
     Every trigger runs as begin -> work -> undo stack -> done/fail, leaves one `TransitionRecord`
     in `history` and one `lifecycle.transition` log record. A trigger that the table does
     not allow from the current state raises `InvalidTransition` and changes nothing.
     """
+
+    _global_observers = GLOBAL_OBSERVERS
 
     def __init__(
         self,
@@ -47,33 +41,21 @@ class Lifecycle:
         engine: WeightSyncer | None = None,
         observers: Iterable[Observer] = (),
         history_limit: int = 10_000,
+        watchdog: Watchdog | None = None,
     ) -> None:
+        """`watchdog`: the one that watches this lifecycle's budgeted phases (default: the process's)."""
         self.config = LifecycleConfig.coerce(config)
-        self.role = role
-        self.rank, self.world_size = _rank_and_size(rank, world_size)
+        rank, self.world_size = _rank_and_size(rank, world_size)
+        super().__init__(TRAINER, role=role, rank=rank, observers=observers, history_limit=history_limit,
+                         watchdog=watchdog)
         self.parts = Parts(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader)
         self.progress = Progress()
-        self.observers: list[Observer] = list(observers)
-        self._history: deque[TransitionRecord] = deque(maxlen=history_limit)
         if checkpointer is None:
             from lifecycle.checkpointer import check_parts
 
             check_parts(self.config, self.parts, self.world_size)
         self._checkpointer = checkpointer
         self._engine = engine
-        self._phase: Phase | None = None
-        self._lock = threading.Lock()
-        self._model = MachineModel()
-        self._machine = build_machine(self._model)
-        self._log = structlog.get_logger()
-
-    @property
-    def state(self) -> State:
-        return self._model.state
-
-    @property
-    def history(self) -> list[TransitionRecord]:
-        return list(self._history)
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -157,72 +139,12 @@ class Lifecycle:
             if wait is not None:
                 wait()  # an async save's failure is this close's error, not a failed undo
 
-    def temporarily(self, obj: object, **attrs: Any) -> Temporary:
-        """Set (or, with `DELETE`, remove) attributes of `obj` until the running phase ends."""
-        phase = self._running("temporarily")
-        change = Temporary(obj, attrs)
-        phase.undos.append(change.restore)
-        return change
+    def _budget(self, trigger: str) -> float | None:
+        return self.config.watchdog.budget(trigger)
 
-    def on_exit(self, undo: F) -> F:
-        """Run `undo` when the running phase ends, whether its work succeeded or raised."""
-        self._running("on_exit").undos.append(undo)
-        return undo
-
-    def add_observer(self, observer: Observer) -> None:
-        self.observers.append(observer)
-
-    def remove_observer(self, observer: Observer) -> None:
-        self.observers.remove(observer)
-
-    def export_chrome_trace(self, path: str | os.PathLike[str]) -> Path:
-        """The history as a Chrome trace; the writer (and the checkpoint I/O it uses) loads on first use."""
-        from lifecycle.trace import write_chrome_trace
-
-        return write_chrome_trace(self._history, path, role=self.role, rank=self.rank)
-
-    def _running(self, what: str) -> Phase:
-        phase = self._phase
-        if phase is None:
-            raise LifecycleError(
-                f"{what}() needs a running phase to undo it in; state is {self.state.name} "
-                f"(role {self.role}): call it from inside init_load/train_step/save/sync/resume work"
-            )
-        return phase
-
-    def _move(self, trigger: str) -> None:
-        with self._lock:
-            src = self._model.state
-            try:
-                getattr(self._model, trigger)()
-            except MachineError:
-                raise InvalidTransition(trigger, src, allowed_triggers(src), self.role) from None
-        if self.observers or GLOBAL_OBSERVERS:
-            dst = self._model.state
-            for observer in (*self.observers, *GLOBAL_OBSERVERS):
-                observer.on_state_change(self, src, dst, trigger)
-
-    def _record(self, phase: Phase, error: BaseException | None) -> None:
-        """The one history entry and the one `lifecycle.transition` record of a trigger."""
-        start, t0 = phase.started
-        duration = time.perf_counter() - t0
-        dst = self._model.state
-        message = None if error is None else f"{type(error).__name__}: {error}"
-        working = ROWS[phase.trigger].working
-        path = (phase.src, dst) if working is None else (phase.src, working, dst)
-        record = TransitionRecord(phase.trigger, phase.src, dst, phase.step, start, duration,
-                                  error is None, message, path, phase.figures)
-        self._history.append(record)
-        emit = self._log.info if error is None else partial(self._log.error, error=message)
-        emit("lifecycle.transition", trigger=phase.trigger, src=NAMES[phase.src], dst=NAMES[dst],
-             role=self.role, rank=self.rank, step=phase.step, duration_s=round(duration, 6),
-             ok=error is None, **phase.figures)
-        if self.observers or GLOBAL_OBSERVERS:
-            for observer in (*self.observers, *GLOBAL_OBSERVERS):
-                observer.on_transition(self, record)
-
-    def __repr__(self) -> str:
-        return f"Lifecycle(role={self.role!r}, rank={self.rank}, state={self.state.name})"
+    def _ended(self, phase: Phase) -> None:
+        if phase.trigger == "train_step":
+            self.progress.step = phase.step  # type: ignore[assignment]
 
 
 def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -6,7 +6,12 @@ import reprlib
 
 
 class LifecycleError(Exception):
-    """Base class of every error this library raises on purpose."""
+    """Base class of every error this library raises on purpose.
+
+    Each one pickles with its own fields (`__reduce__` where `__init__` takes more than the
+    message), so it crosses a process boundary whole: a Ray driver reads a worker's
+    `ConfigError` as a `ConfigError`, not as an exception Ray could not rebuild.
+    """
 
 
 class InvalidTransition(LifecycleError):
@@ -16,6 +21,7 @@ class InvalidTransition(LifecycleError):
         self.trigger = trigger
         self.state = state
         self.allowed = allowed
+        self.role = role
         who = f" (role {role})" if role else ""
         choices = ", ".join(allowed) if allowed else "none until the running phase ends"
         super().__init__(
@@ -23,13 +29,20 @@ class InvalidTransition(LifecycleError):
             f"allowed from there: {choices}"
         )
 
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.trigger, self.state, self.allowed, self.role)
+
 
 class ConfigError(LifecycleError, ValueError):
     """A config key is unknown, has a bad value, or conflicts with another key."""
 
     def __init__(self, key: str, message: str) -> None:
         self.key = key
+        self.message = message
         super().__init__(f"{key}: {message}" if key else message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.key, self.message)
 
 
 class CheckpointError(LifecycleError):
@@ -43,6 +56,9 @@ class DamagedCheckpoint(CheckpointError):
     def __init__(self, message: str, problems: list[str] | None = None) -> None:
         self.problems = list(problems or [message])
         super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (str(self), self.problems)
 
 
 class EngineError(LifecycleError):

@@ -1,19 +1,24 @@
-"""The transition table, as data, and everything derived from it: the machine, the diagram."""
+"""The three transition tables, as data: the trainer's lifecycle, a rollout's weights, the Ray driver's run.
+
+Each table is the whole contract of its machine; `lifecycle.table.Table` derives the
+`transitions` machine, the allowed triggers and the Mermaid diagram from it, the same way for
+all three (`python -m lifecycle diagram --machine trainer|rollout|driver`). The machines that
+run them: `lifecycle.Lifecycle` (trainer), `lifecycle.rollout.RolloutWeights` (rollout) and
+`lifecycle.ray.Driver` (driver), all through `lifecycle.stateful.Stateful` and `phase.Phase`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
 
-from typing import Any
+from transitions import Machine
 
-from transitions import Machine, Transition
-
-from lifecycle.errors import LifecycleError
+from lifecycle.table import DONE, FAIL, Row, Table
+from lifecycle.table import MachineModel as _Model
 
 
 class State(Enum):
-    """A worker's lifecycle state; `working` states are the ones a phase runs in."""
+    """A trainer worker's lifecycle state; `working` states are the ones a phase runs in."""
 
     CREATED = "created"
     LOADING = "loading"
@@ -31,25 +36,11 @@ class State(Enum):
 
     @property
     def terminal(self) -> bool:
-        return self is State.CLOSED
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One trigger of the table: from `sources` to `working`, then `done` or `failed`.
-
-    A row with no working state (close) moves straight to `done`.
-    """
-
-    trigger: str
-    sources: tuple[State, ...]
-    working: State | None
-    done: State
-    failed: State | None
+        return self in TRAINER.terminal
 
 
 S = State
-TABLE: tuple[Row, ...] = (
+TABLE: tuple[Row[State], ...] = (
     Row("init_load", (S.CREATED,), S.LOADING, S.READY, S.FAILED),
     Row("train_step", (S.READY,), S.TRAINING, S.READY, S.FAILED),
     Row("save", (S.READY,), S.SAVING, S.READY, S.FAILED),
@@ -57,33 +48,11 @@ TABLE: tuple[Row, ...] = (
     Row("resume", (S.CREATED, S.FAILED), S.RESUMING, S.READY, S.FAILED),
     Row("close", (S.CREATED, S.READY, S.FAILED), None, S.CLOSED, None),
 )
-"""The whole contract. The machine, `allowed_triggers` and the Mermaid diagram read it."""
-
-ROWS: dict[str, Row] = {row.trigger: row for row in TABLE}
-WORKING = frozenset(row.working for row in TABLE if row.working is not None)
-NAMES: dict[State, str] = {state: state.name for state in State}
-"""Enum `.name` is a descriptor call; the per-transition record reads this instead."""
-DONE, FAIL = "done", "fail"
-"""The internal triggers that end a phase; users fire only the table's triggers."""
+"""The trainer's whole contract. The machine, `allowed_triggers` and the Mermaid diagram read it."""
 
 
-def machine_transitions() -> list[dict[str, object]]:
-    """The table in `transitions` form: begin edges, then one done and one fail per phase."""
-    edges: list[dict[str, object]] = []
-    for row in TABLE:
-        begin_dest = row.working if row.working is not None else row.done
-        edges.append({"trigger": row.trigger, "source": list(row.sources), "dest": begin_dest})
-    for row in TABLE:
-        if row.working is None:
-            continue
-        edges.append({"trigger": DONE, "source": row.working, "dest": row.done})
-        if row.failed is not None:
-            edges.append({"trigger": FAIL, "source": row.working, "dest": row.failed})
-    return edges
-
-
-class MachineModel:
-    """The object `transitions` drives; the stubs let type checkers see the triggers."""
+class MachineModel(_Model):
+    """The object `transitions` drives for a trainer; the stubs let type checkers see the triggers."""
 
     state: State
 
@@ -93,63 +62,130 @@ class MachineModel:
     def sync_weights(self) -> bool: raise NotImplementedError  # noqa: E704
     def resume(self) -> bool: raise NotImplementedError  # noqa: E704
     def close(self) -> bool: raise NotImplementedError  # noqa: E704
-    def done(self) -> bool: raise NotImplementedError  # noqa: E704
-    def fail(self) -> bool: raise NotImplementedError  # noqa: E704
 
 
-class _Edge(Transition):
-    """An edge that only changes the state.
-
-    The lifecycle's edges carry no conditions and no callbacks: work runs outside the
-    machine, and observers see every move. Evaluating empty callback lists and looking up
-    enter/exit hooks on every trigger would cost more than the state change itself, so an
-    edge skips them, and refuses to be built with any.
-    """
-
-    def __init__(self, source: str, dest: str, *hooks: Any) -> None:
-        if any(hooks):
-            raise LifecycleError(f"lifecycle edge {source} -> {dest} takes no conditions or callbacks")
-        super().__init__(source, dest)
-
-    def execute(self, event_data: Any) -> bool:
-        machine = event_data.machine
-        machine.set_state(self.dest, event_data.model)
-        event_data.update(getattr(event_data.model, machine.model_attribute))
-        return True
+TRAINER: Table[State] = Table("trainer", State, TABLE, initial=State.CREATED, model=MachineModel)
+ROWS: dict[str, Row[State]] = TRAINER.by_trigger
+WORKING: frozenset[State] = TRAINER.working
+NAMES: dict[State, str] = TRAINER.names
 
 
-class _LifecycleMachine(Machine):
-    transition_cls = _Edge
+class RolloutState(Enum):
+    """A rollout's weights: whether it holds whole weights of one version, and may serve them."""
+
+    EMPTY = "empty"
+    """No policy weights received yet: it must be synced before it generates."""
+    RECEIVING = "receiving"
+    """A sync is landing: paused, the weights are half old, half new until it ends."""
+    SERVING = "serving"
+    """Whole weights of `weights_version`: the only state generation starts from."""
+    GENERATING = "generating"
+    """Generating from the weights it serves; no sync may land meanwhile."""
+    STALE = "stale"
+    """A sync failed part-way (or the rollout was marked stale): refuses to serve until one lands."""
+    CLOSED = "closed"
+
+    @property
+    def serves(self) -> bool:
+        return ROLLOUT.allows("generate", self)
+
+    @property
+    def terminal(self) -> bool:
+        return self in ROLLOUT.terminal
+
+
+R = RolloutState
+ROLLOUT_TABLE: tuple[Row[RolloutState], ...] = (
+    Row("receive_weights", (R.EMPTY, R.SERVING, R.STALE), R.RECEIVING, R.SERVING, R.STALE),
+    Row("generate", (R.SERVING,), R.GENERATING, R.SERVING, R.SERVING),
+    Row("mark_stale", (R.EMPTY, R.SERVING, R.STALE), None, R.STALE, None),
+    Row("close", (R.EMPTY, R.SERVING, R.STALE), None, R.CLOSED, None),
+)
+"""The rollout's contract: the version changes only on `receive_weights`' done edge into SERVING;
+a receive that fails lands in STALE with the old version; a failed generate leaves the weights
+as they were (SERVING)."""
+
+
+class RolloutModel(_Model):
+    state: RolloutState
+
+    def receive_weights(self) -> bool: raise NotImplementedError  # noqa: E704
+    def generate(self) -> bool: raise NotImplementedError  # noqa: E704
+    def mark_stale(self) -> bool: raise NotImplementedError  # noqa: E704
+    def close(self) -> bool: raise NotImplementedError  # noqa: E704
+
+
+ROLLOUT: Table[RolloutState] = Table("rollout", RolloutState, ROLLOUT_TABLE, initial=R.EMPTY, model=RolloutModel)
+
+
+class DriverState(Enum):
+    """The Ray driver's run, in the shape of Ray Train v2's controller states."""
+
+    CREATED = "created"
+    INITIALIZING = "initializing"
+    """Ray up, the first worker group built, resumed and synced (restarts here as the policy allows)."""
+    RUNNING = "running"
+    """Steps: generate, score, train, sync, save."""
+    RECOVERING = "recovering"
+    """After a failure the policy retries: the group torn down, rebuilt, resumed and synced."""
+    FINISHING = "finishing"
+    """The last step ran: every trainer closes (pending async saves commit)."""
+    FINISHED = "finished"
+    ERRORED = "errored"
+
+    @property
+    def terminal(self) -> bool:
+        return self in DRIVER.terminal
+
+
+D = DriverState
+DRIVER_TABLE: tuple[Row[DriverState], ...] = (
+    Row("start", (D.CREATED,), D.INITIALIZING, D.RUNNING, D.ERRORED),
+    Row("recover", (D.RUNNING,), D.RECOVERING, D.RUNNING, D.ERRORED),
+    Row("finish", (D.RUNNING,), D.FINISHING, D.FINISHED, D.ERRORED),
+    Row("give_up", (D.RUNNING,), None, D.ERRORED, None),
+)
+"""The driver's contract: a failure in RUNNING is `recover` when the `FailurePolicy` retries it
+and `give_up` when it does not; one while initializing or recovering is retried inside that
+phase or fails it (ERRORED)."""
+
+
+class DriverModel(_Model):
+    state: DriverState
+
+    def start(self) -> bool: raise NotImplementedError  # noqa: E704
+    def recover(self) -> bool: raise NotImplementedError  # noqa: E704
+    def finish(self) -> bool: raise NotImplementedError  # noqa: E704
+    def give_up(self) -> bool: raise NotImplementedError  # noqa: E704
+
+
+DRIVER: Table[DriverState] = Table("driver", DriverState, DRIVER_TABLE, initial=D.CREATED, model=DriverModel)
+
+MACHINES: dict[str, Table] = {"trainer": TRAINER, "rollout": ROLLOUT, "driver": DRIVER}  # type: ignore[type-arg]
+"""Every table by name, for `python -m lifecycle diagram --machine NAME`."""
+
+
+def machine_transitions() -> list[dict[str, object]]:
+    """The trainer's table in `transitions` form."""
+    return TRAINER.transitions()
 
 
 def build_machine(model: MachineModel, initial: State = State.CREATED) -> Machine:
-    return _LifecycleMachine(
-        model=model,
-        states=State,
-        transitions=machine_transitions(),
-        initial=initial,
-        auto_transitions=False,
-        model_override=True,
-    )
+    return TRAINER.build(model, initial)
 
 
 def allowed_triggers(state: State) -> list[str]:
-    """The table's triggers that may fire from `state` (the internal done/fail are not listed)."""
-    return [row.trigger for row in TABLE if state in row.sources]
+    """The trainer's triggers that may fire from `state` (the internal done/fail are not listed)."""
+    return TRAINER.allowed(state)
 
 
-def mermaid() -> str:
-    """The machine as a Mermaid state diagram, generated from the same table."""
-    lines = ["stateDiagram-v2", f"    [*] --> {State.CREATED.name}"]
-    for row in TABLE:
-        begin = row.working if row.working is not None else row.done
-        for src in row.sources:
-            lines.append(f"    {src.name} --> {begin.name}: {row.trigger}")
-        if row.working is not None:
-            lines.append(f"    {row.working.name} --> {row.done.name}: {DONE}")
-            if row.failed is not None:
-                lines.append(f"    {row.working.name} --> {row.failed.name}: {FAIL}")
-    for state in State:
-        if state.terminal:
-            lines.append(f"    {state.name} --> [*]")
-    return "\n".join(lines) + "\n"
+def mermaid(machine: str = "trainer") -> str:
+    """A machine (trainer, rollout or driver) as a Mermaid state diagram, generated from its table."""
+    return MACHINES[machine].mermaid()
+
+
+__all__ = [
+    "DONE", "DRIVER", "DRIVER_TABLE", "FAIL", "MACHINES", "NAMES", "ROLLOUT", "ROLLOUT_TABLE", "ROWS", "TABLE",
+    "TRAINER", "WORKING", "DriverModel", "DriverState", "MachineModel", "RolloutModel", "RolloutState", "Row",
+    "State", "allowed_triggers", "build_machine", "machine_transitions", "mermaid",
+]

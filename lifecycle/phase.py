@@ -1,25 +1,27 @@
 """A phase and what it leaves: the bracket every trigger's work runs in, its undo stack, its record.
 
-Everything a phase is lives here, below the `Lifecycle` that starts it, so code deep in a
-backend can join the running phase's undo stack (`temporarily`, `DELETE`) by importing this
-leaf module alone, and observers and traces read the record without importing the core.
+Everything a phase is lives here, below the machines that start one (the trainer's
+`Lifecycle`, a rollout's `RolloutWeights`, the Ray driver: each a `lifecycle.stateful.Stateful`),
+so code deep in a backend can join the running phase's undo stack (`temporarily`, `DELETE`) by
+importing this leaf module alone, and observers and traces read the record without importing
+the core.
 """
 
 from __future__ import annotations
 
 import time
 from contextvars import ContextVar
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import structlog
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from lifecycle.errors import LifecycleError
-from lifecycle.machine import DONE, FAIL, NAMES, WORKING, State
-from lifecycle.watchdog import WATCHDOG
+from lifecycle.table import DONE, FAIL
 
 if TYPE_CHECKING:
-    from lifecycle.core import Lifecycle
+    from lifecycle.stateful import Stateful
 
 
 class _Delete:
@@ -41,34 +43,37 @@ _MISSING = object()
 
 
 class TransitionRecord(NamedTuple):
-    """One entry of `lc.history`: a whole trigger, from its source to where it ended.
+    """One entry of a machine's `history`: a whole trigger, from its source to where it ended.
 
-    Named apart from `transitions.Transition` (an edge of the machine), which the machine
-    module subclasses: a record is what happened, an edge what may happen.
+    `src`, `dst` and `path` hold the machine's own states (`State` for a `Lifecycle`,
+    `RolloutState`, `DriverState`). Named apart from `transitions.Transition` (an edge of a
+    machine), which `lifecycle.table` subclasses: a record is what happened, an edge what may
+    happen.
     """
 
     trigger: str
-    src: State
-    dst: State
+    src: Enum
+    dst: Enum
     step: int | None
     start: float
     """Wall-clock start, seconds since the epoch (for traces)."""
     duration_s: float
     ok: bool
     error: str | None
-    path: tuple[State, ...]
+    path: tuple[Enum, ...]
     """Every state visited, source first: (READY, SAVING, READY)."""
     figures: dict[str, Any]
     """The operation's own figures (backend, path, bytes, gbps, version...)."""
 
 
 class Observer:
-    """Hooks called as the machine moves; each does nothing unless overridden."""
+    """Hooks called as a machine moves; each does nothing unless overridden. `lc` is the machine:
+    a `Lifecycle`, a `RolloutWeights` or the Ray driver."""
 
-    def on_state_change(self, lc: Lifecycle, src: State, dst: State, trigger: str) -> None:
+    def on_state_change(self, lc: Stateful, src: Enum, dst: Enum, trigger: str) -> None:
         """Called on every move of the machine, phase begin and phase end alike."""
 
-    def on_transition(self, lc: Lifecycle, record: TransitionRecord) -> None:
+    def on_transition(self, lc: Stateful, record: TransitionRecord) -> None:
         """Called once per trigger, when its record is final."""
 
 
@@ -156,15 +161,15 @@ def run_undos(undos: list[Callable[[], object]], trigger: str) -> list[BaseExcep
 class Phase:
     """The context every phase's work runs in: begin trigger, work, undos, done or fail.
 
-    The lifecycle owns the machine and the history; a phase only moves it through them
-    (`_move`, `_record`), so the order begin -> work -> undos -> done/fail -> record is
-    written once, here.
+    The machine (`lc`, any `Stateful`) owns the table, the history and the watchdog; a phase
+    only moves it through them (`_move`, `_record`), so the order begin -> work -> undos ->
+    done/fail -> record is written once, here, for every table.
     """
 
     __slots__ = ("lc", "trigger", "step", "src", "figures", "undos", "_start", "_t0", "_tokens", "_undo_token",
                  "_watched")
 
-    def __init__(self, lc: Lifecycle, trigger: str, step: int | None) -> None:
+    def __init__(self, lc: Stateful, trigger: str, step: int | None) -> None:
         self.lc = lc
         self.trigger = trigger
         self.step = step
@@ -185,13 +190,14 @@ class Phase:
         lc._phase = self
         self._undo_token = RUNNING_UNDOS.set(self.undos)
         self._tokens = bind_contextvars(role=lc.role, rank=lc.rank, step=self.step)
-        where = {"trigger": self.trigger, "state": NAMES[lc.state], "role": lc.role, "rank": lc.rank,
+        names = lc._table.names
+        where = {"trigger": self.trigger, "state": names[lc.state], "role": lc.role, "rank": lc.rank,
                  "step": self.step}
-        lc._log.debug("lifecycle.phase_started", src=NAMES[self.src], **where)
-        budget = lc.config.watchdog.budget(self.trigger)
+        lc._log.debug("lifecycle.phase_started", src=names[self.src], **where)
+        budget = lc._budget(self.trigger)
         self._watched = budget is not None
         if self._watched:
-            WATCHDOG.watch(id(self), budget, **where)
+            lc._watchdog.watch(id(self), budget, **where)
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -200,7 +206,7 @@ class Phase:
             undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
         finally:
             if self._watched:
-                WATCHDOG.unwatch(id(self))
+                lc._watchdog.unwatch(id(self))
             lc._phase = None
             RUNNING_UNDOS.reset(self._undo_token)
             reset_contextvars(**self._tokens)
@@ -210,14 +216,13 @@ class Phase:
                 f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
                 f"objects are not as they were (role {lc.role}); first: {undo_errors[0]!r}"
             )
-        if lc.state in WORKING:
+        if lc.state in lc._table.working:
             lc._move(FAIL if error is not None else DONE)
         lc._record(self, error)
         if exc is None:
             if error is not None:
                 raise error from undo_errors[0]
-            if self.trigger == "train_step":
-                lc.progress.step = self.step  # type: ignore[assignment]
+            lc._ended(self)
 
 
 __all__ = [

@@ -16,11 +16,12 @@ import copy
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from collections.abc import Sequence
+from enum import Enum
 from typing import Any, Iterable, Iterator
 
-from lifecycle.core import Lifecycle
-from lifecycle.machine import State
 from lifecycle.phase import GLOBAL_OBSERVERS, Observer, TransitionRecord
+from lifecycle.stateful import Stateful
 from lifecycle.types import Parts, Progress, SaveInfo, updating
 
 
@@ -140,18 +141,18 @@ class MemoryEngine(_FailureSwitch):
 class Capture(Observer):
     """What `capture_transitions` saw: every record and the states visited, in order."""
 
-    def __init__(self, only: Lifecycle | None) -> None:
+    def __init__(self, only: Stateful[Any] | None) -> None:
         self.only = only
         self.records: list[TransitionRecord] = []
-        self.path: list[State] = []
+        self.path: list[Enum] = []
 
-    def on_state_change(self, lc: Lifecycle, src: State, dst: State, trigger: str) -> None:
+    def on_state_change(self, lc: Stateful[Any], src: Any, dst: Any, trigger: str) -> None:
         if self.only is None or lc is self.only:
             if not self.path:
                 self.path.append(src)
             self.path.append(dst)
 
-    def on_transition(self, lc: Lifecycle, record: TransitionRecord) -> None:
+    def on_transition(self, lc: Stateful[Any], record: TransitionRecord) -> None:
         if self.only is None or lc is self.only:
             self.records.append(record)
 
@@ -159,7 +160,7 @@ class Capture(Observer):
     def triggers(self) -> list[str]:
         return [record.trigger for record in self.records]
 
-    def assert_path(self, expected: list[State]) -> None:
+    def assert_path(self, expected: Sequence[Enum]) -> None:
         if self.path != list(expected):
             raise AssertionError(
                 "lifecycle path differs:\n  expected " + " -> ".join(s.name for s in expected)
@@ -168,8 +169,9 @@ class Capture(Observer):
 
 
 @contextmanager
-def capture_transitions(lc: Lifecycle | None = None) -> Iterator[Capture]:
-    """Record the transitions of `lc`, or of every Lifecycle in the process when none is given."""
+def capture_transitions(lc: Stateful[Any] | None = None) -> Iterator[Capture]:
+    """Record the transitions of `lc` (a `Lifecycle`, a `RolloutWeights`, any machine), or of every
+    Lifecycle in the process when none is given."""
     capture = Capture(lc)
     observers = GLOBAL_OBSERVERS if lc is None else lc.observers
     observers.append(capture)

@@ -14,7 +14,7 @@ from lifecycle.manifest import write_text_atomic
 from lifecycle.phase import Observer, TransitionRecord
 
 if TYPE_CHECKING:
-    from lifecycle.core import Lifecycle
+    from lifecycle.stateful import Stateful
 
 
 def chrome_trace_events(history: Iterable[TransitionRecord], *, role: str, rank: int) -> list[dict[str, Any]]:
@@ -68,13 +68,13 @@ class EventLog:
 
 
 class TraceFile(Observer):
-    """An observer (`lc.add_observer`) that appends each transition to an `EventLog` as it
-    happens, so a worker's trace outlives the worker when it is killed."""
+    """An observer (`add_observer` of any machine) that appends each transition to an `EventLog`
+    as it happens, so a worker's trace outlives the worker when it is killed."""
 
     def __init__(self, log: EventLog) -> None:
         self.log = log
 
-    def on_transition(self, lc: Lifecycle, record: TransitionRecord) -> None:
+    def on_transition(self, lc: Stateful[Any], record: TransitionRecord) -> None:
         self.log.append(transition_event(record, lc.rank))
 
 

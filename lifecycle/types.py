@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -132,24 +132,51 @@ class RolloutTarget(Protocol):
     def mark_stale(self) -> None: ...
 
 
+@runtime_checkable
+class ReceivingRollout(Protocol):
+    """A rollout that runs its own machine (`lifecycle.rollout.RolloutWeights`): it brackets each
+    update itself, as one `receive_weights` phase, and takes the version only on the edge into
+    SERVING, so nothing outside it sets `weights_version` or `stale`."""
+
+    @property
+    def weights_version(self) -> int: ...
+
+    @property
+    def stale(self) -> bool: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None: ...
+
+    def mark_stale(self) -> None: ...
+
+    def receiving(self) -> AbstractContextManager[Callable[[int], None]]:
+        """The update's phase; yields `landed(version)` as `updating` does."""
+
+
 @contextmanager
-def updating(rollout: RolloutTarget) -> Iterator[Callable[[int], None]]:
+def updating(rollout: RolloutTarget | ReceivingRollout) -> Iterator[Callable[[int], None]]:
     """The bracket around every weight update of a rollout: paused while weights land.
 
     Yields `landed(version)`, which the block calls once the last tensor is in: the rollout
     takes that version and serves again. If the block raises, the rollout may hold some new
-    tensors and some old ones, so it is marked stale. It is resumed either way.
+    tensors and some old ones, so it is marked stale. It is resumed either way. A rollout with
+    its own machine (`receiving()`) runs the whole bracket itself.
     """
+    receiving = getattr(rollout, "receiving", None)
+    if callable(receiving):
+        with receiving() as landed_in_phase:
+            yield landed_in_phase
+        return
+    target: RolloutTarget = rollout  # type: ignore[assignment]  # no receiving(): the protocol above
 
     def landed(version: int) -> None:
-        rollout.weights_version = version
-        rollout.stale = False
+        target.weights_version = version
+        target.stale = False
 
-    rollout.pause()
+    target.pause()
     try:
         yield landed
     except BaseException:
-        rollout.mark_stale()
+        target.mark_stale()
         raise
     finally:
-        rollout.resume()
+        target.resume()

@@ -7,8 +7,9 @@ its node, so this package imports without Ray installed.
     from lifecycle.ray import Driver, DriverConfig, DriverHooks, render_summary
 """
 
-from lifecycle.ray.driver import Driver, DriverConfig, DriverHooks, WorkerFailed
-from lifecycle.ray.run_report import Failure, RunSummary, StepRecord, render_summary
+from lifecycle.ray.driver import Driver, DriverConfig, DriverHooks
+from lifecycle.ray.policy import FailureKind, FailurePolicy, RunFailed, WorkerFailed
+from lifecycle.ray.run_report import Failure, Overdue, RunSummary, StepRecord, render_summary
 from lifecycle.ray.workers import ROLLOUT, Recipe, RolloutWorker, TrainerWorker, WorkerSpec
 
 __all__ = [
@@ -17,8 +18,12 @@ __all__ = [
     "DriverConfig",
     "DriverHooks",
     "Failure",
+    "FailureKind",
+    "FailurePolicy",
+    "Overdue",
     "Recipe",
     "RolloutWorker",
+    "RunFailed",
     "RunSummary",
     "StepRecord",
     "TrainerWorker",

@@ -2,10 +2,15 @@
 
 Each step: the policy trainer draws prompts, the rollouts generate, every trainer scores the
 batch and then trains on it, the policy's new weights go to the rollouts, and every
-`save_every` steps each trainer saves. When a worker dies (`RayActorError`) or a call fails,
-the driver logs it, tears the whole group down, builds it again and has every trainer
-resume from the newest step complete for all roles; the rollouts then receive the resumed
-weights before they generate. After `max_failures` recoveries the next failure is raised.
+`save_every` steps each trainer saves. The run is a machine (`controller.Controller`, table
+`lifecycle.machine.DRIVER_TABLE`): when a worker dies (`RayActorError`) or a call fails, the
+`FailurePolicy` (`policy.py`) decides; a restart tears the whole group down, builds it again
+(`worker_group.WorkerGroup`) and has every trainer resume from the newest step complete for
+all roles; the rollouts then receive the resumed weights before they generate. When the
+policy gives up, the run ends ERRORED and raises `RunFailed`.
+
+While it waits on workers, the driver asks them for phases past their watchdog budget and
+reports each (`driver.worker_overdue`, `DriverHooks.on_overdue`, the run summary).
 
 Ray is imported inside `lifecycle.ray` only, and only when a driver starts or a worker asks
 for its node.
@@ -13,20 +18,30 @@ for its node.
 
 from __future__ import annotations
 
+import math
 import os
-import signal
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import ConfigError, EngineError, LifecycleError
-from lifecycle.ray.run_report import Failure, RunSummary, StepRecord, fingerprint, merge_batches, merge_traces, split_batch
+from lifecycle.ray.controller import Controller
+from lifecycle.ray.policy import FailurePolicy, RunFailed, WorkerFailed
+from lifecycle.ray.run_report import (
+    Failure,
+    Overdue,
+    RunSummary,
+    StepRecord,
+    fingerprint,
+    merge_batches,
+    merge_traces,
+    split_batch,
+)
+from lifecycle.ray.worker_group import WorkerGroup
 from lifecycle.ray.workers import ROLLOUT, RolloutWorker, TrainerWorker, WorkerSpec
 
 
@@ -39,7 +54,9 @@ class DriverConfig:
     save_every: int = 5
     """Every trainer saves after each step divisible by this, and after the last step."""
     max_failures: int = 3
-    """Recoveries allowed; the failure after them is raised."""
+    """Restarts allowed; the failure after them gives up (`RunFailed`)."""
+    failure_policy: FailurePolicy | None = None
+    """Decides restart or give up; None: `FailurePolicy(max_failures=max_failures)`."""
     rollouts: int = 1
     """Rollout workers; the prompts of a step are split between them."""
     address: str | None = None
@@ -54,6 +71,8 @@ class DriverConfig:
     """Ray actor options per role (`actor`, `critic`, `rollout`), e.g. {"actor": {"num_gpus": 1}}."""
     call_timeout_s: float = 600.0
     """A worker call that takes longer counts as a failure."""
+    poll_s: float = 1.0
+    """While it waits on workers, the driver asks them this often for phases past their watchdog budget."""
     ray_init: dict[str, Any] = field(default_factory=dict)
     """Further `ray.init` arguments (runtime_env, namespace, ...)."""
 
@@ -63,9 +82,21 @@ class DriverConfig:
                 raise ConfigError(f"driver.{key}", f"must be >= 1, got {getattr(self, key)}")
         if self.max_failures < 0:
             raise ConfigError("driver.max_failures", f"must be >= 0, got {self.max_failures}")
+        for key in ("call_timeout_s", "poll_s"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"driver.{key}", f"must be a finite number of seconds > 0, got {value!r}")
+        if self.failure_policy is not None and self.failure_policy.max_failures != self.max_failures:
+            raise ConfigError("driver.max_failures", f"{self.max_failures} differs from driver.failure_policy."
+                                                     f"max_failures={self.failure_policy.max_failures}; the policy "
+                                                     "decides, so give both the same number")
         if self.address is not None and self.num_cpus is not None:
             raise ConfigError("driver.num_cpus", "sizes a local Ray, but driver.address joins an existing cluster; "
                                                  "drop one of them")
+
+    @property
+    def policy(self) -> FailurePolicy:
+        return self.failure_policy or FailurePolicy(max_failures=self.max_failures)
 
 
 class DriverHooks:
@@ -81,22 +112,18 @@ class DriverHooks:
         """After a step has trained, synced and (when due) saved."""
 
     def on_failure(self, driver: Driver, failure: Failure) -> None:
-        """When a failure was caught, before the group is rebuilt."""
+        """When a failure the policy retries was caught, before the group is rebuilt."""
 
     def on_resume(self, driver: Driver, failure: Failure) -> None:
         """When the rebuilt group has resumed and the rollouts hold the resumed weights."""
 
-
-class WorkerFailed(LifecycleError):
-    """A worker died or one of its calls failed; names the worker and the phase."""
-
-    def __init__(self, worker: str, phase: str, step: int, cause: BaseException) -> None:
-        self.worker, self.phase, self.step, self.cause = worker, phase, step, cause
-        super().__init__(f"worker {worker} failed in {phase} of step {step}: {type(cause).__name__}: {cause}")
+    def on_overdue(self, driver: Driver, overdue: Overdue) -> None:
+        """When a worker the driver waits on reports a phase past its watchdog budget (the phase goes on)."""
 
 
-class Driver:
-    """Runs a `Recipe` on a group of Ray actors; see the module docstring."""
+class Driver(Controller):
+    """Runs a `Recipe` on a group of Ray actors; see the module docstring. `state` is its
+    `DriverState`, `history` its transitions (role `driver`)."""
 
     def __init__(
         self,
@@ -108,6 +135,7 @@ class Driver:
     ) -> None:
         """`config` is every worker's lifecycle config; `overrides` maps a role (or `rollout`) to
         keys that differ for it, such as its own `checkpoint.pre_load.path`."""
+        super().__init__(settings.policy)
         self.recipe = recipe
         self.settings = settings
         self.hooks = hooks or DriverHooks()
@@ -122,15 +150,19 @@ class Driver:
         self.configs = {role: LifecycleConfig.from_dict(_merged(base, (overrides or {}).get(role, {}))).to_dict()
                         for role in [*roles, ROLLOUT]}
         self.roles = roles
-        self.workers: dict[str, Any] = {}
-        self.pids: dict[str, int] = {}
-        self.incarnation = 0
+        self.group = WorkerGroup(call_timeout_s=settings.call_timeout_s, poll_s=settings.poll_s,
+                                 options=settings.options, on_overdue=self._overdue)
         self.version = 0
-        self.summary = RunSummary()
-        self._phase = ("start", 0)
-        self._log = structlog.get_logger()
         self._owns_ray = False
-        self._host = "127.0.0.1"
+
+    @property
+    def workers(self) -> dict[str, Any]:
+        """The Ray actor handles of the current group, by worker name."""
+        return self.group.handles
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return self.group.pids
 
     @property
     def work_dir(self) -> Path | None:
@@ -141,26 +173,17 @@ class Driver:
         return [f"{ROLLOUT}{i}" for i in range(self.settings.rollouts)]
 
     def run(self) -> RunSummary:
-        """Train to `settings.steps`, recovering from failures; returns what happened."""
+        """Train to `settings.steps`, recovering as the policy allows; returns what happened.
+        Raises `RunFailed` when the policy gives up (the driver is then ERRORED)."""
         started = time.perf_counter()
-        self._init_ray()
         try:
-            step = self._start_group() + 1
-            self.summary.started_at = step - 1
-            self.hooks.on_start(self, step - 1)
-            while step <= self.settings.steps:
-                try:
-                    self._step(step)
-                    step += 1
-                except WorkerFailed as failed:
-                    step = self._recover(failed) + 1
-            self.summary.saves = self._close_group()
+            self._control(self.settings.steps)
         finally:
             self.summary.wall_s = time.perf_counter() - started
-            self._teardown()
+            self._stop_group()
             if self.work_dir is not None:
                 self.summary.trace = merge_traces(self.work_dir / "traces", self.work_dir / "trace.json",
-                                                  self.summary.spans)
+                                                  self.summary.spans, self.history, self.summary.overdue)
             if self._owns_ray:
                 import ray
 
@@ -169,19 +192,14 @@ class Driver:
 
     def kill(self, name: str) -> int:
         """SIGKILL a worker's process (`actor`, `critic`, `rollout0`...), as a crash would; returns its pid."""
-        import ray
-
-        pid = self.pids[name]
-        if self._host == "127.0.0.1":
-            os.kill(pid, signal.SIGKILL)
-        else:
-            ray.kill(self.workers[name], no_restart=True)
-        self._log.warning("driver.kill", worker=name, pid=pid, step=self._phase[1], phase=self._phase[0])
+        pid = self.group.kill(name)
+        phase, step = self.group.at
+        self._log.warning("driver.kill", worker=name, pid=pid, step=step, phase=phase)
         return pid
 
     def call(self, name: str, method: str, *args: Any) -> Any:
         """One worker call, waited for like the loop's own (for tests and hooks)."""
-        return self._gather([(name, getattr(self.workers[name], method).remote(*args))])[0]
+        return self.group.gather([(name, getattr(self.group[name], method).remote(*args))])[0]
 
     def _init_ray(self) -> None:
         import ray
@@ -205,165 +223,98 @@ class Driver:
 
     def _start_group(self) -> int:
         """Build every worker, resume or init-load the trainers, sync the rollouts; returns the step."""
-        import ray
-
-        with self._span("start", self._phase[1]):
-            self.workers = {}
-            for role in self.roles:
-                self.workers[role] = self._actor(TrainerWorker, role, self._spec(role))
-            for i, name in enumerate(self.rollout_names):
-                self.workers[name] = self._actor(RolloutWorker, ROLLOUT, self._spec(ROLLOUT, i))
-            self.pids = dict(zip(self.workers, self._gather([(n, w.pid.remote()) for n, w in self.workers.items()])))
-            nodes = dict(zip(self.workers, self._gather([(n, w.node.remote()) for n, w in self.workers.items()])))
-            here = ray.util.get_node_ip_address()
-            self._host = "127.0.0.1" if set(nodes.values()) == {here} else nodes[self.roles[0]]
-            steps = self._gather([(r, self.workers[r].start.remote()) for r in self.roles])
+        self._init_ray()
+        group = self.group
+        with self._span("start", group.at[1]):
+            group.start([(role, TrainerWorker, role, self._spec(role)) for role in self.roles]
+                        + [(n, RolloutWorker, ROLLOUT, self._spec(ROLLOUT, i)) for i, n in enumerate(self.rollout_names)])
+            steps = group.gather([(r, group[r].start.remote()) for r in self.roles])
         if len(set(steps)) != 1:
             raise LifecycleError(f"trainers resumed at different steps {dict(zip(self.roles, steps))}; every role "
                                  f"must resume from the newest step complete for all of {self.roles}")
         resumed = steps[0] or 0
-        progress = self._gather([(self.roles[0], self.workers[self.roles[0]].progress.remote())])[0]
+        progress = group.gather([(self.roles[0], group[self.roles[0]].progress.remote())])[0]
         self.version = progress["weights_version"]
         self._sync(resumed)
-        self._log.info("driver.started", step=resumed, incarnation=self.incarnation, pids=self.pids,
-                       rendezvous_host=self._host, weights_version=self.version)
+        self._log.info("driver.started", step=resumed, incarnation=self.incarnation, pids=group.pids,
+                       rendezvous_host=group.host, weights_version=self.version)
         return resumed
 
-    def _actor(self, cls: type, role: str, spec: WorkerSpec) -> Any:
-        import ray
-
-        options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0,
-                                   **self.settings.options.get(role, {})}
-        return ray.remote(cls).options(**options).remote(spec)
-
-    def _step(self, step: int) -> None:
-        policy = self.roles[0]
+    def _run_step(self, step: int) -> None:
+        policy, group = self.roles[0], self.group
         with self._in("generate", step):
-            prompts = self._gather([(policy, self.workers[policy].prompts.remote(step))])[0]
+            prompts = group.gather([(policy, group[policy].prompts.remote(step))])[0]
             parts = split_batch(prompts, len(self.rollout_names))
-            batch = merge_batches(self._gather([
-                (n, self.workers[n].generate.remote(p, step, self.version)) for n, p in zip(self.rollout_names, parts)
+            batch = merge_batches(group.gather([
+                (n, group[n].generate.remote(p, step, self.version)) for n, p in zip(self.rollout_names, parts)
             ]))
         with self._in("score", step):
-            for scored in self._gather([(r, self.workers[r].score.remote(batch)) for r in self.roles]):
+            for scored in group.gather([(r, group[r].score.remote(batch)) for r in self.roles]):
                 batch.update(scored)
         with self._in("train", step):
-            results = self._gather([(r, self.workers[r].train.remote(step, batch)) for r in self.roles])
+            results = group.gather([(r, group[r].train.remote(step, batch)) for r in self.roles])
         metrics = {f"{role}/{k}": v for role, m in zip(self.roles, results) for k, v in m.items()}
         record = StepRecord(step=step, incarnation=self.incarnation, weights_version=self.version,
                             prompts=fingerprint(prompts), metrics=metrics)
         self._sync(step)
         if step % self.settings.save_every == 0 or step == self.settings.steps:
             with self._in("save", step):
-                saved = self._gather([(r, self.workers[r].save.remote(step)) for r in self.roles])
+                saved = group.gather([(r, group[r].save.remote(step)) for r in self.roles])
                 record.saved = [{"role": role, **figures} for role, figures in zip(self.roles, saved)]
         self.summary.attempts.append(record)
         self.hooks.on_step(self, record)
 
     def _sync(self, step: int) -> None:
         """The policy's weights to every rollout, in one sync; the version is the policy's."""
-        policy = self.roles[0]
+        policy, group = self.roles[0], self.group
         with self._in("sync", step):
-            sender = self.workers[policy]
-            rendezvous = self._gather([(policy, sender.rendezvous.remote(len(self.rollout_names), self._host))])[0]
+            sender = group[policy]
+            rendezvous = group.gather([(policy, sender.rendezvous.remote(len(self.rollout_names), group.host))])[0]
             calls = [(policy, sender.sync.remote(rendezvous))] + [
-                (n, self.workers[n].receive.remote(rendezvous, i + 1)) for i, n in enumerate(self.rollout_names)]
-            figures, *versions = self._gather(calls)
+                (n, group[n].receive.remote(rendezvous, i + 1)) for i, n in enumerate(self.rollout_names)]
+            figures, *versions = group.gather(calls)
         if any(v != figures["version"] for v in versions):
             raise EngineError(f"rollouts received versions {versions}, the policy sent v{figures['version']}")
         self.version = figures["version"]
         self.summary.syncs.append({"step": step, "incarnation": self.incarnation, **figures})
 
-    def _gather(self, calls: Sequence[tuple[str, Any]]) -> list[Any]:
-        """Results in order; the first failure is raised at once as `WorkerFailed`, naming a dead
-        worker over one whose call failed because of it."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayError
-
-        names = {ref: name for name, ref in calls}
-        pending = [ref for _, ref in calls]
-        results: dict[Any, Any] = {}
-        deadline = time.monotonic() + self.settings.call_timeout_s
-        phase, step = self._phase
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                stuck = GetTimeoutError(f"no answer within call_timeout_s={self.settings.call_timeout_s:g}")
-                raise WorkerFailed(names[pending[0]], phase, step, stuck)
-            try:
-                results[ready[0]] = ray.get(ready[0])
-            except RayError as exc:
-                dead = self._dead_among(pending, names) if not isinstance(exc, RayActorError) else None
-                raise WorkerFailed(dead or names[ready[0]], phase, step, exc) from exc
-        return [results[ref] for _, ref in calls]
-
-    def _dead_among(self, refs: list[Any], names: Mapping[Any, str], grace_s: float = 3.0) -> str | None:
-        """A worker whose call is still out and turns out dead: the cause, when another call failed."""
-        import ray
-        from ray.exceptions import RayActorError, RayError
-
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except RayActorError:
-                return names[ref]
-            except RayError:
-                continue
-        return None
-
-    def _recover(self, failed: WorkerFailed) -> int:
-        """Rebuild the group and resume it; a failure while doing so counts as one more."""
-        while True:
-            failure = self._record(failed)
-            started = time.perf_counter()
-            self._teardown()
-            self.incarnation += 1
-            try:
-                failure.resumed_at = self._start_group()
-                break
-            except WorkerFailed as again:
-                failed = again
-        failure.recovery_s = time.perf_counter() - started
-        self._log.info("driver.resumed", step=failure.resumed_at, incarnation=self.incarnation,
-                       after_failure_at=failure.step, lost_steps=failure.step - 1 - failure.resumed_at,
-                       recovery_s=round(failure.recovery_s, 3), weights_version=self.version)
-        self.hooks.on_resume(self, failure)
-        return failure.resumed_at
-
-    def _record(self, failed: WorkerFailed) -> Failure:
-        failure = Failure(step=failed.step, phase=failed.phase, worker=failed.worker,
-                          error=f"{type(failed.cause).__name__}: {failed.cause}", incarnation=self.incarnation)
-        self.summary.failures.append(failure)
-        self._log.error("driver.worker_failed", worker=failure.worker, step=failure.step, phase=failure.phase,
-                        error=failure.error, failures=len(self.summary.failures),
-                        max_failures=self.settings.max_failures)
-        if len(self.summary.failures) > self.settings.max_failures:
-            raise LifecycleError(f"giving up after {len(self.summary.failures)} failures "
-                                 f"(max_failures={self.settings.max_failures}): {failed}") from failed.cause
-        self.hooks.on_failure(self, failure)
-        return failure
-
-    def _close_group(self) -> list[dict[str, Any]]:
-        """Close every trainer (waiting for async saves); the committed saves of this incarnation."""
+    def _close_group(self) -> None:
+        """Close every trainer (waiting for async saves); keeps the committed saves of this incarnation."""
         with self._in("close", self.settings.steps):
-            results = self._gather([(r, self.workers[r].close.remote()) for r in self.roles])
-        return [{"role": role, "incarnation": self.incarnation, **figures}
-                for role, commits in zip(self.roles, results) for figures in commits]
+            results = self.group.gather([(r, self.group[r].close.remote()) for r in self.roles])
+        self.summary.saves = [{"role": role, "incarnation": self.incarnation, **figures}
+                              for role, commits in zip(self.roles, results) for figures in commits]
 
-    def _teardown(self) -> None:
-        """Kill every worker of the group (a dead one is already gone; killing it again is harmless)."""
-        import ray
+    def _stop_group(self) -> None:
+        if self.group.handles:
+            self.group.stop()
 
-        if not self.workers:
-            return
-        for handle in self.workers.values():
-            ray.kill(handle, no_restart=True)
-        self.workers = {}
+    def _on_start(self, step: int) -> None:
+        self.hooks.on_start(self, step)
+
+    def _on_failure(self, failure: Failure) -> None:
+        self.hooks.on_failure(self, failure)
+
+    def _on_resume(self, failure: Failure) -> None:
+        resumed = failure.resumed_at or 0
+        self._log.info("driver.resumed", step=resumed, incarnation=self.incarnation, after_failure_at=failure.step,
+                       lost_steps=failure.step - 1 - resumed, recovery_s=round(failure.recovery_s, 3),
+                       weights_version=self.version)
+        self.hooks.on_resume(self, failure)
+
+    def _overdue(self, worker: str, report: Mapping[str, Any]) -> None:
+        """A worker's phase past its budget, handed over while the driver waited on it."""
+        phase, step = self.group.at
+        overdue = Overdue.from_report({**report, "worker": worker}, phase)
+        self.summary.overdue.append(overdue)
+        self._log.warning("driver.worker_overdue", worker=worker, trigger=overdue.trigger, state=overdue.state,
+                          step=overdue.step, elapsed_s=overdue.elapsed_s, budget_s=overdue.budget_s,
+                          overdue=overdue.overdue, where=overdue.where, driver_phase=phase, driver_step=step)
+        self.hooks.on_overdue(self, overdue)
 
     @contextmanager
     def _in(self, phase: str, step: int) -> Iterator[None]:
-        self._phase = (phase, step)
+        self.group.at = (phase, step)
         self.hooks.on_phase(self, phase, step)
         with self._span(phase, step):
             yield
@@ -387,4 +338,4 @@ def _merged(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, A
     return out
 
 
-__all__ = ["Driver", "DriverConfig", "DriverHooks", "WorkerFailed"]
+__all__ = ["Driver", "DriverConfig", "DriverHooks", "FailurePolicy", "RunFailed", "WorkerFailed"]

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from lifecycle.trace import read_events, write_trace_events
+from lifecycle.phase import TransitionRecord
+from lifecycle.trace import read_events, transition_event, write_trace_events
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,6 +49,39 @@ class Failure:
     """Tear-down, rebuild, resume and the first sync."""
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Overdue:
+    """A worker's phase past its watchdog budget, as the driver learnt it while waiting on the worker."""
+
+    worker: str
+    trigger: str
+    state: str
+    step: int | None
+    elapsed_s: float
+    budget_s: float
+    overdue: int
+    """The budget multiple reached: 1 at the budget, 2 at twice it, ..."""
+    where: str = ""
+    """The innermost frame of the phase's thread."""
+    at: float = 0.0
+    """Wall-clock time the worker's watchdog reported it."""
+    driver_phase: str = ""
+    """The driver's loop phase (generate, train, sync...) while it waited."""
+
+    @classmethod
+    def from_report(cls, report: Mapping[str, Any], driver_phase: str) -> Overdue:
+        """From a worker's `overdue_reports()` entry (the `lifecycle.phase_overdue` fields)."""
+        return cls(worker=str(report["worker"]), trigger=str(report["trigger"]), state=str(report.get("state", "")),
+                   step=report.get("step"), elapsed_s=float(report["elapsed_s"]), budget_s=float(report["budget_s"]),
+                   overdue=int(report.get("overdue", 1)), where=str(report.get("where", "")),
+                   at=float(report.get("at", 0.0)), driver_phase=driver_phase)
+
+    def line(self) -> str:
+        step = "" if self.step is None else f" of step {self.step}"
+        return (f"{self.worker} overdue in {self.trigger}{step}: {self.elapsed_s:.1f} s so far, "
+                f"{self.overdue}x its {self.budget_s:g} s budget")
+
+
 @dataclass(kw_only=True, slots=True)
 class RunSummary:
     """Everything `Driver.run()` saw."""
@@ -59,6 +93,8 @@ class RunSummary:
     saves: list[dict[str, Any]] = field(default_factory=list)
     """Committed saves reported by the last worker group at close (async saves included)."""
     failures: list[Failure] = field(default_factory=list)
+    overdue: list[Overdue] = field(default_factory=list)
+    """Worker phases past their watchdog budget, in the order the driver learnt of them."""
     spans: list[dict[str, Any]] = field(default_factory=list)
     """The driver's own phases, for the trace."""
     wall_s: float = 0.0
@@ -117,13 +153,21 @@ def merge_batches(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def merge_traces(folder: Path, out: Path, spans: Sequence[Mapping[str, Any]]) -> Path:
-    """One Chrome trace: the driver's phases, then each worker incarnation as its own process row."""
-    events: list[dict[str, Any]] = [_meta("process_name", 0, "driver"), _meta("thread_name", 0, "loop")]
+def merge_traces(folder: Path, out: Path, spans: Sequence[Mapping[str, Any]],
+                 transitions: Sequence[TransitionRecord] = (), overdue: Sequence[Overdue] = ()) -> Path:
+    """One Chrome trace on one time line: the driver's loop phases (thread `loop`), its machine's
+    transitions (thread `machine`) and the overdue reports it got, then each worker incarnation
+    as its own process row."""
+    events: list[dict[str, Any]] = [_meta("process_name", 0, "driver"), _meta("thread_name", 0, "loop"),
+                                    {**_meta("thread_name", 0, "machine"), "tid": 1}]
     for span in spans:
         events.append({"ph": "X", "name": span["name"], "cat": "driver", "pid": 0, "tid": 0,
                        "ts": round(span["start"] * 1e6, 3), "dur": round((span["end"] - span["start"]) * 1e6, 3),
                        "args": {"step": span["step"], "incarnation": span["incarnation"]}})
+    events += [{**transition_event(record, 0), "tid": 1} for record in transitions]
+    events += [{"ph": "i", "s": "p", "name": f"overdue {o.worker} {o.trigger}", "cat": "overdue", "pid": 0, "tid": 0,
+                "ts": round(o.at * 1e6, 3), "args": {"elapsed_s": o.elapsed_s, "budget_s": o.budget_s,
+                                                     "step": o.step, "where": o.where}} for o in overdue]
     files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
     for pid, path in enumerate(files, start=1):
         try:
@@ -161,10 +205,17 @@ def render_summary(summary: RunSummary, reward: str) -> str:
     size, secs = sum(s["bytes"] for s in summary.syncs), sum(s["seconds"] for s in summary.syncs)
     rows.append(("syncs", f"{len(summary.syncs)}, {size / 1e6:.1f} MB, {_rate(size, secs)}, "
                           f"last weights v{summary.syncs[-1]['version'] if summary.syncs else 0}"))
+    for o in summary.overdue[:5]:
+        rows.append(("overdue", o.line()))
+    if len(summary.overdue) > 5:
+        rows.append(("overdue", f"... {len(summary.overdue) - 5} more"))
     for f in summary.failures:
         rows.append(("failure", f"{f.worker} in {f.phase} of step {f.step}: {f.error[:70]}"))
+        if f.resumed_at is None:
+            rows.append(("  gave up", "no restart"))
+            continue
         rows.append(("  resumed", f"at step {f.resumed_at} after {f.recovery_s:.1f} s "
-                                  f"({max(0, f.step - 1 - (f.resumed_at or 0))} step(s) redone)"))
+                                  f"({max(0, f.step - 1 - f.resumed_at)} step(s) redone)"))
     rows.append(("wall time", f"{summary.wall_s:.1f} s"))
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 3 + max(len(v) for _, v in rows))
@@ -175,5 +226,5 @@ def _rate(size: int, seconds: float) -> str:
     return f"{size / seconds / 1e9:.3f} GB/s" if seconds > 0 else "n/a GB/s"
 
 
-__all__ = ["Failure", "RunSummary", "StepRecord", "fingerprint", "merge_batches", "merge_traces", "render_summary",
+__all__ = ["Failure", "Overdue", "RunSummary", "StepRecord", "fingerprint", "merge_batches", "merge_traces", "render_summary",
            "split_batch"]

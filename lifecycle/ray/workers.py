@@ -6,24 +6,34 @@ worker, so a worker group can be torn down and rebuilt from it after a failure.
 
 The policy trainer (the recipe's first role) also owns the prompt stream: its dataloader's
 position is part of its checkpoint, so a resumed run draws the very prompts it would have.
+
+Each worker's phases are watched by a watchdog of its own whose emitter also keeps the
+`lifecycle.phase_overdue` records for the driver (`OverdueInbox`); the driver collects them
+with `overdue_reports()`, a method of the `watch` concurrency group, which answers while the
+worker is still busy inside the phase.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+import structlog
 import torch
 
 from lifecycle.core import Lifecycle
 from lifecycle.errors import EngineError, LifecycleError
+from lifecycle.machine import RolloutState
+from lifecycle.rollout import RolloutWeights
 from lifecycle.trace import EventLog, TraceFile
 from lifecycle.types import Parts, SaveInfo
+from lifecycle.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from backends.engines import WeightSync
@@ -84,14 +94,41 @@ class WorkerSpec:
         return f"{self.name}-{self.incarnation}-pid{os.getpid()}"
 
 
+class OverdueInbox:
+    """A worker's watchdog emitter: logs `lifecycle.phase_overdue` as the process's watchdog
+    would, and keeps a short copy (no stacks but the phase's innermost frame) for the driver."""
+
+    def __init__(self, worker: str, keep: int = 64) -> None:
+        self.worker = worker
+        self._reports: deque[dict[str, Any]] = deque(maxlen=keep)
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        structlog.get_logger().warning(event, **fields)
+        stacks: dict[str, str] = fields.pop("stacks", {})
+        frames = next(iter(stacks.values()), "").rstrip().splitlines()  # the phase's own thread comes first
+        where = next((line.strip() for line in reversed(frames) if line.lstrip().startswith("File ")), "")
+        self._reports.append({"worker": self.worker, **fields, "where": where, "at": time.time()})
+
+    def drain(self) -> list[dict[str, Any]]:
+        """The reports since the last call, oldest first (thread-safe: deque pops are atomic)."""
+        out: list[dict[str, Any]] = []
+        while True:
+            try:
+                out.append(self._reports.popleft())
+            except IndexError:
+                return out
+
+
 class _Worker:
-    """What trainers and rollouts share: process set-up, the lifecycle, the trace file."""
+    """What trainers and rollouts share: process set-up, the lifecycle, the watchdog, the trace file."""
 
     def __init__(self, spec: WorkerSpec, parts: Parts) -> None:
         self.spec = spec
+        self.inbox = OverdueInbox(spec.name)
+        self.watchdog = Watchdog(emit=self.inbox)
         self.lc = Lifecycle(spec.config, role=spec.role, model=parts.model, optimizer=parts.optimizer,
                             lr_scheduler=parts.lr_scheduler, dataloader=parts.dataloader, rank=0,
-                            world_size=1)
+                            world_size=1, watchdog=self.watchdog)
         self.trace: TraceFile | None = None
         if spec.trace_dir is not None:
             log = EventLog(Path(spec.trace_dir) / f"{spec.file_stem}.jsonl", role=spec.role, rank=0)
@@ -110,18 +147,16 @@ class _Worker:
     def state(self) -> str:
         return self.lc.state.name
 
+    def overdue_reports(self) -> list[dict[str, Any]]:
+        """This worker's phases past their watchdog budget since the last call. The driver calls
+        it in the `watch` concurrency group: it runs on a thread of its own, beside the phase."""
+        return self.inbox.drain()
+
     def close(self) -> Any:
         """Close the lifecycle (waits for a save in flight) and the trace log."""
         self.lc.close()
         if self.trace is not None:
             self.trace.log.close()
-
-    def _span(self, name: str, start: float, **args: Any) -> None:
-        """A trace event for work that is not a lifecycle transition (generate, receive)."""
-        if self.trace is not None:
-            self.trace.log.append({"ph": "X", "name": name, "cat": "worker", "pid": 0, "tid": 0,
-                                   "ts": round(start * 1e6, 3), "dur": round((time.time() - start) * 1e6, 3),
-                                   "args": args})
 
 
 def setup_process(spec: WorkerSpec) -> None:
@@ -212,9 +247,10 @@ def _save_figures(info: SaveInfo) -> dict[str, Any]:
 class RolloutWorker(_Worker):
     """Serves the policy's weights: generates only with weights it received whole.
 
-    It is the rollout side of a sync (`pause`, `load_weights`, `resume`, `weights_version`):
-    a sync that fails part-way marks it stale, and a stale or out-of-date rollout refuses
-    to generate until the next sync has landed.
+    Its weights are a machine (`self.weights`, a `lifecycle.rollout.RolloutWeights`): a sync is
+    its `receive_weights` phase, a generation its `generate` phase. A sync that fails part-way
+    leaves it STALE with the old version, and it refuses to generate from any state but
+    SERVING, or with a version other than the policy's, until the next sync has landed.
     """
 
     def __init__(self, spec: WorkerSpec) -> None:
@@ -223,20 +259,23 @@ class RolloutWorker(_Worker):
         super().__init__(spec, Parts(model=parts.model))
         sync = cast("WeightSync", self.lc.engine)
         self.engine, self.profile_dir = sync.engine, sync.profile_dir
-        self.weights_version = 0
-        self.stale = True
-        """A new rollout holds no policy weights yet: it must be synced before it generates."""
-        self.paused = False
+        # load_weights is looked up on each receive, so a subclass or a test may replace it
+        self.weights = RolloutWeights(lambda named: self.load_weights(named), role=ROLLOUT,
+                                      budget=self.lc.config.watchdog.budget, watchdog=self.watchdog)
+        if self.trace is not None:
+            self.weights.add_observer(self.trace)
         self.lc.init_load()
 
-    def pause(self) -> None:
-        self.paused = True
+    @property
+    def weights_version(self) -> int:
+        return self.weights.weights_version
 
-    def resume(self) -> None:
-        self.paused = False
+    @property
+    def stale(self) -> bool:
+        return self.weights.stale
 
     def mark_stale(self) -> None:
-        self.stale = True
+        self.weights.mark_stale()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each tensor into the model by name; tied names are written once, through their alias."""
@@ -253,30 +292,37 @@ class RolloutWorker(_Worker):
                 target.copy_(tensor)
 
     def receive(self, rendezvous: Any, rank: int, version: int | None = None) -> int:
-        """This rollout's side of one sync; marks itself stale if it fails part-way."""
+        """This rollout's side of one sync: the weights machine's `receive_weights` phase."""
         from backends.engines import receive_into
 
-        start = time.time()
-        try:
-            return receive_into(self.engine, self, rendezvous, rank=rank, version=version,
-                                profile_dir=self.profile_dir)
-        finally:
-            self._span("receive_weights", start, version=self.weights_version, stale=self.stale)
+        return receive_into(self.engine, self.weights, rendezvous, rank=rank, version=version,
+                            profile_dir=self.profile_dir)
 
     def status(self) -> dict[str, Any]:
-        return {"weights_version": self.weights_version, "stale": self.stale, "paused": self.paused}
+        state = self.weights.state
+        return {"weights_version": self.weights.weights_version, "stale": self.weights.stale,
+                "paused": state is RolloutState.RECEIVING}
 
     def generate(self, prompts: Any, step: int, expect_version: int) -> dict[str, Any]:
         """Responses from the policy weights `expect_version`; refuses stale or older weights."""
-        if self.stale or self.paused or self.weights_version != expect_version:
-            why = "stale (a sync failed part-way or none has landed yet)" if self.stale else (
-                "paused by a sync" if self.paused else f"v{self.weights_version}")
+        weights = self.weights
+        if not weights.serves or weights.weights_version != expect_version:
+            state = weights.state
+            why = f"v{weights.weights_version}" if weights.serves else (
+                "paused by a sync" if state is RolloutState.RECEIVING else
+                f"stale (a sync failed part-way or none has landed yet; state {state.name})")
             raise EngineError(f"rollout {self.spec.index} will not generate step {step}: its weights are {why}, "
                               f"the policy's are v{expect_version}; sync first")
-        start = time.time()
-        batch = self.spec.recipe.generate(self.lc.parts.model, prompts, step)
-        self._span("generate", start, step=step, version=self.weights_version)
+        with weights.generating(step):
+            batch: dict[str, Any] = self.spec.recipe.generate(self.lc.parts.model, prompts, step)
         return batch
 
+    def close(self) -> Any:
+        """Close the weights machine (unless a phase of it runs), then the lifecycle and the trace log."""
+        if self.weights.table.allows("close", self.weights.state):
+            self.weights.close()
+        return super().close()
 
-__all__ = ["ROLLOUT", "Recipe", "RolloutWorker", "TraceFile", "TrainerWorker", "WorkerSpec", "setup_process"]
+
+__all__ = ["ROLLOUT", "OverdueInbox", "Recipe", "RolloutWorker", "TraceFile", "TrainerWorker", "WorkerSpec",
+           "setup_process"]

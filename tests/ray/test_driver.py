@@ -7,6 +7,7 @@ nothing depends on timing.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -17,9 +18,12 @@ from typing import Any, Iterator
 import pytest
 from structlog.testing import capture_logs
 
+from lifecycle.errors import ConfigError
+from lifecycle.machine import DriverState
 from lifecycle.manifest import MANIFEST
 from lifecycle.ray.driver import Driver, DriverConfig, DriverHooks
-from lifecycle.ray.run_report import RunSummary
+from lifecycle.ray.policy import RunFailed
+from lifecycle.ray.run_report import Overdue, RunSummary, render_summary
 from lifecycle.store import CheckpointStore
 from lifecycle.trace import read_events
 from lifecycle.types import Parts
@@ -52,12 +56,18 @@ class KillAt(DriverHooks):
             driver.kill(worker)
 
 
+def driver(tmp_path: Path, recipe: Any, hooks: DriverHooks, *, steps: int, save_every: int = 3,
+           watchdog: dict[str, float] | None = None, poll_s: float = 1.0, **checkpoint: Any) -> Driver:
+    config = {"checkpoint": {"root": str(tmp_path / "ckpt"), "keep_last": 2, **checkpoint},
+              "engine": {"bucket_bytes": 4 << 20, "timeout_s": 30}, "watchdog": watchdog or {}}
+    settings = DriverConfig(steps=steps, save_every=save_every, max_failures=1, work_dir=str(tmp_path / "work"),
+                            poll_s=poll_s)
+    return Driver(recipe, config, settings, hooks)
+
+
 def run(tmp_path: Path, recipe: Any, hooks: DriverHooks, *, steps: int, save_every: int = 3,
         **checkpoint: Any) -> RunSummary:
-    config = {"checkpoint": {"root": str(tmp_path / "ckpt"), "keep_last": 2, **checkpoint},
-              "engine": {"bucket_bytes": 4 << 20, "timeout_s": 30}}
-    settings = DriverConfig(steps=steps, save_every=save_every, max_failures=1, work_dir=str(tmp_path / "work"))
-    return Driver(recipe, config, settings, hooks).run()
+    return driver(tmp_path, recipe, hooks, steps=steps, save_every=save_every, **checkpoint).run()
 
 
 def assert_every_step_once(summary: RunSummary, steps: int) -> None:
@@ -71,9 +81,21 @@ def summary_root(summary: RunSummary) -> Path:
 
 
 def test_actor_killed_mid_run_finishes_every_step_resumed_from_the_last_complete_step(tmp_path: Path) -> None:
+    job = driver(tmp_path, DigitsRecipe(), KillAt("actor", "train", 5), steps=7)
     with capture_logs() as logs:
-        summary = run(tmp_path, DigitsRecipe(), KillAt("actor", "train", 5), steps=7)
+        summary = job.run()
     assert_every_step_once(summary, 7)
+    assert [(r.trigger, r.src, r.dst, r.ok) for r in job.history] == [
+        ("start", DriverState.CREATED, DriverState.RUNNING, True),
+        ("recover", DriverState.RUNNING, DriverState.RUNNING, True),
+        ("finish", DriverState.RUNNING, DriverState.FINISHED, True)]
+    assert job.history[1].path == (DriverState.RUNNING, DriverState.RECOVERING, DriverState.RUNNING)
+    assert summary.trace is not None
+    merged = json.loads(summary.trace.read_text())["traceEvents"]
+    machine = [e["name"] for e in merged if e.get("pid") == 0 and e.get("tid") == 1 and e["ph"] == "X"]
+    assert machine == ["start", "recover", "finish"], "the driver's transitions, on the workers' time line"
+    assert {e["name"] for e in merged if e.get("pid", 0) > 0 and e["ph"] == "X"} >= {
+        "resume", "train_step", "save", "sync_weights", "receive_weights", "generate"}
     [failure] = summary.failures
     assert (failure.worker, failure.phase, failure.step, failure.resumed_at) == ("actor", "train", 5, 3)
     assert "ActorDiedError" in failure.error
@@ -134,6 +156,9 @@ def test_trainer_killed_during_an_async_save_resumes_the_previous_checkpoint(tmp
     marker = tmp_path / "slow-save-started"
 
     def write_in_flight() -> None:
+        deadline = time.monotonic() + 30  # the background write starts on its own thread, soon after save() returns
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert marker.exists(), "the actor's background write of step 6 has started"
         assert not (root / "global_step_6" / "actor" / MANIFEST).exists()
         assert CheckpointStore(root).newest_complete(ROLES) == 3
@@ -170,9 +195,10 @@ class RolloutDiesMidSync(Sabotaged):
 
 
 def rollout_events(work: Path, incarnation: int) -> list[dict[str, Any]]:
+    """The rollout's receive and generate phases, as its weights machine traced them."""
     [trace] = (work / "traces").glob(f"rollout0-{incarnation}-pid*.jsonl")
     events = read_events(trace)
-    return [e for e in events if e.get("cat") == "worker"]
+    return [e for e in events if e.get("name") in ("receive_weights", "generate")]
 
 
 def test_rollout_killed_mid_sync_is_replaced_and_synced_before_it_generates(tmp_path: Path) -> None:
@@ -183,7 +209,8 @@ def test_rollout_killed_mid_sync_is_replaced_and_synced_before_it_generates(tmp_
     assert_every_step_once(summary, 6)
 
     replacement = rollout_events(tmp_path / "work", 1)
-    assert replacement[0]["name"] == "receive_weights" and replacement[0]["args"]["stale"] is False
+    assert replacement[0]["name"] == "receive_weights" and replacement[0]["args"]["dst"] == "SERVING"
+    assert replacement[0]["args"]["path"] == "EMPTY -> RECEIVING -> SERVING"
     version = None
     for event in replacement:
         if event["name"] == "receive_weights":
@@ -192,3 +219,65 @@ def test_rollout_killed_mid_sync_is_replaced_and_synced_before_it_generates(tmp_
             assert event["args"]["version"] == version, "generates only with the weights it last received"
     dead = rollout_events(tmp_path / "work", 0)
     assert dead[-1]["name"] == "generate" and dead[-1]["args"]["step"] == 4, "it died inside the next sync"
+
+
+@dataclass
+class StallsInTraining(DigitsRecipe):
+    """The actor's update of step `step` sleeps `stall_s`, as a hung collective would (in the first group only)."""
+
+    step: int = 1
+    stall_s: float = 2.5
+
+    def update(self, role: str, parts: Parts, batch: Any, step: int) -> dict[str, float]:
+        if role == "actor" and step == self.step:
+            time.sleep(self.stall_s)
+        return super().update(role, parts, batch, step)
+
+
+class Watching(DriverHooks):
+    def __init__(self) -> None:
+        self.told: list[tuple[float, Overdue]] = []
+
+    def on_overdue(self, driver: Driver, overdue: Overdue) -> None:
+        self.told.append((time.time(), overdue))
+
+
+def test_a_worker_phase_past_its_budget_shows_in_the_driver_output_while_the_worker_is_busy(tmp_path: Path) -> None:
+    hooks = Watching()
+    job = driver(tmp_path, StallsInTraining(), hooks, steps=1, save_every=1, watchdog={"train_step_s": 0.5},
+                 poll_s=0.2)
+    with capture_logs() as logs:
+        summary = job.run()
+    reported = [r for r in logs if r["event"] == "driver.worker_overdue"]
+    assert reported and reported[0]["log_level"] == "warning"
+    first = reported[0]
+    assert (first["worker"], first["trigger"], first["state"], first["step"], first["driver_phase"]) == (
+        "actor", "train_step", "TRAINING", 1, "train")
+    assert first["elapsed_s"] >= 0.5 and first["budget_s"] == 0.5 and "in update" in first["where"]
+    train_end = next(span["end"] for span in summary.spans if span["name"] == "train")
+    assert hooks.told and hooks.told[0][0] < train_end, "the driver learnt it while the actor was still training"
+    assert [o for _, o in hooks.told] == summary.overdue and {o.worker for o in summary.overdue} == {"actor"}
+    assert "actor overdue in train_step of step 1" in render_summary(summary, "actor/reward")
+
+
+@dataclass
+class BadConfigInUpdate(DigitsRecipe):
+    """The critic's update raises a ConfigError: no rebuilt group would get past it."""
+
+    def update(self, role: str, parts: Parts, batch: Any, step: int) -> dict[str, float]:
+        if role == "critic":
+            raise ConfigError("recipe.lr", "must be > 0, got -1")
+        return super().update(role, parts, batch, step)
+
+
+def test_a_config_error_in_a_worker_ends_the_run_errored_without_a_restart(tmp_path: Path) -> None:
+    job = driver(tmp_path, BadConfigInUpdate(), DriverHooks(), steps=3)
+    with capture_logs() as logs, pytest.raises(RunFailed, match="ConfigError is not retryable") as info:
+        job.run()
+    assert job.state is DriverState.ERRORED and job.incarnation == 0
+    assert [(r.trigger, r.ok) for r in job.history] == [("start", True), ("give_up", False)]
+    assert info.value.failure is not None and isinstance(info.value.failure.error, ConfigError)
+    [failed] = [r for r in logs if r["event"] == "driver.worker_failed"]
+    assert (failed["worker"], failed["kind"], failed["decision"]) == ("critic", "raised", "give_up")
+    assert not [r for r in logs if r["event"] == "driver.started" and r["incarnation"] > 0]
+

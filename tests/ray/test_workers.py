@@ -4,20 +4,23 @@ rollout's refusal to serve weights it did not receive whole."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from lifecycle import EngineError, State
+from lifecycle.machine import RolloutState
 from lifecycle.ray.workers import RolloutWorker, TrainerWorker, WorkerSpec
 from tests.ray.recipe import DigitsRecipe
 
 
-def spec(tmp_path: Path, role: str) -> WorkerSpec:
+def spec(tmp_path: Path, role: str, **watchdog: float) -> WorkerSpec:
     config = {"checkpoint": {"root": str(tmp_path / "ckpt"), "roles": ["actor"]},
-              "engine": {"bucket_bytes": 1 << 18, "timeout_s": 20}}
+              "engine": {"bucket_bytes": 1 << 18, "timeout_s": 20}, "watchdog": watchdog}
     return WorkerSpec(role=role, recipe=DigitsRecipe(batch=4), config=config, trace_dir=str(tmp_path / "traces"))
 
 
@@ -68,6 +71,7 @@ def test_rollout_refuses_to_generate_until_a_whole_sync_has_landed(tmp_path: Pat
     sent, received = sync(trainer, rollout)
     assert isinstance(received, OSError) and isinstance(sent, EngineError) and "out of memory" in str(sent)
     assert rollout.status()["stale"] is True and trainer.lc.state is State.FAILED
+    assert (rollout.weights.state, rollout.weights_version) == (RolloutState.STALE, 1), "the old version, stale"
     with pytest.raises(EngineError, match="weights are stale"):
         rollout.generate(prompts, 2, 2)
 
@@ -77,3 +81,28 @@ def test_rollout_refuses_to_generate_until_a_whole_sync_has_landed(tmp_path: Pat
     assert received == sent["version"] == 2 and rollout.status()["stale"] is False
     assert rollout.generate(prompts, 2, 2)["reward"].shape == (4,)
     assert (tmp_path / "traces").is_dir() and len(list((tmp_path / "traces").glob("*.jsonl"))) == 2
+
+
+def _stuck_until_reported(worker: TrainerWorker) -> list[dict[str, Any]]:
+    """Stands for a step that hangs; asks as the driver's `watch` thread does, until it hears."""
+    deadline = time.monotonic() + 30
+    reports: list[dict[str, Any]] = []
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.02)
+        reports = worker.overdue_reports()
+    return reports
+
+
+def test_a_worker_keeps_its_overdue_phases_for_the_driver_and_logs_them_too(tmp_path: Path) -> None:
+    trainer = TrainerWorker(spec(tmp_path, "actor", train_step_s=0.05))
+    trainer.start()
+    with capture_logs() as logs, trainer.lc.train_step(4):
+        reports = _stuck_until_reported(trainer)
+    [first, *_] = reports
+    assert (first["worker"], first["trigger"], first["state"], first["role"], first["step"]) == (
+        "actor", "train_step", "TRAINING", "actor", 4)
+    assert first["elapsed_s"] >= 0.05 and first["budget_s"] == 0.05 and first["overdue"] >= 1
+    assert "in _stuck_until_reported" in first["where"] and "stacks" not in first
+    assert any(r["event"] == "lifecycle.phase_overdue" and "stacks" in r for r in logs), "still logged in full"
+    assert trainer.watchdog.watching == 0
+

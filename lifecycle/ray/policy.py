@@ -1,0 +1,111 @@
+"""Whether the driver rebuilds its worker group after a failure or gives up: `FailurePolicy`.
+
+Policy apart from mechanism, as in Ray Train v2's `failure_handling`: the worker group says
+what failed and how (a `WorkerFailed` with its `FailureKind`), the policy decides, and the
+driver's machine carries the decision out (`recover` or `give_up`). Nothing here imports
+Ray: the worker group classifies Ray's exceptions before the policy sees them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from lifecycle.errors import ConfigError, LifecycleError
+
+
+class FailureKind(str, Enum):
+    """How a worker failed, as far as a restart is concerned."""
+
+    DIED = "died"
+    """Its process is gone (Ray's `RayActorError`, a crashed worker): a rebuilt group replaces it."""
+    TIMED_OUT = "timed_out"
+    """It gave no answer within `call_timeout_s`: a rebuilt group replaces it."""
+    RAISED = "raised"
+    """Its call raised: `WorkerFailed.error` is the worker's own exception, which decides."""
+
+
+class WorkerFailed(LifecycleError):
+    """A worker died or one of its calls failed; names the worker, the driver's loop phase and the step.
+
+    `cause` is the exception the driver saw (Ray's); `error` the worker's own exception when
+    its call raised one (unwrapped from Ray's `RayTaskError`), else `cause`.
+    """
+
+    def __init__(self, worker: str, phase: str, step: int, cause: BaseException,
+                 kind: FailureKind = FailureKind.RAISED, error: BaseException | None = None) -> None:
+        self.worker, self.phase, self.step, self.cause, self.kind = worker, phase, step, cause, kind
+        self.error = cause if error is None else error
+        super().__init__(f"worker {worker} failed in {phase} of step {step}: {type(cause).__name__}: {cause}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.worker, self.phase, self.step, self.cause, self.kind, self.error)
+
+
+class Decision(str, Enum):
+    RETRY = "retry"
+    GIVE_UP = "give_up"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The policy's answer, with the reason the driver logs and raises."""
+
+    decision: Decision
+    reason: str
+
+
+class RunFailed(LifecycleError):
+    """The driver gave up: the `FailurePolicy` refused to restart after `failure` (or the driver
+    itself failed, with no worker at fault: then `failure` is None)."""
+
+    def __init__(self, message: str, failure: WorkerFailed | None = None) -> None:
+        self.failure = failure
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (str(self), self.failure)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FailurePolicy:
+    """Restart or give up, from the failure and how many the run has seen.
+
+    A worker that died or timed out is always worth a restart while the count allows it; an
+    exception a worker raised is retried too (a transport error, a peer lost mid-sync), unless
+    it is one no restart can mend (`fatal`: a bad config fails the same way in every group).
+    Subclass and override `retryable` for rules of your own.
+    """
+
+    max_failures: int = 3
+    """Restarts allowed in one run; the failure after them gives up."""
+    fatal: tuple[type[BaseException], ...] = field(default=(ConfigError,))
+    """Exceptions raised by a worker that give up at once, without a restart."""
+    retry_raised: bool = True
+    """Whether any other exception a worker raised is retried; False gives up on all of them."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < 0:
+            raise ConfigError("failure_policy.max_failures", f"must be an integer >= 0, got {self.max_failures!r}")
+        bad = [t for t in self.fatal if not (isinstance(t, type) and issubclass(t, BaseException))]
+        if bad:
+            raise ConfigError("failure_policy.fatal", f"takes exception classes, got {bad!r}")
+
+    def retryable(self, failure: WorkerFailed) -> bool:
+        """Whether a rebuilt group could get past `failure` at all (the count aside)."""
+        if failure.kind is not FailureKind.RAISED:
+            return True
+        return not isinstance(failure.error, self.fatal) and self.retry_raised
+
+    def decide(self, failure: WorkerFailed, failures: int) -> Verdict:
+        """`failures`: how many the run has seen, this one included."""
+        if not self.retryable(failure):
+            rule = "failure_policy.fatal" if isinstance(failure.error, self.fatal) else "failure_policy.retry_raised"
+            return Verdict(Decision.GIVE_UP, f"{type(failure.error).__name__} is not retryable ({rule}): {failure}")
+        if failures > self.max_failures:
+            return Verdict(Decision.GIVE_UP, f"giving up after {failures} failures "
+                                             f"(max_failures={self.max_failures}): {failure}")
+        return Verdict(Decision.RETRY, f"restart {failures} of at most {self.max_failures}: {failure}")
+
+
+__all__ = ["Decision", "FailureKind", "FailurePolicy", "RunFailed", "Verdict", "WorkerFailed"]

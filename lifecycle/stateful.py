@@ -1,0 +1,154 @@
+"""`Stateful`: the one code path every machine of the library runs its triggers through.
+
+A subclass gives its table (`lifecycle.machine`), its role and rank; the base owns the
+`transitions` machine, the lock, the history, the observers and the running phase, and is
+what `phase.Phase` drives: begin trigger, work, undos, done or fail, one record. The trainer's
+`Lifecycle`, a rollout's `RolloutWeights` and the Ray driver each get from this same code the
+`lifecycle.transition` record, the `lifecycle.phase_started` debug record, the watchdog
+budget, the undo stack, the history, the observers and the Chrome trace.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from enum import Enum
+from functools import partial
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+import structlog
+from transitions import MachineError
+
+from lifecycle.errors import InvalidTransition, LifecycleError
+from lifecycle.phase import Observer, Phase, Temporary, TransitionRecord
+from lifecycle.table import Table
+from lifecycle.watchdog import WATCHDOG, Watchdog
+
+S = TypeVar("S", bound=Enum)
+F = TypeVar("F", bound=Callable[[], object])
+
+
+class Stateful(Generic[S]):
+    """A machine built from one table whose triggers run as phases (`Phase(self, trigger, step)`).
+
+    A trigger the table does not allow from the current state raises `InvalidTransition`
+    naming the state, the trigger and the allowed ones, and changes nothing. The state changes
+    in one place only, `_move`.
+    """
+
+    _global_observers: ClassVar[Sequence[Observer]] = ()
+    """Observers of every machine of a class (the `Lifecycle` uses `phase.GLOBAL_OBSERVERS`)."""
+
+    def __init__(self, table: Table[S], *, role: str, rank: int, observers: Iterable[Observer] = (),
+                 history_limit: int = 10_000, watchdog: Watchdog | None = None) -> None:
+        self.role = role
+        self.rank = rank
+        self.observers: list[Observer] = list(observers)
+        self._table = table
+        self._history: deque[TransitionRecord] = deque(maxlen=history_limit)
+        self._phase: Phase | None = None
+        self._lock = threading.Lock()
+        self._model = table.model()
+        self._machine = table.build(self._model)
+        self._watchdog = WATCHDOG if watchdog is None else watchdog
+        """Watches budgeted phases; the process's own unless the machine was given one."""
+        self._log = structlog.get_logger()
+
+    @property
+    def state(self) -> S:
+        return self._model.state  # type: ignore[no-any-return]
+
+    @property
+    def history(self) -> list[TransitionRecord]:
+        return list(self._history)
+
+    @property
+    def table(self) -> Table[S]:
+        return self._table
+
+    def temporarily(self, obj: object, **attrs: Any) -> Temporary:
+        """Set (or, with `DELETE`, remove) attributes of `obj` until the running phase ends."""
+        phase = self._running("temporarily")
+        change = Temporary(obj, attrs)
+        phase.undos.append(change.restore)
+        return change
+
+    def on_exit(self, undo: F) -> F:
+        """Run `undo` when the running phase ends, whether its work succeeded or raised."""
+        self._running("on_exit").undos.append(undo)
+        return undo
+
+    def add_observer(self, observer: Observer) -> None:
+        self.observers.append(observer)
+
+    def remove_observer(self, observer: Observer) -> None:
+        self.observers.remove(observer)
+
+    def export_chrome_trace(self, path: str | os.PathLike[str]) -> Path:
+        """The history as a Chrome trace; the writer (and the checkpoint I/O it uses) loads on first use."""
+        from lifecycle.trace import write_chrome_trace
+
+        return write_chrome_trace(self._history, path, role=self.role, rank=self.rank)
+
+    def _budget(self, trigger: str) -> float | None:
+        """The watchdog budget of `trigger`'s phase in seconds; None: not watched."""
+        return None
+
+    def _moved(self, src: S, dst: S) -> None:
+        """Called under the lock right after each move: state that must change with it changes here."""
+
+    def _ended(self, phase: Phase) -> None:
+        """Called after a phase whose work succeeded has left its record."""
+
+    def _running(self, what: str) -> Phase:
+        phase = self._phase
+        if phase is None:
+            phases = "/".join(row.trigger for row in self._table.rows if row.working is not None)
+            raise LifecycleError(
+                f"{what}() needs a running phase to undo it in; state is {self.state.name} "
+                f"(role {self.role}): call it from inside {phases} work"
+            )
+        return phase
+
+    def _move(self, trigger: str) -> None:
+        with self._lock:
+            src = self._model.state
+            try:
+                getattr(self._model, trigger)()
+            except MachineError:
+                raise InvalidTransition(trigger, src, self._table.allowed(src), self.role) from None
+            dst = self._model.state
+            self._moved(src, dst)
+        if self.observers or self._global_observers:
+            for observer in (*self.observers, *self._global_observers):
+                observer.on_state_change(self, src, dst, trigger)
+
+    def _record(self, phase: Phase, error: BaseException | None) -> None:
+        """The one history entry and the one `lifecycle.transition` record of a trigger."""
+        start, t0 = phase.started
+        duration = time.perf_counter() - t0
+        dst = self._model.state
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        working = self._table.by_trigger[phase.trigger].working
+        path = (phase.src, dst) if working is None else (phase.src, working, dst)
+        record = TransitionRecord(phase.trigger, phase.src, dst, phase.step, start, duration,
+                                  error is None, message, path, phase.figures)
+        self._history.append(record)
+        names = self._table.names
+        emit = self._log.info if error is None else partial(self._log.error, error=message)
+        emit("lifecycle.transition", trigger=phase.trigger, src=names[phase.src], dst=names[dst],
+             role=self.role, rank=self.rank, step=phase.step, duration_s=round(duration, 6),
+             ok=error is None, **phase.figures)
+        if self.observers or self._global_observers:
+            for observer in (*self.observers, *self._global_observers):
+                observer.on_transition(self, record)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(role={self.role!r}, rank={self.rank}, state={self.state.name})"
+
+
+__all__ = ["Stateful"]

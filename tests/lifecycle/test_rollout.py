@@ -1,0 +1,245 @@
+"""The rollout's weights machine: its table is a contract, pinned pair by pair, and the version
+changes only on the edge into SERVING."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from lifecycle import InvalidTransition
+from lifecycle.errors import EngineError, LifecycleError
+from lifecycle.machine import ROLLOUT, ROLLOUT_TABLE, RolloutState
+from lifecycle.phase import Observer, TransitionRecord
+from lifecycle.rollout import RolloutWeights
+from lifecycle.stateful import Stateful
+from lifecycle.testing import MemoryRollout
+from lifecycle.types import updating
+from lifecycle.watchdog import Watchdog
+
+R = RolloutState
+CONTRACT = {
+    # trigger: (sources, working state, state after success, state after failure)
+    "receive_weights": ({R.EMPTY, R.SERVING, R.STALE}, R.RECEIVING, R.SERVING, R.STALE),
+    "generate": ({R.SERVING}, R.GENERATING, R.SERVING, R.SERVING),
+    "mark_stale": ({R.EMPTY, R.SERVING, R.STALE}, None, R.STALE, None),
+    "close": ({R.EMPTY, R.SERVING, R.STALE}, None, R.CLOSED, None),
+}
+STABLE = [R.EMPTY, R.SERVING, R.STALE, R.CLOSED]
+WORKING = {R.RECEIVING: "receive_weights", R.GENERATING: "generate"}
+
+
+class Model:
+    """A rollout's model: a dict of tensors, written one by one as they land."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def load(self, named: Any) -> None:
+        for name, tensor in named:
+            self.weights[name] = tensor.clone()
+
+
+class Visited(Observer):
+    """The states a machine visits, with the version held at each."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[RolloutState, int]] = []
+
+    def on_state_change(self, lc: Stateful[Any], src: Any, dst: Any, trigger: str) -> None:
+        assert isinstance(lc, RolloutWeights)
+        if not self.seen:
+            self.seen.append((src, lc.weights_version))
+        self.seen.append((dst, lc.weights_version))
+
+
+def weights(**kwargs: Any) -> tuple[RolloutWeights, Model]:
+    model = Model()
+    return RolloutWeights(model.load, **kwargs), model
+
+
+def receive(w: RolloutWeights, version: int, tensors: int = 2, fail_after: int | None = None) -> None:
+    """One update through `types.updating`, as `backends.engines.receive_into` runs it."""
+    with updating(w) as landed:
+        w.load_weights((f"t{i}", torch.full((2,), float(version))) for i in range(tensors))
+        if fail_after is not None:
+            raise EngineError(f"peer lost after {fail_after} tensors")
+        landed(version)
+
+
+def drive_to(state: RolloutState, w: RolloutWeights) -> None:
+    if state is R.SERVING:
+        receive(w, 1)
+    elif state is R.STALE:
+        with pytest.raises(EngineError):
+            receive(w, 1, fail_after=1)
+    elif state is R.CLOSED:
+        w.close()
+    assert w.state is state
+
+
+def fire(w: RolloutWeights, trigger: str, work: Callable[[], None] = lambda: None) -> None:
+    if trigger == "receive_weights":
+        with w.receiving() as landed:
+            work()
+            landed(7)
+    elif trigger == "generate":
+        with w.generating(1):
+            work()
+    else:
+        getattr(w, trigger)()
+
+
+def test_table_in_code_is_the_contract() -> None:
+    assert {row.trigger: (set(row.sources), row.working, row.done, row.failed) for row in ROLLOUT_TABLE} == CONTRACT
+    assert set(STABLE) | set(WORKING) == set(RolloutState)
+    assert ROLLOUT.terminal == {R.CLOSED} and [s for s in RolloutState if s.serves] == [R.SERVING]
+
+
+@pytest.mark.parametrize("state", STABLE)
+@pytest.mark.parametrize("trigger", list(CONTRACT))
+def test_trigger_from_stable_state_reaches_the_table_state_or_is_refused(state: RolloutState, trigger: str) -> None:
+    w, _ = weights()
+    drive_to(state, w)
+    before = w.weights_version
+    sources, working, done, _ = CONTRACT[trigger]
+    path = Visited()
+    w.add_observer(path)
+    if state in sources:
+        fire(w, trigger)
+        assert [s for s, _ in path.seen] == ([state, working, done] if working else [state, done])
+        assert w.history[-1].trigger == trigger and w.history[-1].ok
+    else:
+        with pytest.raises(InvalidTransition) as info:
+            fire(w, trigger)
+        assert w.state is state and w.weights_version == before and path.seen == []
+        assert info.value.state is state and info.value.trigger == trigger
+        assert info.value.allowed == ROLLOUT.allowed(state) and state.name in str(info.value)
+
+
+@pytest.mark.parametrize("working", list(WORKING))
+@pytest.mark.parametrize("trigger", list(CONTRACT))
+def test_no_trigger_fires_while_a_receive_or_a_generation_runs(working: RolloutState, trigger: str) -> None:
+    w, _ = weights()
+    drive_to(R.SERVING, w)
+    refused: list[RolloutState] = []
+
+    def probe() -> None:
+        with pytest.raises(InvalidTransition, match=f"from state {working.name}"):
+            fire(w, trigger)
+        refused.append(w.state)
+
+    fire(w, WORKING[working], probe)
+    assert refused == [working] and w.state is R.SERVING
+
+
+def test_a_receive_that_fails_mid_way_lands_in_stale_with_the_old_version_and_refuses_generation() -> None:
+    w, model = weights()
+    receive(w, 1)
+    path = Visited()
+    w.add_observer(path)
+    with pytest.raises(EngineError, match="peer lost"):
+        receive(w, 2, fail_after=1)
+    assert w.state is R.STALE and w.stale and w.weights_version == 1
+    assert torch.equal(model.weights["t0"], torch.full((2,), 2.0)), "the half that landed is in the model"
+    assert path.seen == [(R.SERVING, 1), (R.RECEIVING, 1), (R.STALE, 1)]
+    record = w.history[-1]
+    assert (record.trigger, record.ok, record.path) == ("receive_weights", False, (R.SERVING, R.RECEIVING, R.STALE))
+    assert "peer lost" in (record.error or "") and record.figures["version"] == 1
+    with pytest.raises(InvalidTransition, match="cannot 'generate' from state STALE"):
+        with w.generating(3):
+            pass
+    receive(w, 3)
+    assert (w.state, w.weights_version, w.stale) == (R.SERVING, 3, False)
+
+
+def test_the_version_changes_only_on_the_edge_into_serving() -> None:
+    w, _ = weights()
+    path = Visited()
+    w.add_observer(path)
+    receive(w, 4)
+    with w.generating(1):
+        pass
+    w.mark_stale()
+    receive(w, 5)
+    changes = [(a, b) for (a, va), (b, vb) in zip(path.seen, path.seen[1:]) if va != vb]
+    assert changes == [(R.RECEIVING, R.SERVING), (R.RECEIVING, R.SERVING)]
+    assert [v for s, v in path.seen if s is R.SERVING] == [4, 4, 5]
+
+
+def test_a_receive_that_ends_before_its_weights_landed_is_stale() -> None:
+    w, _ = weights()
+    with pytest.raises(EngineError, match="ended before its last tensor landed"):
+        with w.receiving():
+            pass
+    assert w.state is R.STALE and w.weights_version == 0
+
+
+def test_a_failed_generation_leaves_the_weights_serving() -> None:
+    w, _ = weights()
+    receive(w, 2)
+    with pytest.raises(ZeroDivisionError):
+        with w.generating(5):
+            raise ZeroDivisionError("bad prompt")
+    assert (w.state, w.weights_version) == (R.SERVING, 2)
+    assert w.history[-1].path == (R.SERVING, R.GENERATING, R.SERVING) and w.history[-1].ok is False
+
+
+def test_weights_land_only_inside_a_receive() -> None:
+    w, _ = weights()
+    with pytest.raises(LifecycleError, match="outside a receive"):
+        w.load_weights([("t0", torch.zeros(1))])
+
+
+def test_each_rollout_phase_logs_one_transition_record_and_a_phase_started() -> None:
+    w, _ = weights(rank=2)
+    with capture_logs() as logs:
+        receive(w, 1)
+        with w.generating(9):
+            pass
+    started = [r for r in logs if r["event"] == "lifecycle.phase_started"]
+    records = [r for r in logs if r["event"] == "lifecycle.transition"]
+    assert [(r["trigger"], r["state"], r["log_level"]) for r in started] == [
+        ("receive_weights", "RECEIVING", "debug"), ("generate", "GENERATING", "debug")]
+    assert [(r["trigger"], r["src"], r["dst"], r["role"], r["rank"], r["step"], r["version"]) for r in records] == [
+        ("receive_weights", "EMPTY", "SERVING", "rollout", 2, None, 1),
+        ("generate", "SERVING", "SERVING", "rollout", 2, 9, 1)]
+
+
+def test_a_receive_past_its_budget_is_reported_by_the_watchdog_given() -> None:
+    reports: list[dict[str, Any]] = []
+    watchdog = Watchdog(emit=lambda event, **fields: reports.append({"event": event, **fields}))
+    w, _ = weights(budget={"receive_weights": 0.05}.get, watchdog=watchdog)
+    with w.receiving() as landed:
+        deadline = time.monotonic() + 10
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.01)
+        landed(1)
+    [report] = reports[:1]
+    assert (report["event"], report["trigger"], report["state"], report["role"]) == (
+        "lifecycle.phase_overdue", "receive_weights", "RECEIVING", "rollout")
+    assert watchdog.watching == 0 and w.state is R.SERVING
+
+
+def test_receive_into_drives_the_machine_and_a_plain_rollout_target_still_works() -> None:
+    from backends.engines import CheckpointEngineRegistry, receive_into
+
+    named = [("w", torch.arange(4.0))]
+    for target in (weights()[0], MemoryRollout()):
+        engine = CheckpointEngineRegistry.new("naive")
+        with engine.session(None, rank=0):
+            engine.send_weights(iter(named), 3)
+            assert receive_into(engine, target, version=3) == 3
+        assert target.weights_version == 3 and not target.stale
+
+
+def test_history_records_hold_rollout_states() -> None:
+    w, _ = weights()
+    receive(w, 1)
+    w.close()
+    assert [(r.trigger, r.src, r.dst) for r in w.history] == [
+        ("receive_weights", R.EMPTY, R.SERVING), ("close", R.SERVING, R.CLOSED)]
+    assert all(isinstance(r, TransitionRecord) for r in w.history)

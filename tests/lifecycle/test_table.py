@@ -1,0 +1,52 @@
+"""`lifecycle.table.Table`: the one code path every machine's table goes through, and what it refuses."""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+import pytest
+
+from lifecycle.errors import LifecycleError
+from lifecycle.machine import MACHINES
+from lifecycle.table import MachineModel, Row, Table
+
+
+class S(Enum):
+    A = "a"
+    B = "b"
+    W = "w"
+    X = "x"
+
+
+class Model(MachineModel):
+    def go(self) -> bool: raise NotImplementedError  # noqa: E704
+    def stop(self) -> bool: raise NotImplementedError  # noqa: E704
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([Row("go", (S.A,), S.W, S.B, S.X), Row("go", (S.B,), None, S.X, None)], "more than one row"),
+    ([Row("done", (S.A,), None, S.B, None)], "machine's own trigger"),
+    ([Row("go", (S.A,), S.W, S.B, S.X), Row("stop", (S.B,), S.W, S.A, S.X)], "more than one row"),
+    ([Row("go", (S.A,), S.W, S.B, S.X), Row("stop", (S.W,), None, S.X, None)], "working state W of 'go' is a source"),
+    ([Row("go", (S.A,), None, S.B, S.X)], "no working state to fail from"),
+    ([Row("jump", (S.A,), None, S.B, None)], "declares no stub for ['jump']"),
+])
+def test_a_table_that_cannot_work_is_refused_when_built(rows: list[Row[S]], message: str) -> None:
+    with pytest.raises(LifecycleError, match=re.escape(message)):
+        Table("t", S, rows, initial=S.A, model=Model)
+
+
+def test_terminal_states_are_the_ones_no_trigger_leaves() -> None:
+    table = Table("t", S, [Row("go", (S.A,), S.W, S.B, S.X), Row("stop", (S.B,), None, S.A, None)],
+                  initial=S.A, model=Model)
+    assert table.terminal == {S.X} and table.working == {S.W}
+    assert table.allowed(S.A) == ["go"] and table.allows("stop", S.B) and not table.allows("stop", S.A)
+
+
+@pytest.mark.parametrize("name", sorted(MACHINES))
+def test_every_machine_answers_allowed_triggers_from_its_rows_alone(name: str) -> None:
+    table = MACHINES[name]
+    for state in table.states:
+        assert table.allowed(state) == [row.trigger for row in table.rows if state in row.sources]
+        assert not (state in table.working and table.allowed(state)), "nothing fires while a phase runs"

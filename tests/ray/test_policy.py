@@ -1,0 +1,100 @@
+"""`FailurePolicy`: restart or give up, from the kind of failure, the error and the count. No Ray needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from lifecycle.errors import CheckpointError, ConfigError, EngineError, InvalidTransition
+from lifecycle.ray.policy import Decision, FailureKind, FailurePolicy, WorkerFailed
+
+
+def failed(kind: FailureKind, error: BaseException | None = None) -> WorkerFailed:
+    cause = error if error is not None else RuntimeError("actor died unexpectedly")
+    return WorkerFailed("actor", "train", 4, cause, kind, error)
+
+
+@pytest.mark.parametrize("kind", [FailureKind.DIED, FailureKind.TIMED_OUT])
+def test_a_death_or_a_timeout_is_retried_up_to_max_failures_then_given_up(kind: FailureKind) -> None:
+    policy = FailurePolicy(max_failures=2)
+    assert [policy.decide(failed(kind), n).decision for n in (1, 2, 3)] == [
+        Decision.RETRY, Decision.RETRY, Decision.GIVE_UP]
+    assert "giving up after 3 failures (max_failures=2)" in policy.decide(failed(kind), 3).reason
+
+
+def test_max_failures_zero_gives_up_at_the_first_failure() -> None:
+    assert FailurePolicy(max_failures=0).decide(failed(FailureKind.DIED), 1).decision is Decision.GIVE_UP
+
+
+@pytest.mark.parametrize("error", [EngineError("peer lost mid-sync"), OSError("connection reset"),
+                                   CheckpointError("disk full"), RuntimeError("NCCL watchdog")])
+def test_an_error_a_worker_raised_is_retried_by_default(error: BaseException) -> None:
+    verdict = FailurePolicy().decide(failed(FailureKind.RAISED, error), 1)
+    assert verdict.decision is Decision.RETRY and "restart 1 of at most 3" in verdict.reason
+
+
+def test_a_config_error_is_not_retryable_even_on_the_first_failure() -> None:
+    verdict = FailurePolicy(max_failures=5).decide(failed(FailureKind.RAISED, ConfigError("engine.backend", "bad")), 1)
+    assert verdict.decision is Decision.GIVE_UP
+    assert "ConfigError is not retryable (failure_policy.fatal)" in verdict.reason
+
+
+def test_fatal_errors_are_the_policys_to_choose_and_deaths_stay_retryable() -> None:
+    policy = FailurePolicy(fatal=(ConfigError, InvalidTransition, ValueError))
+    assert not policy.retryable(failed(FailureKind.RAISED, ValueError("bad batch")))
+    assert policy.retryable(failed(FailureKind.RAISED, EngineError("x")))
+    assert policy.retryable(failed(FailureKind.DIED, ValueError("a death whose message looks like anything")))
+
+
+def test_retry_raised_false_gives_up_on_any_raised_error_but_still_restarts_a_death() -> None:
+    policy = FailurePolicy(retry_raised=False)
+    verdict = policy.decide(failed(FailureKind.RAISED, EngineError("x")), 1)
+    assert verdict.decision is Decision.GIVE_UP and "failure_policy.retry_raised" in verdict.reason
+    assert policy.decide(failed(FailureKind.DIED), 1).decision is Decision.RETRY
+
+
+def test_a_subclass_decides_retryable_by_its_own_rules() -> None:
+    class OnlyDeaths(FailurePolicy):
+        def retryable(self, failure: WorkerFailed) -> bool:
+            return failure.kind is FailureKind.DIED
+
+    policy = OnlyDeaths()
+    assert policy.decide(failed(FailureKind.TIMED_OUT), 1).decision is Decision.GIVE_UP
+    assert policy.decide(failed(FailureKind.DIED), 1).decision is Decision.RETRY
+
+
+@pytest.mark.parametrize(("kwargs", "key"), [({"max_failures": -1}, "failure_policy.max_failures"),
+                                             ({"max_failures": 1.5}, "failure_policy.max_failures"),
+                                             ({"max_failures": True}, "failure_policy.max_failures"),
+                                             ({"fatal": ("ConfigError",)}, "failure_policy.fatal")])
+def test_bad_settings_are_refused_naming_the_key(kwargs: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        FailurePolicy(**kwargs)
+    assert info.value.key == key
+
+
+def test_the_failure_keeps_the_workers_own_error_apart_from_what_the_driver_saw() -> None:
+    seen = RuntimeError("RayTaskError(ConfigError): ...")
+    failure = WorkerFailed("critic", "score", 2, seen, FailureKind.RAISED, ConfigError("x", "y"))
+    assert failure.cause is seen and isinstance(failure.error, ConfigError)
+    assert str(failure).startswith("worker critic failed in score of step 2: RuntimeError")
+    assert WorkerFailed("actor", "sync", 1, seen).error is seen
+
+
+def test_the_driver_config_builds_its_policy_from_max_failures_or_takes_the_one_given() -> None:
+    from lifecycle.ray.driver import DriverConfig
+
+    assert DriverConfig(steps=3, max_failures=5).policy == FailurePolicy(max_failures=5)
+    rules = FailurePolicy(fatal=(ConfigError, ValueError))
+    assert DriverConfig(steps=3, failure_policy=rules).policy is rules
+    with pytest.raises(ConfigError, match="driver.failure_policy.max_failures=5") as info:
+        DriverConfig(steps=3, max_failures=2, failure_policy=FailurePolicy(max_failures=5))
+    assert info.value.key == "driver.max_failures"
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan")])
+def test_the_driver_refuses_a_poll_interval_that_cannot_work(value: float) -> None:
+    from lifecycle.ray.driver import DriverConfig
+
+    with pytest.raises(ConfigError) as info:
+        DriverConfig(steps=3, poll_s=value)
+    assert info.value.key == "driver.poll_s"
