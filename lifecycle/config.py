@@ -160,6 +160,9 @@ class CheckpointConfig(Section):
     """Number of newest complete steps to keep; None keeps all."""
     fsync: bool = False
     """fsync every file before the commit: survives power loss on a local disk, at a full flush's cost."""
+    tracker: bool = True
+    """Write latest_checkpointed_iteration.txt once a step is complete for `roles`; false leaves it
+    to the trainer (verl's writes its own after every role has saved)."""
     pre_load: PreLoadConfig = field(default_factory=PreLoadConfig)
     """The first load of weights."""
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -305,6 +308,9 @@ class WatchdogConfig(Section):
     """On by default: a sync is the phase that hangs most often (a rollout that never joins)."""
     resume_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
     close_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
+    receive_weights_s: float | None = field(default=120.0, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
+    """A rollout's side of a sync (`lifecycle.rollout.RolloutWeights`), on by default like the sender's."""
+    generate_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
 
     def budget(self, trigger: str) -> float | None:
         """The budget of `trigger`'s phase, or None."""

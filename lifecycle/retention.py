@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from lifecycle.boundary import lstat
+from lifecycle.boundary import lstat, role_problem
 from lifecycle.errors import CheckpointError
 
 if TYPE_CHECKING:
     from lifecycle.store import CheckpointStore
 
 TRASH = ".trash-"
+STAGING = ".staging-"
+"""`global_step_N/.staging-<role>`: a save of that role not committed yet (the store's name for it)."""
 
 
 def trash_path(root: Path, name: str) -> Path:
@@ -61,10 +63,15 @@ def sweep(root: Path, entries: Iterable[os.DirEntry[str]]) -> None:
 
 
 def apply_retention(store: CheckpointStore, keep_last: int | None, roles: Sequence[str], protect: set[int]) -> list[int]:
-    """Delete steps older than the newest `keep_last` complete ones; None or < 1 keeps all.
+    """Prune the steps older than the newest `keep_last` complete ones; None or < 1 keeps all.
 
-    Steps newer than the oldest kept one stay even when incomplete: another role may still be
-    writing them. Steps set aside (damaged, superseded) are not steps and are never touched.
+    Pruning a step removes the folders of `roles` in it (and their staging folders), and the
+    step folder itself, with whatever else it holds (the trainer's `data.pt`, a crashed save's
+    leftovers), only once no folder of another role remains in it: each role's retention is its
+    own, as verl's own managers' is, and one role's `keep_last` never removes another role's
+    only checkpoint. Steps newer than the oldest kept one stay even when incomplete: another
+    role may still be writing them. Steps set aside (damaged, superseded) are not steps and are
+    never touched. Returns the steps pruned.
     """
     log = structlog.get_logger()
     try:
@@ -79,27 +86,58 @@ def apply_retention(store: CheckpointStore, keep_last: int | None, roles: Sequen
     if len(complete) <= keep_last:
         return []
     oldest_kept = complete[-keep_last]
-    deleted: list[int] = []
-    for step in all_steps:
-        if step >= oldest_kept or step in protect:
-            continue
-        folder = store.step_dir(step)
+    pruned = [step for step in all_steps
+              if step < oldest_kept and step not in protect and _prune(store, step, roles)]
+    if pruned:
+        log.info("checkpoint.retention", root=str(store.root), deleted=pruned, keep_last=keep_last,
+                 protected=sorted(protect), roles=list(roles))
+    return pruned
+
+
+def _prune(store: CheckpointStore, step: int, roles: Sequence[str]) -> bool:
+    """Remove `roles`' part of `step`, or the whole step when no other role's folder remains;
+    whether anything went."""
+    folder = store.step_dir(step)
+    try:
+        with os.scandir(folder) as found:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in found]
+    except FileNotFoundError:
+        return False  # another process removed it first
+    except OSError as exc:
+        structlog.get_logger().warning("checkpoint.retention_failed", step=step, path=str(folder), error=str(exc),
+                                       action="left for the next save to remove")
+        return False
+    ours = {*roles, *(f"{STAGING}{role}" for role in roles)}
+    if not any(is_dir and name not in ours and _role_folder(name) for name, is_dir in entries):
+        return _remove(store, folder, step)
+    removed = [_remove(store, folder / name, step) for name, _ in entries if name in ours]
+    return any(removed)
+
+
+def _role_folder(name: str) -> bool:
+    """Whether `name` is a role's folder or staging folder (committed or not, ours or another
+    checkpoint manager's): what a step folder holds for a role that may still need it."""
+    return role_problem(name.removeprefix(STAGING)) is None
+
+
+def _remove(store: CheckpointStore, path: Path, step: int) -> bool:
+    """Rename `path` into the trash, then remove it; whether it is gone from where it was."""
+    log = structlog.get_logger()
+    try:
+        os.rename(path, trash := trash_path(store.root, path.name if path.parent == store.root
+                                             else f"{path.parent.name}-{path.name}"))
+    except FileNotFoundError:
+        return False  # another process removed it first
+    except OSError as exc:
+        log.warning("checkpoint.retention_failed", step=step, path=str(path), error=str(exc),
+                    action="left for the next save to remove")
         try:
-            os.rename(folder, trash := trash_path(store.root, folder.name))
-            deleted.append(step)
-            rmtree(trash)
-        except FileNotFoundError:
-            continue  # another process removed it first
-        except OSError as exc:
-            log.warning("checkpoint.retention_failed", step=step, path=str(folder), error=str(exc),
-                        action="left for the next save to remove")
-            try:
-                gone = lstat(folder) is None
-            except CheckpointError:
-                gone = False
-            if step not in deleted and gone:
-                deleted.append(step)
-    if deleted:
-        log.info("checkpoint.retention", root=str(store.root), deleted=deleted, keep_last=keep_last,
-                 protected=sorted(protect))
-    return deleted
+            return lstat(path) is None
+        except CheckpointError:
+            return False
+    try:
+        rmtree(trash)
+    except OSError as exc:
+        log.warning("checkpoint.retention_failed", step=step, path=str(trash), error=str(exc),
+                    action="left for the next save to remove")
+    return True

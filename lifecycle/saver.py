@@ -140,7 +140,8 @@ class Saver:
         try:
             final = store.commit(job.step, self.at.role, contents=written.contents, folders=written.folders,
                                  parallel=self._parallel, model_config_hash=job.model_hash, extra_meta={},
-                                 roles=self.at.roles, fsync=self.at.config.checkpoint.fsync, digests=written.digests)
+                                 roles=self.at.roles, fsync=self.at.config.checkpoint.fsync, digests=written.digests,
+                                 tracker=self.at.config.checkpoint.tracker)
         except BaseException:
             self.discard(job)()
             raise

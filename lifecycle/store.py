@@ -7,7 +7,6 @@ leave the tracker ahead of, or behind, what was actually committed.
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ import structlog
 from lifecycle.boundary import (
     STEP_PREFIX, lstat, os_error, os_errors, parse_step, parse_step_number, read_bytes, real_dir, role_problem,
 )
+from lifecycle.aside import DAMAGED, SUPERSEDED, aside_names, quarantine, supersede
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.manifest import (
     MANIFEST,
@@ -29,20 +29,14 @@ from lifecycle.manifest import (
     write_json_atomic,
     write_text_atomic,
 )
-from lifecycle.retention import apply_retention, rmtree, trash_path
+from lifecycle.retention import STAGING, apply_retention, rmtree, trash_path
 from lifecycle.writer_lock import WriterLock
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TRACKER_LIMIT = 64
 """The tracker holds one step number: anything longer is not a tracker."""
-DAMAGED = ".damaged-"
-"""`global_step_N.damaged-<time>`: a step resume set aside; never resumed, never deleted by retention."""
 REPLACED = ".replaced-"
 """`root/.replaced-*`: a committed role folder while a re-commit of its step replaces it."""
-SUPERSEDED = ".superseded-"
-"""`global_step_N.superseded-<time>`: a step newer than the one a run was rolled back to."""
-MAX_LOGGED = 50
-"""Problems one log record lists; the rest are counted."""
 Agree = Callable[[bool], int]
 """Every rank says whether it failed; returns how many ranks did (all ranks call it)."""
 
@@ -108,7 +102,7 @@ class CheckpointStore:
         no rank writes into a folder that is not this save's; with a plain barrier, rank 0
         still reaches it when it failed, so its peers never wait for it here.
         """
-        path = self.step_dir(step) / f".staging-{check_role(role)}"
+        path = self.step_dir(step) / f"{STAGING}{check_role(role)}"
         failed = False
         try:
             if self.rank == 0:
@@ -134,7 +128,7 @@ class CheckpointStore:
 
     def discard_staging(self, step: int, role: str) -> None:
         """After a failed save (rank 0): remove what it wrote, so a full disk gets its space back."""
-        path = self.step_dir(step) / f".staging-{check_role(role)}"
+        path = self.step_dir(step) / f"{STAGING}{check_role(role)}"
         try:
             if lstat(path) is not None:
                 rmtree(path)
@@ -155,6 +149,7 @@ class CheckpointStore:
         roles: Sequence[str] | None = None,
         fsync: bool = False,
         digests: Mapping[str, str] | None = None,
+        tracker: bool = True,
     ) -> Path:
         """Publish the staging folder once every rank has written its part.
 
@@ -162,9 +157,10 @@ class CheckpointStore:
         not the content's own name (one folder may serve two contents). `roles` are the roles
         the step must hold before the tracker may point at it (default: this role). `digests`
         maps paths relative to the role folder to the digests this rank's writers returned:
-        rank 0's manifest takes them instead of reading those files again. The
-        commit is the rename of the staging folder into place: what follows it (the tracker,
-        removing a replaced folder) is best effort, logged when it fails, never raised.
+        rank 0's manifest takes them instead of reading those files again. `tracker` false
+        leaves the tracker to the trainer (`checkpoint.tracker`). The commit is the rename of the
+        staging folder into place: what follows it (the tracker, removing a replaced folder) is
+        best effort, logged when it fails, never raised.
         """
         final = self.role_dir(step, role)
         self._sync()
@@ -181,7 +177,8 @@ class CheckpointStore:
             if not told:
                 self._sync()
         if self.rank == 0:
-            self._advance_tracker(step, list(roles or [role]))
+            if tracker:
+                self._advance_tracker(step, list(roles or [role]))
         elif rank0_failed or (not told and lstat(final / MANIFEST) is None):
             raise CheckpointError(f"{final / MANIFEST}: rank 0 did not commit step {step} (see its error)")
         return final
@@ -198,7 +195,7 @@ class CheckpointStore:
         fsync: bool,
         digests: Mapping[str, str],
     ) -> None:
-        staging = self.step_dir(step) / f".staging-{role}"
+        staging = self.step_dir(step) / f"{STAGING}{role}"
         if not real_dir(staging, "the staging folder"):
             raise CheckpointError(f"{staging}: staging folder missing; call staging() before commit()")
         entries = {name: {"backend": backend, "folder": folders.get(name, name)}
@@ -279,16 +276,11 @@ class CheckpointStore:
 
     def quarantined(self) -> list[str]:
         """Names of the steps resume set aside as damaged, oldest step first."""
-        return self._aside(DAMAGED)
+        return aside_names(self, DAMAGED)
 
     def superseded(self) -> list[str]:
         """Names of the steps set aside because the run was rolled back past them."""
-        return self._aside(SUPERSEDED)
-
-    def _aside(self, marker: str) -> list[str]:
-        names = [e.name for e in self.entries()
-                 if marker in e.name and parse_step(e.name.split(marker)[0]) is not None]
-        return sorted(names, key=lambda name: (int(name.split(marker)[0].removeprefix(STEP_PREFIX)), name))
+        return aside_names(self, SUPERSEDED)
 
     def status(self, step: int, roles: Sequence[str], *, deep: bool = False) -> dict[str, list[str]]:
         """Per role, why the step cannot be trusted (an empty list: it can)."""
@@ -315,82 +307,12 @@ class CheckpointStore:
         return None
 
     def quarantine(self, step: int, problems: Sequence[str]) -> Path | None:
-        """Rename a damaged step aside (`global_step_N.damaged-<time>`); nothing is deleted.
-
-        None when it is gone already: another role or rank set it aside first."""
-        aside = self._set_aside(step, DAMAGED, "damaged")
-        if aside is not None:
-            structlog.get_logger().error("checkpoint.step_quarantined", step=step, path=str(aside),
-                                         files=list(problems[:MAX_LOGGED]), more=max(0, len(problems) - MAX_LOGGED),
-                                         action="resuming the next newest complete step")
-        return aside
+        """Rename a damaged step aside (see `lifecycle.aside.quarantine`); nothing is deleted."""
+        return quarantine(self, step, problems)
 
     def supersede(self, newer_than: int) -> list[Path]:
-        """Rename aside (`global_step_N.superseded-<time>`) every step newer than `newer_than`:
-        the run was rolled back past them, and neither a later resume nor retention may take
-        them for its own. A newer step without any committed role (a crashed save's staging
-        folder, a trainer's own files) is no line to return to: it is removed, as retention
-        removes, rather than kept forever. A tracker left naming a step now gone is pointed at
-        `newer_than`, since verl's trainer resumes from what the tracker names."""
-        moved: list[Path] = []
-        for step in self.steps():
-            try:
-                if step <= newer_than:
-                    continue
-                if not self._holds_commit(step):
-                    self._remove_uncommitted(step)
-                elif (aside := self._set_aside(step, SUPERSEDED, "rolled back past")) is not None:
-                    moved.append(aside)
-            except CheckpointError as exc:  # best effort: the rollback itself already happened
-                structlog.get_logger().error("checkpoint.supersede_failed", step=step, error=str(exc),
-                                             action="a later automatic resume may pick this step")
-        if moved:
-            structlog.get_logger().warning("checkpoint.steps_superseded", resumed_step=newer_than,
-                                           paths=[str(p) for p in moved],
-                                           reason="resumed from an older step; these are never resumed or deleted")
-        self._tracker_back_to(newer_than)
-        return moved
-
-    def _holds_commit(self, step: int) -> bool:
-        """Whether any role folder of `step` holds a manifest; unreadable counts as holding one."""
-        try:
-            with os.scandir(self.step_dir(step)) as entries:
-                return any(role_problem(e.name) is None and e.is_dir(follow_symlinks=False)
-                           and lstat(Path(e.path) / MANIFEST) is not None for e in entries)
-        except (OSError, CheckpointError):
-            return True
-
-    def _remove_uncommitted(self, step: int) -> None:
-        folder = self.step_dir(step)
-        try:
-            os.rename(folder, trash := trash_path(self.root, folder.name))
-            rmtree(trash)
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise os_error(exc, "holds no committed role, and cannot be removed", folder) from exc
-        structlog.get_logger().info("checkpoint.uncommitted_removed", step=step, path=str(folder),
-                                    reason="newer than the step resumed from, and no role of it was committed")
-
-    def _tracker_back_to(self, step: int) -> None:
-        try:
-            named = self.read_tracker()
-            if named is not None and named > step and lstat(self.step_dir(named)) is None:
-                self.write_tracker(step)
-        except CheckpointError as exc:
-            structlog.get_logger().warning("checkpoint.tracker_failed", step=step, path=str(self.tracker_path),
-                                           error=str(exc), action="the next save rewrites it")
-
-    def _set_aside(self, step: int, marker: str, why: str) -> Path | None:
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        aside = self.root / f"{self.step_dir(step).name}{marker}{stamp}-{uuid.uuid4().hex[:6]}"
-        try:
-            os.rename(self.step_dir(step), aside)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise os_error(exc, f"{why}, and cannot be set aside", self.step_dir(step)) from exc
-        return aside
+        """Rename aside every step newer than `newer_than` (see `lifecycle.aside.supersede`)."""
+        return supersede(self, newer_than)
 
     def read_tracker(self) -> int | None:
         """The step the tracker names, even when that step is gone: others report that."""
@@ -410,5 +332,6 @@ class CheckpointStore:
             write_text_atomic(self.tracker_path, f"{int(step)}\n")
 
     def apply_retention(self, keep_last: int | None, roles: Sequence[str], protect: set[int]) -> list[int]:
-        """Delete steps older than the newest `keep_last` complete ones (see `lifecycle.retention`)."""
+        """Prune `roles`' folders of the steps older than the newest `keep_last` complete ones, and
+        a step folder once no other role's folder remains in it (see `lifecycle.retention`)."""
         return apply_retention(self, keep_last, roles, protect) if self.rank == 0 else []

@@ -10,7 +10,30 @@ checks the sender's plan against its own settings before allocating anything, an
 apply, so `receive_weights` yields nothing until every bucket of the version has verified and
 verl's server adapter never loads part of a version. A receive that fails leaves the adapter
 `stale` with its `version` unchanged and raises our `EngineError`, naming the bucket and the
-tensors in it.
+tensors in it. `stale` means the rollout does not hold the version it was asked for: when the
+receive failed before anything was yielded (a bucket failed its checksum, the plan was refused,
+the sender gave up) the rollout still holds `version` whole; once tensors were yielded it may
+hold part of the new one. Either way it must not serve as the new version; the next sync that
+succeeds clears it.
+
+What a sync costs and needs:
+
+- Memory: actor rank 0 collects the whole model in host memory before it sends anything (each
+  tensor is copied off the device as the generator yields it, so the device holds one at a
+  time), and each rollout worker stages a full copy of the version it receives, since the
+  atomic receive yields nothing until every bucket has verified. Budget one model's size of
+  host memory on actor rank 0's node and on every rollout worker, beyond the buckets.
+- Tensors the generator yields in host memory are kept as they are, not copied: they must
+  stay unchanged until `send_weights` returns. A generator that refills one CPU buffer for
+  every name would send the last contents under every name; yield a fresh tensor per name
+  (device tensors are copied to the host as they arrive, so they may be reused at once).
+- Time: `timeout_s` runs from `init_process_group`, and on the actor that includes walking the
+  generator (the FSDP gather of the whole model) before the first bucket goes out: set it to
+  cover the gather and the transfer, or the rollout gives up first.
+- `trainer_lifecycle_shm` moves buckets through shared memory on one host: actor rank 0 and
+  every rollout worker must run there. `build_topology` refuses, naming the worker and both
+  hosts, a rollout worker on another host (`prepare()` reports each worker's host name); use
+  `trainer_lifecycle_gloo` across hosts.
 
 Without verl this module still imports (it registers nothing), and building an adapter raises
 a `ConfigError` naming the missing module.
@@ -21,7 +44,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+import socket
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, TypeVar
 
 import structlog
@@ -32,6 +56,9 @@ from backends.engines.base import CheckpointEngine, Incoming, Rendezvous
 from backends.engines.registry import CheckpointEngineRegistry
 from backends.engines.sync import profiled
 from lifecycle.errors import ConfigError, EngineError, shorten
+from lifecycle.integrations.verl_checks import (
+    Weights, check_one_host, check_worker, collect, integer, rendezvous, rollout_holds, weights_version,
+)
 
 _VerlBase: type
 _MISSING: ImportError | None
@@ -44,7 +71,6 @@ else:
     _MISSING = None
 
 T = TypeVar("T")
-Weights = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
 
 BYSTANDER = -1
 """The rank `build_topology` gives actor ranks other than 0: they join no group, and their
@@ -73,13 +99,16 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
     """Keyword arguments of the engine's constructor beyond its options."""
     default_host: ClassVar[str | None] = None
     """The rendezvous host when engine_kwargs names none; None: this node's address as Ray sees it."""
+    one_host: ClassVar[bool] = False
+    """Whether actor rank 0 and every rollout worker must share a host (`build_topology` checks)."""
 
     def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
         if _MISSING is not None:
             package = _MISSING.name or "verl"
             raise ConfigError(f"{KEY}.backend", f"{self.verl_name} is a verl checkpoint engine and needs the package "
                                                 f"{package!r}: importing verl.checkpoint_engine failed: {_MISSING}")
-        self.is_master = bool(is_master)
+        self.is_master = is_master is True
+        """Only `True` itself: a truthy string in a config is no master."""
         self.host: str | None = engine_kwargs.pop("host", None)
         self.port: int | None = engine_kwargs.pop("port", None)
         self._check_address()
@@ -88,7 +117,8 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
         self.version: int | None = None
         """The last version this adapter sent, or received whole and verified."""
         self.stale = False
-        """A receiver's: its last receive failed, so the rollout may hold part of a version."""
+        """A receiver's: its last receive failed, so the rollout does not hold the version asked
+        for (still `version` whole when nothing was yielded; perhaps part of the new one after)."""
         self._profile_dir = self.engine.options.profile_dir if self.engine.options.profile else None
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker: concurrent.futures.Future[Any] | None = None
@@ -102,8 +132,10 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
     def _check_address(self) -> None:
         if self.host is not None and not (isinstance(self.host, str) and self.host):
             raise ConfigError(self._key("host"), f"must be a host name or address, got {shorten(self.host)}")
-        if self.port is not None and not (type(self.port) is int and 0 < self.port < 65536):
-            raise ConfigError(self._key("port"), f"must be a TCP port in 1..65535, got {shorten(self.port)}")
+        if self.port is not None:
+            if (port := integer(self.port)) is None or not 0 < port < 65536:
+                raise ConfigError(self._key("port"), f"must be a TCP port in 1..65535, got {shorten(self.port)}")
+            self.port = port
 
     def _build(self, bucket_size: int, kwargs: dict[str, Any]) -> CheckpointEngine:
         """Our engine with verl's bucket size and the engine_kwargs mapped onto its options;
@@ -139,7 +171,8 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
         Ends first whatever is left of the last sync: verl skips `finalize` when a worker's
         `update_weights` raised."""
         self._end_session()
-        metadata: dict[str, Any] = {"backend": self.verl_name, "is_master": self.is_master}
+        metadata: dict[str, Any] = {"backend": self.verl_name, "is_master": self.is_master,
+                                    "hostname": socket.gethostname()}
         if self.is_master:
             if self.host is None:
                 self.host = self.default_host or _node_address()
@@ -152,36 +185,42 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """Actor rank 0 sends as our rank 0, rollout worker i receives as rank i + 1, and every
-        other actor rank is a `BYSTANDER`; `metadata` lists the actor ranks' first."""
-        actors, rollouts = actor_wg_world_size, rollout_world_size
-        if actors < 1 or rollouts < 1:
+        other actor rank is a `BYSTANDER`; `metadata` lists the actor ranks' first. Whatever
+        `prepare()` returned is checked here (it crossed processes), and a bad entry is an
+        `EngineError` naming the worker, rather than a failure later or a wait for a timeout."""
+        actors, rollouts = integer(actor_wg_world_size), integer(rollout_world_size)
+        if actors is None or rollouts is None or actors < 1 or rollouts < 1:
             raise EngineError(f"{cls.verl_name}: a weight sync needs an actor and a rollout worker; got "
-                              f"{actors} actor and {rollouts} rollout worker(s)")
-        if len(metadata) != actors + rollouts:
-            raise EngineError(f"{cls.verl_name}: got metadata from {len(metadata)} workers, expected "
-                              f"{actors} actor + {rollouts} rollout")
+                              f"{shorten(actor_wg_world_size)} actor and {shorten(rollout_world_size)} rollout "
+                              "worker(s)")
+        if not isinstance(metadata, list) or len(metadata) != actors + rollouts:
+            count = f"{len(metadata)} workers" if isinstance(metadata, list) else shorten(metadata)
+            raise EngineError(f"{cls.verl_name}: got metadata from {count}, expected a list from {actors} actor + "
+                              f"{rollouts} rollout workers")
         for i, meta in enumerate(metadata):
-            who = f"actor rank {i}" if i < actors else f"rollout rank {i - actors}"
-            backend = meta.get("backend") if isinstance(meta, dict) else None
-            if backend != cls.verl_name:
-                raise EngineError(f"{cls.verl_name}: {who} runs checkpoint engine {shorten(backend)}; every actor "
-                                  f"and rollout worker must select {cls.verl_name}")
-            if bool(meta.get("is_master")) != (i == 0):
-                raise EngineError(f"{cls.verl_name}: {who} was built with is_master={bool(meta.get('is_master'))}; "
-                                  "only actor rank 0 hosts the rendezvous (verl passes is_master=True there)")
-        shared = {"host": metadata[0]["host"], "port": metadata[0]["port"], "receivers": rollouts}
+            check_worker(cls.verl_name, f"actor rank {i}" if i < actors else f"rollout rank {i - actors}", meta,
+                         master=i == 0)
+        host, port = rendezvous(cls.verl_name, metadata[0])
+        if cls.one_host:
+            check_one_host(cls.verl_name, metadata[0], metadata[actors:])
+        shared = {"host": host, "port": port, "receivers": rollouts}
         actor_kwargs = {"rank": [0] + [BYSTANDER] * (actors - 1), **{k: [v] * actors for k, v in shared.items()}}
         rollout_kwargs = {"rank": list(range(1, rollouts + 1)), **{k: [v] * rollouts for k, v in shared.items()}}
         return actor_kwargs, rollout_kwargs
 
     def init_process_group(self, rank: int, host: str, port: int, receivers: int) -> None:
         """Meet this sync's peers (a bystander meets none); the engine's clock starts here."""
-        self.rank = rank
-        if rank == BYSTANDER:
+        our_rank, our_port, count = integer(rank), integer(port), integer(receivers)
+        if our_rank is None or our_port is None or count is None or not (isinstance(host, str) and host):
+            raise EngineError(f"{self.verl_name}: init_process_group takes what build_topology returned; got "
+                              f"rank={shorten(rank)}, host={shorten(host)}, port={shorten(port)}, "
+                              f"receivers={shorten(receivers)}")
+        self.rank = our_rank
+        if our_rank == BYSTANDER:
             return
         try:
             self.engine.prepare()
-            self.engine.build_topology(Rendezvous(host, port, receivers), rank)
+            self.engine.build_topology(Rendezvous(host, our_port, count), our_rank)
             self.engine.init_process_group()
         except BaseException:
             self.engine.finalize()
@@ -194,11 +233,11 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
         if rank > 0:
             raise EngineError(f"{self.verl_name}: rank {rank} is a rollout worker; only actor ranks send_weights")
         if rank == BYSTANDER:
-            await _collect(weights, keep=False)
+            await collect(weights, keep=False)
             return {}
         try:
-            version = _version(global_steps) if global_steps is not None else (self.version or 0) + 1
-            pairs = await _collect(weights, keep=True)
+            version = weights_version(global_steps) if global_steps is not None else (self.version or 0) + 1
+            pairs = await collect(weights, keep=True)
             stats = await self._in_thread(self._send, pairs, version)
         except BaseException:
             self._fail(None)
@@ -214,17 +253,19 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
         if rank < 1:
             raise EngineError(f"{self.verl_name}: this is an actor rank; receive_weights runs on rollout workers")
         incoming: Incoming | None = None
+        yielded = 0
         try:
-            version = None if global_steps is None else _version(global_steps)
+            version = None if global_steps is None else weights_version(global_steps)
             incoming, item = await self._in_thread(self._receive_first, version)
             while item is not None:
+                yielded += 1  # counted as handed out: the consumer may stop while holding it
                 yield item
                 item = next(incoming, None)
             if not incoming.complete:
                 raise EngineError(f"{self.verl_name}: the receive of weights v{incoming.version} ended after "
                                   f"{incoming.tensors} tensors, before the last one")
         except BaseException as exc:
-            self._fail(incoming, exc)
+            self._fail(incoming, exc, yielded)
             raise
         self.version, self.stale = incoming.version, False
 
@@ -266,16 +307,18 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
         self._worker = self._threads.submit(fn, *args)
         return await asyncio.wrap_future(self._worker)
 
-    def _fail(self, incoming: Incoming | None, exc: BaseException | None = None) -> None:
+    def _fail(self, incoming: Incoming | None, exc: BaseException | None = None, yielded: int = 0) -> None:
         """A sync that failed: a receiver is stale; the group goes at once, so peers fail fast.
 
         While the engine's thread still runs (verl cancelled the task), `finalize` or the next
         `prepare` ends the sync once it is done."""
         if self.rank is not None and self.rank > 0:
             self.stale = True
-            reason = f"{type(exc).__name__}: {exc}" if exc is not None else "the receive failed"
+            reason = ("verl's server adapter stopped reading" if isinstance(exc, GeneratorExit)
+                      else f"{type(exc).__name__}: {exc}" if exc is not None else "the receive failed")
             structlog.get_logger().warning("engine.verl_rollout_stale", engine=self.verl_name, rank=self.rank,
-                                           version=self.version, error=reason)
+                                           version=self.version, yielded=yielded, error=reason,
+                                           rollout=rollout_holds(self.version, yielded))
             if incoming is not None and not incoming.complete:
                 incoming.abort(f"verl's server adapter stopped reading ({reason})")
         if self._worker is None or self._worker.done():
@@ -304,6 +347,7 @@ class LifecycleShmCheckpointEngine(LifecycleCheckpointEngine):
     engine_name = "shm"
     extra_kwargs = ("shm_dir",)
     default_host = "127.0.0.1"
+    one_host = True
 
 
 ADAPTERS: dict[str, type[LifecycleCheckpointEngine]] = {
@@ -314,33 +358,6 @@ ADAPTERS: dict[str, type[LifecycleCheckpointEngine]] = {
 if _VerlRegistry is not None:
     for _name, _adapter in ADAPTERS.items():
         _VerlRegistry.register(_name)(_adapter)
-
-
-async def _collect(weights: Weights, *, keep: bool) -> list[tuple[str, torch.Tensor]]:
-    """Walk verl's (possibly async) generator on the event loop's thread, where the actor's
-    collectives and current device live; kept tensors come to host memory as they arrive, so the
-    device never holds more than the one being produced."""
-    pairs: list[tuple[str, torch.Tensor]] = []
-    if isinstance(weights, AsyncIterable):
-        async for name, tensor in weights:
-            if keep:
-                pairs.append((name, _on_host(tensor)))
-    else:
-        for name, tensor in weights:
-            if keep:
-                pairs.append((name, _on_host(tensor)))
-    return pairs
-
-
-def _on_host(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
-
-
-def _version(global_steps: Any) -> int:
-    if type(global_steps) is not int or global_steps < 0:
-        raise EngineError(f"global_steps must be a non-negative integer (it becomes the weights version), "
-                          f"got {shorten(global_steps)}")
-    return global_steps
 
 
 def _node_address() -> str:

@@ -4,10 +4,12 @@ A verl worker builds its checkpoint manager once and calls `save_checkpoint(loca
 and `load_checkpoint(local_path, ...)` with `local_path = <root>/global_step_<N>/<role>`. This
 class reads root, step and role from that path and runs the save or the resume through a
 `Lifecycle` over `<root>`: staging and an atomic commit, a manifest with checksums, retention
-counted from disk, the tracker written only after the commit, and a resume that verifies every
-file before it trusts it. The on-disk layout is the one verl's `find_latest_ckpt_path` already
-reads (`latest_checkpointed_iteration.txt`, `global_step_<N>/`); verl's trainer writes its
-`data.pt` and its own tracker beside the role folders, which none of this reads.
+counted from disk and per role (a step folder goes only once no other role's folder is left in
+it), and a resume that verifies every file before it trusts it. The on-disk layout is the one
+verl's `find_latest_ckpt_path` already reads (`latest_checkpointed_iteration.txt`,
+`global_step_<N>/`); verl's trainer writes its `data.pt` and the tracker beside the role
+folders once every role has saved (this manager writes the tracker only under async_save, when
+verl's trainer does not), and nothing here reads either.
 
 Duck-typed rather than a subclass of verl's `BaseCheckpointManager`: that constructor asks
 `torch.distributed` for a rank (no process group, no manager), importing it pulls in verl's
@@ -31,6 +33,7 @@ from lifecycle.config import LifecycleConfig
 from lifecycle.config_file import read_yaml
 from lifecycle.core import Lifecycle
 from lifecycle.errors import CheckpointError, ConfigError, LifecycleError
+from lifecycle.integrations.verl_checks import integer
 from lifecycle.machine import State
 
 DEFAULT_FORMAT = "torch_dcp"
@@ -66,8 +69,11 @@ class StepPath:
             text = os.fspath(local_path)
         except TypeError:
             raise CheckpointError(f"local_path must be a path, got {type(local_path).__name__}") from None
-        if not isinstance(text, str) or (problem := path_problem(text)):
-            raise CheckpointError(f"{text!r}: not a usable local_path: {problem or 'not a str path'}")
+        if not isinstance(text, str):
+            raise CheckpointError(f"{text!r}: local_path must be a str path (as verl's trainer builds it), "
+                                  f"got {type(text).__name__}")
+        if problem := path_problem(text):
+            raise CheckpointError(f"{text!r}: not a usable local_path: {problem}")
         path = Path(os.path.abspath(text))
         step, role = parse_step(path.parent.name), path.name
         if step is None or role_problem(role) is not None:
@@ -84,7 +90,22 @@ class LifecycleCheckpointManager:
     library's config (a `LifecycleConfig`, a dict or a YAML path) for the format, verification,
     `checkpoint.roles` and the like; a dict or YAML that names no format gets `torch_dcp`.
     verl's `checkpoint_config` decides what is saved and loaded (`save_contents`,
-    `load_contents`) and `async_save`; `checkpoint.root` and `keep_last` come from each call.
+    `load_contents`) and `async_save`; the root a save writes into and `keep_last` come from
+    each call (`max_ckpt_to_keep`, counted from disk).
+
+    `checkpoint.root` (optional, verl's `trainer.default_local_dir`) names the run's own root: a
+    save into another root is refused, and a load by path from it is a rollback (its newer steps
+    are set aside, never deleted, and a tracker naming one of them points back at the step
+    loaded). Without it, and for a load from any other root, a load only reads.
+
+    `checkpoint.tracker` follows `async_save`: verl's trainer writes
+    `latest_checkpointed_iteration.txt` itself after every role and its `data.pt` are saved,
+    except under async_save, where this manager writes it once a step is complete for
+    `checkpoint.roles`, so list every role that saves there (`[actor, critic]`), else the
+    tracker may name a step whose critic never committed. Retention prunes the folders of
+    `checkpoint.roles` (this role's alone when it is empty, as verl's own managers do): with the
+    roles listed, each role's `max_ckpt_to_keep` prunes every listed role's folders, so give
+    them the same value (verl's `remove_previous_ckpt_in_save` does).
     """
 
     def __init__(
@@ -114,8 +135,7 @@ class LifecycleCheckpointManager:
         self._async = bool(_option(checkpoint_config, "async_save"))
         self._base = _base_config(lifecycle_config)
         # a config, or a format that cannot hold this model, fails here rather than at the first save
-        Lifecycle(self._config_for(None, keep_last=None, resume_path=None), model=model, optimizer=optimizer,
-                  lr_scheduler=lr_scheduler)
+        Lifecycle(self._config_for(None, keep_last=None), model=model, optimizer=optimizer, lr_scheduler=lr_scheduler)
         self._lc: Lifecycle | None = None
         self._key: tuple[Any, ...] | None = None
 
@@ -141,7 +161,7 @@ class LifecycleCheckpointManager:
         if step != where.step:
             raise CheckpointError(f"{local_path}: the path is for step {where.step} but global_step is {global_step}")
         keep = _keep_last(max_ckpt_to_keep)
-        lc = self._lifecycle(where, ("save", keep), keep_last=keep, resume_path=None)
+        lc = self._lifecycle(where, ("save", keep), keep_last=keep)
         if lc.state is State.CREATED:
             lc.init_load()  # no pre_load path: nothing is read, the machine reaches READY
         lc.save(step)
@@ -164,8 +184,7 @@ class LifecycleCheckpointManager:
         if del_local_after_load:
             structlog.get_logger().info("checkpoint.verl.del_local_after_load_ignored", path=str(where.folder),
                                         reason="the checkpoint is local, not a downloaded copy: it is kept")
-        lc = self._lifecycle(where, ("load", str(where.folder)), keep_last=None, resume_path=where.folder,
-                             fresh=True)
+        lc = self._lifecycle(where, ("load", str(where.folder)), keep_last=None, loading=True)
         try:
             resumed = lc.resume()
         except LifecycleError:
@@ -188,38 +207,52 @@ class LifecycleCheckpointManager:
             lc.close()
 
     def _lifecycle(
-        self, where: StepPath, purpose: tuple[Any, ...], *, keep_last: int | None, resume_path: Path | None,
-        fresh: bool = False,
+        self, where: StepPath, purpose: tuple[Any, ...], *, keep_last: int | None, loading: bool = False,
     ) -> Lifecycle:
         """The `Lifecycle` for this root, role and purpose: the last one while it fits and is
-        READY, else a new one (a failed save leaves its machine FAILED; the next save starts over)."""
+        READY, else a new one (a failed save leaves its machine FAILED; the next save starts over;
+        every load starts from CREATED)."""
         key = (where.root, where.role, *purpose)
         lc = self._lc
-        if lc is not None and not fresh and key == self._key and lc.state in (State.CREATED, State.READY):
+        if lc is not None and not loading and key == self._key and lc.state in (State.CREATED, State.READY):
             return lc
         self.close()
-        config = self._config_for(where.root, keep_last=keep_last, resume_path=resume_path)
+        config = self._config_for(where, keep_last=keep_last, loading=loading)
         self._lc = Lifecycle(config, role=where.role, model=self.model, optimizer=self.optimizer,
                              lr_scheduler=self.lr_scheduler)
         self._key = key
         return self._lc
 
-    def _config_for(self, root: Path | None, *, keep_last: int | None, resume_path: Path | None) -> LifecycleConfig:
-        """The base config with what verl decides: root, retention, contents, async, resume path."""
+    def _config_for(self, where: StepPath | None, *, keep_last: int | None, loading: bool = False) -> LifecycleConfig:
+        """The base config with what verl decides: root, retention, contents, async, the tracker
+        (verl's trainer writes its own unless async_save), and the step a load resumes."""
         data = copy.deepcopy(self._base)
         ckpt = data["checkpoint"]
-        given_root = ckpt.get("root")
-        if root is not None and given_root is not None and os.path.abspath(str(given_root)) != str(root):
-            raise ConfigError("checkpoint.root", f"{given_root} differs from the root {root} that verl's local_path "
-                                                 "names; drop checkpoint.root (the path decides)")
-        ckpt["root"] = None if root is None else str(root)
+        ckpt["root"] = None if where is None else self._root(where, loading=loading)
+        ckpt["tracker"] = self._async
         if keep_last is not None:
             ckpt["keep_last"] = keep_last
         ckpt["save"].update(contents=list(self.checkpoint_save_contents), **{"async": self._async})
         ckpt["load"]["contents"] = [c for c in self.checkpoint_load_contents if c != "hf_model"]
-        if resume_path is not None:
-            data["resume"].update(mode="path", path=str(resume_path))
+        if loading and where is not None:
+            data["resume"].update(mode="path", path=str(where.folder))
         return LifecycleConfig.from_dict(data)
+
+    def _root(self, where: StepPath, *, loading: bool) -> str | None:
+        """The root the `Lifecycle` works over. A save writes into the root its path names, which
+        a configured `checkpoint.root` must be. A load reads the step its path names, from any
+        root, and works over the configured root: a load from that root is a rollback (its newer
+        steps are set aside, the tracker pointed back), a load from another root changes nothing
+        there. Without `checkpoint.root` a load changes nothing anywhere: the root it reads may
+        be another run's (verl's resume_from_path into another experiment)."""
+        given = self._base["checkpoint"].get("root")
+        mine = None if given is None else os.path.abspath(str(given))
+        if loading:
+            return mine
+        if mine is not None and mine != str(where.root):
+            raise ConfigError("checkpoint.root", f"{given} differs from the root {where.root} that verl's local_path "
+                                                 "names for this save; drop checkpoint.root or make them the same")
+        return str(where.root)
 
     def __repr__(self) -> str:
         return f"LifecycleCheckpointManager(lifecycle={self._lc!r})"
@@ -290,12 +323,14 @@ def _contents(config: Any, key: str, default: list[str]) -> list[str]:
 
 
 def _keep_last(max_ckpt_to_keep: object) -> int | None:
-    """verl's `max_ckpt_to_keep`: None or 0 keeps every step, as in verl."""
+    """verl's `max_ckpt_to_keep`: None or 0 keeps every step, as in verl; any integer type
+    (numpy's too, as configs may hand them), never a bool."""
     if max_ckpt_to_keep is None:
         return None
-    if isinstance(max_ckpt_to_keep, bool) or not isinstance(max_ckpt_to_keep, int) or max_ckpt_to_keep < 0:
+    keep = integer(max_ckpt_to_keep)
+    if keep is None or keep < 0:
         raise ConfigError("max_ckpt_to_keep", f"must be None or an integer >= 0, got {max_ckpt_to_keep!r}")
-    return max_ckpt_to_keep or None
+    return keep or None
 
 
 def _refuse_hdfs(hdfs_path: object) -> None:

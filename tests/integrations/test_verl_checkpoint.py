@@ -158,6 +158,7 @@ def resume_child(root: str, refs: str) -> None:
     train_step(model, optimizer, scheduler)
     stepped = differences(snapshot(model, optimizer, scheduler), torch.load(Path(refs) / "step_3.pt"))
     manager.save_checkpoint(local_path(Path(root), 3), None, 3, max_ckpt_to_keep=2)
+    trainer_writes(Path(root), 3)
     print(json.dumps({"latest": latest, "loaded": loaded, "stepped": stepped}), flush=True)
 
 
@@ -254,6 +255,8 @@ def test_verls_find_latest_ckpt_path_finds_the_adapters_newest_step(tmp_path: Pa
         assert verl.find_latest_ckpt_path(str(root)) is None
         for step in (1, 2):
             ckpt.save_checkpoint(local_path(root, step), None, step, None)
+            assert verl.find_latest_ckpt_path(str(root)) == (str(root / f"global_step_{step - 1}") if step > 1 else None)
+            trainer_writes(root, step)  # the tracker is verl's trainer's to write (async_save false)
             assert verl.find_latest_ckpt_path(str(root)) == str(root / f"global_step_{step}")
         contents = CheckpointStore(root).read_manifest(2, ROLE)["contents"]
         assert sorted(contents) == sorted(ckpt.checkpoint_save_contents)
@@ -269,7 +272,7 @@ def test_max_ckpt_to_keep_counts_the_steps_on_disk_across_adapter_instances(tmp_
     assert steps_on_disk(tmp_path) == [3, 4]
     restarted.save_checkpoint(local_path(tmp_path, 5), global_step=5, max_ckpt_to_keep=0)  # 0: keep all, as verl
     assert steps_on_disk(tmp_path) == [3, 4, 5]
-    assert CheckpointStore(tmp_path).read_tracker() == 5
+    assert CheckpointStore(tmp_path).read_tracker() is None  # verl's trainer writes it, after every role
 
 
 def test_data_pt_and_the_trainers_tracker_beside_the_role_folders_change_nothing(tmp_path: Path) -> None:
@@ -287,18 +290,117 @@ def test_data_pt_and_the_trainers_tracker_beside_the_role_folders_change_nothing
     assert (tmp_path / "global_step_3" / "data.pt").is_file()
 
 
-def test_loading_an_older_step_sets_the_newer_ones_aside_and_points_the_tracker_at_it(tmp_path: Path) -> None:
-    """A rollback (verl's resume_from_path): verl's next automatic resume must not find the
-    abandoned line through a tracker that names a step no longer there."""
+def test_loading_an_older_step_of_the_configured_root_sets_the_newer_ones_aside_and_points_the_tracker_at_it(
+    tmp_path: Path,
+) -> None:
+    """A rollback (verl's resume_from_path into the run's own root): verl's next automatic
+    resume must not find the abandoned line through a tracker that names a step no longer
+    there. Nothing is deleted: a step with no committed role is set aside like the others."""
     ckpt, _ = manager()
     for step in (1, 2, 3):
         ckpt.save_checkpoint(local_path(tmp_path, step), None, step)
-    (tmp_path / "global_step_4" / ".staging-actor").mkdir(parents=True)  # a crashed save's leftovers
-    manager()[0].load_checkpoint(local_path(tmp_path, 1))
+        trainer_writes(tmp_path, step)
+    (tmp_path / "global_step_4" / ".staging-critic").mkdir(parents=True)  # another role's save, in progress
+    (tmp_path / "global_step_4" / ".staging-critic" / "shard").write_text("half written")
+    manager(lifecycle_config={"checkpoint": {"root": str(tmp_path)}})[0].load_checkpoint(local_path(tmp_path, 1))
     assert steps_on_disk(tmp_path) == [1]
-    assert sorted(p.name.split(".")[0] for p in tmp_path.glob("global_step_*.superseded-*")) == \
-        ["global_step_2", "global_step_3"]
+    aside = sorted(tmp_path.glob("global_step_*.superseded-*"))
+    assert [p.name.split(".")[0] for p in aside] == ["global_step_2", "global_step_3", "global_step_4"]
+    assert (aside[2] / ".staging-critic" / "shard").read_text() == "half written"
+    assert all((p / "data.pt").is_file() for p in aside[:2])
     assert CheckpointStore(tmp_path).read_tracker() == 1
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_loading_from_another_runs_root_changes_nothing_there(tmp_path: Path) -> None:
+    """verl's resume_mode=resume_path with resume_from_path in another experiment: run B loads
+    run A's step 1. Without checkpoint.root, or with B's own, nothing of A's moves: not its newer
+    steps, not another role's save in progress, not its tracker."""
+    run_a, run_b = tmp_path / "runA", tmp_path / "runB"
+    ckpt, model = manager()
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(local_path(run_a, step), None, step)
+        trainer_writes(run_a, step)
+    (run_a / "global_step_4" / ".staging-critic").mkdir(parents=True)
+    (run_a / "global_step_4" / "data.pt").write_text("x")
+    ckpt.close()
+    before = files_under(run_a)
+    dirs = sorted(p.name for p in run_a.iterdir())
+    for config in (None, {"checkpoint": {"root": str(run_b)}}):
+        loader, other = manager(seed=1, lifecycle_config=config)
+        loader.load_checkpoint(local_path(run_a, 1))
+        loader.close()
+        assert files_under(run_a) == before and sorted(p.name for p in run_a.iterdir()) == dirs
+    assert not run_b.exists()
+
+
+def test_the_tracker_is_verls_trainers_unless_async_save_and_then_waits_for_every_listed_role(
+    tmp_path: Path,
+) -> None:
+    """A crash after the actor's save of step 2 and before the critic's: the tracker must still
+    name step 1, so that verl's find_latest_ckpt_path never names a step the critic lacks.
+    Without async_save the managers leave it to verl's trainer (no roles listed needed); with
+    it, they write it once the step is complete for checkpoint.roles."""
+    for async_save in (False, True):
+        root = tmp_path / f"async_{async_save}"
+        listed = {"checkpoint": {"roles": ["actor", "critic"]}} if async_save else None
+        made = {role: manager(checkpoint_config={"async_save": async_save}, lifecycle_config=listed)[0]
+                for role in ("actor", "critic")}
+        for role, ckpt in made.items():
+            ckpt.save_checkpoint(local_path(root, 1, role), None, 1)
+            ckpt.wait()
+        if not async_save:
+            trainer_writes(root, 1)
+        made["actor"].save_checkpoint(local_path(root, 2, "actor"), None, 2)
+        made["actor"].wait()
+        assert CheckpointStore(root).read_tracker() == 1
+        made["critic"].save_checkpoint(local_path(root, 2, "critic"), None, 2)
+        made["critic"].wait()
+        assert CheckpointStore(root).read_tracker() == (2 if async_save else 1)
+        for ckpt in made.values():
+            ckpt.close()
+
+
+def test_the_actors_max_ckpt_to_keep_never_removes_the_critics_checkpoints(tmp_path: Path) -> None:
+    """verl: max_actor_ckpt_to_keep=1, max_critic_ckpt_to_keep=None. Retention is per role, as
+    verl's own managers' is; a step folder (its data.pt with it) goes with the last role's folder."""
+    actor, critic = manager()[0], manager(seed=1)[0]
+    for step in (1, 2):
+        actor.save_checkpoint(local_path(tmp_path, step, "actor"), None, step, 1)
+        critic.save_checkpoint(local_path(tmp_path, step, "critic"), None, step, None)
+        trainer_writes(tmp_path, step)
+    actor.save_checkpoint(local_path(tmp_path, 3, "actor"), None, 3, 1)  # the critic's save of 3 then crashes
+    store = CheckpointStore(tmp_path)
+    for step in (1, 2):
+        assert sorted(p.name for p in store.step_dir(step).iterdir()) == ["critic", "data.pt"]
+        assert store.validate(step, "critic", deep=True) == []
+    assert store.validate(3, "actor", deep=True) == []
+    critic.save_checkpoint(local_path(tmp_path, 3, "critic"), None, 3, 1)
+    assert steps_on_disk(tmp_path) == [3]
+
+
+def test_numpy_integers_are_taken_for_global_step_and_max_ckpt_to_keep_and_bools_are_refused(
+    tmp_path: Path,
+) -> None:
+    ckpt, _ = manager()
+    for step in (1, 2):
+        ckpt.save_checkpoint(local_path(tmp_path, step), None, np.int64(step), np.int64(1))
+    assert steps_on_disk(tmp_path) == [2]
+    with pytest.raises(ConfigError, match="max_ckpt_to_keep: must be None or an integer >= 0, got True"):
+        ckpt.save_checkpoint(local_path(tmp_path, 3), None, 3, True)
+    with pytest.raises(CheckpointError, match="step must be an integer from 0"):
+        ckpt.save_checkpoint(local_path(tmp_path, 1), None, True, None)
+
+
+def test_a_bytes_local_path_is_refused_naming_it(tmp_path: Path) -> None:
+    path = os.fsencode(local_path(tmp_path, 1))
+    with pytest.raises(CheckpointError, match="local_path must be a str path .*got bytes"):
+        StepPath.parse(path)
+    with pytest.raises(CheckpointError, match="local_path must be a str path"):
+        manager()[0].save_checkpoint(path, None, 1)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", ["global_step_1", "step_1/actor", "global_step_01/actor",
@@ -378,10 +480,11 @@ def test_a_failed_save_leaves_the_previous_step_and_the_next_save_works(
     with pytest.raises(CheckpointError, match="No space left on device"):
         ckpt.save_checkpoint(local_path(tmp_path, 2), None, 2)
     store = CheckpointStore(tmp_path)
-    assert store.read_tracker() == 1 and not (tmp_path / "global_step_2" / ROLE).exists()
+    assert store.newest_complete([ROLE]) == 1 and not (tmp_path / "global_step_2" / ROLE).exists()
+    assert not (tmp_path / "global_step_2" / f".staging-{ROLE}").exists()
     monkeypatch.undo()
     ckpt.save_checkpoint(local_path(tmp_path, 2), None, 2)
-    assert store.read_tracker() == 2 and store.validate(2, ROLE, deep=True) == []
+    assert store.newest_complete([ROLE]) == 2 and store.validate(2, ROLE, deep=True) == []
 
 
 def test_async_save_commits_in_the_background_and_the_tracker_follows_the_commit(tmp_path: Path) -> None:
@@ -411,6 +514,7 @@ def test_a_configured_root_other_than_the_paths_and_a_bad_max_ckpt_to_keep_are_r
     ckpt, _ = manager(lifecycle_config={"checkpoint": {"root": str(tmp_path / "elsewhere")}})
     with pytest.raises(ConfigError, match="checkpoint.root: .*elsewhere differs"):
         ckpt.save_checkpoint(local_path(tmp_path, 1), None, 1)
+    assert not tmp_path.joinpath("elsewhere").exists()
     with pytest.raises(ConfigError, match="max_ckpt_to_keep"):
         manager()[0].save_checkpoint(local_path(tmp_path, 1), None, 1, max_ckpt_to_keep=-1)
     assert not tmp_path.joinpath("global_step_1").exists()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +26,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -289,6 +292,98 @@ def test_without_verl_the_module_imports_and_an_adapter_names_the_missing_module
     assert done.stdout.startswith("refused: checkpoint_engine.backend: trainer_lifecycle_gloo is a verl checkpoint "
                                   "engine and needs the package 'verl': importing verl.checkpoint_engine failed: "
                                   "No module named 'verl'"), done.stdout
+
+
+def _metadata(backend: str, **master: Any) -> list[dict[str, Any]]:
+    """What `prepare()` returns on actor rank 0 and on one rollout worker, on one host."""
+    return [{"backend": backend, "is_master": True, "hostname": "node-a", "host": "127.0.0.1", "port": 29500,
+             **master}, {"backend": backend, "is_master": False, "hostname": "node-a"}]
+
+
+@pytest.mark.parametrize(("metadata", "message"), [
+    (None, "got metadata from None, expected a list from 1 actor + 1 rollout workers"),
+    ([["not", "a", "dict"], {}], "actor rank 0 runs metadata"),
+    (_metadata(BACKENDS[0], host=None), "actor rank 0 reported rendezvous host None; expected a host name"),
+    (_metadata(BACKENDS[0], host=""), "actor rank 0 reported rendezvous host ''"),
+    (_metadata(BACKENDS[0], port="x"), "actor rank 0 reported rendezvous port 'x'; expected a TCP port in 1..65535"),
+    (_metadata(BACKENDS[0], port=0), "actor rank 0 reported rendezvous port 0"),
+    (_metadata(BACKENDS[0], port=True), "actor rank 0 reported rendezvous port True"),
+    (_metadata(BACKENDS[0], is_master="yes"), "actor rank 0 was built with is_master='yes'; only actor rank 0"),
+])
+def test_build_topology_refuses_tampered_metadata_naming_the_actor_rank(metadata: Any, message: str) -> None:
+    from lifecycle.integrations.verl import ADAPTERS
+
+    with pytest.raises(EngineError, match=re.escape(f"{BACKENDS[0]}: {message}")):
+        ADAPTERS[BACKENDS[0]].build_topology(1, 1, metadata)
+
+
+def test_only_true_makes_a_master_and_numpy_integers_are_taken_for_sizes_and_ports(verl: Any) -> None:
+    from lifecycle.integrations.verl import ADAPTERS
+
+    adapter = ADAPTERS[BACKENDS[0]]
+    rollout_says_no = [_metadata(BACKENDS[0])[0], {**_metadata(BACKENDS[0])[1], "is_master": "no"}]
+    actor_kwargs, _ = adapter.build_topology(np.int64(1), np.int64(1), rollout_says_no)
+    assert actor_kwargs == {"rank": [0], "host": ["127.0.0.1"], "port": [29500], "receivers": [1]}
+    _, rollout_kwargs = adapter.build_topology(1, 1, _metadata(BACKENDS[0], port=np.int32(29501)))
+    assert rollout_kwargs["port"] == [29501] and type(rollout_kwargs["port"][0]) is int
+    assert _new(_config(BACKENDS[0]), is_master="yes").is_master is False
+    assert _new(_config(BACKENDS[0], port=np.int64(29502)), is_master=True).prepare()["port"] == 29502
+
+
+def test_init_process_group_refuses_arguments_build_topology_never_returns(verl: Any) -> None:
+    adapter = _new(_config(BACKENDS[0]))
+    for bad in ({"port": "x"}, {"host": None}, {"rank": True}, {"receivers": 1.0}):
+        with pytest.raises(EngineError, match="init_process_group takes what build_topology returned"):
+            adapter.init_process_group(**{"rank": 1, "host": "127.0.0.1", "port": 29500, "receivers": 1, **bad})
+    assert adapter.rank is None
+
+
+def test_shm_refuses_a_rollout_worker_on_another_host_naming_it(verl: Any) -> None:
+    from lifecycle.integrations.verl import ADAPTERS
+
+    prepared = _new(_config(BACKENDS[1]), is_master=True).prepare()
+    assert prepared["hostname"] == socket.gethostname()
+    elsewhere = [*_metadata(BACKENDS[1]), {"backend": BACKENDS[1], "is_master": False, "hostname": "node-b"}]
+    with pytest.raises(EngineError, match="trainer_lifecycle_shm: rollout rank 1 runs on host 'node-b' and actor "
+                                          "rank 0 on 'node-a': shared memory needs .* use trainer_lifecycle_gloo"):
+        ADAPTERS[BACKENDS[1]].build_topology(1, 2, elsewhere)
+    gloo = [{**meta, "backend": BACKENDS[0]} for meta in elsewhere]
+    assert ADAPTERS[BACKENDS[0]].build_topology(1, 2, gloo)[1]["rank"] == [1, 2]
+
+
+@pytest.mark.parametrize(("items", "message"), [
+    ([torch.ones(2)], "weights item 0: expected a (name, tensor) pair, got tensor("),
+    ([("a", torch.ones(1)), ("x", np.ones(2))], "weights item 1 ('x'): expected a torch.Tensor, got ndarray"),
+    ([(3, torch.ones(2))], "weights item 0 (3): the name must be a str, got int"),
+    ([("a", torch.ones(1)), ("b", torch.ones(1)), ("m", torch.empty(2, device="meta"))],
+     "weights item 2 ('m'): a tensor on the meta device holds no data to send"),
+])
+def test_bad_generator_items_are_refused_naming_the_index_and_the_name(items: list[Any], message: str) -> None:
+    from lifecycle.integrations.verl_checks import collect
+
+    for weights in (iter(items), _aiter(items)):
+        with pytest.raises(EngineError, match=re.escape(message)):
+            asyncio.run(collect(weights, keep=True))
+
+
+def test_host_tensors_are_kept_as_yielded_and_the_version_takes_numpy_integers() -> None:
+    """No copy of a CPU tensor (the documented contract: it must not change until the send
+    returns); global_steps may be a numpy integer, never a bool."""
+    from lifecycle.integrations.verl_checks import collect, weights_version
+
+    tensor = torch.ones(3)
+    [(name, kept)] = asyncio.run(collect(iter([("w", tensor)]), keep=True))
+    assert name == "w" and kept is tensor
+    assert asyncio.run(collect(iter([("odd", "item")]), keep=False)) == []  # a bystander only walks
+    assert weights_version(np.int64(7)) == 7 and type(weights_version(np.int64(7))) is int
+    for bad in (True, -1, 2.0, "5"):
+        with pytest.raises(EngineError, match="global_steps must be a non-negative integer"):
+            weights_version(bad)
+
+
+async def _aiter(items: list[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item
 
 
 # -- across processes -------------------------------------------------------------------------

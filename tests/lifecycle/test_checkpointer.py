@@ -272,6 +272,15 @@ def test_retention_forgets_the_step_resumed_from_once_keep_last_newer_steps_are_
     assert steps_on_disk(tmp_path) == [30, 35]
 
 
+def test_checkpoint_tracker_false_leaves_the_tracker_to_the_trainer_and_retention_still_runs(tmp_path: Path) -> None:
+    """verl's trainer writes the tracker itself once every role has saved; with tracker false a
+    commit never writes it, and resume, which reads manifests only, is unaffected."""
+    cfg = config(tmp_path, checkpoint={"tracker": False, "keep_last": 1})
+    save_steps(DiskCheckpointer(cfg, role="actor"), parts(), [1, 2])
+    assert not (tmp_path / TRACKER).exists() and steps_on_disk(tmp_path) == [2]
+    assert DiskCheckpointer(cfg, role="actor").resume(parts()).step == 2
+
+
 def test_a_rollback_sets_the_steps_past_it_aside_so_a_crash_restart_resumes_the_rollback(tmp_path: Path) -> None:
     """Resumed by path from step 10 while step 20 exists: 20 belongs to an abandoned line. It is
     renamed aside (never deleted), retention counts only the new line, and an automatic resume

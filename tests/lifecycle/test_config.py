@@ -38,6 +38,7 @@ checkpoint:
   roles: [actor, critic]
   keep_last: 3
   fsync: true
+  tracker: false
   pre_load: {format: mbridge, path: /weights}
   load: {contents: [model], verify: false}
   save: {format: dist_ckpt, contents: [model, optimizer], async: true}
@@ -66,6 +67,7 @@ def _custom_dict() -> dict[str, Any]:
             "roles": ["actor", "critic"],
             "keep_last": 3,
             "fsync": True,
+            "tracker": False,
             "pre_load": {"format": "mbridge", "path": "/weights"},
             "load": {"contents": ["model"], "verify": False},
             "save": {"format": "dist_ckpt", "contents": ["model", "optimizer"], "async": True},
@@ -82,7 +84,7 @@ def _custom_dict() -> dict[str, Any]:
             "profile_dir": "/profiles",
         },
         "watchdog": {"init_load_s": None, "train_step_s": 30.0, "save_s": 600.0, "sync_weights_s": None,
-                     "resume_s": 900.0, "close_s": None},
+                     "resume_s": 900.0, "close_s": None, "receive_weights_s": 120.0, "generate_s": None},
     }
 
 
@@ -104,7 +106,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 def test_defaults_match_the_documented_values() -> None:
     cfg = LifecycleConfig()
     ckpt = cfg.checkpoint
-    assert (ckpt.root, ckpt.roles, ckpt.keep_last) == (None, [], None)
+    assert (ckpt.root, ckpt.roles, ckpt.keep_last, ckpt.tracker) == (None, [], None, True)
     assert (ckpt.pre_load.format, ckpt.pre_load.path, ckpt.pre_load_format) == (None, None, "hf")
     assert ckpt.load.format is None
     assert ckpt.load.contents == [Content.MODEL, Content.OPTIMIZER, Content.EXTRA]
@@ -137,6 +139,7 @@ def test_dict_yaml_and_kwargs_build_the_same_config(tmp_path: Path) -> None:
             roles=["actor", "critic"],
             keep_last=3,
             fsync=True,
+            tracker=False,
             pre_load=PreLoadConfig(format="mbridge", path="/weights"),
             load=LoadConfig(contents=[Content.MODEL], verify=False),
             save=SaveConfig(format="dist_ckpt", contents=["model", "optimizer"], async_=True),
@@ -257,7 +260,7 @@ def test_async_underscore_is_not_a_dict_key() -> None:
     ("data", "key", "valid"),
     [
         ({"chekpoint": {}}, "chekpoint", "checkpoint, engine, resume, watchdog"),
-        ({"checkpoint": {"sav": {}}}, "checkpoint.sav", "fsync, keep_last, load, pre_load, roles, root, save"),
+        ({"checkpoint": {"sav": {}}}, "checkpoint.sav", "fsync, keep_last, load, pre_load, roles, root, save, tracker"),
         ({"checkpoint": {"pre_load": {"fmt": "hf"}}}, "checkpoint.pre_load.fmt", "format, path"),
         ({"checkpoint": {"load": {"content": []}}}, "checkpoint.load.content", "contents, format, verify"),
         ({"checkpoint": {"save": {"fromat": "hf"}}}, "checkpoint.save.fromat",

@@ -41,7 +41,7 @@ BOOLS = [True, False, None]
 VALID: dict[str, list[Any]] = {
     "root": PATHS, "path": PATHS, "profile_dir": PATHS, "format": FORMATS,
     "roles": [[], ["actor"], ["actor", "critic.v2", "ref-1"]], "keep_last": [None, 1, 3, 10**18],
-    "fsync": BOOLS, "verify": BOOLS, "async": BOOLS, "strict": BOOLS, "profile": BOOLS,
+    "fsync": BOOLS, "tracker": BOOLS, "verify": BOOLS, "async": BOOLS, "strict": BOOLS, "profile": BOOLS,
     "use_dist_checkpointing": BOOLS, "use_mbridge": BOOLS,
     "contents": [["model"], ["model", "optimizer", "extra"], ["model", "hf_model"]],
     "mode": ["auto", "disable", "path"], "on_damaged": ["fallback", "refuse"],
@@ -49,7 +49,8 @@ VALID: dict[str, list[Any]] = {
     "apply": ["atomic", "streamed"], "timeout_s": [0.001, 12, 300.0, 604800.0],
     "rollout_dtype": [None, "float32", "bfloat16"], "max_shard_bytes": [1, 4096, 5 * 1024**3],
     **{f"{trigger}_s": [None, 0.001, 120.0, 604800.0]
-       for trigger in ("init_load", "train_step", "save", "sync_weights", "resume", "close")},
+       for trigger in ("init_load", "train_step", "save", "sync_weights", "resume", "close", "receive_weights",
+                       "generate")},
 }
 """Values each key takes, so that many examples build and the round trip is exercised."""
 

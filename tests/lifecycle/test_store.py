@@ -310,6 +310,39 @@ def test_retention_tolerates_a_folder_vanishing(tmp_path: Path, monkeypatch: pyt
     assert store.apply_retention(1, ["actor"], protect=set()) == [2]
 
 
+def test_retention_prunes_only_its_roles_folders_while_another_role_still_holds_the_step(tmp_path: Path) -> None:
+    """The actor's keep_last 1 must not take the critic's only checkpoints (verl: max_actor_ckpt_to_keep=1,
+    max_critic_ckpt_to_keep=None); the step folder, the trainer's data.pt with it, goes with the last role."""
+    store = CheckpointStore(tmp_path)
+    for step in (1, 2, 3):
+        commit(store, step, "actor")
+        commit(store, step, "critic")
+        (store.step_dir(step) / "data.pt").write_bytes(b"trainer")
+    assert store.apply_retention(1, ["actor"], protect=set()) == [1, 2]
+    assert store.steps() == [1, 2, 3]
+    for step in (1, 2):
+        assert sorted(p.name for p in store.step_dir(step).iterdir()) == ["critic", "data.pt"]
+        assert store.validate(step, "critic", deep=True) == []
+    assert store.apply_retention(1, ["actor"], protect=set()) == [], "nothing of the actor's is left to prune"
+    assert store.apply_retention(1, ["critic"], protect=set()) == [1, 2]
+    assert store.steps() == [3] and not [p for p in tmp_path.iterdir() if p.name.startswith(".trash-")]
+
+
+def test_retention_keeps_a_step_holding_another_roles_uncommitted_folder(tmp_path: Path) -> None:
+    """A folder without a manifest may be another checkpoint manager's (verl's own) or a save in
+    progress: only this role's part of the step is pruned."""
+    store = CheckpointStore(tmp_path)
+    for step in (1, 2, 3):
+        commit(store, step, "actor")
+    (store.step_dir(1) / "critic").mkdir()
+    (store.step_dir(1) / "critic" / "model_world_size_1_rank_0.pt").write_bytes(b"verl's own")
+    (store.step_dir(2) / ".staging-critic").mkdir()
+    (store.step_dir(2) / ".staging-actor").mkdir()  # this role's crashed save: pruned with its folder
+    assert store.apply_retention(1, ["actor"], protect=set()) == [1, 2]
+    assert sorted(p.name for p in store.step_dir(1).iterdir()) == ["critic"]
+    assert sorted(p.name for p in store.step_dir(2).iterdir()) == [".staging-critic"]
+
+
 def test_retention_off_and_on_other_ranks(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     make_steps(store, [1, 2, 3], [])
@@ -359,3 +392,44 @@ def test_role_names_cannot_point_elsewhere(tmp_path: Path, role: str) -> None:
 def test_commit_without_staging_names_the_folder(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="staging"):
         CheckpointStore(tmp_path).commit(1, "actor", contents={})
+
+
+def test_commit_with_tracker_false_leaves_the_tracker_to_the_trainer(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    staging = store.staging(1, "actor")
+    (staging / "w.bin").write_bytes(b"w")
+    store.commit(1, "actor", contents={"model": "hf"}, tracker=False)
+    assert store.read_tracker() is None and store.newest_complete(["actor"]) == 1
+
+
+def files_by_step(root: Path) -> dict[tuple[str, str], bytes]:
+    """Every file under a step folder, set aside or not, keyed by (step, path in the step)."""
+    return {(p.relative_to(root).parts[0].split(".")[0], "/".join(p.relative_to(root).parts[1:])): p.read_bytes()
+            for p in root.glob("global_step_*/**/*") if p.is_file()}
+
+
+def test_supersede_sets_every_newer_step_aside_and_deletes_nothing(tmp_path: Path) -> None:
+    """Another role's save in progress (its writer lock held) and a folder another checkpoint
+    manager wrote (no manifest) are renamed aside whole, like committed steps; a tracker naming
+    a step set aside points back at the step resumed."""
+    store = CheckpointStore(tmp_path)
+    for step in (1, 2, 3):
+        commit(store, step)
+    lock = store.writer_lock("critic")
+    lock.acquire()
+    try:
+        staging = store.step_dir(4) / ".staging-critic"
+        staging.mkdir(parents=True)
+        (staging / "shard0").write_text("half written")
+        (store.step_dir(5) / "critic").mkdir(parents=True)
+        (store.step_dir(5) / "critic" / "model.pt").write_text("verl's own")
+        store.write_tracker(5)
+        before = files_by_step(tmp_path)
+        moved = store.supersede(1)
+        assert [p.name.split(".")[0] for p in moved] == ["global_step_2", "global_step_3", "global_step_4",
+                                                         "global_step_5"]
+        assert files_by_step(tmp_path) == before and store.steps() == [1] and lock.held
+        assert store.superseded() == sorted(p.name for p in moved)
+        assert store.read_tracker() == 1
+    finally:
+        lock.release()

@@ -1,0 +1,100 @@
+"""Steps set aside, never deleted: damaged ones resume skipped, and those a rollback left behind.
+
+Both are renames inside the root (`global_step_N.damaged-<time>`, `global_step_N.superseded-<time>`),
+so nothing is lost: whatever a step folder holds (another role's staging folder while its
+writer is still at work, a folder written by another trainer's own checkpoint manager, the
+trainer's `data.pt`) is moved with it, whole. No later resume and no retention takes a step set
+aside for its own; the command-line inspector lists them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from lifecycle.boundary import STEP_PREFIX, lstat, os_error, parse_step
+from lifecycle.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from lifecycle.store import CheckpointStore
+
+DAMAGED = ".damaged-"
+"""`global_step_N.damaged-<time>`: a step resume set aside; never resumed, never deleted by retention."""
+SUPERSEDED = ".superseded-"
+"""`global_step_N.superseded-<time>`: a step newer than the one a run was rolled back to."""
+MAX_LOGGED = 50
+"""Problems one log record lists; the rest are counted."""
+
+
+def set_aside(store: CheckpointStore, step: int, marker: str, why: str) -> Path | None:
+    """Rename step `step` to `<name><marker><time>-<random>`; None when it is gone already."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    folder = store.step_dir(step)
+    aside = store.root / f"{folder.name}{marker}{stamp}-{uuid.uuid4().hex[:6]}"
+    try:
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise os_error(exc, f"{why}, and cannot be set aside", folder) from exc
+    return aside
+
+
+def quarantine(store: CheckpointStore, step: int, problems: Sequence[str]) -> Path | None:
+    """Rename a damaged step aside (`global_step_N.damaged-<time>`); nothing is deleted.
+
+    None when it is gone already: another role or rank set it aside first."""
+    aside = set_aside(store, step, DAMAGED, "damaged")
+    if aside is not None:
+        structlog.get_logger().error("checkpoint.step_quarantined", step=step, path=str(aside),
+                                     files=list(problems[:MAX_LOGGED]), more=max(0, len(problems) - MAX_LOGGED),
+                                     action="resuming the next newest complete step")
+    return aside
+
+
+def supersede(store: CheckpointStore, newer_than: int) -> list[Path]:
+    """Rename aside (`global_step_N.superseded-<time>`) every step newer than `newer_than`: the
+    run was rolled back past them, and neither a later resume nor retention may take them for
+    its own. Nothing is deleted, whatever a step holds: a folder without a manifest may be
+    another role's save in progress, or another checkpoint manager's. A tracker left naming a
+    step now gone is pointed at `newer_than`, since verl's trainer resumes from what the tracker
+    names (and starts fresh when that step is missing). Best effort: the rollback itself has
+    happened already."""
+    log = structlog.get_logger()
+    moved: list[Path] = []
+    for step in store.steps():
+        try:
+            if step > newer_than and (aside := set_aside(store, step, SUPERSEDED, "rolled back past")) is not None:
+                moved.append(aside)
+        except CheckpointError as exc:
+            log.error("checkpoint.supersede_failed", step=step, error=str(exc),
+                      action="a later automatic resume may pick this step")
+    if moved:
+        log.warning("checkpoint.steps_superseded", resumed_step=newer_than, paths=[str(p) for p in moved],
+                    reason="resumed from an older step; these are never resumed or deleted")
+    tracker_back_to(store, newer_than)
+    return moved
+
+
+def tracker_back_to(store: CheckpointStore, step: int) -> None:
+    """Point a tracker that names a step newer than `step`, now gone, back at `step`."""
+    try:
+        named = store.read_tracker()
+        if named is not None and named > step and lstat(store.step_dir(named)) is None:
+            store.write_tracker(step)
+    except CheckpointError as exc:
+        structlog.get_logger().warning("checkpoint.tracker_failed", step=step, path=str(store.tracker_path),
+                                       error=str(exc), action="the next save rewrites it")
+
+
+def aside_names(store: CheckpointStore, marker: str) -> list[str]:
+    """Names of the steps set aside with `marker`, oldest step first."""
+    names = [e.name for e in store.entries()
+             if marker in e.name and parse_step(e.name.split(marker)[0]) is not None]
+    return sorted(names, key=lambda name: (int(name.split(marker)[0].removeprefix(STEP_PREFIX)), name))

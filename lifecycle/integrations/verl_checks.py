@@ -1,0 +1,124 @@
+"""What crosses into the verl integrations from verl, checked.
+
+verl hands the engine adapters (`lifecycle.integrations.verl`) values our engines never made:
+the metadata every worker's `prepare()` returned (it crossed processes through Ray, and a
+worker built from another config or version may send anything), the generator of named tensors
+the actor's model produces, and `global_steps`. Each is checked here, so that a bad one is an
+`EngineError` naming the worker or the item, not a `KeyError` from the middle of a sync or a
+wait for a timeout. Integers from verl's configs may be numpy's; both integrations take them.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import AsyncIterable, Iterable
+from typing import Any
+
+import torch
+
+from lifecycle.errors import EngineError, shorten
+
+Weights = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
+
+
+def integer(value: object) -> int | None:
+    """`value` as an int when it is an integer (numpy's too: configs may hand them), never a
+    bool; else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(operator.index(value))  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def weights_version(global_steps: object) -> int:
+    """verl's `global_steps`, which becomes the weights version."""
+    version = integer(global_steps)
+    if version is None or version < 0:
+        raise EngineError(f"global_steps must be a non-negative integer (it becomes the weights version), "
+                          f"got {shorten(global_steps)}")
+    return version
+
+
+def check_worker(engine: str, who: str, meta: object, *, master: bool) -> None:
+    """One worker's `prepare()` metadata: the same engine, and `is_master` True on actor rank 0
+    alone (only `True` itself counts: a truthy string from a config is no master)."""
+    backend = meta.get("backend") if isinstance(meta, dict) else None
+    if backend != engine:
+        found = f"checkpoint engine {shorten(backend)}" if isinstance(meta, dict) else f"metadata {shorten(meta)}"
+        raise EngineError(f"{engine}: {who} runs {found}; every actor and rollout worker must select {engine}")
+    flag = meta.get("is_master")  # type: ignore[union-attr]
+    if (flag is True) != master:
+        raise EngineError(f"{engine}: {who} was built with is_master={shorten(flag)}; only actor rank 0 hosts the "
+                          "rendezvous (verl passes is_master=True there, and only True counts)")
+
+
+def rendezvous(engine: str, meta: dict[str, Any]) -> tuple[str, int]:
+    """Where actor rank 0 hosts the rendezvous, as its `prepare()` reported it."""
+    host, port = meta.get("host"), integer(meta.get("port"))
+    if not (isinstance(host, str) and host):
+        raise EngineError(f"{engine}: actor rank 0 reported rendezvous host {shorten(meta.get('host'))}; expected a "
+                          "host name or address")
+    if port is None or not 0 < port < 65536:
+        raise EngineError(f"{engine}: actor rank 0 reported rendezvous port {shorten(meta.get('port'))}; expected a "
+                          "TCP port in 1..65535")
+    return host, port
+
+
+def check_one_host(engine: str, master: dict[str, Any], rollouts: list[dict[str, Any]]) -> None:
+    """Shared memory reaches one host: every rollout worker must run on actor rank 0's."""
+    host = master.get("hostname")
+    for i, meta in enumerate(rollouts):
+        if not isinstance(host, str) or meta.get("hostname") != host:
+            raise EngineError(f"{engine}: rollout rank {i} runs on host {shorten(meta.get('hostname'))} and actor "
+                              f"rank 0 on {shorten(host)}: shared memory needs actor rank 0 and every rollout "
+                              "worker on one host; use trainer_lifecycle_gloo across hosts")
+
+
+async def collect(weights: Weights, *, keep: bool) -> list[tuple[str, torch.Tensor]]:
+    """Walk verl's (possibly async) generator on the event loop's thread, where the actor's
+    collectives and current device live; kept items are checked and their tensors come to host
+    memory as they arrive, so the device never holds more than the one being produced. A tensor
+    already in host memory is kept as it is, not copied: it must not change until the send
+    ends (see `lifecycle.integrations.verl`)."""
+    pairs: list[tuple[str, torch.Tensor]] = []
+    if isinstance(weights, AsyncIterable):
+        async for item in weights:
+            if keep:
+                pairs.append(on_host(len(pairs), item))
+    else:
+        for item in weights:
+            if keep:
+                pairs.append(on_host(len(pairs), item))
+    return pairs
+
+
+def on_host(index: int, item: object) -> tuple[str, torch.Tensor]:
+    """Item `index` of the generator: a (str, torch.Tensor) pair with data, its tensor on the host."""
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise EngineError(f"weights item {index}: expected a (name, tensor) pair, got {shorten(item)}")
+    name, tensor = item
+    if not isinstance(name, str):
+        raise EngineError(f"weights item {index} ({shorten(name)}): the name must be a str, got "
+                          f"{type(name).__name__}")
+    if not isinstance(tensor, torch.Tensor):
+        raise EngineError(f"weights item {index} ({shorten(name)}): expected a torch.Tensor, got "
+                          f"{type(tensor).__name__}")
+    if tensor.device.type == "meta":
+        raise EngineError(f"weights item {index} ({shorten(name)}): a tensor on the meta device holds no data to "
+                          "send (materialize the model's weights first)")
+    return name, tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
+
+
+def rollout_holds(version: int | None, yielded: int) -> str:
+    """What a rollout holds after a failed receive, for the stale record."""
+    if yielded:
+        return f"may hold part of the new version ({yielded} tensor(s) yielded before the failure)"
+    if version is None:
+        return "holds no version from this engine yet (nothing was yielded)"
+    return f"still holds v{version} whole (nothing was yielded)"
+
+
+__all__ = ["Weights", "check_one_host", "check_worker", "collect", "integer", "on_host", "rendezvous",
+           "rollout_holds", "weights_version"]
