@@ -35,9 +35,13 @@ class DigitsRecipe:
     batch: int = 8
     roles: tuple[str, ...] = ("actor", "critic")
 
+    def model(self, role: str) -> torch.nn.Module:
+        """The role's fresh model (`rollout`: the policy's architecture)."""
+        return tiny_qwen2(role)
+
     def build(self, role: str) -> Parts:
         torch.set_num_threads(1)
-        model = tiny_qwen2(role)
+        model = self.model(role)
         if role == "rollout":
             return Parts(model=model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
