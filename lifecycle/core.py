@@ -13,7 +13,7 @@ from lifecycle.machine import TRAINER, State
 from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase
 from lifecycle.stateful import Stateful
 from lifecycle.types import Checkpointer, Parts, Progress, SaveInfo, WeightSyncer
-from lifecycle.watchdog import Watchdog
+from lifecycle.watchdog import Emit, Watchdog
 
 
 class Lifecycle(Stateful[State]):
@@ -42,12 +42,14 @@ class Lifecycle(Stateful[State]):
         observers: Iterable[Observer] = (),
         history_limit: int = 10_000,
         watchdog: Watchdog | None = None,
+        on_overdue: Emit | None = None,
     ) -> None:
-        """`watchdog`: the one that watches this lifecycle's budgeted phases (default: the process's)."""
+        """`watchdog`: the one that watches this lifecycle's budgeted phases (default: the process's);
+        `on_overdue`: where its overdue reports go (default: the `lifecycle.phase_overdue` warning)."""
         self.config = LifecycleConfig.coerce(config)
         rank, self.world_size = _rank_and_size(rank, world_size)
         super().__init__(TRAINER, role=role, rank=rank, observers=observers, history_limit=history_limit,
-                         watchdog=watchdog)
+                         watchdog=watchdog, on_overdue=on_overdue)
         self.parts = Parts(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader)
         self.progress = Progress()
         if checkpointer is None:

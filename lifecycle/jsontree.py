@@ -31,12 +31,24 @@ _TAGS = {_TUPLE, _DICT, _TENSOR, _FLOAT}
 
 
 class NotSerializable(CheckpointError):
-    """A value in a state dict has no pickle-free encoding; `key` says where it sits."""
+    """A value in a state dict has no pickle-free encoding; `key` says where it sits.
 
-    def __init__(self, where: str, key: str, value: object) -> None:
+    It keeps the value's type name, not the value (which need not pickle), so it crosses a
+    process boundary whole: `type_name` rebuilds it without the value."""
+
+    def __init__(self, where: str, key: str, value: object = None, *, type_name: str | None = None) -> None:
+        self.where = where
         self.key = key
-        super().__init__(f"{where}: value at {key or '<root>'} of type {type(value).__name__} "
+        self.type_name = type(value).__name__ if type_name is None else type_name
+        super().__init__(f"{where}: value at {key or '<root>'} of type {self.type_name} "
                          f"cannot be saved without pickle")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _not_serializable, (type(self), self.where, self.key, self.type_name)
+
+
+def _not_serializable(cls: type[NotSerializable], where: str, key: str, type_name: str) -> NotSerializable:
+    return cls(where, key, type_name=type_name)
 
 
 def read_json(path: Path, limit: int = JSON_LIMIT) -> Any:

@@ -166,8 +166,8 @@ class Phase:
     done/fail -> record is written once, here, for every table.
     """
 
-    __slots__ = ("lc", "trigger", "step", "src", "figures", "undos", "_start", "_t0", "_tokens", "_undo_token",
-                 "_watched")
+    __slots__ = ("lc", "trigger", "step", "src", "dst", "figures", "undos", "_start", "_t0", "_tokens",
+                 "_undo_token", "_watched")
 
     def __init__(self, lc: Stateful, trigger: str, step: int | None) -> None:
         self.lc = lc
@@ -183,21 +183,20 @@ class Phase:
 
     def __enter__(self) -> Phase:
         lc = self.lc
-        self.src = lc.state
         self._start = time.time()
         self._t0 = time.perf_counter()
-        lc._move(self.trigger)
+        self.src, self.dst = lc._move(self.trigger)
         lc._phase = self
         self._undo_token = RUNNING_UNDOS.set(self.undos)
         self._tokens = bind_contextvars(role=lc.role, rank=lc.rank, step=self.step)
         names = lc._table.names
-        where = {"trigger": self.trigger, "state": names[lc.state], "role": lc.role, "rank": lc.rank,
+        where = {"trigger": self.trigger, "state": names[self.dst], "role": lc.role, "rank": lc.rank,
                  "step": self.step}
         lc._log.debug("lifecycle.phase_started", src=names[self.src], **where)
         budget = lc._budget(self.trigger)
         self._watched = budget is not None
         if self._watched:
-            lc._watchdog.watch(id(self), budget, **where)
+            lc._watchdog.watch(id(self), budget, emit=lc._on_overdue, **where)
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -216,8 +215,8 @@ class Phase:
                 f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
                 f"objects are not as they were (role {lc.role}); first: {undo_errors[0]!r}"
             )
-        if lc.state in lc._table.working:
-            lc._move(FAIL if error is not None else DONE)
+        if self.dst in lc._table.working:
+            self.dst = lc._move(FAIL if error is not None else DONE)[1]
         lc._record(self, error)
         if exc is None:
             if error is not None:

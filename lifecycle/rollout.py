@@ -14,6 +14,7 @@ nowhere else. Each receive and each generation is a phase (`phase.Phase`, throug
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,7 +23,7 @@ from lifecycle.errors import EngineError, LifecycleError
 from lifecycle.machine import ROLLOUT, RolloutState
 from lifecycle.phase import Observer, Phase
 from lifecycle.stateful import Stateful
-from lifecycle.watchdog import Watchdog
+from lifecycle.watchdog import Emit, Watchdog
 
 Loader = Callable[[Iterable[tuple[str, Any]]], None]
 """Copies each named tensor into the rollout's model as it comes (see `RolloutTarget.load_weights`)."""
@@ -33,19 +34,24 @@ _WHOLE = frozenset({RolloutState.SERVING, RolloutState.GENERATING})
 class RolloutWeights(Stateful[RolloutState]):
     """Which weights a rollout holds and whether it may serve them.
 
-    `load` copies tensors into the model (the rollout's own code); `budget` gives a trigger's
-    watchdog budget (a worker passes `config.watchdog.budget`), None watches nothing.
+    `load` copies tensors into the model (the rollout's own code); `rank` is the rollout's index,
+    which its errors name (`rollout 1: ...`); `budget` gives a trigger's watchdog budget (a worker
+    passes `config.watchdog.budget`), None watches nothing; `on_overdue` takes the watchdog's
+    reports of its phases (see `stateful.Stateful`).
     """
 
     def __init__(self, load: Loader, *, role: str = "rollout", rank: int = 0,
                  budget: Callable[[str], float | None] | None = None, observers: Iterable[Observer] = (),
-                 history_limit: int = 10_000, watchdog: Watchdog | None = None) -> None:
+                 history_limit: int = 10_000, watchdog: Watchdog | None = None,
+                 on_overdue: Emit | None = None) -> None:
         super().__init__(ROLLOUT, role=role, rank=rank, observers=observers, history_limit=history_limit,
-                         watchdog=watchdog)
+                         watchdog=watchdog, on_overdue=on_overdue)
         self._load = load
         self._budgets = budget
         self._version = 0
         self._landed: int | None = None
+        self._receiver: int | None = None
+        """The thread running the receive, set and cleared with the moves in and out of RECEIVING."""
 
     @property
     def weights_version(self) -> int:
@@ -74,12 +80,13 @@ class RolloutWeights(Stateful[RolloutState]):
     def receiving(self) -> Iterator[Callable[[int], None]]:
         """One update, as the `receive_weights` phase: -> RECEIVING -> SERVING, or STALE.
 
-        Yields `landed(version)`, to call once the last tensor is in. The version is taken on
-        the edge into SERVING. A block that raises, or ends without calling `landed`, leaves
-        the rollout STALE with the version it had.
+        Yields `landed(version)`, to call once the last tensor is in, from the thread that
+        receives. The version is taken on the edge into SERVING; one lower than the version held
+        is taken too (a resumed policy may go back) and logged (`rollout.version_backwards`). A
+        block that raises, or ends without calling `landed`, leaves the rollout STALE with the
+        version it had.
         """
         with Phase(self, "receive_weights", None) as phase:
-            self._landed = None
             phase.figures["version"] = self._version
             yield self._land
             if self._landed is None:
@@ -92,9 +99,7 @@ class RolloutWeights(Stateful[RolloutState]):
 
         A generation that raises leaves the weights as they were: it ends in SERVING too.
         """
-        phase = Phase(self, "generate", step)
-        phase.figures["version"] = self._version
-        return phase
+        return _Generation(self, step)
 
     def mark_stale(self) -> None:
         """-> STALE: the weights held must not be served (the next receive repairs them)."""
@@ -109,16 +114,41 @@ class RolloutWeights(Stateful[RolloutState]):
         if self.state is not RolloutState.RECEIVING:
             raise LifecycleError(f"rollout {self.rank}: landed(v{version}) outside its receive (state "
                                  f"{self.state.name})")
+        if threading.get_ident() != self._receiver:
+            raise LifecycleError(f"rollout {self.rank}: landed(v{version}) from thread "
+                                 f"{threading.current_thread().name!r} during another thread's receive: only the "
+                                 "thread that runs a receive lands it")
+        if version < self._version:
+            self._log.warning("rollout.version_backwards", role=self.role, rank=self.rank, old=self._version,
+                              new=version)
         self._landed = version
 
     def _budget(self, trigger: str) -> float | None:
         return None if self._budgets is None else self._budgets(trigger)
 
     def _moved(self, src: RolloutState, dst: RolloutState) -> None:
-        if src is RolloutState.RECEIVING:
+        if dst is RolloutState.RECEIVING:
+            self._landed, self._receiver = None, threading.get_ident()
+        elif src is RolloutState.RECEIVING:
             if dst is RolloutState.SERVING and self._landed is not None:
                 self._version = self._landed
-            self._landed = None
+            self._landed, self._receiver = None, None
+
+
+class _Generation(Phase):
+    """The `generate` phase; its version figure is read once the machine is in GENERATING,
+    where no receive can change it until the phase ends."""
+
+    __slots__ = ("_weights",)
+
+    def __init__(self, weights: RolloutWeights, step: int | None) -> None:
+        super().__init__(weights, "generate", step)
+        self._weights = weights
+
+    def __enter__(self) -> _Generation:
+        super().__enter__()
+        self.figures["version"] = self._weights.weights_version
+        return self
 
 
 __all__ = ["Loader", "RolloutWeights"]

@@ -26,7 +26,7 @@ from transitions import MachineError
 from lifecycle.errors import InvalidTransition, LifecycleError
 from lifecycle.phase import Observer, Phase, Temporary, TransitionRecord
 from lifecycle.table import Table
-from lifecycle.watchdog import WATCHDOG, Watchdog
+from lifecycle.watchdog import WATCHDOG, Emit, Watchdog
 
 S = TypeVar("S", bound=Enum)
 F = TypeVar("F", bound=Callable[[], object])
@@ -44,7 +44,8 @@ class Stateful(Generic[S]):
     """Observers of every machine of a class (the `Lifecycle` uses `phase.GLOBAL_OBSERVERS`)."""
 
     def __init__(self, table: Table[S], *, role: str, rank: int, observers: Iterable[Observer] = (),
-                 history_limit: int = 10_000, watchdog: Watchdog | None = None) -> None:
+                 history_limit: int = 10_000, watchdog: Watchdog | None = None,
+                 on_overdue: Emit | None = None) -> None:
         self.role = role
         self.rank = rank
         self.observers: list[Observer] = list(observers)
@@ -56,6 +57,9 @@ class Stateful(Generic[S]):
         self._machine = table.build(self._model)
         self._watchdog = WATCHDOG if watchdog is None else watchdog
         """Watches budgeted phases; the process's own unless the machine was given one."""
+        self._on_overdue = on_overdue
+        """Where the watchdog reports this machine's overdue phases (`emit(event, **fields)`); None:
+        the watchdog's own (a `lifecycle.phase_overdue` warning). A Ray worker keeps them for its driver."""
         self._log = structlog.get_logger()
 
     @property
@@ -114,7 +118,9 @@ class Stateful(Generic[S]):
             )
         return phase
 
-    def _move(self, trigger: str) -> None:
+    def _move(self, trigger: str) -> tuple[S, S]:
+        """Fire `trigger`; the source and destination, both read under the lock, so a record
+        built from them names the move this call made even while other threads fire triggers."""
         with self._lock:
             src = self._model.state
             try:
@@ -126,12 +132,13 @@ class Stateful(Generic[S]):
         if self.observers or self._global_observers:
             for observer in (*self.observers, *self._global_observers):
                 observer.on_state_change(self, src, dst, trigger)
+        return src, dst
 
     def _record(self, phase: Phase, error: BaseException | None) -> None:
         """The one history entry and the one `lifecycle.transition` record of a trigger."""
         start, t0 = phase.started
         duration = time.perf_counter() - t0
-        dst = self._model.state
+        dst = phase.dst
         message = None if error is None else f"{type(error).__name__}: {error}"
         working = self._table.by_trigger[phase.trigger].working
         path = (phase.src, dst) if working is None else (phase.src, working, dst)

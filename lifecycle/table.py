@@ -75,8 +75,9 @@ class Table(Generic[S]):
     """One machine's whole contract: its states, its rows and where it starts.
 
     Checked when built: triggers are unique and not `done`/`fail`, a working state belongs to
-    one row and is no row's source (a phase ends by done or fail only), and the model declares
-    every trigger. `terminal` is derived: the states no trigger leaves.
+    one row, is no row's source and no row's done or failed state (a phase ends by done or fail
+    only, and only its own phase may enter it), some trigger leaves the initial state, and the
+    model declares every trigger. `terminal` is derived: the states no trigger leaves.
     """
 
     def __init__(self, name: str, states: type[S], rows: Sequence[Row[S]], *, initial: S,
@@ -108,6 +109,15 @@ class Table(Generic[S]):
                 raise LifecycleError(f"{where}: working state {row.working.name} of {row.trigger!r} is a source")
             if row.working is None and row.failed is not None:
                 raise LifecycleError(f"{where}: {row.trigger!r} has no working state to fail from")
+            for end, state in (("done", row.done), ("failed", row.failed)):
+                if state is not None and state in self.working:
+                    owner = next(other.trigger for other in self.rows if other.working is state)
+                    raise LifecycleError(f"{where}: {row.trigger!r} ends ({end}) in {state.name}, the working state "
+                                         f"of {owner!r}: the machine would sit in a phase that nobody runs")
+        if self.initial in self.working or not self.allowed(self.initial):
+            raise LifecycleError(f"{where}: initial state {self.initial.name} is "
+                                 f"{'a working state' if self.initial in self.working else 'left by no trigger'}: "
+                                 "the machine could never move")
         missing = [t for t in (*self.by_trigger, DONE, FAIL) if not callable(getattr(self.model, t, None))]
         if missing:
             raise LifecycleError(f"{where}: {self.model.__name__} declares no stub for {missing}")

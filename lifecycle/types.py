@@ -136,7 +136,8 @@ class RolloutTarget(Protocol):
 class ReceivingRollout(Protocol):
     """A rollout that runs its own machine (`lifecycle.rollout.RolloutWeights`): it brackets each
     update itself, as one `receive_weights` phase, and takes the version only on the edge into
-    SERVING, so nothing outside it sets `weights_version` or `stale`."""
+    SERVING, so nothing outside it sets `weights_version` or `stale`. `updating` takes this path
+    for a `RolloutWeights` only (checked by type)."""
 
     @property
     def weights_version(self) -> int: ...
@@ -159,14 +160,18 @@ def updating(rollout: RolloutTarget | ReceivingRollout) -> Iterator[Callable[[in
     Yields `landed(version)`, which the block calls once the last tensor is in: the rollout
     takes that version and serves again. If the block raises, the rollout may hold some new
     tensors and some old ones, so it is marked stale. It is resumed either way. A rollout with
-    its own machine (`receiving()`) runs the whole bracket itself.
+    its own machine (`lifecycle.rollout.RolloutWeights`) runs the whole bracket itself.
+
+    Which path is decided by type, not by the attributes an object answers: a stand-in that
+    answers any attribute (a `MagicMock`) is a `RolloutTarget` and gets pause, resume and the version.
     """
-    receiving = getattr(rollout, "receiving", None)
-    if callable(receiving):
-        with receiving() as landed_in_phase:
+    from lifecycle.rollout import RolloutWeights
+
+    if isinstance(rollout, RolloutWeights):
+        with rollout.receiving() as landed_in_phase:
             yield landed_in_phase
         return
-    target: RolloutTarget = rollout  # type: ignore[assignment]  # no receiving(): the protocol above
+    target: RolloutTarget = rollout  # type: ignore[assignment]  # not a machine: the protocol above
 
     def landed(version: int) -> None:
         target.weights_version = version

@@ -3,8 +3,10 @@
 A phase with a budget (`watchdog.<trigger>_s`) is registered when it begins and dropped when it
 ends. When one overruns, the thread logs `lifecycle.phase_overdue` at warning level with the
 phase, the time it has run and every thread's stack, then again at each further multiple of the
-budget. It never interrupts the work: a hung collective is for the engine's own timeout or the
-driver to end; the record is what tells a person where it hung.
+budget (a phase whose machine names an emitter hands the record to it instead: a Ray worker
+logs it and keeps a copy for its driver). It never interrupts the work: a hung collective is
+for the engine's own timeout or the driver to end; the record is what tells a person where it
+hung.
 
 The thread starts with the first budgeted phase and sleeps until the nearest deadline, so a
 phase without a budget costs nothing and one with a budget costs a lock and a dict entry.
@@ -22,7 +24,11 @@ from typing import Any
 
 import structlog
 
-__all__ = ["WATCHDOG", "Watchdog", "thread_stacks"]
+__all__ = ["WATCHDOG", "Emit", "Watchdog", "thread_stacks"]
+
+
+Emit = Callable[..., object]
+"""`emit(event, **fields)`: where an overdue report goes (structlog's `warning` by default)."""
 
 
 @dataclass(slots=True)
@@ -31,6 +37,7 @@ class _Watched:
     start: float
     thread: int
     fields: Mapping[str, Any]
+    emit: Emit | None
     overdue: int = field(default=0)
     """How many budget multiples have been reported."""
 
@@ -49,19 +56,24 @@ def thread_stacks(skip: int | None = None, first: int | None = None) -> dict[str
 
 
 class Watchdog:
-    """Budgets of running phases, checked by one daemon thread started on first use."""
+    """Budgets of running phases, checked by one daemon thread started on first use.
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 emit: Callable[..., object] | None = None) -> None:
+    Each phase may name where its reports go (`watch(..., emit=...)`), so machines that report
+    differently (a Ray worker keeps its reports for the driver) share the process's one thread;
+    `emit` given here is the default for phases that name none.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, emit: Emit | None = None) -> None:
         self._clock = clock
         self._emit = emit
         self._cond = threading.Condition(threading.Lock())
         self._watched: dict[int, _Watched] = {}
         self._thread: threading.Thread | None = None
 
-    def watch(self, key: int, budget_s: float, **fields: Any) -> None:
-        """Start the budget of the phase `key` (its id) running on the calling thread."""
-        entry = _Watched(budget_s, self._clock(), threading.get_ident(), fields)
+    def watch(self, key: int, budget_s: float, emit: Emit | None = None, **fields: Any) -> None:
+        """Start the budget of the phase `key` (its id) running on the calling thread; its
+        reports go to `emit`, else to this watchdog's own."""
+        entry = _Watched(budget_s, self._clock(), threading.get_ident(), fields, emit)
         with self._cond:
             self._watched[key] = entry
             if self._thread is None or not self._thread.is_alive():
@@ -95,7 +107,7 @@ class Watchdog:
 
     def _report(self, entry: _Watched, now: float) -> None:
         elapsed = now - entry.start
-        emit = self._emit or structlog.get_logger().warning
+        emit = entry.emit or self._emit or structlog.get_logger().warning
         try:
             emit("lifecycle.phase_overdue", **entry.fields, elapsed_s=round(elapsed, 3),
                  budget_s=entry.budget_s, overdue=entry.overdue,

@@ -42,28 +42,35 @@ class Controller(Stateful[DriverState]):
 
     def _control(self, last: int) -> None:
         """Start, run every step up to `last` through failures, finish. Raises `RunFailed` when
-        the policy gives up, and whatever the driver itself raised (both leave it ERRORED)."""
+        the policy gives up, and whatever the driver itself raised (both leave it ERRORED).
+
+        It ends FINISHED or ERRORED, never RUNNING: a phase that fails ends ERRORED, and anything
+        raised between phases (a step, a hook, the policy, an interrupt) gives up."""
         with Phase(self, "start", None) as phase:
             resumed = self._bring_up(None)
             phase.step = resumed
             phase.figures.update(incarnation=self.incarnation, resumed_at=resumed)
-        self.summary.started_at = resumed
-        self._on_start(resumed)
         step = resumed + 1
-        while step <= last:
-            try:
-                self._run_step(step)
-                step += 1
-            except WorkerFailed as failed:
-                step = self._recover(failed) + 1
-            except BaseException as exc:  # noqa: BLE001 - the driver's own error or an interrupt: no restart mends it
+        try:
+            self.summary.started_at = resumed
+            self._on_start(resumed)
+            while step <= last:
+                try:
+                    self._run_step(step)
+                    step += 1
+                except WorkerFailed as failed:
+                    step = self._recover(failed) + 1
+        except BaseException as exc:  # the driver's own error, a hook's, the policy's or an interrupt
+            if self.state is DriverState.RUNNING:
                 self._give_up(step, exc)
+            raise
         with Phase(self, "finish", last) as phase:
             self._close_group()
             phase.figures["incarnation"] = self.incarnation
 
     def _recover(self, failed: WorkerFailed) -> int:
-        """RUNNING -> RECOVERING -> RUNNING, or `give_up` when the policy says so; the step resumed at."""
+        """RUNNING -> RECOVERING -> RUNNING, or `give_up` when the policy says so; the step resumed
+        at. What `_judge` raises here (the policy, a hook) is left to `_control`, which gives up."""
         failure, verdict = self._judge(failed)
         if verdict.decision is Decision.GIVE_UP:
             self._give_up(failed.step, RunFailed(verdict.reason, failed), failed.cause)

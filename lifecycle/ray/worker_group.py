@@ -12,14 +12,18 @@ Ray is imported inside the methods only.
 
 from __future__ import annotations
 
+import math
 import os
+import select
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import structlog
+
 from lifecycle.ray.policy import FailureKind, WorkerFailed
-from lifecycle.ray.workers import WorkerSpec
+from lifecycle.ray.workers import WorkerSpec, process_start
 
 WATCH = "watch"
 """The concurrency group of `overdue_reports`: one thread beside the worker's own."""
@@ -43,6 +47,8 @@ class WorkerGroup:
         self.at: tuple[str, int] = ("start", 0)
         """The driver's loop phase and step the calls belong to; names a failure."""
         self._polls: dict[str, Any] = {}
+        self._pidfds: dict[str, int] = {}
+        """A pidfd per worker on the driver's node whose process it could name for sure (`track`)."""
 
     def __getitem__(self, name: str) -> Any:
         return self.handles[name]
@@ -56,37 +62,68 @@ class WorkerGroup:
                                        **self.options.get(role, {})}
             self.handles[name] = ray.remote(concurrency_groups={WATCH: 1})(cls).options(**options).remote(spec)
         names = list(self.handles)
-        self.pids = dict(zip(names, self.gather([(n, self.handles[n].pid.remote()) for n in names])))
+        processes = dict(zip(names, self.gather([(n, self.handles[n].process.remote()) for n in names])))
+        self.pids = {name: pid for name, (pid, _) in processes.items()}
         nodes = dict(zip(names, self.gather([(n, self.handles[n].node.remote()) for n in names])))
         here = ray.util.get_node_ip_address()
         self.host = "127.0.0.1" if set(nodes.values()) == {here} else nodes[names[0]]
+        for name, (pid, started) in processes.items():
+            if nodes[name] == here:
+                self.track(name, pid, started)
+
+    def track(self, name: str, pid: int, started: int | None) -> bool:
+        """Hold a pidfd of worker `name`'s process (`pid`, which started at `started`, as the worker
+        reported), so `stop` and `kill` signal that process and no other, even once its pid is
+        reused or when the pid is of another pid namespace. The pidfd is opened first and kept only
+        if the process at `pid` here still started at `started`: then it was that process already
+        when the pidfd was opened. Where that cannot be made sure (no pidfd, no /proc), nothing is
+        held and the process is left to Ray's kill. Whether a pidfd is held."""
+        fd = _pidfd(pid, started)
+        if isinstance(fd, str):
+            structlog.get_logger().info("driver.worker_left_to_ray", worker=name, pid=pid, reason=fd)
+            return False
+        old = self._pidfds.pop(name, None)
+        if old is not None:
+            os.close(old)
+        self._pidfds[name] = fd
+        return True
 
     def kill(self, name: str) -> int:
-        """SIGKILL a worker's process, as a crash would (`ray.kill` when the group spans nodes); its pid."""
+        """SIGKILL a worker's process, as a crash would, through its pidfd (`ray.kill` where none is
+        held: a worker on another node, or no pidfd here); its pid."""
         import ray
 
         pid = self.pids[name]
-        if self.host == "127.0.0.1":
-            os.kill(pid, signal.SIGKILL)
-        else:
+        fd = self._pidfds.get(name)
+        if fd is None:
             ray.kill(self.handles[name], no_restart=True)
+            return pid
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # gone already
         return pid
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Kill every actor of the group (a dead one is already gone; killing it again is harmless).
 
-        On one node, also wait until their processes are gone, and SIGKILL any still there after
-        `grace_s`: an actor that Ray lets exit gracefully waits for its non-daemon threads (a
-        background save's writer), and a rebuilt group must not start beside it. The handles
-        are held until then, so Ray sees a kill, not handles going out of scope.
+        For each worker whose pidfd it holds (`track`), also wait until its process is gone, and
+        SIGKILL it through the pidfd if still there after `grace_s`: an actor that Ray lets exit
+        gracefully waits for its non-daemon threads (a background save's writer), and a rebuilt
+        group must not start beside it. No process is signalled by pid. The handles are held
+        until then, so Ray sees a kill, not handles going out of scope; the pidfds are closed
+        whatever happens.
         """
         import ray
 
-        for handle in self.handles.values():
-            ray.kill(handle, no_restart=True)
-        if self.host == "127.0.0.1":
-            _reap(list(self.pids.values()), grace_s)
-        self.handles, self.pids, self._polls = {}, {}, {}
+        try:
+            for handle in self.handles.values():
+                ray.kill(handle, no_restart=True)
+            _reap(list(self._pidfds.values()), grace_s)
+        finally:
+            for fd in self._pidfds.values():
+                os.close(fd)
+            self.handles, self.pids, self._polls, self._pidfds = {}, {}, {}, {}
 
     def gather(self, calls: Sequence[tuple[str, Any]]) -> list[Any]:
         """Results in order; the first failure is raised at once as `WorkerFailed`, naming a dead
@@ -177,38 +214,49 @@ class WorkerGroup:
         return None
 
 
-def _reap(pids: list[int], grace_s: float) -> None:
-    """Wait for `pids` to exit; SIGKILL the ones still running Ray workers after `grace_s`."""
-    deadline = time.monotonic() + grace_s
-    alive = [pid for pid in pids if _is_ray_worker(pid)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = [pid for pid in alive if _is_ray_worker(pid)]
-    for pid in alive:
+def _pidfd(pid: int, started: int | None) -> int | str:
+    """A pidfd of the process at `pid` if it started at `started`; else why none is held."""
+    if started is None:
+        return "the worker could not read its start time (no /proc there)"
+    if not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal"):
+        return "no pidfd_open or pidfd_send_signal here"
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError as exc:
+        return f"pidfd_open({pid}) failed: {exc.strerror}"
+    if process_start(pid) != started:
+        os.close(fd)
+        return "the process at that pid here did not start when the worker did (another pid namespace, or gone)"
+    return fd
+
+
+def _reap(pidfds: Sequence[int], grace_s: float, killed_s: float = 1.0) -> None:
+    """Wait up to `grace_s` for the processes of `pidfds` to exit (a pidfd turns readable when its
+    process has), SIGKILL the rest through their pidfds, and wait up to `killed_s` for those."""
+    alive = _wait_exit(pidfds, grace_s)
+    for fd in alive:
         try:
-            os.kill(pid, signal.SIGKILL)
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
         except ProcessLookupError:
-            pass
+            pass  # exited since
+    _wait_exit(alive, killed_s)
 
 
-def _is_ray_worker(pid: int) -> bool:
-    """Whether `pid` still runs a Ray worker (its title starts `ray::`; a zombie's is empty), so a
-    pid the system gave to another process since is never killed. Where there is no /proc, any live pid."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return cmdline.read(5) == b"ray::"
-    except FileNotFoundError:
-        if os.path.isdir("/proc"):
-            return False
-    except OSError:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False
-    return True
+def _wait_exit(pidfds: Sequence[int], timeout_s: float) -> list[int]:
+    """The pidfds whose processes are still running after up to `timeout_s`."""
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    alive = set(pidfds)
+    deadline = time.monotonic() + timeout_s
+    while alive:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for fd, _ in poller.poll(math.ceil(left * 1000)):
+            alive.discard(fd)
+            poller.unregister(fd)
+    return [fd for fd in pidfds if fd in alive]
 
 
 __all__ = ["WATCH", "OverdueSink", "WorkerGroup"]

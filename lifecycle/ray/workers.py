@@ -7,10 +7,11 @@ worker, so a worker group can be torn down and rebuilt from it after a failure.
 The policy trainer (the recipe's first role) also owns the prompt stream: its dataloader's
 position is part of its checkpoint, so a resumed run draws the very prompts it would have.
 
-Each worker's phases are watched by a watchdog of its own whose emitter also keeps the
-`lifecycle.phase_overdue` records for the driver (`OverdueInbox`); the driver collects them
-with `overdue_reports()`, a method of the `watch` concurrency group, which answers while the
-worker is still busy inside the phase.
+Each worker's phases are watched by the process's watchdog (one thread however many workers
+share the process), which hands their `lifecycle.phase_overdue` records to the worker's
+`OverdueInbox`: it logs each and keeps a copy for the driver, which collects them with
+`overdue_reports()`, a method of the `watch` concurrency group that answers while the worker
+is still busy inside the phase.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from lifecycle.machine import RolloutState
 from lifecycle.rollout import RolloutWeights
 from lifecycle.trace import EventLog, TraceFile
 from lifecycle.types import Parts, SaveInfo
-from lifecycle.watchdog import Watchdog
+from lifecycle.watchdog import WATCHDOG
 
 if TYPE_CHECKING:
     from backends.engines import WeightSync
@@ -125,10 +126,11 @@ class _Worker:
     def __init__(self, spec: WorkerSpec, parts: Parts) -> None:
         self.spec = spec
         self.inbox = OverdueInbox(spec.name)
-        self.watchdog = Watchdog(emit=self.inbox)
+        self.watchdog = WATCHDOG
+        """The process's watchdog: its one thread reports this worker's phases to `inbox`."""
         self.lc = Lifecycle(spec.config, role=spec.role, model=parts.model, optimizer=parts.optimizer,
                             lr_scheduler=parts.lr_scheduler, dataloader=parts.dataloader, rank=0,
-                            world_size=1, watchdog=self.watchdog)
+                            world_size=1, on_overdue=self.inbox)
         self.trace: TraceFile | None = None
         if spec.trace_dir is not None:
             log = EventLog(Path(spec.trace_dir) / f"{spec.file_stem}.jsonl", role=spec.role, rank=0)
@@ -137,6 +139,11 @@ class _Worker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def process(self) -> tuple[int, int | None]:
+        """This process's pid and start time (`process_start`): together they name it, where a
+        pid alone may name another process by the time the driver acts on it."""
+        return os.getpid(), process_start()
 
     def node(self) -> str:
         """The IP address of this worker's Ray node (where a rendezvous it hosts is reachable)."""
@@ -168,6 +175,21 @@ def setup_process(spec: WorkerSpec) -> None:
 
         Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
         configure(json=True, file=open(Path(spec.log_dir) / f"{spec.file_stem}.jsonl", "a", buffering=1))
+
+
+def process_start(pid: int | None = None) -> int | None:
+    """When process `pid` (this one by default) started, in clock ticks since boot: field 22 of
+    `/proc/<pid>/stat`. None where there is no /proc, or no such process."""
+    try:
+        with open(f"/proc/{'self' if pid is None else pid}/stat", "rb") as stat:
+            raw = stat.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 1:].split()  # field 2, the name in parentheses, may hold either
+    try:
+        return int(fields[22 - 3])
+    except (IndexError, ValueError):
+        return None
 
 
 class TrainerWorker(_Worker):
@@ -260,8 +282,8 @@ class RolloutWorker(_Worker):
         sync = cast("WeightSync", self.lc.engine)
         self.engine, self.profile_dir = sync.engine, sync.profile_dir
         # load_weights is looked up on each receive, so a subclass or a test may replace it
-        self.weights = RolloutWeights(lambda named: self.load_weights(named), role=ROLLOUT,
-                                      budget=self.lc.config.watchdog.budget, watchdog=self.watchdog)
+        self.weights = RolloutWeights(lambda named: self.load_weights(named), role=ROLLOUT, rank=spec.index,
+                                      budget=self.lc.config.watchdog.budget, on_overdue=self.inbox)
         if self.trace is not None:
             self.weights.add_observer(self.trace)
         self.lc.init_load()
@@ -273,6 +295,11 @@ class RolloutWorker(_Worker):
     @property
     def stale(self) -> bool:
         return self.weights.stale
+
+    @property
+    def paused(self) -> bool:
+        """Whether a sync is landing (RECEIVING); read-only, as the weights machine pauses itself."""
+        return self.weights.state is RolloutState.RECEIVING
 
     def mark_stale(self) -> None:
         self.weights.mark_stale()
@@ -299,9 +326,8 @@ class RolloutWorker(_Worker):
                             profile_dir=self.profile_dir)
 
     def status(self) -> dict[str, Any]:
-        state = self.weights.state
         return {"weights_version": self.weights.weights_version, "stale": self.weights.stale,
-                "paused": state is RolloutState.RECEIVING}
+                "paused": self.paused}
 
     def generate(self, prompts: Any, step: int, expect_version: int) -> dict[str, Any]:
         """Responses from the policy weights `expect_version`; refuses stale or older weights."""
@@ -325,4 +351,4 @@ class RolloutWorker(_Worker):
 
 
 __all__ = ["ROLLOUT", "OverdueInbox", "Recipe", "RolloutWorker", "TraceFile", "TrainerWorker", "WorkerSpec",
-           "setup_process"]
+           "process_start", "setup_process"]

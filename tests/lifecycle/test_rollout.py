@@ -3,8 +3,10 @@ changes only on the edge into SERVING."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
+from unittest.mock import MagicMock
 
 import pytest
 import torch
@@ -18,7 +20,6 @@ from lifecycle.rollout import RolloutWeights
 from lifecycle.stateful import Stateful
 from lifecycle.testing import MemoryRollout
 from lifecycle.types import updating
-from lifecycle.watchdog import Watchdog
 
 R = RolloutState
 CONTRACT = {
@@ -209,10 +210,10 @@ def test_each_rollout_phase_logs_one_transition_record_and_a_phase_started() -> 
         ("generate", "SERVING", "SERVING", "rollout", 2, 9, 1)]
 
 
-def test_a_receive_past_its_budget_is_reported_by_the_watchdog_given() -> None:
+def test_a_receive_past_its_budget_is_reported_to_the_machines_own_emitter_by_the_process_watchdog() -> None:
     reports: list[dict[str, Any]] = []
-    watchdog = Watchdog(emit=lambda event, **fields: reports.append({"event": event, **fields}))
-    w, _ = weights(budget={"receive_weights": 0.05}.get, watchdog=watchdog)
+    w, _ = weights(budget={"receive_weights": 0.05}.get,
+                   on_overdue=lambda event, **fields: reports.append({"event": event, **fields}))
     with w.receiving() as landed:
         deadline = time.monotonic() + 10
         while not reports and time.monotonic() < deadline:
@@ -221,7 +222,118 @@ def test_a_receive_past_its_budget_is_reported_by_the_watchdog_given() -> None:
     [report] = reports[:1]
     assert (report["event"], report["trigger"], report["state"], report["role"]) == (
         "lifecycle.phase_overdue", "receive_weights", "RECEIVING", "rollout")
-    assert watchdog.watching == 0 and w.state is R.SERVING
+    assert w.state is R.SERVING
+
+
+def test_a_version_going_backwards_is_taken_and_logged() -> None:
+    w, _ = weights(rank=1)
+    receive(w, 5)
+    with capture_logs() as logs:
+        receive(w, 2)
+    assert (w.state, w.weights_version) == (R.SERVING, 2), "a resumed policy may send an older version"
+    [warning] = [r for r in logs if r["event"] == "rollout.version_backwards"]
+    assert (warning["log_level"], warning["old"], warning["new"], warning["rank"]) == ("warning", 5, 2, 1)
+    with capture_logs() as logs:
+        receive(w, 2)
+        receive(w, 3)
+    assert not [r for r in logs if r["event"] == "rollout.version_backwards"]
+
+
+def test_only_the_receiving_thread_lands_its_update() -> None:
+    w, _ = weights(rank=1)
+    refused: list[BaseException] = []
+
+    def land_from_elsewhere(landed: Callable[[int], None]) -> None:
+        try:
+            landed(42)
+        except LifecycleError as exc:
+            refused.append(exc)
+
+    with w.receiving() as landed:
+        other = threading.Thread(target=land_from_elsewhere, args=(landed,), name="intruder")
+        other.start()
+        other.join()
+        landed(3)
+    [error] = refused
+    assert "rollout 1: landed(v42) from thread 'intruder' during another thread's receive" in str(error)
+    assert (w.state, w.weights_version) == (R.SERVING, 3)
+
+
+def test_a_generation_racing_a_receive_records_the_move_it_made_and_the_version_it_served() -> None:
+    """The generation is asked for while a receive runs and moves once it has ended: its record
+    starts where its own move started (SERVING), and names the version it generated from."""
+    w, _ = weights()
+    receive(w, 1)
+    asked, ended, move = threading.Event(), threading.Event(), w._move
+    records: list[TransitionRecord] = []
+
+    def slow_move(trigger: str) -> tuple[RolloutState, RolloutState]:
+        if trigger == "generate":
+            asked.set()
+            ended.wait(10)
+        return move(trigger)
+
+    def generate() -> None:
+        with w.generating(7):
+            pass
+        records.append(w.history[-1])
+
+    w._move = slow_move  # type: ignore[method-assign]
+    with w.receiving() as landed:
+        generation = threading.Thread(target=generate)
+        generation.start()
+        asked.wait(10)
+        landed(2)
+    ended.set()
+    generation.join(10)
+    [record] = records
+    assert (record.src, record.path, record.dst) == (R.SERVING, (R.SERVING, R.GENERATING, R.SERVING), R.SERVING)
+    assert record.figures["version"] == 2
+
+
+def test_a_record_names_the_state_its_own_move_reached_though_another_thread_moved_on() -> None:
+    """`mark_stale` has no working state: its record's destination is where its move went (STALE),
+    not where the machine is by the time the record is written (RECEIVING, another thread's)."""
+    w, _ = weights()
+    receive(w, 1)
+    receiving, release = threading.Event(), threading.Event()
+
+    def receive_meanwhile() -> None:
+        with w.receiving() as landed:
+            receiving.set()
+            release.wait(10)
+            landed(2)
+
+    class MovesOn(Observer):
+        def on_state_change(self, lc: Stateful[Any], src: Any, dst: Any, trigger: str) -> None:
+            if trigger == "mark_stale":
+                other.start()
+                receiving.wait(10)
+
+    other = threading.Thread(target=receive_meanwhile)
+    w.add_observer(MovesOn())
+    w.mark_stale()
+    stale = w.history[-1]
+    release.set()
+    other.join(10)
+    assert (stale.trigger, stale.src, stale.dst, stale.path) == ("mark_stale", R.SERVING, R.STALE,
+                                                                  (R.SERVING, R.STALE))
+
+
+def test_updating_brackets_a_stand_in_that_answers_every_attribute_as_a_rollout_target() -> None:
+    rollout = MagicMock(weights_version=0, stale=True)
+    with updating(rollout) as landed:
+        landed(7)
+    rollout.pause.assert_called_once_with()
+    rollout.resume.assert_called_once_with()
+    rollout.receiving.assert_not_called()
+    assert (rollout.weights_version, rollout.stale) == (7, False)
+    failing = MagicMock(weights_version=0, stale=False)
+    with pytest.raises(EngineError):
+        with updating(failing):
+            raise EngineError("peer lost")
+    failing.mark_stale.assert_called_once_with()
+    failing.resume.assert_called_once_with()
 
 
 def test_receive_into_drives_the_machine_and_a_plain_rollout_target_still_works() -> None:

@@ -31,10 +31,27 @@ class Model(MachineModel):
     ([Row("go", (S.A,), S.W, S.B, S.X), Row("stop", (S.W,), None, S.X, None)], "working state W of 'go' is a source"),
     ([Row("go", (S.A,), None, S.B, S.X)], "no working state to fail from"),
     ([Row("jump", (S.A,), None, S.B, None)], "declares no stub for ['jump']"),
+    ([Row("go", (S.A,), S.W, S.B, S.X), Row("stop", (S.B,), None, S.W, None)],
+     "'stop' ends (done) in W, the working state of 'go'"),
+    ([Row("go", (S.A,), S.W, S.B, None), Row("stop", (S.B,), S.X, S.A, S.W)],
+     "'stop' ends (failed) in W, the working state of 'go'"),
+    ([Row("go", (S.A,), S.W, S.W, S.X)], "'go' ends (done) in W, the working state of 'go'"),
 ])
 def test_a_table_that_cannot_work_is_refused_when_built(rows: list[Row[S]], message: str) -> None:
     with pytest.raises(LifecycleError, match=re.escape(message)):
         Table("t", S, rows, initial=S.A, model=Model)
+
+
+@pytest.mark.parametrize(("initial", "message"), [
+    (S.X, "initial state X is left by no trigger"),
+    (S.W, "initial state W is a working state"),
+])
+def test_a_table_whose_initial_state_no_trigger_leaves_is_refused(initial: S, message: str) -> None:
+    rows = [Row("go", (S.A,), S.W, S.B, S.X), Row("stop", (S.B,), None, S.A, None)]
+    with pytest.raises(LifecycleError, match=re.escape(message)):
+        Table("t", S, rows, initial=initial, model=Model)
+    with pytest.raises(LifecycleError, match="initial state A is left by no trigger"):
+        Table("t", S, [], initial=S.A, model=Model)
 
 
 def test_terminal_states_are_the_ones_no_trigger_leaves() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from structlog.testing import capture_logs
@@ -97,6 +98,32 @@ def test_one_watchdog_thread_serves_every_phase_of_the_process() -> None:
             pass
     names = [thread.name for thread in threading.enumerate()]
     assert names.count("lifecycle-watchdog") == 1
+
+
+def test_each_phase_reports_to_the_emitter_its_machine_names_through_the_one_process_thread() -> None:
+    """Machines that report differently (a Ray worker keeps its reports for the driver) share the
+    process's watchdog: the emitter is the phase's, not a watchdog's of its own."""
+    reports: dict[str, list[dict]] = {"a": [], "b": []}
+
+    def inbox(name: str) -> Callable[..., None]:
+        return lambda event, **fields: reports[name].append({"event": event, **fields})
+
+    lives = {name: Lifecycle({"watchdog": {"train_step_s": 0.05}}, role=name, rank=0, world_size=1,
+                             checkpointer=MemoryCheckpointer(), on_overdue=inbox(name)) for name in reports}
+    threads = {t for t in threading.enumerate() if t.name == "lifecycle-watchdog"}
+    with capture_logs() as logs:
+        for name, lc in lives.items():
+            lc.init_load()
+            with lc.train_step(1):
+                deadline = time.monotonic() + HANG_GUARD_S
+                while not reports[name]:
+                    assert time.monotonic() < deadline, f"no overdue report for {name}"
+                    time.sleep(0.01)
+    assert {r["role"] for r in reports["a"]} == {"a"} and {r["role"] for r in reports["b"]} == {"b"}
+    assert reports["a"][0]["event"] == "lifecycle.phase_overdue" and "stacks" in reports["a"][0]
+    assert _records(logs, "lifecycle.phase_overdue") == [], "an emitter of its own replaces the log record"
+    assert {t for t in threading.enumerate() if t.name == "lifecycle-watchdog"} <= threads | {WATCHDOG._thread}
+    assert WATCHDOG.watching == 0
 
 
 def test_phase_started_is_a_debug_record_with_trigger_src_state_role_rank_step() -> None:

@@ -249,3 +249,79 @@ def test_hooks_are_told_of_start_failure_and_resume_in_order() -> None:
 
     Told(FailurePolicy(), {("step", 0, 3): death(3)})._control(4)
     assert calls == ["start@0", "failure@3", "resume@2"]
+
+
+class Raising(FakeJob):
+    """A job whose hook, policy or log call named by `where` raises `error` (once)."""
+
+    def __init__(self, where: str, error: BaseException, plan: dict[tuple[str, int, int], BaseException]) -> None:
+        where_, error_ = where, error
+
+        class Policy(FailurePolicy):
+            def retryable(self, failure: WorkerFailed) -> bool:
+                if where_ == "retryable":
+                    raise error_
+                return super().retryable(failure)
+
+        super().__init__(Policy(max_failures=3), plan)
+        self.where, self.error = where, error
+        if where == "log":
+            self._log = _FailingLog(self._log, "driver.worker_failed", error)
+
+    def _on_start(self, step: int) -> None:
+        if self.where == "on_start":
+            raise self.error
+
+    def _on_failure(self, failure: Any) -> None:
+        if self.where == "on_failure":
+            raise self.error
+
+
+class _FailingLog:
+    """A logger whose `error(event)` raises for one event; every other call goes to `inner`."""
+
+    def __init__(self, inner: Any, event: str, error: BaseException) -> None:
+        self.inner, self.event, self.raised = inner, event, error
+
+    def error(self, event: str, **fields: Any) -> None:
+        if event == self.event:
+            raise self.raised
+        self.inner.error(event, **fields)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize(("where", "error"), [
+    ("on_start", KeyboardInterrupt()), ("on_start", ValueError("hook broke")),
+    ("on_failure", KeyboardInterrupt()), ("on_failure", ValueError("hook broke")),
+    ("retryable", KeyboardInterrupt()), ("retryable", TypeError("policy broke")),
+    ("log", OSError("log sink full")),
+], ids=lambda v: v if isinstance(v, str) else type(v).__name__)
+def test_anything_raised_while_running_gives_up_so_the_driver_never_ends_running(where: str,
+                                                                                 error: BaseException) -> None:
+    job = Raising(where, error, {("step", 0, 2): death(2)})
+    with pytest.raises(type(error)) as info:
+        job._control(5)
+    assert info.value is error, "raised as is"
+    assert job.state is D.ERRORED and job.path.states[-2:] == [D.RUNNING, D.ERRORED]
+    give_up = job.history[-1]
+    assert (give_up.trigger, give_up.ok, give_up.path) == ("give_up", False, (D.RUNNING, D.ERRORED))
+    assert type(error).__name__ in (give_up.error or "")
+    assert job.log[-1] != "close", "no finish after giving up"
+
+
+def test_anything_raised_while_recovering_fails_the_recovery_into_errored() -> None:
+    class RebuildHookRaises(FakeJob):
+        """The hook of the first failure (judged RUNNING) passes; the one of a failure while the
+        group is rebuilt (judged RECOVERING) raises."""
+
+        def _on_failure(self, failure: Any) -> None:
+            if failure.incarnation == 1:
+                raise KeyboardInterrupt
+
+    job = RebuildHookRaises(FailurePolicy(max_failures=3), {("step", 0, 3): death(3), ("start", 1, 2): death(2)})
+    with pytest.raises(KeyboardInterrupt):
+        job._control(5)
+    assert job.state is D.ERRORED and job.path.states[-3:] == [D.RUNNING, D.RECOVERING, D.ERRORED]
+    assert triggers(job) == [("start", True), ("recover", False)]

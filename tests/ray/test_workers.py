@@ -3,6 +3,8 @@ rollout's refusal to serve weights it did not receive whole."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 import time
 from pathlib import Path
@@ -12,9 +14,10 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from lifecycle import EngineError, State
+from lifecycle import EngineError, LifecycleError, State
 from lifecycle.machine import RolloutState
-from lifecycle.ray.workers import RolloutWorker, TrainerWorker, WorkerSpec
+from lifecycle.ray.workers import RolloutWorker, TrainerWorker, WorkerSpec, process_start
+from lifecycle.watchdog import WATCHDOG
 from tests.ray.recipe import DigitsRecipe
 
 
@@ -105,4 +108,27 @@ def test_a_worker_keeps_its_overdue_phases_for_the_driver_and_logs_them_too(tmp_
     assert "in _stuck_until_reported" in first["where"] and "stacks" not in first
     assert any(r["event"] == "lifecycle.phase_overdue" and "stacks" in r for r in logs), "still logged in full"
     assert trainer.watchdog.watching == 0
+
+
+
+def test_workers_sharing_a_process_share_its_one_watchdog_thread(tmp_path: Path) -> None:
+    """Colocated workers (or workers built in a test) each keep their own overdue reports, and none
+    starts a watchdog thread of its own."""
+    before = {t for t in threading.enumerate() if t.name == "lifecycle-watchdog"}
+    workers = [TrainerWorker(spec(tmp_path / str(i), "actor", train_step_s=0.05)) for i in range(3)]
+    for worker in workers:
+        worker.start()
+        with worker.lc.train_step(1):
+            assert _stuck_until_reported(worker), "each worker's report reaches its own inbox"
+    after = {t for t in threading.enumerate() if t.name == "lifecycle-watchdog"}
+    assert len(after - before) <= 1 and all(worker.watchdog is WATCHDOG for worker in workers)
+    assert WATCHDOG._thread in after and WATCHDOG.watching == 0
+
+
+def test_a_rollouts_weights_errors_name_its_index_and_it_reports_its_process(tmp_path: Path) -> None:
+    rollout = RolloutWorker(dataclasses.replace(spec(tmp_path, "rollout"), index=1))
+    assert rollout.weights.rank == 1 and rollout.paused is False
+    with pytest.raises(LifecycleError, match="^rollout 1: load_weights outside a receive"):
+        rollout.weights.load_weights([])
+    assert rollout.process() == (os.getpid(), process_start())
 
