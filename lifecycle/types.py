@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -165,9 +167,8 @@ def updating(rollout: RolloutTarget | ReceivingRollout) -> Iterator[Callable[[in
     Which path is decided by type, not by the attributes an object answers: a stand-in that
     answers any attribute (a `MagicMock`) is a `RolloutTarget` and gets pause, resume and the version.
     """
-    from lifecycle.rollout import RolloutWeights
-
-    if isinstance(rollout, RolloutWeights):
+    machine = sys.modules.get("lifecycle.rollout")  # no instance can exist before it is imported
+    if machine is not None and isinstance(rollout, machine.RolloutWeights):
         with rollout.receiving() as landed_in_phase:
             yield landed_in_phase
         return
