@@ -72,6 +72,9 @@ class CountingPPO:
     epochs: int = 4
     lr: float = 3e-3
     clip: float = 0.2
+    stall_at: int | None = None
+    """A step whose actor update sleeps `stall_s` first, as a hung collective would."""
+    stall_s: float = 2.5
 
     def build(self, role: str) -> Parts:
         from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
@@ -110,6 +113,8 @@ class CountingPPO:
             return {"old_logp": self._logp(parts.model, batch["sequences"])}
 
     def update(self, role: str, parts: Parts, batch: Mapping[str, Any], step: int) -> dict[str, float]:
+        if role == "actor" and step == self.stall_at:
+            time.sleep(self.stall_s)
         seq = batch["sequences"]
         returns = batch["token_rewards"].flip(1).cumsum(1).flip(1)
         lr = parts.optimizer.param_groups[0]["lr"]
@@ -187,6 +192,7 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=MODELS, help="where the tiny models are made and kept")
     parser.add_argument("--address", help="Ray cluster to join (default: start a local Ray)")
     parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
+    parser.add_argument("--stall-at", type=int, help="step whose actor update stalls past watchdog.train_step_s")
     args = parser.parse_args()
     root = args.root or Path(tempfile.mkdtemp(prefix="ppo-toy-"))
     (root / "logs").mkdir(parents=True, exist_ok=True)
@@ -195,13 +201,16 @@ def main() -> None:
     config = {"checkpoint": {"root": str(root / "checkpoints"), "keep_last": 2,
                              "save": {"async": not args.sync_save}},
               "engine": {"backend": "gloo", "bucket_bytes": 16 << 20, "timeout_s": 60}}
+    recipe = CountingPPO(stall_at=args.stall_at)
+    if args.stall_at is not None:  # a budget the stall overruns: reported as the phase runs
+        config["watchdog"] = {"train_step_s": recipe.stall_s / 2}
     overrides = {role: {"checkpoint": {"pre_load": {"path": models["actor" if role == "rollout" else role]}}}
                  for role in ("actor", "critic", "rollout")}
     settings = DriverConfig(steps=args.steps, save_every=args.save_every, max_failures=2, work_dir=str(root),
                             address=args.address, num_cpus=None if args.address else args.num_cpus)
     print(f"PPO on a tiny Qwen2, {args.steps} steps, run folder {root}")
     hooks = Progress(None if args.no_failure else args.fail_at, args.victim)
-    summary = Driver(CountingPPO(), config, settings, hooks, overrides=overrides).run()
+    summary = Driver(recipe, config, settings, hooks, overrides=overrides).run()
     print(render_summary(summary, "actor/reward"))
     print(f"logs: {root / 'logs'}   trace: {summary.trace}   checkpoints: {root / 'checkpoints'}")
 

@@ -56,7 +56,8 @@ def test_a_phase_past_its_budget_logs_exactly_one_overdue_record_naming_the_stuc
     assert record["budget_s"] == 1.0 and record["elapsed_s"] >= 1.0 and record["overdue"] == 1
     first_thread_stack = next(iter(record["stacks"].values()))
     assert "_stuck_in_collective" in first_thread_stack
-    assert not any("lifecycle-watchdog" in name for name in record["stacks"])
+    reporter = WATCHDOG._thread
+    assert reporter is not None and not any(f"({reporter.ident})" in name for name in record["stacks"])
     assert lc.history[-1].ok  # reported, never interrupted
 
 
@@ -92,12 +93,15 @@ def test_a_phase_within_its_budget_and_an_unbudgeted_phase_leave_no_overdue_reco
 
 
 def test_one_watchdog_thread_serves_every_phase_of_the_process() -> None:
+    """(Other tests may build `Watchdog` objects of their own; the lifecycles add none.)"""
+    before = set(threading.enumerate())
     lives = [_lifecycle(train_step_s=5.0) for _ in range(3)]
     for step, lc in enumerate(lives):
         with lc.train_step(step):
-            pass
-    names = [thread.name for thread in threading.enumerate()]
-    assert names.count("lifecycle-watchdog") == 1
+            assert WATCHDOG.watching >= 1
+    added = [t for t in threading.enumerate() if t not in before and t.name == "lifecycle-watchdog"]
+    assert added in ([], [WATCHDOG._thread])
+    assert WATCHDOG._thread is not None and WATCHDOG._thread.is_alive()
 
 
 def test_each_phase_reports_to_the_emitter_its_machine_names_through_the_one_process_thread() -> None:
