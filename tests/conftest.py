@@ -109,3 +109,12 @@ def _no_process_outlives_the_run(pytestconfig: pytest.Config) -> Iterator[None]:
     listing = "\n".join(left.values())
     pytest.fail(f"{len(left)} process(es) started by this test run were still alive {LEFTOVER_GRACE_S:.0f}s after "
                 f"the last test; killed now:\n{listing}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _end_children() -> Iterator[None]:
+    """The children a test registered in `tests.children.STARTED` end with it, however it ends."""
+    yield
+    from tests.children import end_started
+
+    end_started()

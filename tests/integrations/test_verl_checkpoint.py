@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from lifecycle import CheckpointError, ConfigError, State
 from lifecycle.integrations.verl_checkpoint import LifecycleCheckpointManager, StepPath
 from lifecycle.manifest import MANIFEST
 from lifecycle.store import TRACKER, CheckpointStore
-from tests.lifecycle.test_crash import Child
+from tests.children import STARTED, Child
 
 REPO = Path(__file__).resolve().parents[2]
 ROLE = "actor"
@@ -162,17 +161,6 @@ def resume_child(root: str, refs: str) -> None:
     print(json.dumps({"latest": latest, "loaded": loaded, "stepped": stepped}), flush=True)
 
 
-_children: list[Child] = []
-
-
-@pytest.fixture(autouse=True)
-def _end_children() -> Iterator[None]:
-    """However a test ends, the children it started are killed (if still running) and reaped."""
-    yield
-    while _children:
-        _children.pop().end()
-
-
 def start(tmp_path: Path, timeout_s: float, *args: str) -> Child:
     err = tmp_path / f"{args[0]}.stderr"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -183,7 +171,7 @@ def start(tmp_path: Path, timeout_s: float, *args: str) -> Child:
     watchdog.daemon = True
     watchdog.start()
     child = Child(proc, err, watchdog=watchdog)
-    _children.append(child)
+    STARTED.append(child)
     return child
 
 

@@ -8,7 +8,6 @@ this module for the model and the save loop, so parent and child agree on the we
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
@@ -17,9 +16,9 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 from structlog.testing import capture_logs
@@ -30,6 +29,7 @@ from backends.hf import HFBackend
 from lifecycle import DELETE, CheckpointError, Lifecycle, State
 from lifecycle.manifest import MANIFEST, check_folder
 from lifecycle.store import TRACKER, CheckpointStore
+from tests.children import STARTED, Child
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs SIGKILL")
 
@@ -142,75 +142,6 @@ def run_child(root: str, steps: int, kill_at: str = "") -> None:
     print("done", flush=True)
 
 
-@dataclass
-class Child:
-    proc: subprocess.Popen[str]
-    err: Path
-    committed: list[int] = field(default_factory=list)
-    watchdog: threading.Timer | None = None
-
-    def go(self) -> None:
-        """Start saving: the child was started early, so its imports overlap the previous trial."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def read_commits(self, count: int) -> None:
-        """Block until `count` commit lines arrived (the child keeps saving meanwhile)."""
-        assert self.proc.stdout is not None
-        while len(self.committed) < count:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.fail(f"child ended after {self.committed} before {count} commits")
-            self._take(line)
-
-    def finish(self) -> int:
-        """Wait for the (killed) child; collect the commit lines still in the pipe."""
-        assert self.proc.stdout is not None
-        rest = self.proc.stdout.read()
-        code = self.proc.wait()
-        if self.watchdog is not None:
-            self.watchdog.cancel()
-        for line in rest.splitlines():
-            self._take(line)
-        return code
-
-    def _take(self, line: str) -> None:
-        word, _, number = line.strip().partition(" ")
-        if word == "committed":
-            self.committed.append(int(number))
-        elif word == "done":
-            self.fail("child finished every step before it was killed; give it more steps")
-
-    def fail(self, message: str) -> None:
-        self.end()
-        pytest.fail(f"{message}\nchild stderr:\n{self.err.read_text()[-3000:]}")
-
-    def end(self) -> None:
-        """Kill the child if it still runs, reap it, and close its pipes."""
-        if self.watchdog is not None:
-            self.watchdog.cancel()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-
-
-_children: list[Child] = []
-"""Every child the current test started; `_end_children` ends those still running after it."""
-
-
-@pytest.fixture(autouse=True)
-def _end_children() -> Iterator[None]:
-    """However a test ends (a failed assert between a child's start and its kill), its children end with it."""
-    yield
-    while _children:
-        _children.pop().end()
-
-
 def start_child(tmp_path: Path, root: Path, steps: int, kill_at: str = "") -> Child:
     script = tmp_path / "child.py"
     if not script.exists():
@@ -224,7 +155,7 @@ def start_child(tmp_path: Path, root: Path, steps: int, kill_at: str = "") -> Ch
     watchdog.daemon = True
     watchdog.start()
     child = Child(proc, err, watchdog=watchdog)
-    _children.append(child)
+    STARTED.append(child)
     return child
 
 
