@@ -10,8 +10,9 @@ the core.
 from __future__ import annotations
 
 import time
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from enum import Enum
+from functools import cache
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import structlog
@@ -158,6 +159,16 @@ def run_undos(undos: list[Callable[[], object]], trigger: str) -> list[BaseExcep
     return errors
 
 
+@cache
+def _context_vars() -> tuple[ContextVar[Any], ...]:
+    """structlog's own context variables for role, rank and step, learnt once from the tokens
+    `bind_contextvars` returns: a phase sets and resets them itself, the same binding as
+    `bind_contextvars` / `reset_contextvars` without their per-call key building."""
+    tokens = bind_contextvars(role=None, rank=None, step=None)
+    reset_contextvars(**tokens)
+    return tuple(token.var for token in tokens.values())
+
+
 class Phase:
     """The context every phase's work runs in: begin trigger, work, undos, done or fail.
 
@@ -168,6 +179,8 @@ class Phase:
 
     __slots__ = ("lc", "trigger", "step", "src", "dst", "figures", "undos", "_start", "_t0", "_tokens",
                  "_undo_token", "_watched")
+
+    _tokens: tuple[Token[Any], ...]
 
     def __init__(self, lc: Stateful, trigger: str, step: int | None) -> None:
         self.lc = lc
@@ -185,18 +198,18 @@ class Phase:
         lc = self.lc
         self._start = time.time()
         self._t0 = time.perf_counter()
-        self.src, self.dst = lc._move(self.trigger)
+        self.src, self.dst = src, dst = lc._move(self.trigger)
         lc._phase = self
         self._undo_token = RUNNING_UNDOS.set(self.undos)
-        self._tokens = bind_contextvars(role=lc.role, rank=lc.rank, step=self.step)
-        names = lc._table.names
-        where = {"trigger": self.trigger, "state": names[self.dst], "role": lc.role, "rank": lc.rank,
-                 "step": self.step}
-        lc._log.debug("lifecycle.phase_started", src=names[self.src], **where)
+        role_var, rank_var, step_var = _context_vars()
+        self._tokens = (role_var.set(lc.role), rank_var.set(lc.rank), step_var.set(self.step))
+        lc._log.debug("lifecycle.phase_started", src=src._name_, trigger=self.trigger, state=dst._name_,
+                      role=lc.role, rank=lc.rank, step=self.step)
         budget = lc._budget(self.trigger)
         self._watched = budget is not None
         if self._watched:
-            lc._watchdog.watch(id(self), budget, emit=lc._on_overdue, **where)
+            lc._watchdog.watch(id(self), budget, emit=lc._on_overdue, trigger=self.trigger, state=dst._name_,
+                               role=lc.role, rank=lc.rank, step=self.step)
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -208,14 +221,15 @@ class Phase:
                 lc._watchdog.unwatch(id(self))
             lc._phase = None
             RUNNING_UNDOS.reset(self._undo_token)
-            reset_contextvars(**self._tokens)
+            for token in self._tokens:
+                token.var.reset(token)
         error: BaseException | None = exc
         if error is None and undo_errors:
             error = LifecycleError(
                 f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
                 f"objects are not as they were (role {lc.role}); first: {undo_errors[0]!r}"
             )
-        if self.dst in lc._table.working:
+        if self.dst._name_ in lc._table.working_names:
             self.dst = lc._move(FAIL if error is not None else DONE)[1]
         lc._record(self, error)
         if exc is None:

@@ -120,14 +120,26 @@ class Stateful(Generic[S]):
 
     def _move(self, trigger: str) -> tuple[S, S]:
         """Fire `trigger`; the source and destination, both read under the lock, so a record
-        built from them names the move this call made even while other threads fire triggers."""
+        built from them names the move this call made even while other threads fire triggers.
+
+        The table's own edges (`Table.moves`, the edges the `transitions` machine is built from)
+        set the state directly: the machine's edges carry no callbacks, so its trigger dispatch
+        would only reach the same destination dearer. Any other name goes to the machine.
+        """
+        edges = self._table.moves.get(trigger)
         with self._lock:
             src = self._model.state
-            try:
-                getattr(self._model, trigger)()
-            except MachineError:
-                raise InvalidTransition(trigger, src, self._table.allowed(src), self.role) from None
-            dst = self._model.state
+            if edges is not None:
+                dst = edges.get(src._name_)
+                if dst is None:
+                    raise InvalidTransition(trigger, src, self._table.allowed(src), self.role)
+                self._model.state = dst
+            else:
+                try:
+                    getattr(self._model, trigger)()
+                except MachineError:
+                    raise InvalidTransition(trigger, src, self._table.allowed(src), self.role) from None
+                dst = self._model.state
             self._moved(src, dst)
         if self.observers or self._global_observers:
             for observer in (*self.observers, *self._global_observers):
@@ -145,9 +157,8 @@ class Stateful(Generic[S]):
         record = TransitionRecord(phase.trigger, phase.src, dst, phase.step, start, duration,
                                   error is None, message, path, phase.figures)
         self._history.append(record)
-        names = self._table.names
         emit = self._log.info if error is None else partial(self._log.error, error=message)
-        emit("lifecycle.transition", trigger=phase.trigger, src=names[phase.src], dst=names[dst],
+        emit("lifecycle.transition", trigger=phase.trigger, src=phase.src._name_, dst=dst._name_,
              role=self.role, rank=self.rank, step=phase.step, duration_s=round(duration, 6),
              ok=error is None, **phase.figures)
         if self.observers or self._global_observers:

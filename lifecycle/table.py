@@ -8,7 +8,7 @@ allows and draws the Mermaid diagram, so the three cannot drift apart in how the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Generic, TypeVar
@@ -90,10 +90,18 @@ class Table(Generic[S]):
         self.by_trigger: dict[str, Row[S]] = {row.trigger: row for row in self.rows}
         self.working: frozenset[S] = frozenset(row.working for row in self.rows if row.working is not None)
         self.names: dict[S, str] = {state: state.name for state in states}
-        """Enum `.name` is a descriptor call; the per-transition record reads this instead."""
+        """Each state's name (`machine.NAMES`); the per-transition path reads `state._name_`, the same
+        string without hashing the Enum (a Python-level `__hash__`) or calling its `.name` descriptor."""
         sources = {state for row in self.rows for state in row.sources}
         self.terminal: frozenset[S] = frozenset(s for s in states if s not in sources and s not in self.working)
         self._check()
+        self.moves: dict[str, dict[str, S]] = self._moves()
+        """trigger (`done` and `fail` too) -> source state's `_name_` -> destination: the edges of
+        `transitions()`, indexed once so that `Stateful._move` changes the state with two dict
+        look-ups instead of a `transitions` trigger (an Enum key hashes through a Python call, a
+        name's hash is cached). A pair that is absent is a move the machine refuses."""
+        self.working_names: frozenset[str] = frozenset(state._name_ for state in self.working)
+        """The working states' names: whether a phase's move left it in one, without hashing an Enum."""
 
     def _check(self) -> None:
         where = f"table {self.name!r}"
@@ -122,19 +130,28 @@ class Table(Generic[S]):
         if missing:
             raise LifecycleError(f"{where}: {self.model.__name__} declares no stub for {missing}")
 
-    def transitions(self) -> list[dict[str, object]]:
-        """The table in `transitions` form: begin edges, then one done and one fail per phase."""
-        edges: list[dict[str, object]] = []
+    def edges(self) -> Iterator[tuple[str, tuple[S, ...], S]]:
+        """Every edge as (trigger, sources, destination): begin edges, then one done and one fail per phase."""
         for row in self.rows:
-            begin = row.working if row.working is not None else row.done
-            edges.append({"trigger": row.trigger, "source": list(row.sources), "dest": begin})
+            yield row.trigger, row.sources, row.working if row.working is not None else row.done
         for row in self.rows:
             if row.working is None:
                 continue
-            edges.append({"trigger": DONE, "source": row.working, "dest": row.done})
+            yield DONE, (row.working,), row.done
             if row.failed is not None:
-                edges.append({"trigger": FAIL, "source": row.working, "dest": row.failed})
-        return edges
+                yield FAIL, (row.working,), row.failed
+
+    def transitions(self) -> list[dict[str, object]]:
+        """The table in `transitions` form: begin edges, then one done and one fail per phase."""
+        return [{"trigger": trigger, "source": sources[0] if trigger in (DONE, FAIL) else list(sources), "dest": dest}
+                for trigger, sources, dest in self.edges()]
+
+    def _moves(self) -> dict[str, dict[str, S]]:
+        moves: dict[str, dict[str, S]] = {}
+        for trigger, sources, dest in self.edges():
+            for src in sources:
+                moves.setdefault(trigger, {})[src._name_] = dest
+        return moves
 
     def build(self, model: MachineModel, initial: S | None = None) -> Machine:
         """A `transitions` machine driving `model` (an instance of this table's model class)."""

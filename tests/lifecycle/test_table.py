@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import re
 from enum import Enum
+from typing import Any
 
 import pytest
+from transitions import MachineError
 
-from lifecycle.errors import LifecycleError
+from lifecycle.errors import InvalidTransition, LifecycleError
 from lifecycle.machine import MACHINES
-from lifecycle.table import MachineModel, Row, Table
+from lifecycle.stateful import Stateful
+from lifecycle.table import DONE, FAIL, MachineModel, Row, Table
 
 
 class S(Enum):
@@ -67,3 +70,48 @@ def test_every_machine_answers_allowed_triggers_from_its_rows_alone(name: str) -
     for state in table.states:
         assert table.allowed(state) == [row.trigger for row in table.rows if state in row.sources]
         assert not (state in table.working and table.allowed(state)), "nothing fires while a phase runs"
+
+
+def _machine_move(table: Table[Any], state: Enum, trigger: str) -> Enum | None:
+    """Where the `transitions` machine built from `table` goes on `trigger` from `state`; None: it refuses."""
+    model = table.model()
+    table.build(model, initial=state)
+    try:
+        getattr(model, trigger)()
+    except MachineError:
+        return None
+    return model.state  # type: ignore[no-any-return]
+
+
+ODD_TABLE = Table("t", S, [Row("go", (S.A, S.B), S.W, S.B, S.X), Row("stop", (S.B,), None, S.A, None)],
+                  initial=S.A, model=Model)
+
+
+@pytest.mark.parametrize("table", [*(MACHINES[name] for name in sorted(MACHINES)), ODD_TABLE],
+                         ids=[*sorted(MACHINES), "test"])
+def test_every_move_of_a_machine_is_the_one_its_transitions_machine_makes(table: Table[Any]) -> None:
+    """`Stateful._move` sets the state from `Table.moves` instead of firing the `transitions`
+    machine: from every state, every trigger (done and fail too) goes where the machine goes,
+    and what the machine refuses raises `InvalidTransition` and changes nothing."""
+    triggers = [*table.by_trigger, DONE, FAIL]
+    for state in table.states:
+        for trigger in triggers:
+            expected = _machine_move(table, state, trigger)
+            machine = Stateful(table, role="t", rank=0)
+            machine._machine.set_state(state, machine._model)
+            if expected is None:
+                with pytest.raises(InvalidTransition) as info:
+                    machine._move(trigger)
+                assert (info.value.state, info.value.trigger) == (state, trigger)
+                assert info.value.allowed == table.allowed(state)
+                assert machine.state is state
+            else:
+                assert machine._move(trigger) == (state, expected), (state.name, trigger)
+                assert machine.state is expected
+
+
+def test_a_name_that_is_no_edge_of_the_table_goes_to_the_transitions_machine() -> None:
+    machine = Stateful(ODD_TABLE, role="t", rank=0)
+    with pytest.raises(AttributeError, match="jump"):
+        machine._move("jump")
+    assert machine.state is S.A
