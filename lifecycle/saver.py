@@ -25,12 +25,11 @@ from lifecycle.contents import ContentWriter
 from lifecycle.errors import CheckpointError
 from lifecycle.manifest import read_manifest_file
 from lifecycle.role import RoleRank
-from lifecycle.store import CheckpointStore
+from lifecycle.store import Agree, CheckpointStore
 from lifecycle.types import Parts, Progress, SaveInfo, Written
 from lifecycle.writer_lock import WriterLock
 
 _T = TypeVar("_T")
-Agree = Callable[[bool], int]
 
 
 def agree_fn(collective: bool, group: Any = None) -> Agree | None:

@@ -7,7 +7,9 @@ however it ends (a failed assert between a child's start and its kill included).
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,22 @@ class Child:
     err: Path
     committed: list[int] = field(default_factory=list)
     watchdog: threading.Timer | None = None
+
+    @classmethod
+    def spawn(cls, args: list[str], err: Path, timeout_s: float, *, cwd: Path, env: dict[str, str] | None = None,
+              stdin: int | None = subprocess.PIPE) -> Child:
+        """`python *args` with stdout piped and stderr to `err`, killed after `timeout_s` (a hang
+        guard), and registered in `STARTED` so it ends with the test."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with open(err, "w") as err_file:
+            proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdin=stdin,
+                                    stdout=subprocess.PIPE, stderr=err_file, text=True)
+        watchdog = threading.Timer(timeout_s, proc.kill)
+        watchdog.daemon = True
+        watchdog.start()
+        child = cls(proc, err, watchdog=watchdog)
+        STARTED.append(child)
+        return child
 
     def go(self) -> None:
         """Start saving: the child was started early, so its imports overlap the previous trial."""

@@ -15,7 +15,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from lifecycle import CheckpointError, ConfigError, State
 from lifecycle.integrations.verl_checkpoint import LifecycleCheckpointManager, StepPath
 from lifecycle.manifest import MANIFEST
 from lifecycle.store import TRACKER, CheckpointStore
-from tests.children import STARTED, Child
+from tests.children import Child
 
 REPO = Path(__file__).resolve().parents[2]
 ROLE = "actor"
@@ -162,17 +161,8 @@ def resume_child(root: str, refs: str) -> None:
 
 
 def start(tmp_path: Path, timeout_s: float, *args: str) -> Child:
-    err = tmp_path / f"{args[0]}.stderr"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(err, "w") as err_file:
-        proc = subprocess.Popen([sys.executable, "-c", CHILD.format(repo=str(REPO)), *args], cwd=REPO, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_file, text=True)
-    watchdog = threading.Timer(timeout_s, proc.kill)
-    watchdog.daemon = True
-    watchdog.start()
-    child = Child(proc, err, watchdog=watchdog)
-    STARTED.append(child)
-    return child
+    return Child.spawn(["-c", CHILD.format(repo=str(REPO)), *args], tmp_path / f"{args[0]}.stderr", timeout_s,
+                       cwd=REPO, stdin=subprocess.DEVNULL)
 
 
 def read_until(child: Child, wanted: str) -> list[str]:

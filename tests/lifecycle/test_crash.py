@@ -11,9 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from backends.hf import HFBackend
 from lifecycle import DELETE, CheckpointError, Lifecycle, State
 from lifecycle.manifest import MANIFEST, check_folder
 from lifecycle.store import TRACKER, CheckpointStore
-from tests.children import STARTED, Child
+from tests.children import Child
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs SIGKILL")
 
@@ -146,17 +144,8 @@ def start_child(tmp_path: Path, root: Path, steps: int, kill_at: str = "") -> Ch
     script = tmp_path / "child.py"
     if not script.exists():
         script.write_text(CHILD.format(repo=str(REPO)))
-    err = root.with_name(root.name + ".stderr")
-    env = {**os.environ, "KILL_AT": kill_at, "PYTHONUNBUFFERED": "1"}
-    with open(err, "w") as err_file:
-        proc = subprocess.Popen([sys.executable, str(script), str(root), str(steps)], cwd=REPO, env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err_file, text=True)
-    watchdog = threading.Timer(CHILD_TIMEOUT_S, proc.kill)
-    watchdog.daemon = True
-    watchdog.start()
-    child = Child(proc, err, watchdog=watchdog)
-    STARTED.append(child)
-    return child
+    return Child.spawn([str(script), str(root), str(steps)], root.with_name(root.name + ".stderr"), CHILD_TIMEOUT_S,
+                       cwd=REPO, env={"KILL_AT": kill_at})
 
 
 @dataclass

@@ -346,6 +346,8 @@ def test_receive_into_drives_the_machine_and_a_plain_rollout_target_still_works(
             engine.send_weights(iter(named), 3)
             assert receive_into(engine, target, version=3) == 3
         assert target.weights_version == 3 and not target.stale
+        if isinstance(target, RolloutWeights):
+            assert [(r.trigger, r.ok) for r in target.history] == [("receive_weights", True)]
 
 
 def test_history_records_hold_rollout_states() -> None:
