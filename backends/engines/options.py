@@ -61,6 +61,9 @@ class EngineOptions:
             return "bucket_bytes", f"must be in {bounds}, got {self.bucket_bytes}"
         if not _is_number(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             return "timeout_s", f"must be in (0, {MAX_TIMEOUT_S:g}], got {self.timeout_s}"
+        for flag in ("verify", "profile"):
+            if type(getattr(self, flag)) is not bool:  # a truthy "no" must not switch checksums on or off
+                return flag, f"must be true or false, got {getattr(self, flag)!r}"
         if self.apply not in APPLY_MODES:
             return "apply", f"must be one of {', '.join(APPLY_MODES)}, got {self.apply!r}"
         if self.rollout_dtype is not None and self.rollout_dtype not in ROLLOUT_DTYPES:

@@ -209,6 +209,8 @@ def test_unknown_engine_kwargs_are_refused_naming_the_key(verl: Any) -> None:
         _new(_config("trainer_lifecycle_gloo", timeout_s=-1))
     with pytest.raises(ConfigError, match=prefix + "apply: must be 'atomic'"):
         _new(_config("trainer_lifecycle_gloo", apply="streamed"))
+    with pytest.raises(ConfigError, match=prefix + "verify: must be true or false, got 'no'"):
+        _new(_config("trainer_lifecycle_gloo", verify="no"))
 
 
 def test_verls_options_map_onto_the_engines_options(verl: Any) -> None:

@@ -320,3 +320,11 @@ def test_any_options_are_a_config_that_round_trips_or_a_config_error(options: di
         assert exc.key.startswith("checkpoint.save") and len(str(exc)) < 600
     else:
         assert LifecycleConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+@pytest.mark.parametrize("flag", ["verify", "profile"])
+def test_engine_options_built_outside_the_config_refuse_a_flag_that_is_not_a_bool(flag: str) -> None:
+    """An engine built in code (or by an adapter from another framework's kwargs) gets no type
+    coercion: a truthy string such as "no" is refused by the options' own check."""
+    assert EngineOptions(**{flag: "no"}, profile_dir="/p").problem() == (flag, "must be true or false, got 'no'")
+    assert EngineOptions(verify=False, profile=False).problem() is None
