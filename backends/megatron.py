@@ -216,6 +216,10 @@ def build_model(
         bridge = _bridge_class(hf_config.model_type)(hf_config, dtype=dtype)
         if not on_gpu:
             bridge.set_extra_args(use_cpu_initialization=True, sequence_parallel=False)
+        if importlib.util.find_spec("scaled_masked_softmax_cuda") is None:
+            # mbridge asks for Megatron's fused softmax; without its kernel (apex or
+            # Megatron-LM's), a half-precision forward would fail on import.
+            bridge.set_extra_args(masked_softmax_fusion=False)
         with cpu_safe():
             chunks = bridge.get_model(wrap_with_ddp=False, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
                                       use_cpu_initialization=not on_gpu)

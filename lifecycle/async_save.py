@@ -14,6 +14,11 @@ path for both.
 The copy keeps what the backends look at: the same state-dict names, tied weights still
 one tensor, a module tree for `torch.distributed.checkpoint`, and an optimizer of the
 worker's own class whose parameters are the copied ones.
+
+From CUDA memory the copies go, non-blocking, into pinned host buffers on a side stream that
+first waits for what the training's current stream has queued (the step that wrote the
+weights may still be running), and that stream is synchronised once, before `save()` returns:
+the next step cannot overwrite a weight still being read, and no source is freed mid-copy.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ class HostCopier:
 
     Tensors that share a storage (tied weights, views of one flat buffer) share it in the
     copy too: each storage is copied once. A buffer is only reused once the write that read
-    it has finished, which `BackgroundSaver` guarantees.
+    it has finished, which `BackgroundSaver` guarantees. Buffers for device tensors are
+    pinned, so their copies are DMA transfers that need no staging through pageable memory.
     """
 
     def __init__(self) -> None:
@@ -54,22 +60,63 @@ class HostCopier:
         self._storages: dict[tuple[str, int], torch.Tensor] = {}
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """id(original) -> (original, copy); holding the original keeps its id from being reused."""
-        self._on_device = False
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(host buffer, source bytes) of every storage met in this snapshot, copied at its end."""
+        self._streams: dict[torch.device, Any] = {}
+        """The side stream of each CUDA device copied from, kept across saves."""
         self.bytes = 0
 
     def snapshot(self, parts: Parts) -> Parts:
-        """Host copies of model, optimizer and lr scheduler; the dataloader is not needed."""
-        self._used, self._storages, self._views = {}, {}, {}
-        self._on_device, self.bytes = False, 0
-        model = None if parts.model is None else self._model(parts.model)
-        optimizer = None if parts.optimizer is None else self._optimizer(parts.optimizer)
-        scheduler = None
-        if parts.lr_scheduler is not None:
-            scheduler = StateOnly(self.tree(parts.lr_scheduler.state_dict(), "lr_scheduler"))
-        if self._on_device:
-            torch.accelerator.synchronize()
-        self._buffers, self._storages, self._views = self._used, {}, {}
+        """Host copies of model, optimizer and lr scheduler; the dataloader is not needed.
+
+        Returns once every byte is in host memory: nothing of the live state is read afterwards.
+        """
+        self._used, self._storages, self._views, self._pending = {}, {}, {}, []
+        self.bytes = 0
+        try:
+            model = None if parts.model is None else self._model(parts.model)
+            optimizer = None if parts.optimizer is None else self._optimizer(parts.optimizer)
+            scheduler = None
+            if parts.lr_scheduler is not None:
+                scheduler = StateOnly(self.tree(parts.lr_scheduler.state_dict(), "lr_scheduler"))
+            self._copy_pending()
+            self._buffers = self._used
+        finally:
+            self._storages, self._views, self._pending = {}, {}, []
         return Parts(model=model, optimizer=optimizer, lr_scheduler=scheduler)
+
+    def _copy_pending(self) -> None:
+        """Queue every device's copies first, copy host tensors meanwhile, then wait once per device."""
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        for host, source in self._pending:
+            by_device[source.device].append((host, source))
+        host_side = by_device.pop(torch.device("cpu"), [])
+        waits = [self._queue(device, pairs) for device, pairs in by_device.items()]
+        for host, source in host_side:
+            host.copy_(source)
+        for wait in waits:
+            wait()
+
+    def _queue(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+        """Non-blocking copies from one device; returns what waits for them to be done.
+
+        CUDA: on the side stream, after all the caller's current stream has queued so far (the
+        step that wrote the weights); the wait is for that stream alone, not for work on other
+        streams (collectives on a communication stream). Another accelerator: on its current
+        stream, then the whole device is synchronised.
+        """
+        if device.type != "cuda":
+            for host, source in pairs:
+                host.copy_(source, non_blocking=True)
+            return torch.accelerator.synchronize
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for host, source in pairs:
+                host.copy_(source, non_blocking=True)
+        return stream.synchronize
 
     def tree(self, value: Any, key: str) -> Any:
         """Tensors copied to host, containers rebuilt, anything else deep-copied."""
@@ -110,8 +157,7 @@ class HostCopier:
         if host is None or host.numel() != nbytes or host.is_pinned() != on_device:
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_device)
         source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        host.copy_(source, non_blocking=on_device)
-        self._on_device |= on_device
+        self._pending.append((host, source))
         self.bytes += nbytes
         self._used[key] = self._storages[ident] = host
         return host

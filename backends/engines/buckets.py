@@ -64,10 +64,15 @@ class Layout:
         """
         slot = self.slots[k % len(self.slots)]
         data, host, fed = slot[HEADER_BYTES:], slot.device.type == "cpu", 0
+        batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for p, dst in zip(self.plan.buckets[k], self.views[k]):
             src = tensors[p.index].detach()
             if host and src.device.type == "cpu" and src.dtype == dst.dtype and src.is_contiguous():
                 ctypes.memmove(dst.data_ptr(), src.data_ptr() + p.start, p.nbytes)
+            elif (not host and src.device == slot.device and src.dtype == dst.dtype
+                  and p.nbytes == self.plan.tensors[p.index].nbytes):
+                batch[0].append(dst)
+                batch[1].append(src)
             elif p.nbytes == self.plan.tensors[p.index].nbytes:
                 dst.copy_(src)
             else:
@@ -76,6 +81,8 @@ class Layout:
             if packed is not None and p.offset + p.nbytes - fed >= _FEED_BYTES:
                 packed(data[fed:p.offset + p.nbytes])
                 fed = p.offset + p.nbytes
+        if batch[0]:  # on a device, whole tensors go in a few kernel launches instead of one each
+            torch._foreach_copy_(*batch)
         if packed is not None:
             packed(data[fed:self.plan.used(k)])
 

@@ -7,14 +7,12 @@ half-way cannot leave a broken group behind for the next one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from backends.engines.base import Topology, TransportError
-from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout, word_sum_digest
 from backends.engines.pipeline import BucketEngine
 
 
@@ -104,11 +102,3 @@ class DeviceGroupEngine(GroupEngine):
     def prepare(self) -> dict[str, Any]:
         self.device = self._current_device() if self._requested is None else torch.device(self._requested)
         return super().prepare()
-
-    def _digest(self, data: torch.Tensor) -> int:
-        return word_sum_digest(data)
-
-    def _pack(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor], verify: bool) -> int:
-        layout.pack(k, tensors)
-        used = layout.plan.used(k)
-        return self._digest(self.slots[k % SLOTS][HEADER_BYTES:HEADER_BYTES + used]) if verify else 0

@@ -34,7 +34,7 @@ import torch
 from torch.profiler import record_function
 
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
-from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout, write_header, xxh3_digest
+from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout, word_sum_digest, write_header, xxh3_digest
 from backends.engines.control import ControlStore, StoreLink, answer, read_answer
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
@@ -112,19 +112,22 @@ class BucketEngine(CheckpointEngine):
         """A receiver is done with bucket k: its slot may be refilled."""
 
     def _digest(self, data: torch.Tensor) -> int:
-        """The checksum a receiver computes over a bucket's data region."""
-        return xxh3_digest(data)
+        """The checksum a receiver computes over a bucket's data region: xxh3 on the host, a
+        word sum on a device (`word_sum_digest`: no copy to the host)."""
+        return xxh3_digest(data) if data.device.type == "cpu" else word_sum_digest(data)
 
     def _pack(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor], verify: bool) -> int:
         """Pack bucket k; returns its checksum (0 unverified), the same `_digest` gives.
 
-        xxh3 runs on a worker thread over each slice as soon as it is packed, so on a host
-        the checksum costs a second core's time instead of a pass after the copy. The worker
+        On a host, xxh3 runs on a worker thread over each slice as soon as it is packed, so the
+        checksum costs a second core's time instead of a pass after the copy; on a device, the
+        checksum is one pass over the packed bucket there. The worker
         is the engine's own, from one bucket and one sync to the next, until `close()`.
         """
-        if not verify:
+        if not verify or self.device.type != "cpu":
             layout.pack(k, tensors)
-            return 0
+            used = layout.plan.used(k)
+            return self._digest(self.slots[k % SLOTS][HEADER_BYTES:HEADER_BYTES + used]) if verify else 0
         if self._hashing is None:
             self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-checksum")
         hasher = Hasher(self._hashing)

@@ -126,7 +126,10 @@ class Receiver:
             self._verify(k, slot)
             if staging is not self.layout:
                 nbytes = HEADER_BYTES + self.plan.used(k)
-                ctypes.memmove(staging.slots[k].data_ptr(), slot.data_ptr(), nbytes)
+                if slot.device.type == "cpu":
+                    ctypes.memmove(staging.slots[k].data_ptr(), slot.data_ptr(), nbytes)
+                else:
+                    staging.slots[k][:nbytes].copy_(slot[:nbytes])
             self.inbox.done(k)
         return staging
 

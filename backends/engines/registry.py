@@ -46,6 +46,7 @@ ENGINES: Registry[CheckpointEngine] = Registry(
         "nccl": Builtin("backends.engines.nccl:NcclEngine"),
         "hccl": Builtin("backends.engines.hccl:HcclEngine"),
         "shm": Builtin("backends.engines.shm:ShmEngine"),
+        "cuda_ipc": Builtin("backends.engines.cuda_ipc:CudaIpcEngine"),
         "naive": Builtin("backends.engines.naive:NaiveEngine"),
     },
 )

@@ -1,13 +1,10 @@
 """`shm`: one host; the sender packs into shared-memory buckets that every receiver maps.
 
-No byte of weights goes through a socket. A streamed receiver verifies and reads the
-sender's bucket in place; an atomic one (the default) verifies it and copies it into private
-memory, handed out once every bucket has verified. The two shared buckets are files in /dev/shm, reserved up front with
-`posix_fallocate` (a full /dev/shm is an error when the sync starts, not a SIGBUS half-way),
-kept from one sync to the next, and unlinked by the sender's `close()` or at its exit; files
-of a sender that was killed are removed by the next sender on this host. The per-bucket
-signals ("bucket k is ready", "rank r is done with bucket k") are keys of the sync's control
-store.
+The data plane is `shared.SharedSlotEngine`'s. The two shared buckets are files in /dev/shm,
+reserved up front with `posix_fallocate` (a full /dev/shm is an error when the sync starts,
+not a SIGBUS half-way), kept from one sync to the next, and unlinked by the sender's
+`close()` or at its exit; files of a sender that was killed are removed by the next sender
+on this host.
 
 A receiver maps what the sender publishes read-write, so it maps nothing else: a published
 path must name a regular file (no link, no device) directly inside the receiver's own
@@ -27,27 +24,24 @@ import stat
 import tempfile
 import uuid
 import weakref
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 
-from backends.engines.base import Topology
-from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout
+from backends.engines.buckets import HEADER_BYTES, SLOTS
 from backends.engines.control import PARSE_ERRORS, clip
 from backends.engines.options import MIN_BUCKET_BYTES, EngineCapabilities
-from backends.engines.pipeline import BucketEngine
-from backends.engines.plan import ALIGN, Plan, PlanRefused, align
-from backends.engines.receiver import receive_sizes
+from backends.engines.plan import ALIGN, PlanRefused
 from backends.engines.registry import CheckpointEngineRegistry
+from backends.engines.shared import SharedSlotEngine
 from lifecycle.boundary import PATH_MAX
 from lifecycle.errors import EngineError
 
 
 @CheckpointEngineRegistry.register("shm")
-class ShmEngine(BucketEngine):
+class ShmEngine(SharedSlotEngine):
     """Sender and receivers on one host; `shm_dir` defaults to /dev/shm."""
 
     capabilities = EngineCapabilities(devices=frozenset({"cpu"}))
@@ -58,46 +52,12 @@ class ShmEngine(BucketEngine):
         self._paths: list[str] = []
         """The sender's bucket files, as it publishes them."""
         self._unlink: weakref.finalize | None = None
-        self._staged: Layout | None = None
-        self._mapped_from: bytes | None = None
-        """A receiver's: the `slots` value its mapped buckets came from; the same bytes map nothing again."""
 
-    def _ensure_slots(self, sizes: Sequence[int]) -> None:
-        """Nothing here: the sender creates the shared buckets once the group forms, receivers
-        map them (`_receive_slots`)."""
+    def _publish(self) -> bytes:
+        return json.dumps(self._paths).encode()
 
-    def _staging(self, layout: Layout) -> Layout:
-        """An atomic receiver's private buffers, one per bucket: the shared slots are the
-        sender's to refill. Kept from one sync to the next while the plan stays the same."""
-        staged = self._staged
-        if staged is None or staged.plan is not layout.plan:
-            self._staged = None
-            buffers = self._allocate(receive_sizes(layout.plan, "atomic"), torch.device("cpu"))
-            staged = self._staged = Layout(layout.plan, buffers)
-        staged.reset()
-        return staged
-
-    def _connect(self, topology: Topology) -> None:
-        """The sender publishes its shared buckets (created once, kept while bucket_bytes stays);
-        a receiver maps them only once it has the plan (`_receive_slots`)."""
-        if topology.is_sender:
-            if not self.slots or self.slots[0].numel() != HEADER_BYTES + align(self.bucket_bytes):
-                self._create(HEADER_BYTES + align(self.bucket_bytes))
-            self._control().set("slots", json.dumps(self._paths))
-
-    def _receive_slots(self, plan: Plan) -> None:
-        """Map the sender's shared buckets, unless they are the ones mapped last sync; they must
-        hold the plan's buckets: a receiver reads and copies them up to `bucket_bytes`."""
-        raw = self._control().get("slots", watch_closed=True)
-        if raw != self._mapped_from:
-            self.slots, self._mapped_from = [], None
-            self.slots = [_map_published(path, self.shm_dir) for path in _published(raw, self.shm_dir)]
-            self._mapped_from = raw
-        wanted = HEADER_BYTES + align(plan.bucket_bytes)
-        held = [slot.numel() for slot in self.slots]
-        if held != [wanted] * SLOTS:
-            raise PlanRefused(f"its bucket_bytes={plan.bucket_bytes} needs shared buckets of {wanted} bytes; "
-                              f"the sender's hold {held}")
+    def _open(self, raw: bytes) -> list[torch.Tensor]:
+        return [_map_published(path, self.shm_dir) for path in _published(raw, self.shm_dir)]
 
     def _create(self, size: int) -> None:
         self._free_buckets()
@@ -117,29 +77,10 @@ class ShmEngine(BucketEngine):
 
     def _free_buckets(self) -> None:
         super()._free_buckets()
-        self._staged = None
-        self._mapped_from = None
         if self._unlink is not None:
             self._unlink()
         self._unlink = None
         self._paths = []
-
-    def _start_send(self, k: int, nbytes: int) -> int:
-        self._control().set(f"ready/{k}", b"")
-        return k
-
-    def _start_recv(self, k: int, nbytes: int) -> int:
-        return k
-
-    def _wait(self, handle: Any, what: str) -> None:
-        topology = self._topology()
-        if topology.is_sender:
-            self._control().wait([f"done/{handle}/{rank}" for rank in topology.receivers])
-        else:
-            self._control().wait([f"ready/{handle}"], watch_closed=True)
-
-    def _release(self, k: int) -> None:
-        self._control().set(f"done/{k}/{self._topology().rank}", b"")
 
 
 _PREFIX = "trainer-lifecycle-shm-"

@@ -65,11 +65,22 @@ def machine() -> str:
 
 
 def _gpu() -> str:
+    """Count and name of the GPUs, with the driver and the CUDA runtime torch was built with."""
     import torch
 
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    return "no GPU"
+    if not torch.cuda.is_available():
+        return "no GPU"
+    return (f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)} (driver {_nvidia_driver()}, "
+            f"CUDA {torch.version.cuda} runtime in torch)")
+
+
+def _nvidia_driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out[0] if out else "unknown"
 
 
 def versions() -> str:

@@ -203,10 +203,15 @@ def main() -> None:
     parser.add_argument("--apply", choices=APPLY_MODES, default="atomic",
                         help="engine.apply of the receiver: atomic holds the whole sync, streamed two buckets")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the cuda_ipc engine against one device-to-device copy, on one GPU "
+                             "(weight_sync_cuda.py)")
     add_write_docs(parser)
     args = parser.parse_args()
     args.total = int(args.gib * 2**30) // 4 * 4
     args.bucket = int(args.bucket_mib * 2**20)
+    if args.device == "cuda":
+        return cuda_main(args)
     torch.set_num_threads(args.threads)
     ports = {key: free_port(HOST) for key in ("group", *ENGINES)}
     child = mp.get_context("spawn").Process(target=receiver, args=(args, ports), daemon=True)
@@ -216,6 +221,18 @@ def main() -> None:
     finally:
         child.join(60)
     report(args, times)
+
+
+def cuda_main(args: argparse.Namespace) -> None:
+    import weight_sync_cuda
+
+    rows = weight_sync_cuda.report(args, weight_sync_cuda.run(args, make_tensors(args.total, args.tensors)))
+    figures = [Figure(f"`{label}` against one device-to-device copy", f"{gbps:.1f} GB/s", f"{gbps / ratio:.1f} GB/s", f"{ratio:.2f}x",
+                      ">= 0.8x") for label, gbps, ratio in rows]
+    write_docs(args, "weight_sync.py --device cuda", figures,
+               f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors on {torch.cuda.get_device_name()}, "
+               f"{args.bucket / 2**20:g} MiB buckets, sender and receiver processes on one GPU, median of "
+               f"{args.repeat} syncs after an untimed first round.")
 
 
 if __name__ == "__main__":

@@ -359,3 +359,67 @@ def test_an_async_save_before_the_first_step_with_a_scheduler_resumes_and_leaves
     resumed = Lifecycle(config, model=model, optimizer=optimizer, lr_scheduler=scheduler)
     assert resumed.resume() == 0
     resumed.close()
+
+
+def _cuda_trainer(root: Path, seed: int) -> Lifecycle:
+    """A CUDA model of 64 MiB (four 2048x2048 float32 layers) and AdamW, saving hf asynchronously."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(4))).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"checkpoint": {"root": str(root), "save": {"format": "hf", "async": True}}}
+    return Lifecycle(config, role=ROLE, model=model, optimizer=optimizer)
+
+
+def _queue_a_late_write(model: nn.Module, value: float) -> None:
+    """A weight write queued behind about 0.1 s of GPU work: a copy that did not wait for the
+    training's stream would read the weights from before it."""
+    torch.cuda._sleep(int(2e8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(value)
+
+
+@pytest.mark.gpu
+def test_async_save_from_cuda_commits_the_weights_at_save_time_though_the_next_step_overwrites_them(
+    tmp_path: Path,
+) -> None:
+    lc = _cuda_trainer(tmp_path, seed=0)
+    model, optimizer = lc.parts.model, lc.parts.optimizer
+    lc.init_load()
+    with lc.train_step(1):
+        model(torch.randn(64, 2048, device="cuda")).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _queue_a_late_write(model, 1.0)
+    pending = lc.save(1)
+    assert isinstance(pending, PendingSave)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}  # queued after the write: the values saved
+    moments = [s["exp_avg"].clone() for s in optimizer.state.values()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-3.0).add_(7.0)  # the next step, queued at once on the training's stream
+    pending.wait(60)
+    lc.close()
+
+    again = _cuda_trainer(tmp_path, seed=1)
+    assert again.resume() == 1
+    resumed = again.parts.model.state_dict()
+    assert all(v.device.type == "cuda" for v in resumed.values())
+    assert [k for k, v in saved.items() if not torch.equal(v, resumed[k])] == []
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, again.parts.optimizer.state.values()))
+    again.close()
+
+
+@pytest.mark.gpu
+def test_host_copy_of_a_cuda_model_is_pinned_reused_and_ordered_after_the_step_that_wrote_it() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 8)).cuda()
+    copier = HostCopier()
+    first = copier.snapshot(Parts(model=model)).model.state_dict()
+    pointers = {k: v.data_ptr() for k, v in first.items()}
+    assert all(v.device.type == "cpu" and v.is_pinned() for v in first.values())
+    _queue_a_late_write(model, 0.5)
+    second = copier.snapshot(Parts(model=model)).model.state_dict()
+    assert {k: v.data_ptr() for k, v in second.items()} == pointers
+    live = {k: v.cpu() for k, v in model.state_dict().items()}
+    assert [k for k, v in second.items() if not torch.equal(v, live[k])] == []

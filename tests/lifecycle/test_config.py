@@ -29,7 +29,7 @@ from lifecycle.errors import ConfigError
 FORMATS = "dist_ckpt, hf, mbridge, torch_dcp"
 CONTENTS = "model, hf_model, optimizer, extra"
 MODES = "auto, disable, path"
-BACKENDS = "auto, gloo, hccl, naive, nccl, shm"
+BACKENDS = "auto, cuda_ipc, gloo, hccl, naive, nccl, shm"
 DTYPES = "float32, float16, bfloat16"
 
 YAML_TEXT = """\

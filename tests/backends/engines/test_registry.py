@@ -62,7 +62,7 @@ def test_auto_on_an_unknown_device_is_a_config_error_listing_the_supported_ones(
 
 
 def test_an_unknown_name_lists_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match="unknown checkpoint engine 'carrier_pigeon'; known: gloo, hccl, naive"):
+    with pytest.raises(ConfigError, match="unknown checkpoint engine 'carrier_pigeon'; known: cuda_ipc, gloo, hccl, naive"):
         CheckpointEngineRegistry.get("carrier_pigeon")
 
 

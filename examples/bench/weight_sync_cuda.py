@@ -1,0 +1,114 @@
+"""`weight_sync.py --device cuda`: the cuda_ipc engine against one device-to-device copy, one GPU.
+
+One sender (this process) and one receiver (a spawned process) share one GPU, as a colocated
+trainer and rollout do. The weights are `--gib` GiB of float32 tensors on the GPU (the same
+mix as the host bench). The baseline is one device-to-device copy of the same bytes in this
+process (`dst.copy_(src)`), the least any transfer into a second set of weights costs. The
+engine's time runs from the first byte packed to the receiver's verdict on every bucket; the
+receiver takes each tensor (a view of a verified bucket) without copying it into a model,
+as in the host bench. The sync is also timed with checksums off and, receiver side, with
+`apply: streamed` (no private copy), so where the time goes can be read off the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from backends.base import free_port
+from backends.engines import CheckpointEngineRegistry, Rendezvous, receive_into
+
+HOST = "127.0.0.1"
+VARIANTS = (("atomic", True), ("atomic", False), ("streamed", True), ("streamed", False))
+
+
+class _Reader:
+    weights_version = 0
+    stale = False
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def mark_stale(self) -> None:
+        self.stale = True
+
+    def load_weights(self, named_tensors: Any) -> None:
+        for _ in named_tensors:
+            pass
+
+
+def _engine(args: argparse.Namespace, apply: str, verify: bool) -> Any:
+    return CheckpointEngineRegistry.new("cuda_ipc", bucket_bytes=args.bucket, verify=verify, apply=apply,
+                                        timeout_s=600)
+
+
+def receiver(args: argparse.Namespace, ports: dict[str, int]) -> None:
+    torch.cuda.set_device(0)
+    engines = {variant: _engine(args, *variant) for variant in VARIANTS}
+    for _ in range(args.repeat + 1):
+        for variant in VARIANTS:
+            receive_into(engines[variant], _Reader(), Rendezvous(HOST, ports[f"{variant}"]), rank=1)
+    for engine in engines.values():
+        engine.close()
+
+
+def _copy_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, list[float]]:
+    """Figures per key: 'copy' and one per variant, in seconds, after an untimed first round."""
+    torch.cuda.set_device(0)
+    named = [(name, tensor.cuda()) for name, tensor in tensors]
+    flat = torch.empty(args.total, dtype=torch.uint8, device="cuda").fill_(7)
+    dst = torch.empty_like(flat)
+    ports = {f"{variant}": free_port(HOST) for variant in VARIANTS}
+    child = mp.get_context("spawn").Process(target=receiver, args=(args, ports), daemon=True)
+    child.start()
+    engines = {variant: _engine(args, *variant) for variant in VARIANTS}
+    times: dict[str, list[float]] = {"copy": [], **{f"{v}": [] for v in VARIANTS}}
+    try:
+        for rep in range(args.repeat + 1):
+            got = {"copy": _copy_seconds(flat, dst)}
+            for variant in VARIANTS:
+                engine = engines[variant]
+                with engine.session(Rendezvous(HOST, ports[f"{variant}"]), rank=0):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    engine.send_weights(named, rep + 1)
+                    got[f"{variant}"] = time.perf_counter() - start
+            if rep:
+                for key, seconds in got.items():
+                    times[key].append(seconds)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        child.join(120)
+    return times
+
+
+def report(args: argparse.Namespace, times: dict[str, list[float]]) -> list[tuple[str, float, float]]:
+    """Prints the table; returns (label, GB/s, ratio to the copy) per variant."""
+    gbps = {key: args.total / statistics.median(v) / 1e9 for key, v in times.items()}
+    print(f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors on {torch.cuda.get_device_name()}, "
+          f"buckets of {args.bucket / 2**20:g} MiB, median of {args.repeat}")
+    print(f"  {'one device-to-device copy':40s} {gbps['copy']:8.1f} GB/s")
+    rows = []
+    for apply, verify in VARIANTS:
+        key = f"{(apply, verify)}"
+        label = f"cuda_ipc, apply {apply}, checksums {'on' if verify else 'off'}"
+        ratio = gbps[key] / gbps["copy"]
+        spread = ", ".join(f"{args.total / s / 1e9:.1f}" for s in times[key])
+        print(f"  {label:40s} {gbps[key]:8.1f} GB/s  {ratio:5.2f}x of the copy   (runs: {spread})")
+        rows.append((label, gbps[key], ratio))
+    return rows

@@ -1,0 +1,235 @@
+"""The cuda_ipc engine: a trainer and a rollout in two processes on one GPU.
+
+The GPU tests (the `gpu` marker) run each side in a spawned process: CUDA IPC handles open
+only in another process. What a receiver accepts from a sender's published handles is
+checked without a GPU: it is plain JSON, parsed and checked before anything is opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from backends.engines import CheckpointEngineRegistry, Rendezvous, receive_into
+from backends.engines.plan import PlanRefused
+from lifecycle.errors import EngineError
+from lifecycle.testing import MemoryCheckpointer, MemoryRollout
+from tests.backends.dist_util import free_port, run_ranks
+from tests.backends.engines.kit import ModelRollout, digest, greedy, mixed_tensors, read_case, tiny_qwen2
+
+TIMEOUT_S = 30.0
+
+
+def _published(**change: Any) -> dict[str, Any]:
+    slot = {"handle": "ab" * 64, "size": 64 + 4096, "offset": 0, "ref": b"/torch_12_34_0".hex(), "ref_offset": 0,
+            "event": "cd" * 64, "event_sync": True}
+    return {"gpu": "GPU-0", "slots": [{**slot, **change}, {**slot, **change, "offset": 8192}]}
+
+
+def test_auto_never_picks_cuda_ipc() -> None:
+    assert CheckpointEngineRegistry.resolve("auto", "cuda") == "nccl"
+    assert "cuda_ipc" in CheckpointEngineRegistry.names()
+
+
+def test_well_formed_handles_parse() -> None:
+    from backends.engines.cuda_ipc import _parse
+
+    assert _parse(json.dumps(_published()).encode())["gpu"] == "GPU-0"
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b"\x80\x04\x95cos\nsystem\n.", "not a GPU and 2 CUDA IPC handles"),
+    (b"[" * 100_000 + b"]" * 100_000, "not a GPU and 2 CUDA IPC handles"),
+    (json.dumps({"gpu": "GPU-0", "slots": []}).encode(), "not a GPU and 2 CUDA IPC handles"),
+    (json.dumps(_published(handle="ab" * 4097)).encode(), "bucket 0: its handle is not 1 to 4096 bytes of hex"),
+    (json.dumps(_published(handle="zz" * 64)).encode(), "bucket 0: its handle is not 1 to 4096 bytes of hex"),
+    (json.dumps(_published(ref=b"/etc/passwd".hex())).encode(), "reference counter is not one of torch's"),
+    (json.dumps(_published(ref=b"/torch_1_2_3/../../x".hex())).encode(), "reference counter is not one of torch's"),
+    (json.dumps(_published(size=100)).encode(), "its size 100 is no bucket's size"),
+    (json.dumps(_published(size=True)).encode(), "its size is True, not int"),
+    (json.dumps(_published(offset=-1)).encode(), "its offsets are out of range"),
+    (json.dumps(_published(event="ab")).encode(), "event handle is not empty or 64 bytes"),
+    (json.dumps(_published(extra=1)).encode(), "has not exactly the fields"),
+    (json.dumps({**_published(), "slots": [_published()["slots"][0]] * 2}).encode(), "published one bucket twice"),
+], ids=["pickle", "deep", "no-slots", "long-handle", "not-hex", "ref-path", "ref-escape", "tiny", "bool-size",
+        "negative-offset", "short-event", "extra-field", "same-bucket-twice"])
+def test_a_receiver_refuses_published_handles_it_cannot_trust_before_opening_anything(raw: bytes, reason: str) -> None:
+    from backends.engines.cuda_ipc import _parse
+
+    with pytest.raises(PlanRefused, match=reason.replace("(", r"\(")):
+        _parse(raw)
+
+
+# -- two processes on one GPU -------------------------------------------------------------------
+
+
+def _case(tmp_path: Path, **case: Any) -> None:
+    (tmp_path / "case.json").write_text(json.dumps(case), encoding="utf-8")
+
+
+def _cuda_step(model: torch.nn.Module, seed: int) -> None:
+    from tests.backends.megatron_util import TINY_QWEN2
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, TINY_QWEN2["vocab_size"], (4, 16), generator=gen).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    model.eval()
+
+
+def _generation_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+    from lifecycle import Lifecycle
+
+    case = read_case(tmp_path / "case.json")
+    model = tiny_qwen2(seed=rank).cuda()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        lc = Lifecycle({"engine": {"backend": "cuda_ipc", **case["options"]}}, model=model,
+                       checkpointer=MemoryCheckpointer())
+        lc.init_load()
+        for step, port in enumerate(case["ports"], start=1):
+            with lc.train_step(step):
+                _cuda_step(model, seed=step)
+            version = lc.sync_weights(Rendezvous("127.0.0.1", port))
+            out[str(step)] = {"version": version, "tokens": greedy_cuda(model), "state": _state(model)}
+        lc.close()
+        return out
+    rollout = ModelRollout(model)
+    engine = CheckpointEngineRegistry.new("cuda_ipc", **case["options"])
+    for step, port in enumerate(case["ports"], start=1):
+        version = receive_into(engine, rollout, Rendezvous("127.0.0.1", port), rank=1)
+        rollout.serve()
+        out[str(step)] = {"version": version, "tokens": greedy_cuda(model), "state": _state(model)}
+    engine.close()
+    return out
+
+
+def greedy_cuda(model: torch.nn.Module) -> list[int]:
+    return greedy(_OnDevice(model))
+
+
+class _OnDevice(torch.nn.Module):
+    """`kit.greedy` feeds CPU token ids; this moves them to the model's GPU."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def generate(self, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.model.generate(tokens.cuda(), **kwargs).cpu()
+
+
+def _state(model: torch.nn.Module) -> str:
+    return digest((name, tensor.cpu()) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.gpu
+@pytest.mark.transformers
+@pytest.mark.parametrize("apply", ["atomic", "streamed"])
+def test_a_rollout_on_the_trainers_gpu_generates_as_the_trainer_after_each_sync(apply: str, tmp_path: Path) -> None:
+    _case(tmp_path, ports=[free_port(), free_port()],
+          options={"bucket_bytes": 256 * 1024, "timeout_s": TIMEOUT_S, "apply": apply})
+    trainer, rollout = run_ranks(_generation_rank, tmp_path, world_size=2, timeout_s=180)
+    assert trainer["1"]["state"] != trainer["2"]["state"]
+    assert rollout == trainer
+    assert [trainer[s]["version"] for s in ("1", "2")] == [1, 2]
+
+
+def _mixed_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+    from backends.engines import WeightSync
+    from backends.engines.buckets import HEADER_BYTES
+    from backends.engines.cuda_ipc import CudaIpcEngine
+
+    class Corrupting(CudaIpcEngine):
+        def _start_send(self, k: int, nbytes: int) -> Any:
+            if k == 1:
+                self.slots[k % 2][HEADER_BYTES + 5] ^= 0xFF
+            return super()._start_send(k, nbytes)
+
+    case = read_case(tmp_path / "case.json")
+    named = [(name, tensor.cuda()) for name, tensor in mixed_tensors()]
+    rdv = [Rendezvous("127.0.0.1", port) for port in case["ports"]]
+    if rank == 0:
+        out: dict[str, Any] = {}
+        try:
+            WeightSync(Corrupting(**case["options"])).sync(iter(named), rdv[0], 3)
+        except EngineError as exc:
+            out["corrupted"] = str(exc)
+        sender = CudaIpcEngine(**case["options"])
+        out["figures"] = WeightSync(sender).sync(iter(named), rdv[1], 4)
+        sender.close()
+        return out
+    rollout = MemoryRollout()
+    old = [(name, tensor.cuda()) for name, tensor in mixed_tensors(seed=7)]
+    rollout.load_weights(old)
+    rollout.weights_version = 2
+    engine = CheckpointEngineRegistry.new("cuda_ipc", **case["options"])
+    try:
+        receive_into(engine, rollout, rdv[0], rank=1)
+        first = None
+    except EngineError as exc:
+        first = str(exc)
+    kept = rollout.weights_version == 2 and rollout.stale and all(
+        torch.equal(rollout.weights[name], tensor) for name, tensor in old)
+    version = receive_into(engine, rollout, rdv[1], rank=1)
+    got = rollout.serve()
+    same = all(got[name].device.type == "cuda" and torch.equal(got[name].cpu(), tensor)
+               for name, tensor in mixed_tensors())
+    engine.close()
+    return {"first": first, "kept": kept, "version": version, "same": same}
+
+
+@pytest.mark.gpu
+def test_a_corrupted_bucket_applies_nothing_and_the_next_sync_delivers_every_dtype_bit_for_bit(tmp_path: Path) -> None:
+    _case(tmp_path, ports=[free_port(), free_port()], options={"bucket_bytes": 4096, "timeout_s": TIMEOUT_S})
+    sender, receiver = run_ranks(_mixed_rank, tmp_path, world_size=2, timeout_s=180)
+    assert "failed its checksum" in sender["corrupted"] and "failed its checksum" in receiver["first"]
+    assert receiver["kept"] and receiver["version"] == 4 and receiver["same"]
+    assert sender["figures"]["backend"] == "cuda_ipc" and sender["figures"]["version"] == 4
+
+
+def _killed_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any] | None:
+    from backends.engines import WeightSync
+
+    case = read_case(tmp_path / "case.json")
+    rdv = Rendezvous("127.0.0.1", case["port"])
+    named = [(f"w{i}", torch.full((4096,), float(i), device="cuda")) for i in range(64)]
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            WeightSync(CheckpointEngineRegistry.new("cuda_ipc", **case["sender"])).sync(iter(named), rdv, 1)
+            error = None
+        except EngineError as exc:
+            error = str(exc)
+        return {"error": error, "seconds": time.monotonic() - start}
+    engine = CheckpointEngineRegistry.new("cuda_ipc", **case["receiver"])
+    release = engine._release  # type: ignore[attr-defined]
+
+    def release_or_die(k: int) -> None:
+        if k == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        release(k)
+
+    engine._release = release_or_die  # type: ignore[attr-defined]
+    receive_into(engine, MemoryRollout(), rdv, rank=1)
+    return None
+
+
+@pytest.mark.gpu
+def test_a_killed_receiver_fails_the_sender_within_its_timeout(tmp_path: Path) -> None:
+    timeout = 3.0
+    _case(tmp_path, port=free_port(), sender={"bucket_bytes": 16 * 1024, "timeout_s": timeout},
+          receiver={"bucket_bytes": 16 * 1024, "timeout_s": TIMEOUT_S})
+    sender, killed = run_ranks(_killed_rank, tmp_path, world_size=2, timeout_s=120, killed_ok=True)
+    assert killed is None
+    assert sender["error"] and sender["error"].startswith("cuda_ipc engine: ")
+    assert sender["seconds"] < timeout + 5
