@@ -1,6 +1,6 @@
 """Checkpoint engines: bucketed weight transfers from trainer to rollout.
 
-`CheckpointEngineRegistry` names the engines (gloo, nccl, hccl, shm, naive, and any added
+`CheckpointEngineRegistry` names the engines (gloo, nccl, hccl, shm, cuda_ipc, naive, and any added
 from outside); `WeightSync` is the trainer side a `Lifecycle` drives, `receive_into` the
 rollout side. Names resolve on first use, so importing `backends.engines.options` or
 `backends.engines.registry` (as the config does) imports neither torch nor an engine.
@@ -16,6 +16,7 @@ _WHERE: dict[str, str] = {
     "TransportError": "base", "EngineCapabilities": "options", "EngineOptions": "options",
     "DEVICE_BACKENDS": "registry", "ENTRY_POINT_GROUP": "registry", "CheckpointEngineRegistry": "registry",
     "WeightSync": "sync", "profiled": "sync", "receive_into": "sync",
+    "FlatLayout": "flat", "FlattenRefused": "flat", "contiguous_layout": "flat", "flatten_parameters": "flat",
 }
 
 __all__ = sorted(_WHERE)

@@ -1,11 +1,11 @@
-"""Parameters in one flat storage per dtype and device, so a sync can send slices without packing.
+"""Parameters in one flat storage per dtype and device: the layout a send without packing needs.
 
 A bucketed sync copies every byte twice on the sender: into a bucket, then onto the wire. When
-a model's parameters already sit in one storage, each at an `ALIGN`-aligned offset (the plan's
-alignment), a slice of that storage can be a bucket's data region as it stands: the plan
-describes the storage, and buckets are slices of it. `flatten_parameters` makes that layout
-once, before training; `contiguous_layout` finds one already there (made here, built by hand,
-or Megatron DDP's param buffers) by storage arithmetic, without copying a byte.
+a model's parameters sit in one storage, each at an `ALIGN`-aligned offset (the plan's
+alignment), a slice of that storage could be a bucket's data region as it stands.
+`flatten_parameters` makes that layout once, before training; `contiguous_layout` finds one
+already there (made here, built by hand, or Megatron DDP's param buffers) by storage
+arithmetic, without copying a byte. The engines still pack from such a storage today.
 
 Flattening rehomes each parameter's `.data` and nothing else: every `nn.Parameter` stays the
 same object, so `named_parameters()`, optimizers built before or after, tied weights and
