@@ -9,10 +9,20 @@ all run on the GPU; no byte of weights crosses to the host.
 
 What the sender publishes is plain JSON, never a pickle, and a receiver checks every field
 before it opens anything: the GPU's UUID must be the receiver's own device's (a rollout on
-another GPU, or another host, is refused: use `nccl`), each handle must have the size a CUDA
-IPC handle has, the reference counter must name torch's own shared-memory file, and each
-slot's size must be the plan's bucket size. `backend: auto` never picks this engine: it is
-named in config, for a rollout known to share the trainer's GPU.
+another GPU, or another host, is refused: use `nccl`), each handle must be a plain CUDA IPC
+memory handle as torch's allocator writes it (an expandable segment's handle would make the
+receiver take file descriptors from a process the sender names), the reference counter must
+name one of torch's counter files and a slot inside it, and each slot's size must be the
+plan's bucket size. `backend: auto` never picks this engine: it is named in config, for a
+rollout known to share the trainer's GPU.
+
+The slots come from a memory pool of their own, so a mapping opens the two buckets and
+nothing else of the trainer's memory. Their lifetime is this engine's, not torch's IPC
+reference counting (one counter per export, which a receiver that never opens would keep
+from reaching zero, holding the buckets in torch's limbo for good): the sender releases the
+count at once, keeps the buckets until `close()` or a change of `bucket_bytes`, and
+publishes new handles when it makes new buckets, so a receiver never reads buckets the
+sender has given back.
 
 Memory: the sender keeps two buckets of `bucket_bytes` on the GPU between syncs (until
 `close()`); an atomic receiver holds one more copy of the whole sync, a streamed one nothing.
@@ -36,9 +46,12 @@ from lifecycle.errors import ConfigError, EngineError
 
 _EVENT_BYTES = 64
 """sizeof(cudaIpcEventHandle_t)."""
-_MAX_HANDLE_BYTES = 4096
-"""torch's allocator handle: a type byte and a cudaIpcMemHandle_t (65 bytes), or, for expandable
-segments, a short list of handles; anything longer is not one."""
+_HANDLE_BYTES = 66
+"""torch's allocator handle of a plain segment: a version byte, the type `c`, and a 64-byte
+cudaIpcMemHandle_t. An expandable segment's (type `e`) names a process and its descriptors."""
+_PLAIN = ord("c")
+_COUNTERS = 10_000
+"""Slots in one of torch's IPC reference-counter files (CUDA_IPC_REF_COUNTER_FILE_SIZE)."""
 _REF_COUNTER = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
 """How torch names the shared-memory file of its CUDA IPC reference counters."""
 _MAX_OFFSET = 1 << 48
@@ -55,6 +68,8 @@ class CudaIpcEngine(SharedSlotEngine):
         self._requested = device
         self._shared: list[dict[str, Any]] = []
         """The sender's exported handles, as it publishes them."""
+        self._pool: Any = None
+        """The sender's private memory pool that holds its two slots and nothing else."""
 
     @classmethod
     def check_available(cls) -> None:
@@ -63,28 +78,27 @@ class CudaIpcEngine(SharedSlotEngine):
                                                 f"CUDA and a visible GPU; this is torch {torch.__version__}")
 
     def prepare(self) -> dict[str, Any]:
-        if self._requested is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device(self._requested)
-            self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-        if self.device.type != "cuda":
+        device = torch.device("cuda") if self._requested is None else torch.device(self._requested)
+        if device.type != "cuda":
             raise EngineError(f"cuda_ipc engine: device {self._requested!r} is not a CUDA device")
+        self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         return {**super().prepare(), "gpu": _uuid(self.device)}
 
     def _fence(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        """The whole device: a rollout's `load_weights` may copy on a stream of its own."""
+        torch.cuda.synchronize(self.device)
 
     def _create(self, size: int) -> None:
         self._free_buckets()
-        self.slots = self._allocate([size - HEADER_BYTES] * SLOTS, self.device)
-        self._shared = [_export(slot) for slot in self.slots]
+        self._pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(self._pool, device=self.device):
+            self.slots = self._allocate([size - HEADER_BYTES] * SLOTS, self.device)
+        self._shared = [_export(slot, self.device) for slot in self.slots]
 
     def _free_buckets(self) -> None:
         super()._free_buckets()
-        if self._shared:
-            self._shared = []
-            torch.cuda.ipc_collect()
+        self._shared = []
+        self._pool = None
 
     def _publish(self) -> bytes:
         return json.dumps({"gpu": _uuid(self.device), "slots": self._shared}).encode()
@@ -103,8 +117,15 @@ def _uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _export(slot: torch.Tensor) -> dict[str, Any]:
+def _export(slot: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """The slot's handle, with torch's reference count for it released at once (see the module
+    docstring); refuses an expandable segment, whose handle a receiver should not open."""
     (_, handle, size, offset, ref, ref_offset, event, event_sync) = slot.untyped_storage()._share_cuda_()
+    torch.UntypedStorage._release_ipc_counter_cuda(ref, ref_offset, device=device.index)
+    if len(handle) != _HANDLE_BYTES or handle[1] != _PLAIN:
+        raise EngineError("cuda_ipc engine: torch's CUDA allocator gave the buckets an expandable segment "
+                          "(PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True), whose handles this engine "
+                          "does not publish; turn expandable segments off in the trainer, or use nccl")
     return {"handle": handle.hex(), "size": int(size), "offset": int(offset), "ref": ref.hex(),
             "ref_offset": int(ref_offset), "event": (event or b"").hex(), "event_sync": bool(event_sync)}
 
@@ -123,8 +144,9 @@ def _parse(raw: bytes) -> dict[str, Any]:
     for i, entry in enumerate(slots):
         if (problem := _slot_problem(entry)) is not None:
             raise PlanRefused(f"the sender's bucket {i}: {problem}")
-    if len({entry["handle"] + str(entry["offset"]) for entry in slots}) != SLOTS:
-        raise PlanRefused("the sender published one bucket twice")
+    spans = sorted((bytes.fromhex(e["handle"]), e["offset"], e["offset"] + e["size"]) for e in slots)
+    if any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:])):
+        raise PlanRefused("the sender published two buckets that overlap")
     return published
 
 
@@ -138,34 +160,36 @@ def _slot_problem(entry: Any) -> str | None:
         if type(value) is not kind:
             return f"its {key} is {clip(repr(value), 80)}, not {kind.__name__}"
     handles = {key: _hex(entry[key]) for key in ("handle", "ref", "event")}
-    if not handles["handle"]:
-        return f"its handle is not 1 to {_MAX_HANDLE_BYTES} bytes of hex"
-    if handles["event"] is None or len(handles["event"]) not in (0, _EVENT_BYTES):
-        return f"its event handle is not empty or {_EVENT_BYTES} bytes of hex"
+    handle = handles["handle"]
+    if handle is None or len(handle) != _HANDLE_BYTES or handle[1] != _PLAIN:
+        return f"its handle is not a plain CUDA IPC memory handle ({_HANDLE_BYTES} bytes of hex, type 'c')"
+    if handles["event"] is None or len(handles["event"]) != _EVENT_BYTES:
+        return f"its event handle is not {_EVENT_BYTES} bytes of hex"
     if handles["ref"] is None or not _REF_COUNTER.fullmatch(handles["ref"]):
         return "its reference counter is not one of torch's shared-memory files (/torch_<pid>_<n>_<n>)"
+    if not 0 <= entry["ref_offset"] < _COUNTERS:
+        return f"its reference counter's slot {entry['ref_offset']} is outside 0..{_COUNTERS - 1}"
     size = entry["size"]
     if size < HEADER_BYTES + MIN_BUCKET_BYTES or size % ALIGN or size > _MAX_OFFSET:
         return f"its size {size} is no bucket's size"
-    if not (0 <= entry["offset"] < _MAX_OFFSET and 0 <= entry["ref_offset"] < _MAX_OFFSET):
-        return "its offsets are out of range"
+    if not 0 <= entry["offset"] < _MAX_OFFSET:
+        return "its offset is out of range"
     return None
 
 
 def _hex(text: str) -> bytes | None:
     try:
-        return bytes.fromhex(text) if len(text) <= 2 * _MAX_HANDLE_BYTES else None
+        return bytes.fromhex(text) if len(text) <= 4 * _HANDLE_BYTES and text.isalnum() else None
     except ValueError:
         return None
 
 
 def _open_slot(entry: dict[str, Any], device: torch.device) -> torch.Tensor:
     """Open one exported slot on `device` as a flat uint8 tensor of its size."""
-    event = bytes.fromhex(entry["event"]) or None
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
             device.index, bytes.fromhex(entry["handle"]), entry["size"], entry["offset"],
-            bytes.fromhex(entry["ref"]), entry["ref_offset"], event, entry["event_sync"])
-    except RuntimeError as exc:
+            bytes.fromhex(entry["ref"]), entry["ref_offset"], bytes.fromhex(entry["event"]), entry["event_sync"])
+    except (RuntimeError, TypeError, ValueError) as exc:
         raise PlanRefused(f"cannot open the sender's CUDA IPC handle on {device}: {clip(str(exc), 300)}") from None
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (entry["size"],))

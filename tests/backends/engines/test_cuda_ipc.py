@@ -25,10 +25,12 @@ from tests.backends.dist_util import free_port, run_ranks
 from tests.backends.engines.kit import ModelRollout, digest, greedy, mixed_tensors, read_case, tiny_qwen2
 
 TIMEOUT_S = 30.0
+HANDLE = "01" + "63" + "ab" * 64
+"""As torch's allocator writes a plain segment's handle: a version byte, type 'c', 64 bytes."""
 
 
 def _published(**change: Any) -> dict[str, Any]:
-    slot = {"handle": "ab" * 64, "size": 64 + 4096, "offset": 0, "ref": b"/torch_12_34_0".hex(), "ref_offset": 0,
+    slot = {"handle": HANDLE, "size": 64 + 4096, "offset": 0, "ref": b"/torch_12_34_0".hex(), "ref_offset": 0,
             "event": "cd" * 64, "event_sync": True}
     return {"gpu": "GPU-0", "slots": [{**slot, **change}, {**slot, **change, "offset": 8192}]}
 
@@ -48,23 +50,50 @@ def test_well_formed_handles_parse() -> None:
     (b"\x80\x04\x95cos\nsystem\n.", "not a GPU and 2 CUDA IPC handles"),
     (b"[" * 100_000 + b"]" * 100_000, "not a GPU and 2 CUDA IPC handles"),
     (json.dumps({"gpu": "GPU-0", "slots": []}).encode(), "not a GPU and 2 CUDA IPC handles"),
-    (json.dumps(_published(handle="ab" * 4097)).encode(), "bucket 0: its handle is not 1 to 4096 bytes of hex"),
-    (json.dumps(_published(handle="zz" * 64)).encode(), "bucket 0: its handle is not 1 to 4096 bytes of hex"),
+    (json.dumps(_published(handle="ab" * 66)).encode(), "bucket 0: its handle is not a plain CUDA IPC memory handle"),
+    (json.dumps(_published(handle="0165" + "ab" * 64)).encode(), "bucket 0: its handle is not a plain CUDA IPC"),
+    (json.dumps(_published(handle=HANDLE[:-2])).encode(), "bucket 0: its handle is not a plain CUDA IPC"),
+    (json.dumps(_published(handle="zz" * 66)).encode(), "bucket 0: its handle is not a plain CUDA IPC memory handle"),
+    (json.dumps(_published(handle=" " + HANDLE[1:])).encode(), "bucket 0: its handle is not a plain CUDA IPC"),
+    (json.dumps(_published(ref_offset=10_000)).encode(), r"reference counter's slot 10000 is outside 0..9999"),
+    (json.dumps(_published(event="")).encode(), "event handle is not 64 bytes of hex"),
     (json.dumps(_published(ref=b"/etc/passwd".hex())).encode(), "reference counter is not one of torch's"),
     (json.dumps(_published(ref=b"/torch_1_2_3/../../x".hex())).encode(), "reference counter is not one of torch's"),
     (json.dumps(_published(size=100)).encode(), "its size 100 is no bucket's size"),
     (json.dumps(_published(size=True)).encode(), "its size is True, not int"),
-    (json.dumps(_published(offset=-1)).encode(), "its offsets are out of range"),
-    (json.dumps(_published(event="ab")).encode(), "event handle is not empty or 64 bytes"),
+    (json.dumps(_published(offset=-1)).encode(), "its offset is out of range"),
+    (json.dumps(_published(event="ab")).encode(), "event handle is not 64 bytes"),
     (json.dumps(_published(extra=1)).encode(), "has not exactly the fields"),
-    (json.dumps({**_published(), "slots": [_published()["slots"][0]] * 2}).encode(), "published one bucket twice"),
-], ids=["pickle", "deep", "no-slots", "long-handle", "not-hex", "ref-path", "ref-escape", "tiny", "bool-size",
-        "negative-offset", "short-event", "extra-field", "same-bucket-twice"])
+    (json.dumps({**_published(), "slots": [_published()["slots"][0]] * 2}).encode(), "two buckets that overlap"),
+    (json.dumps({**_published(), "slots": [_published()["slots"][0], {**_published()["slots"][0],
+                 "handle": HANDLE.upper(), "offset": 4096}]}).encode(), "two buckets that overlap"),
+], ids=["pickle", "deep", "no-slots", "long-handle", "expandable-segment", "short-handle", "not-hex", "space",
+        "counter-slot", "empty-event", "ref-path", "ref-escape", "tiny", "bool-size", "negative-offset",
+        "short-event", "extra-field", "same-bucket-twice", "overlap-spelt-otherwise"])
 def test_a_receiver_refuses_published_handles_it_cannot_trust_before_opening_anything(raw: bytes, reason: str) -> None:
     from backends.engines.cuda_ipc import _parse
 
     with pytest.raises(PlanRefused, match=reason.replace("(", r"\(")):
         _parse(raw)
+
+
+def test_a_receiver_on_another_gpu_refuses_before_opening_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backends.engines import cuda_ipc
+
+    monkeypatch.setattr(cuda_ipc, "_uuid", lambda device: "GPU-1")
+    monkeypatch.setattr(cuda_ipc, "_open_slot", lambda *a: pytest.fail("opened a handle of another GPU"))
+    engine = cuda_ipc.CudaIpcEngine(bucket_bytes=4096)
+    engine.device = torch.device("cuda", 0)
+    with pytest.raises(PlanRefused, match="the sender's buckets are on GPU GPU-0, this receiver's device cuda:0 is "
+                                          "GPU GPU-1; cuda_ipc needs one GPU shared by trainer and rollout"):
+        engine._open(json.dumps(_published()).encode())
+
+
+def test_a_device_that_is_not_cuda_is_refused_when_the_sync_starts() -> None:
+    from backends.engines.cuda_ipc import CudaIpcEngine
+
+    with pytest.raises(EngineError, match="device 'cpu' is not a CUDA device"):
+        CudaIpcEngine(device="cpu").prepare()
 
 
 # -- two processes on one GPU -------------------------------------------------------------------
@@ -233,3 +262,34 @@ def test_a_killed_receiver_fails_the_sender_within_its_timeout(tmp_path: Path) -
     assert killed is None
     assert sender["error"] and sender["error"].startswith("cuda_ipc engine: ")
     assert sender["seconds"] < timeout + 5
+
+
+def _two_receivers_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
+    from backends.engines import WeightSync
+
+    case = read_case(tmp_path / "case.json")
+    named = [(name, tensor.cuda()) for name, tensor in mixed_tensors()]
+    results = []
+    engine = CheckpointEngineRegistry.new("cuda_ipc", bucket_bytes=4096, timeout_s=TIMEOUT_S)
+    for version, (port, bucket) in enumerate(zip(case["ports"], (4096, 8192)), start=1):
+        rdv = Rendezvous("127.0.0.1", port, receivers=2)
+        if rank == 0:
+            if bucket != engine.bucket_bytes:  # a new bucket size: new slots, new handles to open
+                engine.close()
+                engine = CheckpointEngineRegistry.new("cuda_ipc", bucket_bytes=bucket, timeout_s=TIMEOUT_S)
+            results.append(WeightSync(engine).sync(iter(named), rdv, version)["version"])
+        else:
+            rollout = MemoryRollout()
+            receive_into(engine, rollout, rdv, rank=rank)
+            got = rollout.serve()
+            results.append(all(torch.equal(got[name].cpu(), tensor) for name, tensor in mixed_tensors()))
+    engine.close()
+    return {"results": results}
+
+
+@pytest.mark.gpu
+def test_two_receivers_on_one_gpu_get_every_sync_and_reopen_new_buckets(tmp_path: Path) -> None:
+    _case(tmp_path, ports=[free_port(), free_port()])
+    sender, *receivers = run_ranks(_two_receivers_rank, tmp_path, world_size=3, timeout_s=180)
+    assert sender == {"results": [1, 2]}
+    assert receivers == [{"results": [True, True]}] * 2
