@@ -66,7 +66,28 @@ def _rank(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     for _ in range(repeat):
         times["hf_mbridge"].append(_timed(lambda: mbridge.load_model(model, tmp / "hf")))
         times["dist_ckpt"].append(_timed(lambda: dist_ckpt.load_model(model, tmp / "dist")))
+    profile = json.loads((tmp / SETTINGS).read_text()).get("profile")
+    if profile:  # every rank loads (the loads are collective); rank 0 writes what it saw
+        _profile(Path(profile) if rank == 0 else None, {"hf_mbridge": lambda: mbridge.load_model(model, tmp / "hf"),
+                                 "dist_ckpt": lambda: dist_ckpt.load_model(model, tmp / "dist")})
     return times
+
+
+def _profile(folder: Path | None, loads: dict[str, Callable[[], None]]) -> None:
+    """One more load of each under cProfile: the 30 costliest calls to FOLDER/<name>.txt (rank 0's)."""
+    import cProfile
+    import io
+    import pstats
+
+    for name, load in loads.items():
+        profiler = cProfile.Profile()
+        profiler.runcall(load)
+        if folder is None:
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+        (folder / f"{name}.txt").write_text(text.getvalue(), encoding="utf-8")
 
 
 def _make_hf(folder: Path, args: argparse.Namespace) -> int:
@@ -113,6 +134,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, help="TP size, one rank each (default: 2 on cpu, the GPU count on cuda)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the HF checkpoint's dtype, which the Megatron model takes")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="after the timed loads, profile one more of each (cProfile; rank 0's calls) into DIR")
     add_write_docs(parser)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -124,7 +147,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="megatron_load_") as name:
         tmp = Path(name)
         size = _make_hf(tmp / "hf", args)
-        (tmp / SETTINGS).write_text(json.dumps({"repeat": args.repeat}))
+        (tmp / SETTINGS).write_text(json.dumps({"repeat": args.repeat,
+                                                 "profile": str(args.profile.resolve()) if args.profile else None}))
         print(f"model: Qwen2, {size / 2**20:.0f} MiB {args.dtype} HF safetensors; {ranks}, TP={tp}", flush=True)
         with _ranks_see(args.device):
             times = run_ranks(_rank, tmp, world_size=tp, timeout_s=1800,

@@ -134,7 +134,7 @@ def entry(args: argparse.Namespace, script: str, figures: list[Figure], note: st
     lines = [
         f"## {now:%Y-%m-%d %H:%M} UTC, `{script}`",
         "",
-        f"- command: `python examples/bench/{script}{''.join(' ' + a for a in argv)}`",
+        f"- command: `python examples/bench/{script.split()[0]}{''.join(' ' + a for a in argv)}`",
         f"- settings: {settings}",
         f"- machine: {machine()}",
         f"- load average (other work on the machine): {_load_at_start or 'unknown'} at the start, {_load()} at the end",

@@ -17,6 +17,7 @@ the bytes came.
 
     python examples/bench/weight_sync.py                   # 1 GiB, 64 MiB buckets
     python examples/bench/weight_sync.py --gib 0.25 --repeat 2
+    python examples/bench/weight_sync.py --scale --plot scale.png   # sizes and counts (weight_sync_scale.py)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,16 +45,21 @@ HOST = "127.0.0.1"
 ENGINES = ("gloo", "shm")
 
 
-def make_tensors(total: int, count: int) -> list[tuple[str, torch.Tensor]]:
-    """`count` float32 tensors of mixed sizes adding up to `total` bytes (a multiple of 4)."""
+def numels(total: int, count: int) -> list[int]:
+    """The element counts of `count` float32 tensors of mixed sizes adding up to `total` bytes
+    (a multiple of 4, at least `count` elements, `count` >= 3)."""
     rng = np.random.default_rng(0)
     embed = total // 16 // 4
     weights = np.exp(rng.uniform(0.0, np.log(1000.0), count - 2))
     rest = total // 4 - 2 * embed
     sizes = np.maximum(1, (weights / weights.sum() * rest).astype(np.int64))
     sizes[np.argmax(sizes)] += rest - int(sizes.sum())
-    numels = [embed, embed, *sizes.tolist()]
-    return [(f"layer.{i}.weight", torch.rand(n)) for i, n in enumerate(numels)]
+    return [embed, embed, *sizes.tolist()]
+
+
+def make_tensors(total: int, count: int) -> list[tuple[str, torch.Tensor]]:
+    """`count` float32 tensors of mixed sizes adding up to `total` bytes (a multiple of 4)."""
+    return [(f"layer.{i}.weight", torch.rand(n)) for i, n in enumerate(numels(total, count))]
 
 
 class _Reader:
@@ -206,12 +213,30 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the cuda_ipc engine against one device-to-device copy, on one GPU "
                              "(weight_sync_cuda.py)")
+    parser.add_argument("--scale", action="store_true",
+                        help="gloo and shm against their baselines over sizes (at --tensors tensors) and tensor "
+                             "counts (at --gib GiB), with each side's peak memory (weight_sync_scale.py)")
+    parser.add_argument("--sizes", type=float, nargs="+", metavar="GIB",
+                        help="--scale: the sizes of the size sweep, in GiB (default 0.25 1 2)")
+    parser.add_argument("--counts", type=int, nargs="+", metavar="N",
+                        help="--scale: the tensor counts of the count sweep (default 256 4096 65536)")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png",
+                        help="--scale: draw GB/s against size and against tensor count to FILE.png (matplotlib)")
     add_write_docs(parser)
     args = parser.parse_args()
     args.total = int(args.gib * 2**30) // 4 * 4
     args.bucket = int(args.bucket_mib * 2**20)
     if args.device == "cuda":
+        if args.scale:
+            parser.error("--scale measures the host engines (gloo, shm); --device cuda is a bench of its own")
         return cuda_main(args)
+    if args.scale:
+        import weight_sync_scale
+
+        return weight_sync_scale.main(parser, args)
+    for flag in ("sizes", "counts", "plot"):
+        if getattr(args, flag) is not None:
+            parser.error(f"--{flag} is an option of --scale; add --scale")
     torch.set_num_threads(args.threads)
     ports = {key: free_port(HOST) for key in ("group", *ENGINES)}
     child = mp.get_context("spawn").Process(target=receiver, args=(args, ports), daemon=True)
@@ -227,8 +252,8 @@ def cuda_main(args: argparse.Namespace) -> None:
     import weight_sync_cuda
 
     rows = weight_sync_cuda.report(args, weight_sync_cuda.run(args, make_tensors(args.total, args.tensors)))
-    figures = [Figure(f"`{label}` against one device-to-device copy", f"{gbps:.1f} GB/s", f"{gbps / ratio:.1f} GB/s", f"{ratio:.2f}x",
-                      ">= 0.8x") for label, gbps, ratio in rows]
+    figures = [Figure(f"`{label}` against one device-to-device copy", f"{gbps:.1f} GB/s", f"{gbps / ratio:.1f} GB/s",
+                      f"{ratio:.2f}x", ">= 0.8x") for label, gbps, ratio in rows]
     write_docs(args, "weight_sync.py --device cuda", figures,
                f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors on {torch.cuda.get_device_name()}, "
                f"{args.bucket / 2**20:g} MiB buckets, sender and receiver processes on one GPU, median of "
