@@ -1,17 +1,26 @@
 """Flat transfer buckets: packing by the plan both sides agree on, checksums, and rejoining chunks.
 
-A bucket is one flat byte buffer: a 64-byte header (magic, version, bucket index, bytes used,
-checksum) and then the tensors, each at a 64-byte aligned offset. A tensor that fits in a
-bucket travels whole; one larger than a bucket is split into chunks across consecutive
-buckets and rejoined by the receiver. The plan (names, dtypes, shapes, where every piece
-sits; `plan.py`) is computed from tensor metadata alone, before any byte is packed, so the
-sender can pack bucket k+1 while bucket k is on the wire.
+A bucket is one flat byte buffer: a 64-byte header (magic, version, bucket index, bytes used)
+and then the tensors, each at a 64-byte aligned offset. A tensor that fits in a bucket
+travels whole; one larger than a bucket is split into chunks across consecutive buckets and
+rejoined by the receiver. The plan (names, dtypes, shapes, where every piece sits;
+`plan.py`) is computed from tensor metadata alone, before any byte is packed, so the sender
+can pack bucket k+1 while bucket k is on the wire.
+
+A bucket's checksum is not in its header: it covers the data region, is computed while the
+bucket is on the wire, and travels after it (`pipeline`). On a host the sender reads each
+piece it copied byte for byte where it copied it from (`Layout.pack` says where:
+`xxh3_packed`), so a bucket scribbled on between packing and the wire fails the check; on a
+device it is a word sum queued on the packing stream right behind the pack (`word_sums`,
+read once the transfer started by `fold`).
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterator, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, wait
 
 import torch
 import xxhash
@@ -21,9 +30,15 @@ from backends.engines.plan import Piece, Plan
 HEADER_BYTES = 64
 SLOTS = 2
 """The sender's bucket slots, and a streamed receiver's: bucket k lives in slot k % 2."""
-_FEED_BYTES = 4 << 20
-MAGIC = 0x4C43_5753_0000_0001
+MAGIC = 0x4C43_5753_0000_0002
+"""Format 2: the checksum travels after the bucket, not in its header (format 1)."""
 _MASK = (1 << 64) - 1
+Copied = list[tuple[int, int, int]]
+"""(offset in the data region, address, nbytes) of pieces `Layout.pack` copied byte for byte."""
+_MEMORY = memoryview((ctypes.c_char * sys.maxsize).from_address(0))
+"""This process's memory as one buffer, so a piece is read in place by slicing it: building a
+ctypes array type for each piece's length instead costs about 15 us a piece, as much as hashing
+the bucket. `xxh3_packed` reads nothing but a bucket and the live tensors it was packed from."""
 
 
 class Layout:
@@ -52,23 +67,25 @@ class Layout:
     def fits(self, slots: Sequence[torch.Tensor]) -> bool:
         return len(slots) == len(self.slots) and all(a is b for a, b in zip(slots, self.slots))
 
-    def pack(self, k: int, tensors: Sequence[torch.Tensor],
-             packed: Callable[[torch.Tensor], object] | None = None) -> None:
+    def pack(self, k: int, tensors: Sequence[torch.Tensor], copied: Copied | None = None) -> None:
         """Copy bucket k's pieces into its slot, casting to the wire dtype.
 
-        `packed` is handed the bucket's data region in consecutive slices, every few MiB as
-        they are filled and up to `used(k)`, so a checksum can run while the rest is packed.
+        `copied`, when given, gets (offset, address, nbytes) of each piece copied byte for byte
+        from host memory, in order: where a checksum of the packed bucket can read that piece
+        without the slot (`xxh3_packed`), so a slot scribbled on after packing fails it.
         Host to host in the same dtype from contiguous memory, a piece is one memmove:
         torch's `copy_` spreads every copy over its OpenMP threads, which on cores that also
         run the transport (gloo's threads, the receivers) costs more than it gains.
         """
         slot = self.slots[k % len(self.slots)]
-        data, host, fed = slot[HEADER_BYTES:], slot.device.type == "cpu", 0
+        host = slot.device.type == "cpu"
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for p, dst in zip(self.plan.buckets[k], self.views[k]):
             src = tensors[p.index].detach()
             if host and src.device.type == "cpu" and src.dtype == dst.dtype and src.is_contiguous():
                 ctypes.memmove(dst.data_ptr(), src.data_ptr() + p.start, p.nbytes)
+                if copied is not None and p.nbytes:
+                    copied.append((p.offset, src.data_ptr() + p.start, p.nbytes))
             elif (not host and src.device == slot.device and src.dtype == dst.dtype
                   and p.nbytes == self.plan.tensors[p.index].nbytes):
                 batch[0].append(dst)
@@ -78,13 +95,8 @@ class Layout:
             else:
                 step = dst.element_size()
                 dst.copy_(src.reshape(-1)[p.start // step:(p.start + p.nbytes) // step])
-            if packed is not None and p.offset + p.nbytes - fed >= _FEED_BYTES:
-                packed(data[fed:p.offset + p.nbytes])
-                fed = p.offset + p.nbytes
         if batch[0]:  # on a device, whole tensors go in a few kernel launches instead of one each
             torch._foreach_copy_(*batch)
-        if packed is not None:
-            packed(data[fed:self.plan.used(k)])
 
     def reset(self) -> None:
         """Forget chunks of a tensor an aborted receive left half-joined."""
@@ -109,21 +121,52 @@ class Layout:
         return [self.plan.tensors[p.index].name for p in self.plan.buckets[k]]
 
 
-def write_header(slot: torch.Tensor, version: int, k: int, used: int, digest: int) -> None:
-    words = [MAGIC, version, k, used, digest, 0, 0, 0]
+def write_header(slot: torch.Tensor, version: int, k: int, used: int) -> None:
+    words = [MAGIC, version, k, used, 0, 0, 0, 0]
     signed = [w - (1 << 64) if w >= 1 << 63 else w for w in words]
     slot[:HEADER_BYTES].copy_(torch.tensor(signed, dtype=torch.int64).view(torch.uint8))
 
 
-def read_header(slot: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """(magic, version, bucket index, bytes used, checksum) as unsigned integers."""
+def read_header(slot: torch.Tensor) -> tuple[int, int, int, int]:
+    """(magic, version, bucket index, bytes used) as unsigned integers."""
     words = [w & _MASK for w in slot[:HEADER_BYTES].view(torch.int64).tolist()]
-    return words[0], words[1], words[2], words[3], words[4]
+    return words[0], words[1], words[2], words[3]
 
 
 def xxh3_digest(data: torch.Tensor) -> int:
     """xxh3_64 of a CPU byte tensor, read in place (xxhash releases the GIL while it hashes)."""
     return xxhash.xxh3_64_intdigest(data.numpy())
+
+
+def xxh3_packed(data: torch.Tensor, copied: Copied) -> int:
+    """xxh3_64 of a packed host bucket's data region `data` (the same `xxh3_digest` gives),
+    reading each piece of `copied` (see `Layout.pack`) where it was copied from and the rest
+    (padding, pieces torch cast or gathered) in `data`. Its sources must not change meanwhile."""
+    state, base, at = xxhash.xxh3_64(), data.data_ptr(), 0
+    for offset, address, nbytes in copied:
+        if offset > at:
+            state.update(_MEMORY[base + at:base + offset])
+        state.update(_MEMORY[address:address + nbytes])
+        at = offset + nbytes
+    if data.numel() > at:
+        state.update(_MEMORY[base + at:base + data.numel()])
+    return state.intdigest()
+
+
+def done(digest: int) -> Future[int]:
+    """A checksum computed already, as one under way is handed around."""
+    future: Future[int] = Future()
+    future.set_result(digest)
+    return future
+
+
+def settle(pending: Iterable[Future[int]]) -> None:
+    """Drop checksums not started and wait for those running: once this returns, no worker
+    reads a slot or a source any more, so they may be refilled or freed."""
+    pending = list(pending)
+    for future in pending:
+        future.cancel()
+    wait(pending)
 
 
 def word_sum_digest(data: torch.Tensor) -> int:
@@ -134,18 +177,28 @@ def word_sum_digest(data: torch.Tensor) -> int:
     bytes) and weights the sum of each 1 MiB block by its position (which catches blocks
     landing in the wrong place). `data` is a whole number of 64-byte blocks.
     """
+    return fold(word_sums(data))
+
+
+def word_sums(data: torch.Tensor) -> torch.Tensor:
+    """The two sums `word_sum_digest` folds, queued on the current stream and not waited for:
+    the value they read is the data as the stream has it, whatever the host does next."""
     words = data.view(torch.int64)
     block = 1 << 17
     full = words.numel() // block
     sums = words[:full * block].view(full, block).sum(dim=1)
     tail = words[full * block:].sum()
     weights = torch.arange(1, full + 1, dtype=torch.int64, device=data.device)
-    plain = sums.sum() + tail
-    weighted = (sums * weights).sum() + tail * (full + 1)
-    a, b = (int(v) & _MASK for v in torch.stack([plain, weighted]).tolist())
+    return torch.stack([sums.sum() + tail, (sums * weights).sum() + tail * (full + 1)])
+
+
+def fold(sums: torch.Tensor) -> int:
+    """The checksum from `word_sums`; waits for them."""
+    a, b = (int(v) & _MASK for v in sums.tolist())
     return ((a * 0x9E37_79B9_7F4A_7C15) & _MASK) ^ b
 
 
 __all__ = [
-    "HEADER_BYTES", "MAGIC", "SLOTS", "Layout", "read_header", "word_sum_digest", "write_header", "xxh3_digest",
+    "HEADER_BYTES", "MAGIC", "SLOTS", "Copied", "Layout", "done", "fold", "read_header", "settle", "word_sum_digest",
+    "word_sums", "write_header", "xxh3_digest", "xxh3_packed",
 ]

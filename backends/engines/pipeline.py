@@ -1,32 +1,38 @@
 """The double-buffered bucket pipeline every transport engine shares (gloo, nccl, hccl, shm).
 
 The sender has two bucket slots: it packs bucket k into slot k % 2 while bucket k - 1 is on
-the wire, and waits for bucket k - 2's transfer before it overwrites that slot. A receiver
-has buckets k and k + 1 posted and verifies each as it lands. What it does next is its
-`apply` mode:
+the wire, and waits for bucket k - 2's transfer before it overwrites that slot. Bucket k
+starts as soon as it is packed; its checksum is computed while it is on the wire (on a host
+by the engine's one checksum worker, see `buckets`) and sent after it as the control key
+`digest/{k}` (16 hex digits), as soon as it is ready and at the latest once bucket k + 1 has
+started. A receiver has buckets k and k + 1 posted; it checks bucket k's header as it lands,
+hashes it on its own worker while k + 1 arrives, and counts it verified only once its hash
+matches `digest/{k}`. What it does next is its `apply` mode:
 
-- `streamed`: two slots, like the sender. It hands out bucket k's tensors and only then
-  posts bucket k + 2 into the slot k used, so it never holds more than two buckets; a bad
-  bucket k leaves buckets before it applied.
+- `streamed`: two slots, like the sender. It hands out bucket k's tensors once k verified
+  and only then posts bucket k + 2 into the slot k used, so it never holds more than two
+  buckets; a bad bucket k leaves buckets before it applied.
 - `atomic` (the default): one buffer per bucket of the sync, each bucket received straight
-  into its own (shm copies it out of the shared slot). It hands out the first tensor only
-  once the last bucket has verified, so a bad bucket anywhere means nothing is applied.
+  into its own (shm copies it out of the shared slot, then lets the sender refill it), so
+  bucket k is checked while later ones land. It hands out the first tensor only once the
+  last bucket has verified, so a bad bucket anywhere means nothing is applied.
 
-The small messages (plan, answers, and for shm the per-bucket signals) go through a
-`ControlStore`; a subclass supplies only the data plane: slots, start send / receive, wait.
+The small messages (plan, answers, checksums, and for shm the per-bucket signals) go through
+a `ControlStore`; a subclass supplies only the data plane: slots, start send / receive, wait.
 The receiver decides: it checks the sender's plan (`plan.check_plan`) against its own
 settings (its `verify` wins), allocates for it, and answers `accepted/{rank}`; the sender
 waits for every answer before bucket 0 moves, so a refused plan fails both sides at once and
 applies nothing. A receiver that rejects a bucket, or whose rollout stops reading, drains
 the rest without applying it and reports why (`status/{rank}`), so the sender fails with
-the reason instead of a timeout.
+the reason instead of a timeout. A checksum that never comes ends the receive at the sync's
+deadline; one that is not 16 hex digits is a rejection like a mismatch.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -34,11 +40,13 @@ import torch
 from torch.profiler import record_function
 
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
-from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout, word_sum_digest, write_header, xxh3_digest
+from backends.engines.buckets import (
+    HEADER_BYTES, SLOTS, Copied, Layout, done, fold, settle, word_sum_digest, word_sums, write_header, xxh3_digest,
+    xxh3_packed,
+)
 from backends.engines.control import ControlStore, StoreLink, answer, read_answer
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
-from lifecycle.checksum import Hasher
 from lifecycle.errors import EngineError
 
 
@@ -62,7 +70,7 @@ class BucketEngine(CheckpointEngine):
         self._receiver: Receiver | None = None
         self._prepared = False
         self._hashing: ThreadPoolExecutor | None = None
-        """The one worker that checksums the buckets this engine packs; started on first use."""
+        """The one worker that checksums the buckets this engine sends or receives; started on first use."""
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 
@@ -116,27 +124,19 @@ class BucketEngine(CheckpointEngine):
         word sum on a device (`word_sum_digest`: no copy to the host)."""
         return xxh3_digest(data) if data.device.type == "cpu" else word_sum_digest(data)
 
-    def _pack(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor], verify: bool) -> int:
-        """Pack bucket k; returns its checksum (0 unverified), the same `_digest` gives.
+    def _digest_later(self, data: torch.Tensor) -> Future[int]:
+        """`_digest(data)` under way: on the checksum worker on a host, so the caller goes on
+        receiving; at once on a device, where the word sum runs anyway."""
+        if data.device.type == "cpu":
+            return self._worker().submit(self._digest, data)
+        return done(self._digest(data))
 
-        On a host, xxh3 runs on a worker thread over each slice as soon as it is packed, so the
-        checksum costs a second core's time instead of a pass after the copy; on a device, the
-        checksum is one pass over the packed bucket there. The worker
-        is the engine's own, from one bucket and one sync to the next, until `close()`.
-        """
-        if not verify or self.device.type != "cpu":
-            layout.pack(k, tensors)
-            used = layout.plan.used(k)
-            return self._digest(self.slots[k % SLOTS][HEADER_BYTES:HEADER_BYTES + used]) if verify else 0
+    def _worker(self) -> ThreadPoolExecutor:
+        """The engine's checksum worker: one thread (xxh3 releases the GIL while it hashes),
+        from one bucket and one sync to the next, until `close()`."""
         if self._hashing is None:
             self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-checksum")
-        hasher = Hasher(self._hashing)
-        try:
-            layout.pack(k, tensors, lambda region: hasher.feed(region.numpy()))
-        except BaseException:
-            hasher.abandon()
-            raise
-        return int(hasher.digest(), 16)
+        return self._hashing
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -161,18 +161,11 @@ class BucketEngine(CheckpointEngine):
         control.set("version", str(version))
         control.set("plan", layout.raw)
         self._await_answers("accepted", f"refused the plan of weights v{version}")
-        count = len(layout.plan.buckets)
-        in_flight = self._in_flight = [None] * SLOTS
-        for k in range(count):
-            if in_flight[k % SLOTS] is not None:
-                self._wait(in_flight[k % SLOTS], f"bucket {k - SLOTS} of {count}")
-            in_flight[k % SLOTS] = self._send_bucket(layout, k, tensors, version)
-        for k in range(max(0, count - SLOTS), count):
-            self._wait(in_flight[k % SLOTS], f"bucket {k} of {count}")
+        self._send_buckets(layout, tensors, version)
         self._await_answers("status", f"rejected weights v{version}")
         self._clean = True
-        return SyncStats(backend=self.name, version=version, bytes=layout.plan.total_bytes, buckets=count,
-                         tensors=len(pairs), receivers=len(topology.receivers),
+        return SyncStats(backend=self.name, version=version, bytes=layout.plan.total_bytes,
+                         buckets=len(layout.plan.buckets), tensors=len(pairs), receivers=len(topology.receivers),
                          seconds=time.perf_counter() - start)
 
     def receive_weights(self, version: int | None = None, *, expected: Collection[str] | None = None) -> Incoming:
@@ -284,12 +277,63 @@ class BucketEngine(CheckpointEngine):
         except EngineError as exc:
             structlog.get_logger().warning("engine.answer_not_sent", engine=self.name, key=key, error=str(exc))
 
-    def _send_bucket(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor], version: int) -> Any:
-        slot = self.slots[k % SLOTS]
+    def _send_buckets(self, layout: Layout, tensors: Sequence[torch.Tensor], version: int) -> None:
+        """Every bucket, two in flight, each checksum sent after its bucket; returns once the
+        last transfer is done, and, however it ends, once no checksum reads a bucket any more."""
+        count = len(layout.plan.buckets)
+        in_flight: list[Any] = [None] * SLOTS
+        self._in_flight = in_flight
+        digests: dict[int, Future[int]] = {}
+        try:
+            for k in range(count):
+                if in_flight[k % SLOTS] is not None:
+                    self._wait(in_flight[k % SLOTS], f"bucket {k - SLOTS} of {count}")
+                self._send_digests(digests, upto=k - SLOTS)
+                in_flight[k % SLOTS], digest = self._send_bucket(layout, k, tensors, version)
+                if digest is not None:
+                    digests[k] = digest
+                self._send_digests(digests, upto=k - 1)
+            self._send_digests(digests, upto=count - 1)
+            for k in range(max(0, count - SLOTS), count):
+                self._wait(in_flight[k % SLOTS], f"bucket {k} of {count}")
+        finally:
+            settle(digests.values())
+
+    def _send_bucket(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor],
+                     version: int) -> tuple[Any, Future[int] | None]:
+        """Pack bucket k and start its transfer at once; returns the transfer and, when the plan
+        verifies, its checksum under way (sent by `_send_digests`).
+
+        On a host the checksum worker hashes the bucket while it is on the wire, reading each
+        piece packed byte for byte where it was packed from (`xxh3_packed`): until it is done
+        neither those tensors nor the slot may change, which the pipeline keeps by sending
+        digest k before it packs bucket k + 2 into k's slot. On a device the word sums are
+        queued on the stream behind the pack, so they see the bucket as packed, and read once
+        the transfer started."""
+        slot, used, verify = self.slots[k % SLOTS], layout.plan.used(k), layout.plan.verify
+        host = slot.device.type == "cpu"
+        data = slot[HEADER_BYTES:HEADER_BYTES + used]
+        copied: Copied | None = [] if verify and host else None
         with record_function(f"pack bucket {k}"):
-            digest = self._pack(layout, k, tensors, layout.plan.verify)
-            write_header(slot, version, k, layout.plan.used(k), digest)
-        return self._start_send(k, HEADER_BYTES + layout.plan.used(k))
+            layout.pack(k, tensors, copied)
+            write_header(slot, version, k, used)
+            sums = word_sums(data) if verify and not host else None
+        handle = self._start_send(k, HEADER_BYTES + used)
+        if copied is not None:
+            return handle, self._worker().submit(xxh3_packed, data, copied)
+        return handle, None if sums is None else done(fold(sums))
+
+    def _send_digests(self, digests: dict[int, Future[int]], upto: int) -> None:
+        """Send, in bucket order, the checksums of buckets up to `upto` (waiting for them), then
+        those of later buckets already computed."""
+        while digests:
+            k = min(digests)
+            if k > upto and not digests[k].done():
+                return
+            self._send_digest(k, digests.pop(k).result())
+
+    def _send_digest(self, k: int, digest: int) -> None:
+        self._control().set(f"digest/{k}", f"{digest:016x}")
 
     def _await_answers(self, key: str, what: str) -> None:
         """Wait for every receiver's `{key}/{rank}`; an `EngineError` naming each that said no."""

@@ -1,10 +1,18 @@
 """A receiver's side of one sync once it accepted the plan: its slots, and verifying each bucket
-before any tensor of it is handed out (see `pipeline` for the pipeline as a whole)."""
+before any tensor of it is handed out (see `pipeline` for the pipeline as a whole).
+
+Bucket k's header is checked as it lands (a bad one fails at once); its checksum runs on the
+engine's worker while bucket k + 1 arrives, and is compared with the sender's, the control
+key `digest/{k}`, once both are there. A streamed receiver waits for that before it hands
+bucket k out; an atomic one lets later buckets land meanwhile and checks each in order.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -12,7 +20,7 @@ import torch
 from torch.profiler import record_function
 
 from backends.engines.base import Incoming, Topology, TransportError
-from backends.engines.buckets import HEADER_BYTES, MAGIC, SLOTS, Layout, read_header
+from backends.engines.buckets import HEADER_BYTES, MAGIC, SLOTS, Layout, read_header, settle
 from backends.engines.control import clip, digits
 from backends.engines.plan import Plan, PlanRefused
 from lifecycle.errors import EngineError
@@ -27,6 +35,10 @@ def sent_version(raw: bytes) -> int:
     if version is None:
         raise PlanRefused(f"the sender's version {raw[:40]!r} is not a non-negative integer")
     return version
+
+
+_DIGEST = re.compile(rb"[0-9a-f]{16}")
+"""A sender's checksum as it travels (`digest/{k}`): 16 lowercase hex digits, nothing else."""
 
 
 def receive_sizes(plan: Plan, apply: str) -> list[int]:
@@ -92,6 +104,8 @@ class Receiver:
         self.version = version
         self.incoming = incoming
         self.inbox = Inbox(engine, layout.plan)
+        self.checks: dict[int, Future[int]] = {}
+        """Checksums under way, by bucket, until each is compared with the sender's."""
         self.error: str | None = None
         self.link_failed = False
         self.finished = False
@@ -104,7 +118,8 @@ class Receiver:
                     yield from layout.unpack(k)
             else:
                 for k in range(self.inbox.count):
-                    self._verify(k, self.inbox.take(k))
+                    self._land(k, self.inbox.take(k))
+                    self._verify(k)
                     yield from self.layout.unpack(k)
                     self.inbox.done(k)
             self.incoming.complete = True
@@ -116,14 +131,18 @@ class Receiver:
             self.error = str(exc)
             raise
         finally:
+            settle(self.checks.values())
+            self.checks.clear()
             self.finish()
 
     def _receive_all(self) -> Layout:
-        """Every bucket received and verified, kept where the returned layout reads them."""
+        """Every bucket received and verified, kept where the returned layout reads them.
+
+        Bucket k is in a buffer of its own once it landed (or was copied out of the shared
+        slot), so its slot is given back at once and k is checked while later buckets land."""
         staging = self.staging
         for k in range(self.inbox.count):
             slot = self.inbox.take(k)
-            self._verify(k, slot)
             if staging is not self.layout:
                 nbytes = HEADER_BYTES + self.plan.used(k)
                 if slot.device.type == "cpu":
@@ -131,28 +150,49 @@ class Receiver:
                 else:
                     staging.slots[k][:nbytes].copy_(slot[:nbytes])
             self.inbox.done(k)
+            self._land(k, staging.slots[k])
+            if k:
+                self._verify(k - 1)
+        if self.inbox.count:
+            self._verify(self.inbox.count - 1)
         return staging
 
-    def _verify(self, k: int, slot: torch.Tensor) -> None:
-        with record_function(f"verify bucket {k}"):
-            self._check(k, slot)
+    def _land(self, k: int, slot: torch.Tensor) -> None:
+        """Bucket k is in `slot`: check its header now, and start its checksum when this receiver verifies."""
+        self._header(k, slot)
+        if self.engine.verify:
+            self.checks[k] = self.engine._digest_later(slot[HEADER_BYTES:HEADER_BYTES + self.plan.used(k)])
 
-    def _check(self, k: int, slot: torch.Tensor) -> None:
-        name, count = self.engine.name, self.inbox.count
-        magic, version, index, used, digest = read_header(slot)
+    def _header(self, k: int, slot: torch.Tensor) -> None:
+        magic, version, index, used = read_header(slot)
         expected = (MAGIC, self.version, k, self.plan.used(k))
         if (magic, version, index, used) != expected:
-            raise EngineError(f"{name} engine: bucket {k} of {count} arrived with a bad header "
+            raise EngineError(f"{self.engine.name} engine: bucket {k} of {self.inbox.count} arrived with a bad header "
                               f"(magic {magic:#x}, v{version}, bucket {index}, {used} bytes); expected "
                               f"v{expected[1]}, bucket {k}, {expected[3]} bytes; nothing from it was applied")
-        if self.engine.verify:
-            actual = self.engine._digest(slot[HEADER_BYTES:HEADER_BYTES + used])
-            if actual != digest:
-                names = self.layout.names(k)
-                held = clip(", ".join(names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-                raise EngineError(f"{name} engine: bucket {k} of {count} failed its checksum (sent "
-                                  f"{digest:016x}, received {actual:016x}); nothing from it was applied; "
-                                  f"it holds {held}")
+
+    def _verify(self, k: int) -> None:
+        """Compare bucket k's checksum with the sender's, waiting for both."""
+        check = self.checks.pop(k, None)
+        if check is None:
+            return
+        with record_function(f"verify bucket {k}"):
+            sent = self._sent_digest(k)
+            actual = check.result()
+        if actual != sent:
+            names = self.layout.names(k)
+            held = clip(", ".join(names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise EngineError(f"{self.engine.name} engine: bucket {k} of {self.inbox.count} failed its checksum "
+                              f"(sent {sent:016x}, received {actual:016x}); nothing from it was applied; "
+                              f"it holds {held}")
+
+    def _sent_digest(self, k: int) -> int:
+        """The sender's checksum of bucket k; it comes after the bucket, by the sync's deadline."""
+        raw = self.engine._control().get(f"digest/{k}", watch_closed=True)
+        if not _DIGEST.fullmatch(raw):
+            raise EngineError(f"{self.engine.name} engine: bucket {k} of {self.inbox.count}: the sender's checksum "
+                              f"{raw[:40]!r} ({len(raw)} bytes) is not 16 hex digits; nothing from it was applied")
+        return int(raw, 16)
 
     def finish(self) -> None:
         """Drain what is left and tell the sender how it went; at most once, never raises."""

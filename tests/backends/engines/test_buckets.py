@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from backends.engines.buckets import (
-    HEADER_BYTES, MAGIC, Layout, read_header, word_sum_digest, write_header, xxh3_digest,
+    HEADER_BYTES, MAGIC, Copied, Layout, fold, read_header, word_sum_digest, word_sums, write_header, xxh3_digest,
+    xxh3_packed,
 )
 from backends.engines.plan import ALIGN, Plan, TensorMeta, align, make_plan
 from tests.backends.engines.kit import mixed_tensors
@@ -79,10 +80,10 @@ def test_layout_views_live_inside_the_two_slots() -> None:
     assert layout.fits(slots) and not layout.fits(_slots(256))
 
 
-def test_header_round_trips_unsigned_64_bit_checksums() -> None:
+def test_header_round_trips_unsigned_64_bit_words() -> None:
     slot = torch.zeros(HEADER_BYTES + 64, dtype=torch.uint8)
-    write_header(slot, 7, 3, 64, (1 << 64) - 5)
-    assert read_header(slot) == (MAGIC, 7, 3, 64, (1 << 64) - 5)
+    write_header(slot, (1 << 64) - 5, 3, 64)
+    assert read_header(slot) == (MAGIC, (1 << 64) - 5, 3, 64)
 
 
 @pytest.mark.parametrize("checksum", [xxh3_digest, word_sum_digest])
@@ -96,17 +97,36 @@ def test_checksums_catch_a_flipped_bit_and_swapped_blocks(checksum: object) -> N
     assert checksum(data.clone()) == base  # type: ignore[operator]
 
 
-def test_packing_hands_out_the_data_region_in_order_once_so_a_streamed_checksum_matches() -> None:
-    named = [(f"t{i}", torch.randn(100_000 + i)) for i in range(50)]
-    bucket = 8 << 20
+def test_packing_says_which_pieces_it_copied_byte_for_byte_so_their_sources_hash_as_the_region() -> None:
+    named = [(f"t{i}", torch.randn(100_000 + i)) for i in range(50)] + mixed_tensors()
+    bucket = 1 << 20
     plan = make_plan(_metas(named), bucket, verify=True)
     layout = Layout(plan, _slots(bucket))
-    handed_out = 0
+    sources = 0
     for k in range(len(plan.buckets)):
-        slices: list[torch.Tensor] = []
-        layout.pack(k, [t for _, t in named], slices.append)
+        copied: Copied = []
+        layout.pack(k, [t for _, t in named], copied)
         data = layout.slots[k % 2][HEADER_BYTES:HEADER_BYTES + plan.used(k)]
-        assert torch.equal(torch.cat(slices), data) and slices[0].data_ptr() == data.data_ptr()
-        assert all(a.data_ptr() + a.numel() == b.data_ptr() for a, b in zip(slices, slices[1:]))
-        handed_out += len(slices)
-    assert handed_out > len(plan.buckets)
+        assert xxh3_packed(data, copied) == xxh3_digest(data)
+        assert [offset for offset, _, _ in copied] == sorted(offset for offset, _, _ in copied)
+        sources += len(copied)
+    assert sources == sum(len(b) for b in plan.buckets) - 2  # all but the strided tensor and the empty one
+
+
+def test_a_slot_scribbled_on_after_packing_fails_the_senders_checksum() -> None:
+    named = mixed_tensors()
+    plan = make_plan(_metas(named), 4096, verify=True)
+    layout = Layout(plan, _slots(4096))
+    copied: Copied = []
+    layout.pack(0, [t for _, t in named], copied)
+    data = layout.slots[0][HEADER_BYTES:HEADER_BYTES + plan.used(0)]
+    data[5] ^= 0xFF
+    assert xxh3_packed(data, copied) != xxh3_digest(data)
+
+
+def test_the_word_sums_fold_to_the_digest_of_the_data_as_it_was_when_they_were_taken() -> None:
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    sums = word_sums(data)
+    base = word_sum_digest(data)
+    data[7] ^= 1
+    assert fold(sums) == base != word_sum_digest(data)
