@@ -21,7 +21,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import xxhash
@@ -40,43 +40,6 @@ ALGORITHMS = (ALGORITHM, PLAIN)
 THREADS = max(1, min(8, os.cpu_count() or 1))
 """Threads that move and hash pieces: every core, up to 8, past which memory bandwidth bounds a copy."""
 CHUNK_BYTES = 64 * 1024 * 1024
-
-
-class Hasher:
-    """Feeds buffers, in order, to one xxh3 state on a worker thread (xxh3 releases the GIL).
-
-    The caller hashes run after run (an engine, one bucket at a time) on its own executor,
-    instead of starting and joining a thread per run, and shuts it down itself. That executor
-    must run one task at a time, in order (`ThreadPoolExecutor(max_workers=1)`).
-    """
-
-    def __init__(self, executor: ThreadPoolExecutor) -> None:
-        self._state = xxhash.xxh3_64()
-        self._pool = executor
-        self._pending: list[Future[None]] = []
-
-    def feed(self, buffer: memoryview | bytes) -> None:
-        """The buffer must not change until `digest()` or `abandon()` returns."""
-        self._pending.append(self._pool.submit(self._state.update, buffer))
-
-    def digest(self) -> str:
-        try:
-            for future in self._pending:
-                future.result()
-        finally:
-            self._done(cancel=False)
-        return self._state.hexdigest()
-
-    def abandon(self) -> None:
-        """Drop what was not hashed yet; returns once the worker no longer reads any buffer."""
-        self._done(cancel=True)
-
-    def _done(self, cancel: bool) -> None:
-        if cancel:
-            for future in self._pending:
-                future.cancel()
-        wait(self._pending)
-        self._pending.clear()
 
 
 def piece_digest(buffers: Iterable[memoryview | bytes]) -> int:

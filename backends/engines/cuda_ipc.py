@@ -16,13 +16,11 @@ name one of torch's counter files and a slot inside it, and each slot's size mus
 plan's bucket size. `backend: auto` never picks this engine: it is named in config, for a
 rollout known to share the trainer's GPU.
 
-The slots come from a memory pool of their own, so a mapping opens the two buckets and
-nothing else of the trainer's memory. Their lifetime is this engine's, not torch's IPC
-reference counting (one counter per export, which a receiver that never opens would keep
-from reaching zero, holding the buckets in torch's limbo for good): the sender releases the
-count at once, keeps the buckets until `close()` or a change of `bucket_bytes`, and
-publishes new handles when it makes new buckets, so a receiver never reads buckets the
-sender has given back.
+Torch's IPC reference counting is left as it is: the sender's buckets are kept until
+`close()` or a change of `bucket_bytes`, and new buckets are published under new handles,
+so a receiver re-opens them. A mapping opens the whole allocator segment the bucket sits in
+(torch's handles are per segment, with an offset), which may hold other tensors of the
+trainer; a receiver only ever reads the bucket's range.
 
 Memory: the sender keeps two buckets of `bucket_bytes` on the GPU between syncs (until
 `close()`); an atomic receiver holds one more copy of the whole sync, a streamed one nothing.
@@ -68,8 +66,6 @@ class CudaIpcEngine(SharedSlotEngine):
         self._requested = device
         self._shared: list[dict[str, Any]] = []
         """The sender's exported handles, as it publishes them."""
-        self._pool: Any = None
-        """The sender's private memory pool that holds its two slots and nothing else."""
 
     @classmethod
     def check_available(cls) -> None:
@@ -90,15 +86,12 @@ class CudaIpcEngine(SharedSlotEngine):
 
     def _create(self, size: int) -> None:
         self._free_buckets()
-        self._pool = torch.cuda.MemPool()
-        with torch.cuda.use_mem_pool(self._pool, device=self.device):
-            self.slots = self._allocate([size - HEADER_BYTES] * SLOTS, self.device)
+        self.slots = self._allocate([size - HEADER_BYTES] * SLOTS, self.device)
         self._shared = [_export(slot, self.device) for slot in self.slots]
 
     def _free_buckets(self) -> None:
         super()._free_buckets()
         self._shared = []
-        self._pool = None
 
     def _publish(self) -> bytes:
         return json.dumps({"gpu": _uuid(self.device), "slots": self._shared}).encode()
@@ -118,10 +111,8 @@ def _uuid(device: torch.device) -> str:
 
 
 def _export(slot: torch.Tensor, device: torch.device) -> dict[str, Any]:
-    """The slot's handle, with torch's reference count for it released at once (see the module
-    docstring); refuses an expandable segment, whose handle a receiver should not open."""
+    """The slot's handle; refuses an expandable segment's, which a receiver should not open."""
     (_, handle, size, offset, ref, ref_offset, event, event_sync) = slot.untyped_storage()._share_cuda_()
-    torch.UntypedStorage._release_ipc_counter_cuda(ref, ref_offset, device=device.index)
     if len(handle) != _HANDLE_BYTES or handle[1] != _PLAIN:
         raise EngineError("cuda_ipc engine: torch's CUDA allocator gave the buckets an expandable segment "
                           "(PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True), whose handles this engine "
