@@ -1,4 +1,4 @@
-"""The small messages of a sync (version, plan, answers, shm's bucket signals) over a TCPStore.
+"""The small messages of a sync (version, plan, answers, checksums, bucket signals) over a TCPStore.
 
 The sender hosts one store on the rendezvous address for as long as its engine lives; each
 sync writes under its own prefix `sync{n}/`, opened with an `open` key and marked `closed`

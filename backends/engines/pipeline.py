@@ -1,10 +1,10 @@
-"""The double-buffered bucket pipeline every transport engine shares (gloo, nccl, hccl, shm).
+"""The double-buffered bucket pipeline every transport engine shares (gloo, nccl, hccl, shm, cuda_ipc).
 
 The sender has two bucket slots: it packs bucket k into slot k % 2 while bucket k - 1 is on
 the wire, and waits for bucket k - 2's transfer before it overwrites that slot. Bucket k
 starts as soon as it is packed; its checksum is computed while it is on the wire (on a host
 by the engine's one checksum worker, see `buckets`) and sent after it as the control key
-`digest/{k}` (16 hex digits), as soon as it is ready and at the latest once bucket k + 1 has
+`digest/{k}` (16 lowercase hex digits), as soon as it is ready and at the latest once bucket k + 1 has
 started. A receiver has buckets k and k + 1 posted; it checks bucket k's header as it lands,
 hashes it on its own worker while k + 1 arrives, and counts it verified only once its hash
 matches `digest/{k}`. What it does next is its `apply` mode:
@@ -25,7 +25,7 @@ waits for every answer before bucket 0 moves, so a refused plan fails both sides
 applies nothing. A receiver that rejects a bucket, or whose rollout stops reading, drains
 the rest without applying it and reports why (`status/{rank}`), so the sender fails with
 the reason instead of a timeout. A checksum that never comes ends the receive at the sync's
-deadline; one that is not 16 hex digits is a rejection like a mismatch.
+deadline; one that is not 16 lowercase hex digits is a rejection like a mismatch.
 """
 
 from __future__ import annotations

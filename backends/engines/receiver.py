@@ -191,7 +191,7 @@ class Receiver:
         raw = self.engine._control().get(f"digest/{k}", watch_closed=True)
         if not _DIGEST.fullmatch(raw):
             raise EngineError(f"{self.engine.name} engine: bucket {k} of {self.inbox.count}: the sender's checksum "
-                              f"{raw[:40]!r} ({len(raw)} bytes) is not 16 hex digits; nothing from it was applied")
+                              f"{raw[:40]!r} ({len(raw)} bytes) is not 16 lowercase hex digits; nothing from it was applied")
         return int(raw, 16)
 
     def finish(self) -> None:

@@ -8,8 +8,8 @@ published (`_open`); what is published is checked by the receiver as it checks t
 a refusal is one more reason in its answer (`accepted/{rank}`) and the sender fails at once.
 
 A streamed receiver verifies and hands out the sender's bucket in place; an atomic one (the
-default) verifies it and copies it into private buffers (`_staging`), handed out once every
-bucket has verified. Shared slots are kept from one sync to the next (mapping them is the
+default) copies it into private buffers (`_staging`) and verifies the copy, handed out once
+every bucket has verified. Shared slots are kept from one sync to the next (mapping them is the
 expensive part), until the sender's `close()`.
 """
 

@@ -22,25 +22,10 @@ import torch
 
 from backends.base import free_port
 from backends.engines import CheckpointEngineRegistry, Rendezvous, receive_into
+from weight_sync import _Reader  # the same reader as the host bench: takes every tensor, keeps none
 
 HOST = "127.0.0.1"
 VARIANTS = (("atomic", True), ("atomic", False), ("streamed", True), ("streamed", False))
-
-
-class _Reader:
-    weights_version = 0
-    stale = False
-
-    def pause(self) -> None: ...
-
-    def resume(self) -> None: ...
-
-    def mark_stale(self) -> None:
-        self.stale = True
-
-    def load_weights(self, named_tensors: Any) -> None:
-        for _ in named_tensors:
-            pass
 
 
 def _engine(args: argparse.Namespace, apply: str, verify: bool) -> Any:
