@@ -265,3 +265,25 @@ def test_a_sender_failing_after_a_bucket_left_fails_a_receiver_waiting_for_its_d
     assert time.monotonic() - start < HANG_GUARD_S  # a receiver that waited out its timeout would take TIMEOUT_S
     assert isinstance(run.error, RuntimeError) and isinstance(run.errors[0], EngineError)
     assert_kept_old_weights(rollout)
+
+
+def test_an_atomic_shm_receiver_hashes_its_private_copy_never_the_shared_slot() -> None:
+    """The sender refills a shared slot once the receiver said it is done with it, so a hash of
+    the slot taken after that would check bytes of another bucket."""
+    from backends.engines.shm import ShmEngine
+
+    hashed: list[int] = []
+
+    class Spying(ShmEngine):
+        def _digest_later(self, data: torch.Tensor) -> Any:
+            hashed.append(data.data_ptr())
+            return super()._digest_later(data)
+
+    receiver = Spying(bucket_bytes=4096, timeout_s=TIMEOUT_S)
+    run = sync_threads(new_engine("shm"), [receiver], mixed_tensors())
+    assert run.error is None and run.errors == [None]
+    private = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in receiver._staged.slots]  # type: ignore[union-attr]
+    shared = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in receiver.slots]
+    assert len(hashed) == len(private) > 2
+    assert all(any(lo <= p < hi for lo, hi in private) for p in hashed)
+    assert not any(lo <= p < hi for p in hashed for lo, hi in shared)
