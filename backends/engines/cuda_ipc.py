@@ -87,7 +87,7 @@ class CudaIpcEngine(SharedSlotEngine):
     def _create(self, size: int) -> None:
         self._free_buckets()
         self.slots = self._allocate([size - HEADER_BYTES] * SLOTS, self.device)
-        self._shared = [_export(slot, self.device) for slot in self.slots]
+        self._shared = [_export(slot) for slot in self.slots]
 
     def _free_buckets(self) -> None:
         super()._free_buckets()
@@ -110,7 +110,7 @@ def _uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _export(slot: torch.Tensor, device: torch.device) -> dict[str, Any]:
+def _export(slot: torch.Tensor) -> dict[str, Any]:
     """The slot's handle; refuses an expandable segment's, which a receiver should not open."""
     (_, handle, size, offset, ref, ref_offset, event, event_sync) = slot.untyped_storage()._share_cuda_()
     if len(handle) != _HANDLE_BYTES or handle[1] != _PLAIN:

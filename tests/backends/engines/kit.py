@@ -184,20 +184,25 @@ def read_case(path: str | os.PathLike[str]) -> dict[str, Any]:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+def die_at_release(engine: CheckpointEngine, bucket: int) -> CheckpointEngine:
+    """`engine`, made to SIGKILL its own process when it is done with `bucket` (a receiver that dies mid-sync)."""
+    release = engine._release  # type: ignore[attr-defined]
+
+    def release_or_die(k: int) -> None:
+        if k == bucket:
+            os.kill(os.getpid(), signal.SIGKILL)
+        release(k)
+
+    engine._release = release_or_die  # type: ignore[attr-defined]
+    return engine
+
+
 def die_mid_receive(case_path: str) -> None:
     """A rollout process (rank 2) that SIGKILLs itself once bucket 3 of a sync has landed.
 
     It holds no model (one that dies needs none), so it starts without importing transformers.
     """
     case = read_case(case_path)
-    engine = new_engine(case["engine"], **case["options"])
-    release = engine._release  # type: ignore[attr-defined]
-
-    def release_or_die(k: int) -> None:
-        if k == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        release(k)
-
-    engine._release = release_or_die  # type: ignore[attr-defined]
+    engine = die_at_release(new_engine(case["engine"], **case["options"]), 3)
     Path(case["victim_ready"]).touch()
     receive_into(engine, MemoryRollout(), Rendezvous("127.0.0.1", case["port"], receivers=2), rank=2)

@@ -8,8 +8,6 @@ checked without a GPU: it is plain JSON, parsed and checked before anything is o
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,9 @@ from backends.engines.plan import PlanRefused
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryCheckpointer, MemoryRollout
 from tests.backends.dist_util import free_port, run_ranks
-from tests.backends.engines.kit import ModelRollout, digest, greedy, mixed_tensors, read_case, tiny_qwen2
+from tests.backends.engines.kit import (
+    ModelRollout, die_at_release, digest, greedy, mixed_tensors, read_case, tiny_qwen2,
+)
 
 TIMEOUT_S = 30.0
 HANDLE = "01" + "63" + "ab" * 64
@@ -240,15 +240,7 @@ def _killed_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any] |
         except EngineError as exc:
             error = str(exc)
         return {"error": error, "seconds": time.monotonic() - start}
-    engine = CheckpointEngineRegistry.new("cuda_ipc", **case["receiver"])
-    release = engine._release  # type: ignore[attr-defined]
-
-    def release_or_die(k: int) -> None:
-        if k == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        release(k)
-
-    engine._release = release_or_die  # type: ignore[attr-defined]
+    engine = die_at_release(CheckpointEngineRegistry.new("cuda_ipc", **case["receiver"]), 2)
     receive_into(engine, MemoryRollout(), rdv, rank=1)
     return None
 
