@@ -17,6 +17,7 @@ _WHERE: dict[str, str] = {
     "DEVICE_BACKENDS": "registry", "ENTRY_POINT_GROUP": "registry", "CheckpointEngineRegistry": "registry",
     "WeightSync": "sync", "profiled": "sync", "receive_into": "sync",
     "FlatLayout": "flat", "FlattenRefused": "flat", "contiguous_layout": "flat", "flatten_parameters": "flat",
+    "adopt_weights": "adopt",
 }
 
 __all__ = sorted(_WHERE)

@@ -28,7 +28,7 @@ MAX_TIMEOUT_S: float = 7 * 24 * 3600.0
 `timedelta`, threading waits and the transports' steady-clock arithmetic can hold."""
 ROLLOUT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 """The torch dtypes a rollout may ask floating weights to travel in."""
-APPLY_MODES: tuple[str, ...] = ("atomic", "streamed")
+APPLY_MODES: tuple[str, ...] = ("atomic", "streamed", "flip")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,7 +42,9 @@ class EngineOptions:
     apply: str = field(default="atomic", metadata={"choices": APPLY_MODES})
     """When a receiver hands tensors to its rollout: `atomic` once every bucket of the sync has
     verified (it holds the whole sync meanwhile), `streamed` bucket by bucket (two buckets held;
-    a later bad bucket leaves earlier ones applied and the rollout stale)."""
+    a later bad bucket leaves earlier ones applied and the rollout stale), `flip` (shm only, set on
+    both sides) into the one of two shared weight sets the rollout does not serve, handed out in
+    place once every bucket verified, for a rollout that adopts them (`adopt_weights`)."""
     timeout_s: float = field(default=300.0, metadata={"gt": 0, "le": MAX_TIMEOUT_S})
     """Seconds one sync may take before it is an error."""
     rollout_dtype: str | None = field(default=None, metadata={"choices": ROLLOUT_DTYPES})
@@ -82,6 +84,8 @@ class EngineCapabilities:
     not a `Rendezvous`."""
     devices: frozenset[str] | None = None
     """Device types its buckets live on (cpu, cuda, npu); None: any, since it moves no buckets."""
+    flips: bool = False
+    """It can take `apply: flip`: its receivers read the sender's memory where it lies (shm)."""
 
 
 def _is_number(value: object, kinds: type | tuple[type, ...]) -> bool:

@@ -161,6 +161,7 @@ class BucketEngine(CheckpointEngine):
         control.set("version", str(version))
         control.set("plan", layout.raw)
         self._await_answers("accepted", f"refused the plan of weights v{version}")
+        layout = self._bind(layout)
         self._send_buckets(layout, tensors, version)
         self._await_answers("status", f"rejected weights v{version}")
         self._clean = True
@@ -170,9 +171,10 @@ class BucketEngine(CheckpointEngine):
 
     def receive_weights(self, version: int | None = None, *, expected: Collection[str] | None = None) -> Incoming:
         topology = self._topology(sender=False)
-        sent, layout, staging = self._accept(topology.rank, version, expected)
+        sent, accepted, staging = self._accept(topology.rank, version, expected)
+        layout = self._bind(accepted)
         incoming = Incoming(sent)
-        self._receiver = Receiver(self, topology, layout, staging, sent, incoming)
+        self._receiver = Receiver(self, topology, layout, layout if staging is accepted else staging, sent, incoming)
         return incoming.feed(self._receiver.run())
 
     def finalize(self) -> None:
@@ -213,15 +215,30 @@ class BucketEngine(CheckpointEngine):
         """The sender's buckets take its own `bucket_bytes`; a receiver's, the plan's (`_receive_layout`)."""
         self._ensure_slots([self.bucket_bytes] * SLOTS)
         layout = self._layout
-        if (layout is None or not layout.fits(self.slots) or layout.plan.tensors != metas
-                or layout.plan.bucket_bytes != self.bucket_bytes or layout.plan.verify != self.verify):
-            plan = make_plan(metas, self.bucket_bytes, self.verify)
-            try:
-                check_plan(plan)
-            except PlanRefused as exc:
-                raise EngineError(f"{self.name} engine: these weights cannot travel: {exc}") from None
+        if layout is None or not layout.fits(self.slots) or not self._same_plan(layout.plan, metas):
+            plan = self._make_plan(metas)
             layout = self._layout = Layout(plan, self.slots, raw=plan.to_bytes())
         return layout
+
+    def _same_plan(self, plan: Plan, metas: list[TensorMeta]) -> bool:
+        """Whether `plan` is the one `_make_plan(metas)` would make now."""
+        return plan.tensors == metas and plan.bucket_bytes == self.bucket_bytes and plan.verify == self.verify
+
+    def _make_plan(self, metas: list[TensorMeta]) -> Plan:
+        plan = make_plan(metas, self.bucket_bytes, self.verify)
+        try:
+            check_plan(plan)
+        except PlanRefused as exc:
+            raise EngineError(f"{self.name} engine: these weights cannot travel: {exc}") from None
+        return plan
+
+    def _bind(self, layout: Layout) -> Layout:
+        """Once every receiver accepted the plan (a receiver: once it did), the layout the buckets
+        travel in: `layout` itself, but for shm's flip, which picks a weight set here."""
+        return layout
+
+    def _handed_out(self) -> None:
+        """A receiver: its rollout has read every tensor of the sync."""
 
     def _accept(self, rank: int, version: int | None,
                 expected: Collection[str] | None) -> tuple[int, Layout, Layout]:
@@ -252,18 +269,23 @@ class BucketEngine(CheckpointEngine):
         """Check the plan (a plan of the very bytes of the last one was checked then) against this
         receiver's own settings before allocating for it: its `verify` wins over the plan's."""
         layout = self._layout
-        plan = layout.plan if layout is not None and layout.raw == raw else parse_plan(raw)
+        plan = self._receivable(layout.plan if layout is not None and layout.raw == raw else parse_plan(raw), expected)
+        self._receive_slots(plan)
+        if layout is None or layout.plan is not plan or not layout.fits(self.slots):
+            layout = self._layout = Layout(plan, self.slots, raw=raw)
+        layout.reset()
+        return layout
+
+    def _receivable(self, plan: Plan, expected: Collection[str] | None) -> Plan:
+        """`plan`, once this receiver's own settings take it: its `verify` wins over the plan's,
+        and it must name every tensor in `expected`."""
         if self.verify and not plan.verify:
             raise PlanRefused("it sends no checksums (the sender's engine.verify is false) and this receiver "
                               "verifies every bucket (its engine.verify is true)")
         gaps = missing(expected, (meta.name for meta in plan.tensors))
         if gaps is not None:
             raise PlanRefused(gaps)
-        self._receive_slots(plan)
-        if layout is None or layout.plan is not plan or not layout.fits(self.slots):
-            layout = self._layout = Layout(plan, self.slots, raw=raw)
-        layout.reset()
-        return layout
+        return plan
 
     def _receive_slots(self, plan: Plan) -> None:
         """Have the slots a receive of `plan` lands in; shm maps and checks the sender's instead.
@@ -310,7 +332,7 @@ class BucketEngine(CheckpointEngine):
         digest k before it packs bucket k + 2 into k's slot. On a device the word sums are
         queued on the stream behind the pack, so they see the bucket as packed, and read once
         the transfer started."""
-        slot, used, verify = self.slots[k % SLOTS], layout.plan.used(k), layout.plan.verify
+        slot, used, verify = self.slots[k % len(self.slots)], layout.plan.used(k), layout.plan.verify
         host = slot.device.type == "cpu"
         data = slot[HEADER_BYTES:HEADER_BYTES + used]
         copied: Copied | None = [] if verify and host else None

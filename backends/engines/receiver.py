@@ -112,7 +112,7 @@ class Receiver:
 
     def run(self) -> Iterator[tuple[str, torch.Tensor]]:
         try:
-            if self.engine.apply == "atomic":
+            if self.engine.apply != "streamed":
                 layout = self._receive_all()
                 for k in range(self.inbox.count):
                     yield from layout.unpack(k)
@@ -123,6 +123,7 @@ class Receiver:
                     yield from self.layout.unpack(k)
                     self.inbox.done(k)
             self.incoming.complete = True
+            self.engine._handed_out()
         except TransportError as exc:
             self.link_failed = True
             self.error = str(exc)

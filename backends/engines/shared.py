@@ -11,19 +11,50 @@ A streamed receiver verifies and hands out the sender's bucket in place; an atom
 default) copies it into private buffers (`_staging`) and verifies the copy, handed out once
 every bucket has verified. Shared slots are kept from one sync to the next (mapping them is the
 expensive part), until the sender's `close()`.
+
+`apply: flip` (set on both sides, for an engine whose capabilities say `flips`) shares two
+weight sets instead of two slots: each holds every bucket of the plan, back to back. Each
+receiver picks the set its rollout does not serve (`target/{rank}`, answered before it
+accepts the plan); the sender writes the sync straight into it, once all receivers agree,
+and every receiver verifies each bucket in place and hands out views into the set once all
+have verified: one copy per byte end to end, and a bad bucket leaves the rollout on the set
+it serves. The set a rollout serves becomes writable again only once a later sync completed
+into the other one. The cost is memory: two weight sets, shared by the sender and every
+receiver of the host, in place of the rollout's own weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
+import structlog
 import torch
 
 from backends.engines.base import Topology
 from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout
 from backends.engines.pipeline import BucketEngine
-from backends.engines.plan import Plan, PlanRefused, align
-from backends.engines.receiver import receive_sizes
+from backends.engines.control import clip
+from backends.engines.plan import ALIGN, Plan, PlanRefused, TensorMeta, align, parse_plan
+from backends.engines.receiver import Inbox, receive_sizes
+from lifecycle.errors import EngineError
+
+
+def _pick(asked: dict[int, bytes]) -> int | str:
+    """The set a flip sync writes, from each receiver's `target/{rank}`; why none, as text."""
+    if bad := {rank: raw for rank, raw in asked.items() if raw not in (b"0", b"1", b"any")}:
+        return "receiver(s) asked for no weight set: " + ", ".join(f"rank {r}: {clip(repr(v), 20)}" for r, v in bad.items())
+    wanted = {int(raw) for raw in asked.values() if raw != b"any"}
+    if len(wanted) > 1:
+        serving = ", ".join(f"rank {r} serves set {1 - int(v)}" for r, v in asked.items() if v != b"any")
+        return (f"the receivers serve different weight sets ({serving}; a sync completed on some of them only): "
+                "restart the receivers on one side; a restarted one takes either set")
+    return wanted.pop() if wanted else 0
+
+
+def set_bytes(plan: Plan) -> int:
+    """The bytes of one flip weight set: every bucket of `plan`, header and data, back to back."""
+    return max(sum(HEADER_BYTES + align(plan.used(k)) for k in range(len(plan.buckets))), HEADER_BYTES + ALIGN)
 
 
 class SharedSlotEngine(BucketEngine):
@@ -34,6 +65,13 @@ class SharedSlotEngine(BucketEngine):
         self._staged: Layout | None = None
         self._mapped_from: bytes | None = None
         """A receiver's: the published value its open slots came from; the same bytes open nothing again."""
+        self._sets: list[torch.Tensor] = []
+        """Flip: the two shared weight sets, whole (`slots` is then one set's buckets)."""
+        self._set_layouts: list[Layout | None] = [None] * SLOTS
+        """Flip: each set's layout of the current plan, bucket k in a view of its own."""
+        self._serving: int | None = None
+        """A flip receiver: the set whose tensors its rollout read last, in full."""
+        self._target: int | None = None
 
     # -- what a subclass supplies -------------------------------------------------------------
 
@@ -60,8 +98,11 @@ class SharedSlotEngine(BucketEngine):
         receivers open them (`_receive_slots`)."""
 
     def _connect(self, topology: Topology) -> None:
-        """The sender publishes its slots (created once, kept while bucket_bytes stays)."""
+        """The sender publishes its slots (created once, kept while bucket_bytes stays); a flip
+        sender its weight sets, once it knows the plan (`_send_layout`)."""
         if topology.is_sender:
+            self._control().set("shares", b"sets" if self.apply == "flip" else b"buckets")
+        if topology.is_sender and self.apply != "flip":
             if not self.slots or self.slots[0].numel() != HEADER_BYTES + align(self.bucket_bytes):
                 self._create(HEADER_BYTES + align(self.bucket_bytes))
             self._control().set("slots", self._publish())
@@ -69,16 +110,118 @@ class SharedSlotEngine(BucketEngine):
     def _receive_slots(self, plan: Plan) -> None:
         """Open the sender's slots, unless they are the ones opened last sync; they must hold
         the plan's buckets: a receiver reads them up to `bucket_bytes`."""
-        raw = self._control().get("slots", watch_closed=True)
+        self.slots = self._shared(plan, HEADER_BYTES + align(plan.bucket_bytes), "buckets")
+
+    def _shared(self, plan: Plan, wanted: int, kind: str) -> list[torch.Tensor]:
+        """The sender's two shared regions (slots or weight sets), opened unless they are the ones
+        opened last; `PlanRefused` unless they are `kind` and of `wanted` bytes each."""
+        control = self._control()
+        shares, raw = control.get_many(["shares", "slots"], watch_closed=True)
+        if shares != kind.encode():
+            mine = "flip" if kind == "sets" else self.apply
+            raise PlanRefused(f"the sender shares {clip(repr(shares), 40)} and this receiver (engine.apply={mine!r}) "
+                              f"takes {kind}: set engine.apply to 'flip' on both sides or on neither")
         if raw != self._mapped_from:
-            self.slots, self._mapped_from = [], None
-            self.slots = self._open(raw)
+            self._forget_shared()
+            opened = self._open(raw)
             self._mapped_from = raw
-        wanted = HEADER_BYTES + align(plan.bucket_bytes)
-        held = [slot.numel() for slot in self.slots]
+            if kind == "sets":
+                self._sets = opened
+            else:
+                self.slots = opened
+        regions = self._sets if kind == "sets" else self.slots
+        held = [region.numel() for region in regions]
         if held != [wanted] * SLOTS:
-            raise PlanRefused(f"its bucket_bytes={plan.bucket_bytes} needs shared buckets of {wanted} bytes; "
+            raise PlanRefused(f"its bucket_bytes={plan.bucket_bytes} needs shared {kind} of {wanted} bytes; "
                               f"the sender's hold {held}")
+        return regions
+
+    # -- flip: two weight sets ----------------------------------------------------------------
+
+    def _send_layout(self, metas: list[TensorMeta]) -> Layout:
+        """A flip sender's plan, with both weight sets created for it and published."""
+        if self.apply != "flip":
+            return super()._send_layout(metas)
+        layout = self._set_layouts[0]
+        plan = layout.plan if layout is not None and self._same_plan(layout.plan, metas) else self._make_plan(metas)
+        size = set_bytes(plan)
+        if not self._sets or self._sets[0].numel() != size:
+            self._create(size)
+            self._sets, self.slots = self.slots, []
+            self._set_layouts = [None] * SLOTS
+        self._control().set("slots", self._publish())
+        return self._set_layout(0, plan, plan.to_bytes())
+
+    def _bind(self, layout: Layout) -> Layout:
+        """Flip: the layout in the set this sync writes. The sender picks it from what every
+        receiver asked (`target/{rank}`: the set its rollout does not serve, or `any`) and
+        publishes it (`target`); a receiver takes it only if it is the set it asked for."""
+        if self.apply != "flip":
+            return layout
+        topology, control = self._topology(), self._control()
+        if topology.is_sender:
+            target = _pick(dict(zip(topology.receivers, control.get_many([f"target/{r}" for r in topology.receivers]))))
+            if isinstance(target, str):
+                raise EngineError(f"{self.name} engine: {target}")
+            control.set("target", str(target))
+        else:
+            raw = control.get("target", watch_closed=True)
+            target = int(raw) if raw in (b"0", b"1") else None
+            if target is None or self._target not in (None, target):
+                reason = (f"the sender writes weight set {clip(repr(raw), 40)}, not the set {self._target} this "
+                          f"receiver asked for (its rollout serves the other); nothing was received")
+                self._refuse_sync(layout, reason)
+        self._target = target
+        bound = self._set_layout(target, layout.plan, layout.raw)
+        self.slots = bound.slots
+        bound.reset()
+        return bound
+
+    def _refuse_sync(self, layout: Layout, reason: str) -> None:
+        """A receiver that accepted the plan refuses the sync after all: it lets every bucket go
+        unread (the sender waits for each), tells the sender why, and raises."""
+        rank = self._topology().rank
+        self.slots = layout.slots
+        try:
+            Inbox(self, layout.plan).drain()
+        except EngineError as exc:
+            structlog.get_logger().warning("engine.drain_failed", engine=self.name, rank=rank, error=str(exc))
+        self._answer(f"status/{rank}", reason)
+        raise EngineError(f"{self.name} engine: rank {rank}: {reason}")
+
+    def _receive_layout(self, raw: bytes, expected: Collection[str] | None) -> Layout:
+        """A flip receiver: the plan checked, the sets opened and checked against it, and the
+        set its rollout does not serve asked for (`target/{rank}`) before it accepts."""
+        if self.apply != "flip":
+            return super()._receive_layout(raw, expected)
+        cached = self._set_layouts[0] or self._set_layouts[1]
+        plan = self._receivable(cached.plan if cached is not None and cached.raw == raw else parse_plan(raw), expected)
+        self._shared(plan, set_bytes(plan), "sets")
+        self._target = None if self._serving is None else 1 - self._serving
+        self._control().set(f"target/{self._topology().rank}", "any" if self._target is None else str(self._target))
+        return self._set_layout(self._target or 0, plan, raw)
+
+    def _set_layout(self, index: int, plan: Plan, raw: bytes) -> Layout:
+        """Set `index` laid out for `plan`: bucket k at its place in the set, kept while the plan stays."""
+        layout = self._set_layouts[index]
+        if layout is None or layout.plan is not plan:
+            region, at, views = self._sets[index], 0, []
+            for k in range(len(plan.buckets)):
+                size = HEADER_BYTES + align(plan.used(k))
+                views.append(region[at:at + size])
+                at += size
+            layout = self._set_layouts[index] = Layout(plan, views, raw=raw)
+        return layout
+
+    def _handed_out(self) -> None:
+        if self.apply == "flip":
+            self._serving = self._target
+
+    def _forget_shared(self) -> None:
+        """Drop what was opened from the sender's last publication: a flip receiver serves no set
+        of the new one."""
+        self.slots, self._sets, self._set_layouts = [], [], [None] * SLOTS
+        self._mapped_from, self._serving, self._target = None, None, None
 
     def _staging(self, layout: Layout) -> Layout:
         """An atomic receiver's private buffers, one per bucket: the shared slots are the
@@ -94,7 +237,7 @@ class SharedSlotEngine(BucketEngine):
     def _free_buckets(self) -> None:
         super()._free_buckets()
         self._staged = None
-        self._mapped_from = None
+        self._forget_shared()
 
     def _start_send(self, k: int, nbytes: int) -> int:
         self._fence()

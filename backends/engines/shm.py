@@ -44,7 +44,7 @@ from lifecycle.errors import EngineError
 class ShmEngine(SharedSlotEngine):
     """Sender and receivers on one host; `shm_dir` defaults to /dev/shm."""
 
-    capabilities = EngineCapabilities(devices=frozenset({"cpu"}))
+    capabilities = EngineCapabilities(devices=frozenset({"cpu"}), flips=True)
 
     def __init__(self, *, shm_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -68,8 +68,9 @@ class ShmEngine(SharedSlotEngine):
             raise EngineError(f"shm engine: cannot read the free space of shm_dir {self.shm_dir}: {exc}") from exc
         free = info.f_bavail * info.f_frsize
         if free < size * SLOTS:
-            raise EngineError(f"shm engine: {self.shm_dir} has {free} bytes free, two buckets need {size * SLOTS}; "
-                              "lower engine.bucket_bytes or give the container more shared memory")
+            raise EngineError(f"shm engine: {self.shm_dir} has {free} bytes free, its two shared "
+                              f"{'weight sets' if self.apply == 'flip' else 'buckets'} need {size * SLOTS}; lower "
+                              "engine.bucket_bytes (or leave apply 'flip') or give the container more shared memory")
         token = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._paths = [str(self.shm_dir / f"{token}-{i}") for i in range(SLOTS)]
         self._unlink = weakref.finalize(self, _unlink, list(self._paths))

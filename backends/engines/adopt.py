@@ -1,0 +1,47 @@
+"""A rollout that takes received tensors as its weights instead of copying them (`apply: flip`).
+
+With shm's `apply: flip` a sync hands out views into the shared weight set it filled, valid
+until a later sync has completed into the other set (see `Incoming`). `adopt_weights` points a
+torch module's parameters and buffers at those views: no copy, and every one or none, so a
+sync that fails anywhere (a bad bucket, a name the model lacks, a shape that differs) leaves
+the module on the weights it had.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from lifecycle.errors import EngineError
+
+
+def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Rebind each named parameter's (or buffer's) `.data` to the tensor received for it, once
+    every tensor has arrived and matches; returns how many were adopted.
+
+    The tensors must have the module's shapes, dtypes and devices: a rollout that wants another
+    dtype asks the sender for it (`engine.rollout_dtype`). A tensor not in the module is an
+    `EngineError` naming it, as is a module weight the sync left out when `complete` is true.
+    Autograd and a parameter's identity are untouched (only `.data` changes).
+    """
+    owned: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    owned.update(module.named_buffers(remove_duplicate=False))
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, tensor in named_tensors:
+        mine = owned.get(name)
+        if mine is None:
+            raise EngineError(f"adopt_weights: the sync sends {name!r}, which the rollout's "
+                              f"{type(module).__name__} has no parameter or buffer of; nothing was adopted")
+        if (mine.shape, mine.dtype, mine.device) != (tensor.shape, tensor.dtype, tensor.device):
+            raise EngineError(f"adopt_weights: {name!r} arrives as {tuple(tensor.shape)} {tensor.dtype} on "
+                              f"{tensor.device}; the rollout holds {tuple(mine.shape)} {mine.dtype} on {mine.device}; "
+                              "nothing was adopted")
+        pending.append((mine, tensor))
+    for mine, tensor in pending:
+        mine.data = tensor
+    return len(pending)
+
+
+__all__ = ["adopt_weights"]

@@ -1,0 +1,218 @@
+"""shm's `apply: flip`: the sender writes a sync into the shared weight set the rollout does not
+serve, the receiver verifies it in place, and the rollout adopts views into it; a bad bucket
+leaves the rollout on the set it serves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from backends.engines import adopt_weights
+from backends.engines.buckets import HEADER_BYTES
+from backends.engines.shared import _pick, set_bytes
+from backends.engines.shm import ShmEngine
+from lifecycle.errors import EngineError
+from lifecycle.testing import MemoryRollout
+from tests.backends.dist_util import free_port
+from tests.backends.engines.kit import (
+    ModelRollout, greedy, mixed_tensors, new_engine, sync_threads, tiny_qwen2, train_step,
+)
+
+BUCKET = 1 << 16
+
+
+class Adopting(ModelRollout):
+    """A rollout that takes the received tensors as its weights (no copy)."""
+
+    def load_weights(self, named_tensors: Any) -> None:
+        adopt_weights(self.model, named_tensors)
+
+
+class Corrupting(ShmEngine):
+    """A flip sender that flips one byte of bucket `corrupt` after packing it."""
+
+    corrupt: int | None = None
+
+    def _start_send(self, k: int, nbytes: int) -> Any:
+        if k == self.corrupt:
+            self.slots[k][HEADER_BYTES + 5] ^= 0xFF
+        return super()._start_send(k, nbytes)
+
+
+def _flip(**kwargs: Any) -> ShmEngine:
+    return new_engine("shm", apply="flip", bucket_bytes=kwargs.pop("bucket_bytes", BUCKET), **kwargs)  # type: ignore[return-value]
+
+
+def _inside(tensor: torch.Tensor, region: torch.Tensor) -> bool:
+    start = region.data_ptr()
+    return start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= start + region.numel()
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def test_each_sync_fills_the_other_set_and_the_rollout_adopts_it_without_a_private_copy() -> None:
+    trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
+    sender, receiver = _flip(), _flip()
+    port = free_port()
+    try:
+        for version, target in ((1, 0), (2, 1), (3, 0)):
+            train_step(trainer, version)
+            run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=version,
+                               port=port)
+            assert run.error is None and run.versions == [version], (run.error, run.errors)
+            assert receiver._serving == target and receiver._staged is None
+            assert len(receiver._sets) == 2 and receiver._sets[0].numel() == set_bytes(receiver._set_layouts[target].plan)
+            for name, param in rollout.model.named_parameters():
+                assert _inside(param, receiver._sets[target]), name
+                assert not _inside(param, receiver._sets[1 - target]), name
+            assert greedy(rollout.model) == greedy(trainer)
+    finally:
+        receiver.close()
+        sender.close()
+    assert greedy(rollout.model) == greedy(trainer), "the adopted set outlives the engine's own mapping"
+
+
+def test_a_corrupted_last_bucket_leaves_the_rollout_on_its_old_set_bit_identical_and_generating_as_before() -> None:
+    trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
+    sender, receiver = Corrupting(apply="flip", bucket_bytes=BUCKET, timeout_s=10), _flip()
+    port = free_port()
+    try:
+        run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=1, port=port)
+        assert run.error is None and run.versions == [1]
+        before, tokens = _state(rollout.model), greedy(rollout.model)
+        where = {name: param.data_ptr() for name, param in rollout.model.named_parameters()}
+        buckets = run.figures["buckets"]  # type: ignore[index]
+        assert buckets > 2
+        train_step(trainer, 2)
+        sender.corrupt = buckets - 1
+        run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=2, port=port)
+        assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
+        assert f"bucket {buckets - 1} of {buckets} failed its checksum" in str(run.errors[0])
+        assert rollout.weights_version == 1 and receiver._serving == 0
+        assert {name: param.data_ptr() for name, param in rollout.model.named_parameters()} == where
+        for name, tensor in _state(rollout.model).items():
+            assert torch.equal(tensor, before[name]), name
+        assert greedy(rollout.model) == tokens
+        sender.corrupt = None
+        run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=2, port=port)
+        assert run.error is None and run.versions == [2] and receiver._serving == 1
+        assert greedy(rollout.model) == greedy(trainer)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+class _FailOnce(MemoryRollout):
+    """A rollout whose first `load_weights` raises after reading one tensor."""
+
+    failed = False
+
+    def load_weights(self, named_tensors: Any) -> None:
+        if not self.failed:
+            self.failed = True
+            next(iter(named_tensors))
+            raise RuntimeError("rollout busy")
+        super().load_weights(named_tensors)
+
+
+def test_receivers_on_different_sets_are_refused_until_the_lagging_one_restarts() -> None:
+    named = mixed_tensors()
+    sender, ahead, behind = _flip(bucket_bytes=4096), _flip(bucket_bytes=4096), _flip(bucket_bytes=4096)
+    rollouts = [MemoryRollout(), MemoryRollout()]
+    port = free_port()
+    try:
+        assert sync_threads(sender, [ahead, behind], named, rollouts, version=1, port=port).versions == [1, 1]
+        lagging = [MemoryRollout(), _FailOnce()]
+        run = sync_threads(sender, [ahead, behind], named, lagging, version=2, port=port)
+        assert run.versions == [2, None] and isinstance(run.error, EngineError)
+        assert (ahead._serving, behind._serving) == (1, 0)
+        run = sync_threads(sender, [ahead, behind], named, rollouts, version=3, port=port)
+        assert isinstance(run.error, EngineError) and "serve different weight sets" in str(run.error)
+        assert "rank 1 serves set 1" in str(run.error) and "rank 2 serves set 0" in str(run.error)
+        behind.close()
+        restarted = _flip(bucket_bytes=4096)
+        run = sync_threads(sender, [ahead, restarted], named, rollouts, version=3, port=port)
+        assert run.error is None and run.versions == [3, 3] and restarted._serving == ahead._serving == 0
+        restarted.close()
+    finally:
+        ahead.close()
+        behind.close()
+        sender.close()
+
+
+@pytest.mark.parametrize(("sender_apply", "receiver_apply"), [("flip", "atomic"), ("atomic", "flip"), ("streamed", "flip")])
+def test_flip_on_one_side_only_is_refused_by_the_receiver(sender_apply: str, receiver_apply: str) -> None:
+    sender, receiver = new_engine("shm", apply=sender_apply), new_engine("shm", apply=receiver_apply)
+    run = sync_threads(sender, [receiver], mixed_tensors())
+    sender.close()
+    receiver.close()
+    assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
+    assert "set engine.apply to 'flip' on both sides or on neither" in str(run.errors[0])
+    assert "refused the plan" in str(run.error)
+
+
+def test_a_sender_that_writes_the_set_the_rollout_serves_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import backends.engines.shared as shared
+
+    named = mixed_tensors()
+    sender, receiver = _flip(bucket_bytes=4096), _flip(bucket_bytes=4096)
+    rollout, port = MemoryRollout(), free_port()
+    try:
+        assert sync_threads(sender, [receiver], named, [rollout], version=1, port=port).versions == [1]
+        monkeypatch.setattr(shared, "_pick", lambda asked: 0)  # the set rank 1 serves
+        run = sync_threads(sender, [receiver], named, [rollout], version=2, port=port)
+        assert isinstance(run.errors[0], EngineError) and "not the set 1 this receiver asked for" in str(run.errors[0])
+        assert isinstance(run.error, EngineError) and "not the set 1" in str(run.error)
+        assert rollout.weights_version == 1 and receiver._serving == 0
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_the_sender_picks_the_one_set_the_receivers_agree_on() -> None:
+    assert _pick({1: b"any", 2: b"any"}) == 0
+    assert _pick({1: b"any", 2: b"1"}) == 1
+    assert _pick({1: b"0", 2: b"0"}) == 0
+    assert "serve different weight sets" in str(_pick({1: b"0", 2: b"1"}))
+    for hostile in (b"2", b"", b"01", b"any ", b"\xff" * 100):
+        reason = _pick({1: b"0", 2: hostile})
+        assert isinstance(reason, str) and "asked for no weight set" in reason and len(reason) < 200
+
+
+def test_only_an_engine_whose_receivers_read_the_senders_memory_takes_flip() -> None:
+    with pytest.raises(EngineError, match="gloo engine: apply='flip' needs an engine whose receivers read"):
+        new_engine("gloo", apply="flip")
+    assert new_engine("shm", apply="flip").apply == "flip"
+
+
+def test_new_shapes_get_new_sets_and_a_copying_rollout_takes_flip_too() -> None:
+    sender, receiver = _flip(bucket_bytes=4096), _flip(bucket_bytes=4096)
+    rollout, port = MemoryRollout(), free_port()
+    try:
+        for version, named in enumerate((mixed_tensors(), mixed_tensors(1)[:4], mixed_tensors(2)), start=1):
+            run = sync_threads(sender, [receiver], named, [rollout], version=version, port=port)
+            assert run.error is None and run.versions == [version]
+            for name, tensor in named:
+                assert torch.equal(rollout.weights[name], tensor), name
+        assert receiver._serving == 0, "the third sync mapped new sets, so it served none before it"
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_adopt_weights_adopts_every_tensor_or_none() -> None:
+    model = tiny_qwen2(0)
+    where = {name: param.data_ptr() for name, param in model.named_parameters()}
+    fresh = [(name, torch.zeros_like(param)) for name, param in model.named_parameters()]
+    with pytest.raises(EngineError, match="'extra.weight'.*nothing was adopted"):
+        adopt_weights(model, [*fresh, ("extra.weight", torch.zeros(1))])
+    shapes = [*fresh[:-1], (fresh[-1][0], torch.zeros(3))]
+    with pytest.raises(EngineError, match="arrives as \\(3,\\).*nothing was adopted"):
+        adopt_weights(model, shapes)
+    assert {name: param.data_ptr() for name, param in model.named_parameters()} == where
+    assert adopt_weights(model, fresh) == len(fresh)
+    assert all(not param.detach().any() for param in model.parameters())
