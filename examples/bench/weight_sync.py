@@ -38,7 +38,7 @@ import torch.distributed as dist
 from record import Figure, add_write_docs, write_docs
 
 from backends.base import free_port
-from backends.engines import CheckpointEngine, CheckpointEngineRegistry, Rendezvous, receive_into
+from backends.engines import CheckpointEngine, CheckpointEngineRegistry, Rendezvous, flatten_parameters, receive_into
 from lifecycle.config import APPLY_MODES
 
 HOST = "127.0.0.1"
@@ -57,9 +57,17 @@ def numels(total: int, count: int) -> list[int]:
     return [embed, embed, *sizes.tolist()]
 
 
-def make_tensors(total: int, count: int) -> list[tuple[str, torch.Tensor]]:
-    """`count` float32 tensors of mixed sizes adding up to `total` bytes (a multiple of 4)."""
-    return [(f"layer.{i}.weight", torch.rand(n)) for i, n in enumerate(numels(total, count))]
+def make_tensors(total: int, count: int, flat: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """`count` float32 tensors of mixed sizes adding up to `total` bytes (a multiple of 4);
+    `flat`: moved into one storage by `flatten_parameters`, as a flattened model's are."""
+    named = [(f"layer.{i}.weight", torch.rand(n)) for i, n in enumerate(numels(total, count))]
+    if not flat:
+        return named
+    module = torch.nn.Module()
+    for i, (_, tensor) in enumerate(named):
+        module.register_parameter(f"p{i}", torch.nn.Parameter(tensor, requires_grad=False))
+    flatten_parameters(module)
+    return [(name, param.data) for (name, _), param in zip(named, module.parameters(), strict=True)]
 
 
 class _Reader:
@@ -99,9 +107,26 @@ def _broadcast(group: Any, tensors: list[torch.Tensor]) -> None:
         group.broadcast([tensor], options).wait()
 
 
-def _engine(name: str, args: argparse.Namespace) -> CheckpointEngine:
-    return CheckpointEngineRegistry.new(name, bucket_bytes=args.bucket, verify=args.verify, apply=args.apply,
-                                        timeout_s=600)
+def _engine(name: str, args: argparse.Namespace, verify: bool | None = None) -> CheckpointEngine:
+    """`name` with the bench's options; `--apply flip` is shm's alone, gloo then applies atomic."""
+    apply = "atomic" if args.apply == "flip" and name != "shm" else args.apply
+    return CheckpointEngineRegistry.new(name, bucket_bytes=args.bucket, verify=args.verify if verify is None else verify,
+                                        apply=apply, timeout_s=600)
+
+
+def warmup(args: argparse.Namespace) -> int:
+    """Untimed rounds before the timed ones: one touches every buffer; flip alternates between
+    two weight sets, so it takes two."""
+    return 2 if args.apply == "flip" else 1
+
+
+def _variants(args: argparse.Namespace) -> dict[str, tuple[str, bool]]:
+    """The engine runs of one round, by key: each engine as set, and, when it verifies, again
+    without checksums (`<engine>_unverified`) to show the checksums' share of a sync."""
+    variants = {name: (name, args.verify) for name in ENGINES}
+    if args.verify:
+        variants.update({f"{name}_unverified": (name, False) for name in ENGINES})
+    return variants
 
 
 def receiver(args: argparse.Namespace, ports: dict[str, int]) -> None:
@@ -110,9 +135,9 @@ def receiver(args: argparse.Namespace, ports: dict[str, int]) -> None:
     flat = torch.empty(args.total, dtype=torch.uint8)
     landing = [torch.empty_like(t) for _, t in tensors]
     _, group = _group(ports["group"], 1)
-    engines = {name: _engine(name, args) for name in ENGINES}
-    for _ in range(args.repeat + 1):
-        for name in ("flat", "per_tensor", *ENGINES):
+    engines = {key: _engine(name, args, verify) for key, (name, verify) in _variants(args).items()}
+    for _ in range(args.repeat + warmup(args)):
+        for name in ("flat", "per_tensor", *engines):
             _barrier(group)
             if name == "flat":
                 _broadcast(group, [flat])
@@ -141,16 +166,16 @@ def _timed(fn: Callable[[], None]) -> float:
 
 
 def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[float]]:
-    tensors = make_tensors(args.total, args.tensors)
+    tensors = make_tensors(args.total, args.tensors, args.flat)
     flat = torch.empty(args.total, dtype=torch.uint8).fill_(7)
     copy_dst = torch.empty_like(flat)
     _, group = _group(ports["group"], 0)
-    engines = {name: _engine(name, args) for name in ENGINES}
-    times: dict[str, list[float]] = {k: [] for k in ("flat", "per_tensor", *ENGINES, "memcpy",
-                                                   *(f"{name}_setup" for name in ENGINES))}
-    for rep in range(args.repeat + 1):
+    engines = {key: _engine(name, args, verify) for key, (name, verify) in _variants(args).items()}
+    times: dict[str, list[float]] = {k: [] for k in ("flat", "per_tensor", *engines, "memcpy",
+                                                   *(f"{key}_setup" for key in engines))}
+    for rep in range(args.repeat + warmup(args)):
         got: dict[str, float] = {}
-        for name in ("flat", "per_tensor", *ENGINES):
+        for name in ("flat", "per_tensor", *engines):
             _barrier(group)
             if name == "flat":
                 got[name] = _timed(lambda: (_broadcast(group, [flat]), _barrier(group)))
@@ -161,7 +186,7 @@ def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[fl
             got[f"{name}_setup"], got[name] = _timed_engine(engines[name], ports[name], tensors, rep + 1)
             _barrier(group)
         got["memcpy"] = _timed(lambda: ctypes.memmove(copy_dst.data_ptr(), flat.data_ptr(), args.total))
-        if rep:  # the first round touches every buffer once; first touches are not transfers
+        if rep >= warmup(args):  # untimed rounds touch every buffer first; first touches are not transfers
             for key, seconds in got.items():
                 times[key].append(seconds)
     return times
@@ -169,9 +194,9 @@ def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[fl
 
 def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     gbps = {k: args.total / statistics.median(v) / 1e9 for k, v in times.items() if not k.endswith("_setup")}
-    print(f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors, buckets of "
-          f"{args.bucket / 2**20:g} MiB, checksums {'on' if args.verify else 'off'}, apply {args.apply}, "
-          f"median of {args.repeat}, torch threads {args.threads}")
+    print(f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors{' (flattened)' if args.flat else ''}, "
+          f"buckets of {args.bucket / 2**20:g} MiB, checksums {'on' if args.verify else 'off'}, apply {args.apply}"
+          f"{' (gloo: atomic)' if args.apply == 'flip' else ''}, median of {args.repeat}, torch threads {args.threads}")
     for key, label in (("gloo", "gloo engine"), ("flat", "(a) one flat broadcast"),
                        ("per_tensor", "(b) one broadcast per tensor"), ("shm", "shm engine"),
                        ("memcpy", "one memcpy")):
@@ -180,6 +205,10 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     for name in ENGINES:
         print(f"  {name} engine setup (not in the figures above): "
               f"{statistics.median(times[f'{name}_setup']) * 1e3:.1f} ms")
+        if f"{name}_unverified" in gbps:
+            share = 1 - gbps[name] / gbps[f"{name}_unverified"]
+            print(f"  {name} engine without checksums: {gbps[f'{name}_unverified']:.2f} GB/s: checksums take "
+                  f"{share:.0%} of a verified sync")
     checks = (("gloo / (a) flat broadcast", gbps["gloo"] / gbps["flat"], 0.9),
               ("gloo / (b) per-tensor broadcast", gbps["gloo"] / gbps["per_tensor"], 5.0),
               ("shm / memcpy", gbps["shm"] / gbps["memcpy"], 0.7))
@@ -193,10 +222,17 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
         engine, base, against = baselines[label]
         figures.append(Figure(f"`{engine}` engine against {against}", f"{gbps[engine]:.2f} GB/s",
                               f"{gbps[base]:.2f} GB/s", f"{ratio:.2f}x", f">= {target:g}x"))
+    for name in ENGINES:
+        if f"{name}_unverified" in gbps:
+            share = 1 - gbps[name] / gbps[f"{name}_unverified"]
+            figures.append(Figure(f"`{name}` engine's checksums, share of a verified sync", f"{share:.0%}",
+                                  f"{gbps[f'{name}_unverified']:.2f} GB/s unverified", "", ""))
     write_docs(args, "weight_sync.py", figures,
-               f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors, {args.bucket / 2**20:g} MiB buckets, "
-               f"checksums {'on' if args.verify else 'off'}, apply {args.apply}, one sender and one receiver "
-               f"process, median of {args.repeat} syncs after an untimed first round.")
+               f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors{' (flattened)' if args.flat else ''}, "
+               f"{args.bucket / 2**20:g} MiB buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}"
+               f"{' (shm; gloo atomic)' if args.apply == 'flip' else ''}, one sender and one receiver "
+               f"process, median of {args.repeat} syncs after an untimed first round; each engine also ran "
+               f"unverified in the same rounds.")
 
 
 def main() -> None:
@@ -208,7 +244,11 @@ def main() -> None:
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                         help="engine.verify: checksum every bucket")
     parser.add_argument("--apply", choices=APPLY_MODES, default="atomic",
-                        help="engine.apply of the receiver: atomic holds the whole sync, streamed two buckets")
+                        help="engine.apply: atomic holds the whole sync, streamed two buckets; flip (shm only, "
+                             "gloo then runs atomic) fills the shared weight set the rollout adopts")
+    parser.add_argument("--flat", action="store_true",
+                        help="the sender's tensors in one flattened storage (flatten_parameters): gloo sends "
+                             "its buckets from it without packing")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the cuda_ipc engine against one device-to-device copy, on one GPU "
@@ -238,7 +278,7 @@ def main() -> None:
         if getattr(args, flag) is not None:
             parser.error(f"--{flag} is an option of --scale; add --scale")
     torch.set_num_threads(args.threads)
-    ports = {key: free_port(HOST) for key in ("group", *ENGINES)}
+    ports = {key: free_port(HOST) for key in ("group", *_variants(args))}
     child = mp.get_context("spawn").Process(target=receiver, args=(args, ports), daemon=True)
     child.start()
     try:

@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 import torch
 from record import Figure, write_docs
 from weight_sync import (
-    HOST, _barrier, _broadcast, _engine, _group, _Reader, _timed, _timed_engine, make_tensors, numels,
+    HOST, _barrier, _broadcast, _engine, _group, _Reader, _timed, _timed_engine, make_tensors, numels, warmup,
 )
 
 from backends.base import free_port
@@ -142,7 +142,7 @@ def _sender(args: argparse.Namespace, point: Point, name: str, ports: dict[str, 
         "memcpy": lambda: ctypes.memmove(copy_dst.data_ptr(), flat.data_ptr(), point.total),
     }
     seconds: dict[str, list[float]] = {key: [] for key in (*BASELINES[name], name)}
-    for rep in range(args.repeat + 1):
+    for rep in range(args.repeat + warmup(args)):
         got: dict[str, float] = {}
         for key in BASELINES[name]:
             if key != "memcpy":
@@ -152,7 +152,7 @@ def _sender(args: argparse.Namespace, point: Point, name: str, ports: dict[str, 
         with meter.around():
             got[name] = _timed_engine(engine, ports[name], tensors, rep + 1)[1]
         _barrier(group)
-        if rep:  # the first round touches every buffer once; first touches are not transfers
+        if rep >= warmup(args):  # untimed rounds touch every buffer first; first touches are not transfers
             for key, value in got.items():
                 seconds[key].append(value)
     out.send((seconds, meter.peak()))
@@ -164,7 +164,7 @@ def _receiver(args: argparse.Namespace, point: Point, name: str, ports: dict[str
     landing = [torch.zeros(n) for n in numels(point.total, point.count)] if name == "gloo" else []
     _, group = _group(ports["group"], 1)
     engine, meter = _engine(name, args), _Meter()
-    for _ in range(args.repeat + 1):
+    for _ in range(args.repeat + warmup(args)):
         for key in BASELINES[name]:
             if key != "memcpy":
                 _barrier(group)
@@ -245,9 +245,12 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     write_docs(args, "weight_sync.py --scale", figures, note(args, [rows[p] for p in sorted(rows)]))
 
 
-def bound(args: argparse.Namespace, point: Point, side: int) -> int:
+def bound(args: argparse.Namespace, point: Point, side: int, name: str) -> int:
     """The rise side 0 (sender) or 1 (receiver) may show: two buckets, plus the weights on an
-    atomic receiver."""
+    atomic receiver; with shm's flip, the two shared weight sets on either side (the same pages
+    on both: one of them is the rollout's weights, which it no longer holds apart)."""
+    if args.apply == "flip" and name == "shm":
+        return 2 * point.total
     return 2 * args.bucket + (point.total if side == 1 and args.apply == "atomic" else 0)
 
 
@@ -263,7 +266,7 @@ def memory(args: argparse.Namespace, row: Row, name: str) -> tuple[list[str], st
     """Per side 'rise of bound' (or 'n/a'), and the verdict: holds, NOT held or not measured."""
     texts, overs = [], []
     for side, peak in enumerate(row.peaks[name]):
-        limit = bound(args, row.point, side)
+        limit = bound(args, row.point, side, name)
         texts.append("n/a" if peak.rise is None else f"+{_bytes(peak.rise)} of {_bytes(limit)}")
         overs.append(None if peak.rise is None else peak.rise - limit)
     if None in overs:

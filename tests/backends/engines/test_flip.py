@@ -4,12 +4,19 @@ leaves the rollout on the set it serves."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from backends.engines import adopt_weights
+from backends.engines import Rendezvous, WeightSync, adopt_weights, receive_into
 from backends.engines.buckets import HEADER_BYTES
 from backends.engines.shared import _pick, set_bytes
 from backends.engines.shm import ShmEngine
@@ -17,10 +24,11 @@ from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
-    ModelRollout, greedy, mixed_tensors, new_engine, sync_threads, tiny_qwen2, train_step,
+    HANG_GUARD_S, ModelRollout, greedy, mixed_tensors, new_engine, read_case, sync_threads, tiny_qwen2, train_step,
 )
 
 BUCKET = 1 << 16
+REPO = Path(__file__).resolve().parents[3]
 
 
 class Adopting(ModelRollout):
@@ -216,3 +224,57 @@ def test_adopt_weights_adopts_every_tensor_or_none() -> None:
     assert {name: param.data_ptr() for name, param in model.named_parameters()} == where
     assert adopt_weights(model, fresh) == len(fresh)
     assert all(not param.detach().any() for param in model.parameters())
+
+
+def die_mid_flip(case_path: str) -> None:
+    """A trainer process: one flip sync of a tiny Qwen2, a training step, then a second sync
+    during which it SIGKILLs itself right after bucket 2 is written."""
+    case = read_case(case_path)
+    model, engine = tiny_qwen2(0), _flip(timeout_s=30)
+    rdv = Rendezvous("127.0.0.1", case["port"])
+    WeightSync(engine).sync(iter(list(model.named_parameters())), rdv, 1)
+    train_step(model, 2)
+    die_after = engine._start_send
+
+    def send_or_die(k: int, nbytes: int) -> Any:
+        handle = die_after(k, nbytes)
+        if k == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return handle
+
+    engine._start_send = send_or_die  # type: ignore[method-assign]
+    WeightSync(engine).sync(iter(list(model.named_parameters())), rdv, 2)
+
+
+def test_a_sender_killed_mid_flip_leaves_the_rollout_generating_from_its_old_set(tmp_path: Path) -> None:
+    case = tmp_path / "case.json"
+    case.write_text(json.dumps({"port": free_port()}), encoding="utf-8")
+    sender = subprocess.Popen([sys.executable, "-c", "import sys; from tests.backends.engines.test_flip import "
+                               "die_mid_flip; die_mid_flip(sys.argv[1])", str(case)], cwd=REPO)
+    rollout, receiver = Adopting(tiny_qwen2(1)), _flip(timeout_s=30)
+    rdv = Rendezvous("127.0.0.1", read_case(case)["port"])
+    try:
+        assert receive_into(receiver, rollout, rdv) == 1
+        tokens, before = greedy(rollout.model), _state(rollout.model)
+        where = {name: param.data_ptr() for name, param in rollout.model.named_parameters()}
+        start = time.monotonic()
+        with pytest.raises(EngineError):
+            receive_into(receiver, rollout, rdv)
+        assert time.monotonic() - start < HANG_GUARD_S
+        assert sender.wait(timeout=HANG_GUARD_S) == -signal.SIGKILL
+        assert rollout.stale and rollout.weights_version == 1
+        assert {name: param.data_ptr() for name, param in rollout.model.named_parameters()} == where
+        assert all(torch.equal(tensor, before[name]) for name, tensor in _state(rollout.model).items())
+        assert greedy(rollout.model) == tokens
+        trainer = tiny_qwen2(0)
+        train_step(trainer, 2)
+        restarted = _flip()
+        run = sync_threads(restarted, [receiver], list(trainer.named_parameters()), [rollout], version=2)
+        restarted.close()
+        assert run.error is None and run.versions == [2] and greedy(rollout.model) == greedy(trainer)
+        assert not [path for path in restarted.shm_dir.glob(f"*-{sender.pid}-*")], "the dead sender's sets are swept"
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+        sender.wait()
+        receiver.close()
