@@ -13,6 +13,11 @@ piece it copied byte for byte where it copied it from (`Layout.pack` says where:
 `xxh3_packed`), so a bucket scribbled on between packing and the wire fails the check; on a
 device it is a word sum queued on the packing stream right behind the pack (`word_sums`,
 read once the transfer started by `fold`).
+
+A bucket whose pieces already sit in one storage at the plan's offsets (a model flattened by
+`flat.flatten_parameters`) need not be packed at all: its data region is a byte range of that
+storage (`Layout.region`), which an engine that sends header and data separately (the group
+engines) broadcasts as it stands, and whose checksum reads that range in place.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from concurrent.futures import Future, wait
 import torch
 import xxhash
 
-from backends.engines.plan import Piece, Plan
+from backends.engines.plan import ALIGN, Piece, Plan
 
 HEADER_BYTES = 64
 SLOTS = 2
@@ -35,6 +40,8 @@ MAGIC = 0x4C43_5753_0000_0002
 _MASK = (1 << 64) - 1
 Copied = list[tuple[int, int, int]]
 """(offset in the data region, address, nbytes) of pieces `Layout.pack` copied byte for byte."""
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types whose memory is their storage as it stands (no subclass with its own layout)."""
 _MEMORY = memoryview((ctypes.c_char * sys.maxsize).from_address(0))
 """This process's memory as one buffer, so a piece is read in place by slicing it: building a
 ctypes array type for each piece's length instead costs about 15 us a piece, as much as hashing
@@ -97,6 +104,41 @@ class Layout:
                 dst.copy_(src.reshape(-1)[p.start // step:(p.start + p.nbytes) // step])
         if batch[0]:  # on a device, whole tensors go in a few kernel launches instead of one each
             torch._foreach_copy_(*batch)
+
+    def region(self, k: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """Bucket k's data region `[0, plan.used(k))` as a uint8 view of its sources' storage,
+        or None when it must be packed.
+
+        It exists when every piece with bytes comes from a plain, strided, contiguous tensor of
+        its wire dtype (no cast) on the slot's device, each piece sits at its plan offset from
+        one common, `ALIGN`-aligned base, and one storage holds them all and the whole region.
+        Then the region holds every piece where `pack` would copy it, so sending it sends the
+        bucket without a copy; the bytes between pieces are whatever the storage holds there,
+        which the receiver never reads as a tensor and both sides hash as they travel.
+        A handful of attribute reads per piece, against a copy of its bytes; it never views
+        past the storage's end (the aligned tail of the last piece must be inside it too).
+        """
+        used = self.plan.used(k)
+        device = self.slots[k % len(self.slots)].device
+        base, storage = -1, None
+        for p in self.plan.buckets[k]:
+            if not p.nbytes:
+                continue  # an empty tensor has no bytes to place, wherever it lives
+            src = tensors[p.index]
+            if (type(src) not in _PLAIN or src.layout != torch.strided or src.device != device
+                    or src.dtype != self.plan.tensors[p.index].dtype or not src.is_contiguous()):
+                return None
+            at = src.data_ptr() + p.start - p.offset
+            if storage is None:
+                base, storage = at, src.untyped_storage()
+            elif at != base or src.untyped_storage().data_ptr() != storage.data_ptr():
+                return None
+        if storage is None or base % ALIGN:
+            return None
+        start = base - storage.data_ptr()
+        if start < 0 or start + used > storage.nbytes():
+            return None
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (used,))
 
     def reset(self) -> None:
         """Forget chunks of a tensor an aborted receive left half-joined."""

@@ -1,4 +1,10 @@
-"""Engines whose data plane is a torch.distributed process group: one broadcast per bucket.
+"""Engines whose data plane is a torch.distributed process group: two broadcasts per bucket.
+
+A bucket travels as its 64-byte header and then its data region, each a broadcast of its own,
+so the data need not follow the header in memory: a sender whose weights already sit in one
+storage at the plan's offsets broadcasts that storage's bytes without packing them
+(`buckets.Layout.region`). Receivers cannot tell the two apart and always post both into
+their slot; a bucket with no data bytes (only empty tensors) is its header alone.
 
 The group is private to one sync: built on a prefix of the sync's own store (never the
 default group a trainer uses for training), and aborted in `finalize`, so a sync that failed
@@ -13,11 +19,14 @@ from typing import Any
 import torch
 
 from backends.engines.base import Topology, TransportError
+from backends.engines.buckets import HEADER_BYTES, SLOTS
 from backends.engines.pipeline import BucketEngine
 
 
 class GroupEngine(BucketEngine):
     """A `BucketEngine` over a process group that a subclass builds for its device."""
+
+    sends_regions = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -46,31 +55,39 @@ class GroupEngine(BucketEngine):
         if group is not None:
             group.abort()
 
-    def _broadcast(self, k: int, nbytes: int) -> Any:
+    def _broadcast(self, k: int, header: torch.Tensor, data: torch.Tensor) -> tuple[Any, ...]:
+        """Bucket k's header, then its data unless it has none: the works, in that order."""
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()
         options.rootRank = 0
         try:
-            return self.group.broadcast([self.slots[k % len(self.slots)][:nbytes]], options)
+            works = [self.group.broadcast([header], options)]
+            if data.numel():
+                works.append(self.group.broadcast([data], options))
         except RuntimeError as exc:
             raise TransportError(f"{self.name} engine: bucket {k} could not start: {exc}") from exc
+        return tuple(works)
 
     def _start_send(self, k: int, nbytes: int) -> Any:
-        return self._broadcast(k, nbytes)
+        slot, region = self.slots[k % len(self.slots)], self._regions[k % SLOTS]
+        return self._broadcast(k, slot[:HEADER_BYTES], slot[HEADER_BYTES:nbytes] if region is None else region)
 
     def _start_recv(self, k: int, nbytes: int) -> Any:
-        return self._broadcast(k, nbytes)
+        slot = self.slots[k % len(self.slots)]
+        return self._broadcast(k, slot[:HEADER_BYTES], slot[HEADER_BYTES:nbytes])
 
     def _wait(self, handle: Any, what: str) -> None:
-        left = self.remaining(what)
-        try:
-            done = handle.wait(timedelta(seconds=left))
-        except RuntimeError as exc:
-            self.remaining(what)
-            raise TransportError(f"{self.name} engine: {what} failed: {exc}") from exc
-        if done is False:
-            raise TransportError(f"{self.name} engine: {what} did not finish within timeout_s={self.timeout_s:g}")
+        """Wait for each of a bucket's works in turn, all within what is left of the sync's time."""
+        for work in handle:
+            left = self.remaining(what)
+            try:
+                done = work.wait(timedelta(seconds=left))
+            except RuntimeError as exc:
+                self.remaining(what)
+                raise TransportError(f"{self.name} engine: {what} failed: {exc}") from exc
+            if done is False:
+                raise TransportError(f"{self.name} engine: {what} did not finish within timeout_s={self.timeout_s:g}")
 
 
 class DeviceGroupEngine(GroupEngine):

@@ -57,6 +57,10 @@ class BucketEngine(CheckpointEngine):
     keeps_buckets: bool = True
     """Keep the bucket buffers from one sync to the next (until `close()`): first-touching fresh
     host memory costs more than the copy into it, so CPU engines allocate once."""
+    sends_regions: bool = False
+    """Send a bucket whose pieces already sit in one storage straight from there, unpacked
+    (`Layout.region`): only for a data plane that sends header and data apart (group engines);
+    shm and cuda_ipc hand the receiver the slot itself, so they always pack."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -71,6 +75,8 @@ class BucketEngine(CheckpointEngine):
         self._prepared = False
         self._hashing: ThreadPoolExecutor | None = None
         """The one worker that checksums the buckets this engine sends or receives; started on first use."""
+        self._regions: list[torch.Tensor | None] = [None] * SLOTS
+        """The sender's data region of the bucket in each slot, None where it was packed into the slot."""
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 
@@ -107,6 +113,8 @@ class BucketEngine(CheckpointEngine):
         """Tear the data plane down; must not raise."""
 
     def _start_send(self, k: int, nbytes: int) -> Any:
+        """Start bucket k's `nbytes` (header and data) from its slot; an engine that
+        `sends_regions` takes the data from `_regions[k % SLOTS]` where that is not None."""
         raise NotImplementedError
 
     def _start_recv(self, k: int, nbytes: int) -> Any:
@@ -320,24 +328,30 @@ class BucketEngine(CheckpointEngine):
                 self._wait(in_flight[k % SLOTS], f"bucket {k} of {count}")
         finally:
             settle(digests.values())
+            self._regions = [None] * SLOTS
 
     def _send_bucket(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor],
                      version: int) -> tuple[Any, Future[int] | None]:
-        """Pack bucket k and start its transfer at once; returns the transfer and, when the plan
-        verifies, its checksum under way (sent by `_send_digests`).
+        """Pack bucket k (or, when the engine `sends_regions` and it has one, take its region
+        instead: only its header goes into the slot) and start its transfer at once; returns the
+        transfer and, when the plan verifies, its checksum under way (sent by `_send_digests`).
 
         On a host the checksum worker hashes the bucket while it is on the wire, reading each
-        piece packed byte for byte where it was packed from (`xxh3_packed`): until it is done
-        neither those tensors nor the slot may change, which the pipeline keeps by sending
-        digest k before it packs bucket k + 2 into k's slot. On a device the word sums are
-        queued on the stream behind the pack, so they see the bucket as packed, and read once
-        the transfer started."""
+        piece packed byte for byte where it was packed from, and a region in place (nothing
+        copied: `xxh3_packed` reads it all, as `xxh3_digest` does): until it is done neither
+        those tensors nor the slot may change, which the pipeline keeps by sending digest k
+        before it writes bucket k + 2 into k's slot, and by settling every checksum before the
+        send returns. On a device the word sums are queued on the stream behind the pack, so
+        they see the bucket as packed, and read once the transfer started."""
         slot, used, verify = self.slots[k % len(self.slots)], layout.plan.used(k), layout.plan.verify
         host = slot.device.type == "cpu"
-        data = slot[HEADER_BYTES:HEADER_BYTES + used]
+        region = layout.region(k, tensors) if self.sends_regions else None
+        self._regions[k % SLOTS] = region
+        data = slot[HEADER_BYTES:HEADER_BYTES + used] if region is None else region
         copied: Copied | None = [] if verify and host else None
         with record_function(f"pack bucket {k}"):
-            layout.pack(k, tensors, copied)
+            if region is None:
+                layout.pack(k, tensors, copied)
             write_header(slot, version, k, used)
             sums = word_sums(data) if verify and not host else None
         handle = self._start_send(k, HEADER_BYTES + used)

@@ -165,7 +165,8 @@ def _scenarios(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
         out[f"{backend}/v5"] = _sync(rank, adapter, 5, seed=0)
         out[f"{backend}/v6"] = _sync(rank, adapter, 6, seed=1, asynchronous=True)
         corrupt = _patched(adapter.engine, "_start_send", lambda start: _corrupting(start, adapter.engine))
-        with corrupt if rank == 0 else nullcontext():
+        packs = _patched(adapter.engine, "sends_regions", lambda _: False)  # the flip must be in a packed slot
+        with corrupt if rank == 0 else nullcontext(), packs if rank == 0 else nullcontext():
             out[f"{backend}/corrupt"] = _sync(rank, adapter, 7, seed=2)
         out[f"{backend}/after_corrupt"] = _sync(rank, adapter, 8, seed=2)
         with _patched(adapter.engine, "_send_layout", _undeliverable) if rank == 0 else nullcontext():

@@ -34,10 +34,14 @@ def _assert_delivered(rollout: MemoryRollout, named: list[tuple[str, torch.Tenso
 
 
 def _corrupting(name: str, bucket: int) -> CheckpointEngine:
-    """A sender whose bucket `bucket` has one byte flipped after its checksum was written."""
+    """A sender whose bucket `bucket` has one byte flipped after its checksum was written.
+
+    It flips a byte of the packed slot, so it packs every bucket: a bucket sent from its
+    weights' own storage is one the sender hashes as sent (test_contiguous corrupts those)."""
 
     class Corrupting(CLASSES[name]):  # type: ignore[valid-type,misc]
         corrupt: int | None = bucket
+        sends_regions = False
 
         def _start_send(self, k: int, nbytes: int) -> Any:
             if k == self.corrupt:
