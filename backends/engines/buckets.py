@@ -80,12 +80,24 @@ class Layout:
         `copied`, when given, gets (offset, address, nbytes) of each piece copied byte for byte
         from host memory, in order: where a checksum of the packed bucket can read that piece
         without the slot (`xxh3_packed`), so a slot scribbled on after packing fails it.
-        Host to host in the same dtype from contiguous memory, a piece is one memmove:
+        A bucket whose pieces sit in one storage at the plan's offsets (`region`) is one memmove
+        (one device copy) of that range. Otherwise, host to host in the same dtype from
+        contiguous memory, a piece is one memmove:
         torch's `copy_` spreads every copy over its OpenMP threads, which on cores that also
         run the transport (gloo's threads, the receivers) costs more than it gains.
         """
         slot = self.slots[k % len(self.slots)]
         host = slot.device.type == "cpu"
+        region = self.region(k, tensors)
+        if region is not None:  # pieces in place in one storage (a flattened model): one copy, not one a piece
+            used = region.numel()
+            if host:
+                ctypes.memmove(slot.data_ptr() + HEADER_BYTES, region.data_ptr(), used)
+                if copied is not None:
+                    copied.append((0, region.data_ptr(), used))
+            else:
+                slot[HEADER_BYTES:HEADER_BYTES + used].copy_(region)
+            return
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for p, dst in zip(self.plan.buckets[k], self.views[k]):
             src = tensors[p.index].detach()

@@ -150,7 +150,8 @@ class SharedSlotEngine(BucketEngine):
             self._sets, self.slots = self.slots, []
             self._set_layouts = [None] * SLOTS
         self._control().set("slots", self._publish())
-        return self._set_layout(0, plan, plan.to_bytes())
+        cached = self._set_layouts[0] or self._set_layouts[1]
+        return self._set_layout(0, plan, cached.raw if cached is not None and cached.plan is plan else plan.to_bytes())
 
     def _bind(self, layout: Layout) -> Layout:
         """Flip: the layout in the set this sync writes. The sender picks it from what every

@@ -278,3 +278,31 @@ def test_a_sender_killed_mid_flip_leaves_the_rollout_generating_from_its_old_set
             sender.kill()
         sender.wait()
         receiver.close()
+
+
+def test_a_flattened_model_goes_into_the_set_with_one_copy_a_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    import backends.engines.pipeline as pipeline
+    from backends.engines import flatten_parameters
+
+    trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
+    flatten_parameters(trainer)
+    train_step(trainer, 1)
+    hashed: list[int] = []
+    real = pipeline.xxh3_packed
+
+    def spy(data: torch.Tensor, copied: Any) -> int:
+        hashed.append(len(copied))
+        return real(data, copied)
+
+    monkeypatch.setattr(pipeline, "xxh3_packed", spy)
+    sender, receiver = _flip(), _flip()
+    try:
+        run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout])
+        assert run.error is None and run.versions == [1]
+        assert hashed == [1] * run.figures["buckets"]  # type: ignore[index]
+        assert greedy(rollout.model) == greedy(trainer)
+        for (name, mine), (_, theirs) in zip(rollout.model.named_parameters(), trainer.named_parameters()):
+            assert torch.equal(mine, theirs), name
+    finally:
+        receiver.close()
+        sender.close()
