@@ -17,14 +17,18 @@ from torch import nn
 from lifecycle.errors import EngineError
 
 
-def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                  complete: bool = True) -> int:
     """Rebind each named parameter's (or buffer's) `.data` to the tensor received for it, once
     every tensor has arrived and matches; returns how many were adopted.
 
     The tensors must have the module's shapes, dtypes and devices: a rollout that wants another
     dtype asks the sender for it (`engine.rollout_dtype`). A tensor not in the module is an
-    `EngineError` naming it, as is a module weight the sync left out when `complete` is true.
-    Autograd and a parameter's identity are untouched (only `.data` changes).
+    `EngineError` naming it; so, with `complete` (the default), is a parameter the sync left
+    out (a tied parameter counts as sent under any of its names). A parameter left out would
+    keep viewing the set it was adopted from, which a later flip sync overwrites: pass
+    `complete=False` only for a parameter that is not served from a sync. Autograd and a
+    parameter's identity are untouched (only `.data` changes).
     """
     owned: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     owned.update(module.named_buffers(remove_duplicate=False))
@@ -39,6 +43,13 @@ def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
                               f"{tensor.device}; the rollout holds {tuple(mine.shape)} {mine.dtype} on {mine.device}; "
                               "nothing was adopted")
         pending.append((mine, tensor))
+    if complete:
+        sent = {id(mine) for mine, _ in pending}
+        left = [name for name, param in module.named_parameters() if id(param) not in sent]
+        if left:
+            shown = ", ".join(repr(name) for name in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+            raise EngineError(f"adopt_weights: the sync leaves out {len(left)} parameter(s) of the rollout's "
+                              f"{type(module).__name__}: {shown}; nothing was adopted (complete=False adopts a part)")
     for mine, tensor in pending:
         mine.data = tensor
     return len(pending)

@@ -97,11 +97,10 @@ class Incoming(Iterator[tuple[str, torch.Tensor]]):
 
     A tensor that fitted in one bucket is a view into the engine's buffer: streamed, it is
     valid until the iteration moves on to the next bucket; atomic, until the sync ends. A
-    consumer copies it (as `load_weights` does). With `"flip"` (shm) the views are into the
-    shared weight set this sync filled, handed out once every bucket verified, and stay valid
-    until a later sync has completed into the other set: a rollout adopts them
-    (`adopt_weights`) instead of copying, and the sync after next writes into the set it
-    no longer serves.
+    consumer copies it (as `load_weights` does). With `"flip"` the views are into the weight
+    set this sync filled (`sets`), handed out once every bucket verified, and stay valid until
+    a later sync has completed into the other set: a rollout adopts them (`adopt_weights`)
+    instead of copying, and the sync after next lands in the set it no longer serves.
     `complete` turns true once the last tensor was read.
     """
 
@@ -155,8 +154,8 @@ class CheckpointEngine:
         if found := options.problem():
             raise EngineError(f"{self.name} engine: {found[0]} {found[1]}")
         if options.apply == "flip" and not self.capabilities.flips:
-            raise EngineError(f"{self.name} engine: apply='flip' needs an engine whose receivers read the sender's "
-                              "memory in place (shm); this one copies every bucket, use 'atomic' or 'streamed'")
+            raise EngineError(f"{self.name} engine: does not take apply='flip' (gloo, nccl, hccl and shm do); "
+                              "use 'atomic' or 'streamed'")
         self.options = options
         self.bucket_bytes = options.bucket_bytes
         self.verify = options.verify

@@ -101,12 +101,12 @@ class Layout:
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for p, dst in zip(self.plan.buckets[k], self.views[k]):
             src = tensors[p.index].detach()
-            if host and src.device.type == "cpu" and src.dtype == dst.dtype and src.is_contiguous():
+            raw = src.dtype == dst.dtype and not (src.is_conj() or src.is_neg())  # its memory is its values
+            if host and src.device.type == "cpu" and raw and src.is_contiguous():
                 ctypes.memmove(dst.data_ptr(), src.data_ptr() + p.start, p.nbytes)
                 if copied is not None and p.nbytes:
                     copied.append((p.offset, src.data_ptr() + p.start, p.nbytes))
-            elif (not host and src.device == slot.device and src.dtype == dst.dtype
-                  and p.nbytes == self.plan.tensors[p.index].nbytes):
+            elif not host and src.device == slot.device and raw and p.nbytes == self.plan.tensors[p.index].nbytes:
                 batch[0].append(dst)
                 batch[1].append(src)
             elif p.nbytes == self.plan.tensors[p.index].nbytes:
@@ -138,7 +138,8 @@ class Layout:
                 continue  # an empty tensor has no bytes to place, wherever it lives
             src = tensors[p.index]
             if (type(src) not in _PLAIN or src.layout != torch.strided or src.device != device
-                    or src.dtype != self.plan.tensors[p.index].dtype or not src.is_contiguous()):
+                    or src.dtype != self.plan.tensors[p.index].dtype or not src.is_contiguous()
+                    or src.is_conj() or src.is_neg()):  # a lazy conjugate or negation is not its memory
                 return None
             at = src.data_ptr() + p.start - p.offset
             if storage is None:

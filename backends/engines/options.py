@@ -42,9 +42,10 @@ class EngineOptions:
     apply: str = field(default="atomic", metadata={"choices": APPLY_MODES})
     """When a receiver hands tensors to its rollout: `atomic` once every bucket of the sync has
     verified (it holds the whole sync meanwhile), `streamed` bucket by bucket (two buckets held;
-    a later bad bucket leaves earlier ones applied and the rollout stale), `flip` (shm only, set on
-    both sides) into the one of two shared weight sets the rollout does not serve, handed out in
-    place once every bucket verified, for a rollout that adopts them (`adopt_weights`)."""
+    a later bad bucket leaves earlier ones applied and the rollout stale), `flip` into the one of
+    two weight sets the rollout does not serve, handed out in place once every bucket verified,
+    for a rollout that adopts them (`adopt_weights`); shm shares the sets with the sender, so
+    set it on both sides there."""
     timeout_s: float = field(default=300.0, metadata={"gt": 0, "le": MAX_TIMEOUT_S})
     """Seconds one sync may take before it is an error."""
     rollout_dtype: str | None = field(default=None, metadata={"choices": ROLLOUT_DTYPES})
@@ -85,7 +86,8 @@ class EngineCapabilities:
     devices: frozenset[str] | None = None
     """Device types its buckets live on (cpu, cuda, npu); None: any, since it moves no buckets."""
     flips: bool = False
-    """It can take `apply: flip`: its receivers read the sender's memory where it lies (shm)."""
+    """It can take `apply: flip`: a receiver keeps two weight sets and hands out views into the
+    one a sync filled (gloo, nccl, hccl: its own buffers; shm: the sender's shared sets)."""
 
 
 def _is_number(value: object, kinds: type | tuple[type, ...]) -> bool:

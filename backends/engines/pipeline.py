@@ -47,6 +47,7 @@ from backends.engines.buckets import (
 from backends.engines.control import ControlStore, StoreLink, answer, read_answer
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
+from backends.engines.sets import WeightSets, private_sets
 from lifecycle.errors import EngineError
 
 
@@ -77,6 +78,8 @@ class BucketEngine(CheckpointEngine):
         """The one worker that checksums the buckets this engine sends or receives; started on first use."""
         self._regions: list[torch.Tensor | None] = [None] * SLOTS
         """The sender's data region of the bucket in each slot, None where it was packed into the slot."""
+        self._flip = WeightSets()
+        """A flip receiver's two weight sets (`sets`); shm's sender keeps the shared ones here too."""
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 
@@ -186,10 +189,12 @@ class BucketEngine(CheckpointEngine):
         return incoming.feed(self._receiver.run())
 
     def finalize(self) -> None:
-        topology = self.topology
+        topology, receiver = self.topology, self._receiver
         try:
-            if self._receiver is not None:
-                self._receiver.finish()
+            if receiver is not None:
+                receiver.finish()
+                if receiver.incoming.complete and receiver.incoming.stop_reason is None and receiver.error is None:
+                    self._handed_out()
         finally:
             if self._receiver is not None:
                 self._receiver.inbox.pending.clear()
@@ -208,6 +213,7 @@ class BucketEngine(CheckpointEngine):
         """Finalize, give the buckets back, stop the checksum worker, and leave the rendezvous store."""
         self.finalize()
         self._free_buckets()
+        self._flip.forget()
         if self._hashing is not None:
             self._hashing.shutdown(wait=True)
             self._hashing = None
@@ -216,6 +222,7 @@ class BucketEngine(CheckpointEngine):
     # -- helpers ------------------------------------------------------------------------------
 
     def _free_buckets(self) -> None:
+        """Give the buckets back; a flip receiver's weight sets stay (`close()` gives them back)."""
         self.slots = []
         self._layout = None
 
@@ -246,7 +253,10 @@ class BucketEngine(CheckpointEngine):
         return layout
 
     def _handed_out(self) -> None:
-        """A receiver: its rollout has read every tensor of the sync."""
+        """A receiver, as the sync ends: its rollout read every tensor and did not abort (a
+        consumer that fails after the last tensor aborts the `Incoming`, as `receive_into` does)."""
+        if self.apply == "flip":
+            self._flip.handed_out()
 
     def _accept(self, rank: int, version: int | None,
                 expected: Collection[str] | None) -> tuple[int, Layout, Layout]:
@@ -277,7 +287,13 @@ class BucketEngine(CheckpointEngine):
         """Check the plan (a plan of the very bytes of the last one was checked then) against this
         receiver's own settings before allocating for it: its `verify` wins over the plan's."""
         layout = self._layout
-        plan = self._receivable(layout.plan if layout is not None and layout.raw == raw else parse_plan(raw), expected)
+        known = layout.plan if layout is not None and layout.raw == raw else self._flip.plan_of(raw)
+        plan = self._receivable(known or parse_plan(raw), expected)
+        if self.apply == "flip":  # the set the rollout does not serve, of two this receiver holds
+            layout = private_sets(self._flip, plan, raw, lambda sizes: self._allocate(sizes, self.device))
+            self.slots = layout.slots
+            layout.reset()
+            return layout
         self._receive_slots(plan)
         if layout is None or layout.plan is not plan or not layout.fits(self.slots):
             layout = self._layout = Layout(plan, self.slots, raw=raw)

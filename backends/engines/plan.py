@@ -27,7 +27,10 @@ from lifecycle.errors import EngineError
 ALIGN = 64
 _MAX_INT = (1 << 63) - 1
 """Offsets, sizes and element counts must fit torch's int64 arithmetic."""
-_KEYS = ("bucket_bytes", "verify", "tensors", "buckets")
+_KEYS = ("format", "bucket_bytes", "verify", "tensors", "buckets")
+FORMAT = 3
+"""The wire format both sides must speak, sent in every plan: 3 sends a group engine's bucket as
+two broadcasts (header, then data), which a receiver of another format would post as one."""
 
 
 class PlanRefused(EngineError):
@@ -91,7 +94,7 @@ class Plan:
 
     def to_bytes(self) -> bytes:
         return json.dumps({
-            "bucket_bytes": self.bucket_bytes, "verify": self.verify,
+            "format": FORMAT, "bucket_bytes": self.bucket_bytes, "verify": self.verify,
             "tensors": [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape)] for m in self.tensors],
             "buckets": [[[p.index, p.offset, p.start, p.nbytes] for p in bucket] for bucket in self.buckets],
         }, separators=(",", ":")).encode()
@@ -131,6 +134,10 @@ def parse_plan(raw: bytes) -> Plan:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise PlanRefused(f"it is not JSON ({type(exc).__name__}: {_show(str(exc))})") from None
+    if isinstance(data, dict) and (type(data.get("format")) is not int or data["format"] != FORMAT):
+        sent = _show(data["format"]) if "format" in data else "older than 3 (it has no 'format' key)"
+        raise PlanRefused(f"it is in wire format {sent} and this receiver reads format {FORMAT}: run the same "
+                          "version of this library on both sides")
     if not isinstance(data, dict) or sorted(data) != sorted(_KEYS):
         got = sorted(data) if isinstance(data, dict) else type(data).__name__
         raise PlanRefused(f"it must be an object with exactly the keys {', '.join(_KEYS)}; got {_show(got)}")

@@ -123,7 +123,6 @@ class Receiver:
                     yield from self.layout.unpack(k)
                     self.inbox.done(k)
             self.incoming.complete = True
-            self.engine._handed_out()
         except TransportError as exc:
             self.link_failed = True
             self.error = str(exc)

@@ -28,15 +28,14 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-import structlog
 import torch
 
 from backends.engines.base import Topology
 from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout
 from backends.engines.pipeline import BucketEngine
-from backends.engines.control import clip
+from backends.engines.control import answer, clip
 from backends.engines.plan import ALIGN, Plan, PlanRefused, TensorMeta, align, parse_plan
-from backends.engines.receiver import Inbox, receive_sizes
+from backends.engines.receiver import receive_sizes
 from lifecycle.errors import EngineError
 
 
@@ -63,15 +62,12 @@ class SharedSlotEngine(BucketEngine):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._staged: Layout | None = None
+        self._served: object = None
+        """A flip receiver: the identity (`_identity`) of the set its rollout read last, in full;
+        kept through `close()` and new publications, so opening the same files again does not
+        forget which one is served."""
         self._mapped_from: bytes | None = None
         """A receiver's: the published value its open slots came from; the same bytes open nothing again."""
-        self._sets: list[torch.Tensor] = []
-        """Flip: the two shared weight sets, whole (`slots` is then one set's buckets)."""
-        self._set_layouts: list[Layout | None] = [None] * SLOTS
-        """Flip: each set's layout of the current plan, bucket k in a view of its own."""
-        self._serving: int | None = None
-        """A flip receiver: the set whose tensors its rollout read last, in full."""
-        self._target: int | None = None
 
     # -- what a subclass supplies -------------------------------------------------------------
 
@@ -86,6 +82,11 @@ class SharedSlotEngine(BucketEngine):
     def _open(self, raw: bytes) -> list[torch.Tensor]:
         """A receiver: the sender's slots, from what it published; `PlanRefused` says why not."""
         raise NotImplementedError
+
+    def _identity(self, index: int) -> object:
+        """A receiver: what names shared region `index` as opened last, for as long as the memory
+        lives (shm: the file's device and inode); None when it cannot be told."""
+        return None
 
     def _fence(self) -> None:
         """Wait until this process's writes to, and reads of, the slots are done (device work
@@ -126,10 +127,12 @@ class SharedSlotEngine(BucketEngine):
             opened = self._open(raw)
             self._mapped_from = raw
             if kind == "sets":
-                self._sets = opened
+                self._flip.hold(opened)
+                self._flip.serving = next((i for i in range(SLOTS) if self._served is not None
+                                           and self._identity(i) == self._served), None)
             else:
                 self.slots = opened
-        regions = self._sets if kind == "sets" else self.slots
+        regions: list[torch.Tensor] = self._flip.memory if kind == "sets" else self.slots  # type: ignore[assignment]
         held = [region.numel() for region in regions]
         if held != [wanted] * SLOTS:
             raise PlanRefused(f"its bucket_bytes={plan.bucket_bytes} needs shared {kind} of {wanted} bytes; "
@@ -142,21 +145,23 @@ class SharedSlotEngine(BucketEngine):
         """A flip sender's plan, with both weight sets created for it and published."""
         if self.apply != "flip":
             return super()._send_layout(metas)
-        layout = self._set_layouts[0]
-        plan = layout.plan if layout is not None and self._same_plan(layout.plan, metas) else self._make_plan(metas)
+        cached = self._flip.layouts[0] or self._flip.layouts[1]
+        plan = cached.plan if cached is not None and self._same_plan(cached.plan, metas) else self._make_plan(metas)
         size = set_bytes(plan)
-        if not self._sets or self._sets[0].numel() != size:
+        if not self._flip.memory or self._flip.memory[0].numel() != size:  # type: ignore[attr-defined]
             self._create(size)
-            self._sets, self.slots = self.slots, []
-            self._set_layouts = [None] * SLOTS
+            self._flip.hold(self.slots)
+            self.slots = []
         self._control().set("slots", self._publish())
-        cached = self._set_layouts[0] or self._set_layouts[1]
-        return self._set_layout(0, plan, cached.raw if cached is not None and cached.plan is plan else plan.to_bytes())
+        return self._flip.layout(0, plan, cached.raw if cached is not None and cached.plan is plan else plan.to_bytes(),
+                                 self._carve)
 
     def _bind(self, layout: Layout) -> Layout:
         """Flip: the layout in the set this sync writes. The sender picks it from what every
-        receiver asked (`target/{rank}`: the set its rollout does not serve, or `any`) and
-        publishes it (`target`); a receiver takes it only if it is the set it asked for."""
+        receiver asked (`target/{rank}`: the set its rollout does not serve, or `any`), publishes
+        it (`target`), and writes nothing until every receiver has confirmed it is the set it
+        asked for (`bound/{rank}`): a receiver that finds another set named refuses there, so a
+        set a rollout serves is never written, whoever wrote the store."""
         if self.apply != "flip":
             return layout
         topology, control = self._topology(), self._control()
@@ -165,64 +170,52 @@ class SharedSlotEngine(BucketEngine):
             if isinstance(target, str):
                 raise EngineError(f"{self.name} engine: {target}")
             control.set("target", str(target))
+            self._await_answers("bound", f"refused to take weight set {target}")
         else:
             raw = control.get("target", watch_closed=True)
             target = int(raw) if raw in (b"0", b"1") else None
-            if target is None or self._target not in (None, target):
-                reason = (f"the sender writes weight set {clip(repr(raw), 40)}, not the set {self._target} this "
+            if target is None or self._flip.target not in (None, target):
+                reason = (f"the sender writes weight set {clip(repr(raw), 40)}, not the set {self._flip.target} this "
                           f"receiver asked for (its rollout serves the other); nothing was received")
-                self._refuse_sync(layout, reason)
-        self._target = target
-        bound = self._set_layout(target, layout.plan, layout.raw)
+                self._answer(f"bound/{topology.rank}", reason)
+                raise EngineError(f"{self.name} engine: rank {topology.rank}: {reason}")
+            control.set(f"bound/{topology.rank}", answer(None))
+        self._flip.target = target
+        bound = self._flip.layout(target, layout.plan, layout.raw, self._carve)
         self.slots = bound.slots
         bound.reset()
         return bound
-
-    def _refuse_sync(self, layout: Layout, reason: str) -> None:
-        """A receiver that accepted the plan refuses the sync after all: it lets every bucket go
-        unread (the sender waits for each), tells the sender why, and raises."""
-        rank = self._topology().rank
-        self.slots = layout.slots
-        try:
-            Inbox(self, layout.plan).drain()
-        except EngineError as exc:
-            structlog.get_logger().warning("engine.drain_failed", engine=self.name, rank=rank, error=str(exc))
-        self._answer(f"status/{rank}", reason)
-        raise EngineError(f"{self.name} engine: rank {rank}: {reason}")
 
     def _receive_layout(self, raw: bytes, expected: Collection[str] | None) -> Layout:
         """A flip receiver: the plan checked, the sets opened and checked against it, and the
         set its rollout does not serve asked for (`target/{rank}`) before it accepts."""
         if self.apply != "flip":
             return super()._receive_layout(raw, expected)
-        cached = self._set_layouts[0] or self._set_layouts[1]
-        plan = self._receivable(cached.plan if cached is not None and cached.raw == raw else parse_plan(raw), expected)
+        plan = self._receivable(self._flip.plan_of(raw) or parse_plan(raw), expected)
         self._shared(plan, set_bytes(plan), "sets")
-        self._target = None if self._serving is None else 1 - self._serving
-        self._control().set(f"target/{self._topology().rank}", "any" if self._target is None else str(self._target))
-        return self._set_layout(self._target or 0, plan, raw)
-
-    def _set_layout(self, index: int, plan: Plan, raw: bytes) -> Layout:
-        """Set `index` laid out for `plan`: bucket k at its place in the set, kept while the plan stays."""
-        layout = self._set_layouts[index]
-        if layout is None or layout.plan is not plan:
-            region, at, views = self._sets[index], 0, []
-            for k in range(len(plan.buckets)):
-                size = HEADER_BYTES + align(plan.used(k))
-                views.append(region[at:at + size])
-                at += size
-            layout = self._set_layouts[index] = Layout(plan, views, raw=raw)
-        return layout
+        target = self._flip.ask()
+        self._control().set(f"target/{self._topology().rank}", "any" if target is None else str(target))
+        return self._flip.layout(target or 0, plan, raw, self._carve)
 
     def _handed_out(self) -> None:
-        if self.apply == "flip":
-            self._serving = self._target
+        super()._handed_out()
+        if self.apply == "flip" and self._flip.target is not None:
+            self._served = self._identity(self._flip.target)
+
+    def _carve(self, index: int, plan: Plan) -> list[torch.Tensor]:
+        """Set `index` cut into `plan`'s buckets, back to back (`set_bytes`)."""
+        region, at, views = self._flip.memory[index], 0, []
+        for k in range(len(plan.buckets)):
+            size = HEADER_BYTES + align(plan.used(k))
+            views.append(region[at:at + size])  # type: ignore[index]
+            at += size
+        return views
 
     def _forget_shared(self) -> None:
         """Drop what was opened from the sender's last publication: a flip receiver serves no set
         of the new one."""
-        self.slots, self._sets, self._set_layouts = [], [], [None] * SLOTS
-        self._mapped_from, self._serving, self._target = None, None, None
+        self.slots, self._mapped_from = [], None
+        self._flip.forget()
 
     def _staging(self, layout: Layout) -> Layout:
         """An atomic receiver's private buffers, one per bucket: the shared slots are the

@@ -52,12 +52,19 @@ class ShmEngine(SharedSlotEngine):
         self._paths: list[str] = []
         """The sender's bucket files, as it publishes them."""
         self._unlink: weakref.finalize | None = None
+        self._files: list[tuple[int, int]] = []
+        """A receiver's: (device, inode) of each bucket or set file it mapped last."""
 
     def _publish(self) -> bytes:
         return json.dumps(self._paths).encode()
 
     def _open(self, raw: bytes) -> list[torch.Tensor]:
-        return [_map_published(path, self.shm_dir) for path in _published(raw, self.shm_dir)]
+        mapped = [_map_published(path, self.shm_dir) for path in _published(raw, self.shm_dir)]
+        self._files = [identity for _, identity in mapped]
+        return [region for region, _ in mapped]
+
+    def _identity(self, index: int) -> object:
+        return self._files[index] if index < len(self._files) else None
 
     def _create(self, size: int) -> None:
         self._free_buckets()
@@ -135,15 +142,16 @@ def _create_bucket(path: Path, size: int) -> torch.Tensor:
         os.close(fd)
 
 
-def _map_published(path: Path, folder: Path) -> torch.Tensor:
-    """Map a bucket the sender published in `folder` read-write (see `_open_shared`);
-    `PlanRefused` says why not."""
+def _map_published(path: Path, folder: Path) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Map a bucket the sender published in `folder` read-write (see `_open_shared`), with the
+    file's (device, inode); `PlanRefused` says why not."""
     try:
         fd, size = _open_shared(path, folder)
     except OSError as exc:
         raise PlanRefused(f"cannot open the shared bucket {path}: {exc}") from None
     try:
-        return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+        info = os.fstat(fd)
+        return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8), (info.st_dev, info.st_ino)
     except OSError as exc:
         raise PlanRefused(f"cannot map the shared bucket {path}: {exc}") from None
     finally:

@@ -24,6 +24,7 @@ from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
     TIMEOUT_S,
+    TRANSPORTS,
     ModelRollout,
     assert_kept_old_weights,
     greedy,
@@ -298,3 +299,19 @@ def test_the_region_fits_when_the_storage_ends_at_the_aligned_end() -> None:
 
 def test_shm_never_sends_regions() -> None:
     assert GlooEngine.sends_regions and not new_engine("shm").sends_regions  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_lazy_conjugate_and_negative_views_travel_as_their_values_not_their_memory(name: str) -> None:
+    complex_base = torch.randn(16, dtype=torch.complex64, generator=torch.Generator().manual_seed(3))
+    named = [("conj", complex_base.conj()), ("neg", torch._neg_view(torch.arange(16.0)))]
+    for _, tensor in named:  # alone in its bucket, from its own aligned storage: a region, but for the lazy view
+        layout = Layout(make_plan([TensorMeta("t", tensor.dtype, tuple(tensor.shape))], 4096, verify=True),
+                        [torch.zeros(HEADER_BYTES + 4096, dtype=torch.uint8)])
+        assert layout.region(0, [tensor.resolve_conj().resolve_neg()]) is not None
+        assert layout.region(0, [tensor]) is None
+    rollout = MemoryRollout()
+    run = sync_threads(new_engine(name), [new_engine(name)], named, [rollout])
+    assert run.error is None and run.versions == [1]
+    for key, tensor in named:
+        assert torch.equal(rollout.weights[key], tensor.resolve_conj().resolve_neg()), key

@@ -16,15 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from backends.engines import Rendezvous, WeightSync, adopt_weights, receive_into
+from backends.engines import CheckpointEngine, Rendezvous, WeightSync, adopt_weights, receive_into
 from backends.engines.buckets import HEADER_BYTES
 from backends.engines.shared import _pick, set_bytes
-from backends.engines.shm import ShmEngine
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
-    HANG_GUARD_S, ModelRollout, greedy, mixed_tensors, new_engine, read_case, sync_threads, tiny_qwen2, train_step,
+    CLASSES, HANG_GUARD_S, ModelRollout, greedy, mixed_tensors, new_engine, read_case, sync_threads, tiny_qwen2, train_step,
 )
 
 BUCKET = 1 << 16
@@ -38,33 +37,48 @@ class Adopting(ModelRollout):
         adopt_weights(self.model, named_tensors)
 
 
-class Corrupting(ShmEngine):
-    """A flip sender that flips one byte of bucket `corrupt` after packing it."""
-
-    corrupt: int | None = None
-
-    def _start_send(self, k: int, nbytes: int) -> Any:
-        if k == self.corrupt:
-            self.slots[k][HEADER_BYTES + 5] ^= 0xFF
-        return super()._start_send(k, nbytes)
+FLIPPING = ["gloo", "shm"]
+"""gloo lands a sync in the receiver's own two sets; shm in the two the sender shares."""
 
 
-def _flip(**kwargs: Any) -> ShmEngine:
-    return new_engine("shm", apply="flip", bucket_bytes=kwargs.pop("bucket_bytes", BUCKET), **kwargs)  # type: ignore[return-value]
+def _corrupting(name: str) -> CheckpointEngine:
+    """A flip sender that flips one byte of bucket `corrupt` after packing it (always packing)."""
+
+    class Corrupting(CLASSES[name]):  # type: ignore[valid-type,misc]
+        corrupt: int | None = None
+        sends_regions = False
+
+        def _start_send(self, k: int, nbytes: int) -> Any:
+            if k == self.corrupt:
+                self.slots[k % len(self.slots)][HEADER_BYTES + 5] ^= 0xFF
+            return super()._start_send(k, nbytes)
+
+    return Corrupting(apply="flip", bucket_bytes=BUCKET, timeout_s=10)
 
 
-def _inside(tensor: torch.Tensor, region: torch.Tensor) -> bool:
-    start = region.data_ptr()
-    return start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= start + region.numel()
+def _flip(name: str = "shm", **kwargs: Any) -> Any:
+    return new_engine(name, apply="flip", bucket_bytes=kwargs.pop("bucket_bytes", BUCKET), **kwargs)
+
+
+def _set(engine: Any, index: int) -> list[torch.Tensor]:
+    """Set `index` of a flip receiver: one shared file (shm) or its bucket buffers (gloo)."""
+    memory = engine._flip.memory[index]
+    return [memory] if isinstance(memory, torch.Tensor) else list(memory)
+
+
+def _inside(tensor: torch.Tensor, regions: list[torch.Tensor]) -> bool:
+    return any(region.data_ptr() <= tensor.data_ptr()
+               and tensor.data_ptr() + tensor.nbytes <= region.data_ptr() + region.numel() for region in regions)
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def test_each_sync_fills_the_other_set_and_the_rollout_adopts_it_without_a_private_copy() -> None:
+@pytest.mark.parametrize("name", FLIPPING)
+def test_each_sync_fills_the_other_set_and_the_rollout_adopts_it_without_a_private_copy(name: str) -> None:
     trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
-    sender, receiver = _flip(), _flip()
+    sender, receiver = _flip(name), _flip(name)
     port = free_port()
     try:
         for version, target in ((1, 0), (2, 1), (3, 0)):
@@ -72,43 +86,63 @@ def test_each_sync_fills_the_other_set_and_the_rollout_adopts_it_without_a_priva
             run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=version,
                                port=port)
             assert run.error is None and run.versions == [version], (run.error, run.errors)
-            assert receiver._serving == target and receiver._staged is None
-            assert len(receiver._sets) == 2 and receiver._sets[0].numel() == set_bytes(receiver._set_layouts[target].plan)
-            for name, param in rollout.model.named_parameters():
-                assert _inside(param, receiver._sets[target]), name
-                assert not _inside(param, receiver._sets[1 - target]), name
+            assert receiver._flip.serving == target and receiver._layout is None
+            assert getattr(receiver, "_staged", None) is None
+            if name == "shm":
+                assert _set(receiver, 0)[0].numel() == set_bytes(receiver._flip.layouts[target].plan)
+            for key, param in rollout.model.named_parameters():
+                assert _inside(param, _set(receiver, target)), key
+                assert not _inside(param, _set(receiver, 1 - target)), key
             assert greedy(rollout.model) == greedy(trainer)
     finally:
         receiver.close()
         sender.close()
-    assert greedy(rollout.model) == greedy(trainer), "the adopted set outlives the engine's own mapping"
+    assert greedy(rollout.model) == greedy(trainer), "the adopted set outlives the engine's own hold on it"
 
 
-def test_a_corrupted_last_bucket_leaves_the_rollout_on_its_old_set_bit_identical_and_generating_as_before() -> None:
+@pytest.mark.parametrize("name", FLIPPING)
+def test_a_corrupted_last_bucket_leaves_the_rollout_on_its_old_set_bit_identical_and_generating_as_before(
+    name: str,
+) -> None:
     trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
-    sender, receiver = Corrupting(apply="flip", bucket_bytes=BUCKET, timeout_s=10), _flip()
+    sender, receiver = _corrupting(name), _flip(name)
     port = free_port()
     try:
         run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=1, port=port)
         assert run.error is None and run.versions == [1]
         before, tokens = _state(rollout.model), greedy(rollout.model)
-        where = {name: param.data_ptr() for name, param in rollout.model.named_parameters()}
+        where = {key: param.data_ptr() for key, param in rollout.model.named_parameters()}
         buckets = run.figures["buckets"]  # type: ignore[index]
         assert buckets > 2
         train_step(trainer, 2)
-        sender.corrupt = buckets - 1
+        sender.corrupt = buckets - 1  # type: ignore[attr-defined]
         run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=2, port=port)
         assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
         assert f"bucket {buckets - 1} of {buckets} failed its checksum" in str(run.errors[0])
-        assert rollout.weights_version == 1 and receiver._serving == 0
-        assert {name: param.data_ptr() for name, param in rollout.model.named_parameters()} == where
-        for name, tensor in _state(rollout.model).items():
-            assert torch.equal(tensor, before[name]), name
+        assert rollout.weights_version == 1 and receiver._flip.serving == 0
+        assert {key: param.data_ptr() for key, param in rollout.model.named_parameters()} == where
+        for key, tensor in _state(rollout.model).items():
+            assert torch.equal(tensor, before[key]), key
         assert greedy(rollout.model) == tokens
-        sender.corrupt = None
+        sender.corrupt = None  # type: ignore[attr-defined]
         run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=2, port=port)
-        assert run.error is None and run.versions == [2] and receiver._serving == 1
+        assert run.error is None and run.versions == [2] and receiver._flip.serving == 1
         assert greedy(rollout.model) == greedy(trainer)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_gloo_flip_receiver_takes_any_sender_and_its_own_sets_only() -> None:
+    named = mixed_tensors()
+    sender, receiver, rollout, port = new_engine("gloo"), _flip("gloo", bucket_bytes=4096), MemoryRollout(), free_port()
+    try:
+        for version in (1, 2, 3):
+            run = sync_threads(sender, [receiver], named, [rollout], version=version, port=port)
+            assert run.error is None and run.versions == [version]
+            for key, tensor in named:
+                assert torch.equal(rollout.weights[key], tensor), key
+        assert receiver._flip.serving == 0 and not sender._flip.memory
     finally:
         receiver.close()
         sender.close()
@@ -137,14 +171,14 @@ def test_receivers_on_different_sets_are_refused_until_the_lagging_one_restarts(
         lagging = [MemoryRollout(), _FailOnce()]
         run = sync_threads(sender, [ahead, behind], named, lagging, version=2, port=port)
         assert run.versions == [2, None] and isinstance(run.error, EngineError)
-        assert (ahead._serving, behind._serving) == (1, 0)
+        assert (ahead._flip.serving, behind._flip.serving) == (1, 0)
         run = sync_threads(sender, [ahead, behind], named, rollouts, version=3, port=port)
         assert isinstance(run.error, EngineError) and "serve different weight sets" in str(run.error)
         assert "rank 1 serves set 1" in str(run.error) and "rank 2 serves set 0" in str(run.error)
         behind.close()
         restarted = _flip(bucket_bytes=4096)
         run = sync_threads(sender, [ahead, restarted], named, rollouts, version=3, port=port)
-        assert run.error is None and run.versions == [3, 3] and restarted._serving == ahead._serving == 0
+        assert run.error is None and run.versions == [3, 3] and restarted._flip.serving == ahead._flip.serving == 0
         restarted.close()
     finally:
         ahead.close()
@@ -163,19 +197,74 @@ def test_flip_on_one_side_only_is_refused_by_the_receiver(sender_apply: str, rec
     assert "refused the plan" in str(run.error)
 
 
-def test_a_sender_that_writes_the_set_the_rollout_serves_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+class _Viewing(MemoryRollout):
+    """A rollout that keeps the views it is handed, as an adopting one does: what a later sync
+    writes into their set shows in them."""
+
+    def load_weights(self, named_tensors: Any) -> None:
+        self.calls.append("load_weights")
+        self.weights = dict(named_tensors)
+
+
+def _served(rollout: MemoryRollout) -> dict[str, torch.Tensor]:
+    return {key: tensor.clone() for key, tensor in rollout.weights.items()}
+
+
+def _unchanged(rollout: MemoryRollout, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(rollout.weights[key], value) for key, value in before.items())
+
+
+def test_a_set_named_by_a_forged_store_is_refused_before_a_byte_of_it_is_written(monkeypatch: pytest.MonkeyPatch) -> None:
     import backends.engines.shared as shared
 
-    named = mixed_tensors()
     sender, receiver = _flip(bucket_bytes=4096), _flip(bucket_bytes=4096)
-    rollout, port = MemoryRollout(), free_port()
+    rollout, port = _Viewing(), free_port()
     try:
-        assert sync_threads(sender, [receiver], named, [rollout], version=1, port=port).versions == [1]
-        monkeypatch.setattr(shared, "_pick", lambda asked: 0)  # the set rank 1 serves
-        run = sync_threads(sender, [receiver], named, [rollout], version=2, port=port)
+        assert sync_threads(sender, [receiver], mixed_tensors(0), [rollout], version=1, port=port).versions == [1]
+        before = _served(rollout)
+        monkeypatch.setattr(shared, "_pick", lambda asked: 0)  # the set rank 1 serves, as a forged target/1 says
+        run = sync_threads(sender, [receiver], mixed_tensors(1), [rollout], version=2, port=port)
         assert isinstance(run.errors[0], EngineError) and "not the set 1 this receiver asked for" in str(run.errors[0])
-        assert isinstance(run.error, EngineError) and "not the set 1" in str(run.error)
-        assert rollout.weights_version == 1 and receiver._serving == 0
+        assert isinstance(run.error, EngineError) and "refused to take weight set 0" in str(run.error)
+        assert _unchanged(rollout, before) and rollout.weights_version == 1 and receiver._flip.serving == 0
+    finally:
+        receiver.close()
+        sender.close()
+
+
+class _Respaced(CLASSES["shm"]):  # type: ignore[valid-type,misc]
+    """A sender (or a store writer) that can publish the very same set files in other JSON."""
+
+    respace = False
+    corrupt: int | None = None
+
+    def _publish(self) -> bytes:
+        return json.dumps(self._paths, indent=1).encode() if self.respace else super()._publish()
+
+    def _start_send(self, k: int, nbytes: int) -> Any:
+        if k == self.corrupt:
+            self.slots[k][HEADER_BYTES + 5] ^= 0xFF
+        return super()._start_send(k, nbytes)
+
+
+@pytest.mark.parametrize("how", ["receiver closed and reopened", "same files published anew"])
+def test_a_receiver_that_opens_the_same_sets_again_still_knows_which_one_it_serves(how: str) -> None:
+    sender = _Respaced(apply="flip", bucket_bytes=4096, timeout_s=10)
+    receiver, rollout, port = _flip(bucket_bytes=4096), _Viewing(), free_port()
+    try:
+        assert sync_threads(sender, [receiver], mixed_tensors(0), [rollout], version=1, port=port).versions == [1]
+        before = _served(rollout)
+        if how == "receiver closed and reopened":
+            receiver.close()
+        else:
+            sender.respace = True
+        sender.corrupt = 1
+        run = sync_threads(sender, [receiver], mixed_tensors(1), [rollout], version=2, port=port)
+        assert isinstance(run.errors[0], EngineError) and "failed its checksum" in str(run.errors[0])
+        assert _unchanged(rollout, before) and receiver._flip.serving == 0
+        sender.corrupt = None
+        assert sync_threads(sender, [receiver], mixed_tensors(1), [rollout], version=2, port=port).versions == [2]
+        assert receiver._flip.serving == 1 and _unchanged(rollout, dict(mixed_tensors(1)))
     finally:
         receiver.close()
         sender.close()
@@ -191,10 +280,10 @@ def test_the_sender_picks_the_one_set_the_receivers_agree_on() -> None:
         assert isinstance(reason, str) and "asked for no weight set" in reason and len(reason) < 200
 
 
-def test_only_an_engine_whose_receivers_read_the_senders_memory_takes_flip() -> None:
-    with pytest.raises(EngineError, match="gloo engine: apply='flip' needs an engine whose receivers read"):
-        new_engine("gloo", apply="flip")
-    assert new_engine("shm", apply="flip").apply == "flip"
+def test_an_engine_that_cannot_flip_refuses_it_when_built() -> None:
+    with pytest.raises(EngineError, match="naive engine: does not take apply='flip'"):
+        new_engine("naive", apply="flip")
+    assert new_engine("shm", apply="flip").apply == new_engine("gloo", apply="flip").apply == "flip"
 
 
 def test_new_shapes_get_new_sets_and_a_copying_rollout_takes_flip_too() -> None:
@@ -206,10 +295,50 @@ def test_new_shapes_get_new_sets_and_a_copying_rollout_takes_flip_too() -> None:
             assert run.error is None and run.versions == [version]
             for name, tensor in named:
                 assert torch.equal(rollout.weights[name], tensor), name
-        assert receiver._serving == 0, "the third sync mapped new sets, so it served none before it"
+        assert receiver._flip.serving == 0, "the third sync mapped new sets, so it served none before it"
     finally:
         receiver.close()
         sender.close()
+
+
+class _Three(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Parameter(torch.zeros(n)) for n in (16, 32, 16))
+        self.register_buffer("d", torch.zeros(32))
+
+
+class _AdoptingModule(MemoryRollout):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def load_weights(self, named_tensors: Any) -> None:
+        adopt_weights(self.model, named_tensors)
+
+
+def test_a_sync_that_leaves_a_parameter_out_adopts_nothing_and_the_rollout_keeps_its_set() -> None:
+    sender, receiver, port = _flip(bucket_bytes=4096), _flip(bucket_bytes=4096), free_port()
+    rollout = _AdoptingModule(_Three())
+    ones, twos = torch.ones(16), torch.full((16,), 2.0)
+    try:
+        named = [("a", ones), ("b", torch.ones(32)), ("c", ones)]
+        assert sync_threads(sender, [receiver], named, [rollout], version=1, port=port).versions == [1]
+        mapped = receiver._mapped_from
+        run = sync_threads(sender, [receiver], [("a", twos), ("d", torch.ones(32)), ("c", twos)], [rollout],
+                           version=2, port=port)
+        assert receiver._mapped_from == mapped, "the same sets: only the served one's bookkeeping protects it"
+        assert isinstance(run.errors[0], EngineError) and "leaves out 1 parameter(s)" in str(run.errors[0])
+        assert "'b'" in str(run.errors[0]) and torch.equal(rollout.model.a.data, ones)
+        assert receiver._flip.serving == 0, "its rollout read every tensor, then adopted none: it serves set 0"
+        named = [("a", twos), ("b", torch.ones(32)), ("c", twos)]
+        assert sync_threads(sender, [receiver], named, [rollout], version=3, port=port).versions == [3]
+        assert receiver._flip.serving == 1 and torch.equal(rollout.model.a.data, twos)
+    finally:
+        receiver.close()
+        sender.close()
+    partial = _Three()
+    assert adopt_weights(partial, [("a", ones)], complete=False) == 1 and torch.equal(partial.a.data, ones)
 
 
 def test_adopt_weights_adopts_every_tensor_or_none() -> None:

@@ -58,7 +58,7 @@ def test_the_base_plan_chunks_a_over_three_buckets_and_passes() -> None:
     (lambda d: d.update(bucket_bytes=32), r"bucket_bytes must be an integer in 64\.\..*got 32"),
     (lambda d: d.update(bucket_bytes=MAX_BUCKET_BYTES + 1), rf"bucket_bytes .* got {MAX_BUCKET_BYTES + 1}"),
     (lambda d: d.update(verify=1), r"verify must be true or false, got 1"),
-    (lambda d: d.update(extra=1), r"exactly the keys bucket_bytes, verify, tensors, buckets"),
+    (lambda d: d.update(extra=1), r"exactly the keys format, bucket_bytes, verify, tensors, buckets"),
     (lambda d: d.pop("buckets"), r"exactly the keys"),
     (lambda d: d["tensors"][0].__setitem__(0, ""), r"tensor 0 has no name"),
     (lambda d: d["tensors"][0].__setitem__(0, 7), r"tensor 0 has no name"),
@@ -103,7 +103,12 @@ def test_each_kind_of_bad_plan_is_refused_naming_what_is_wrong(edit: Any, match:
     (DEEP, r"it is not JSON \(RecursionError"),
     (b"[]", r"exactly the keys .* got 'list'"),
     (b'{"bucket_bytes": 1' + b"0" * 5000 + b"}", r"it is not JSON \(ValueError"),
-    (b'{"bucket_bytes": NaN, "verify": true, "tensors": [], "buckets": []}', r"bucket_bytes .* got nan"),
+    (b'{"format": 3, "bucket_bytes": NaN, "verify": true, "tensors": [], "buckets": []}', r"bucket_bytes .* got nan"),
+    (b'{"bucket_bytes": 4096, "verify": true, "tensors": [], "buckets": []}',
+     r"wire format older than 3 \(it has no 'format' key\) and this receiver reads format 3: run the same version"),
+    (b'{"format": 2, "bucket_bytes": 4096, "verify": true, "tensors": [], "buckets": []}', r"wire format 2 and"),
+    (b'{"format": 3.0, "bucket_bytes": 4096, "verify": true, "tensors": [], "buckets": []}', r"wire format 3.0 and"),
+    (b'{"format": true, "bucket_bytes": 4096, "verify": true, "tensors": [], "buckets": []}', r"wire format True and"),
 ])
 def test_what_is_not_a_plan_at_all_is_refused(raw: bytes, match: str) -> None:
     _refused(raw, match)
@@ -233,6 +238,8 @@ def _mutate(data: dict[str, Any], kind: str, where: list[int], value: Any) -> No
             entry[0] = tensors[where[1] % len(tensors)][0] if isinstance(value, int) else value
         elif kind == "dtype":
             entry[1] = ["float32", "int8", "float64", "qint8", "uint4", "nope", "__class__"][where[1] % 7]
+        elif not isinstance(entry[2], list):  # an earlier edit made the shape a non-list already
+            entry[2] = value
         elif entry[2] and isinstance(value, int) and not isinstance(value, bool):
             entry[2][where[1] % len(entry[2])] += value
         else:

@@ -1,0 +1,85 @@
+"""A receiver's two weight sets for `apply: flip`: where each sync lands, which one its rollout serves.
+
+A flip receiver hands its rollout views into the set a sync landed in, once every bucket of it
+verified, and the rollout adopts them as its weights (`adopt_weights`): no copy on the
+receiving side. The next sync lands in the other set; the set the rollout serves is written
+again only after a later sync has completed into the other one. A failed sync leaves the
+rollout on the set it serves, untouched.
+
+Where the sets live is the engine's business: the group engines allocate them as private
+bucket buffers (a receiver's own choice, whatever the sender does); `shm` maps two files the
+sender writes into, and asks the sender for the set (see `shared`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout
+from backends.engines.plan import Plan, align
+
+Carve = Callable[[int, Plan], list[torch.Tensor]]
+"""Set `index`'s buffers for `plan`, one per bucket, each a header and the bucket's data."""
+
+
+class WeightSets:
+    """Both sets' memory and layouts, and which set the rollout serves."""
+
+    def __init__(self) -> None:
+        self.memory: list[object] = []
+        """Per set, what its buckets are carved from (a mapped file, or the buffers themselves)."""
+        self.layouts: list[Layout | None] = [None] * SLOTS
+        self.serving: int | None = None
+        """The set whose tensors the rollout read last, in full; None before any, or after new memory."""
+        self.target: int | None = None
+        """The set this sync lands in, once known."""
+
+    def hold(self, memory: Sequence[object]) -> None:
+        """New memory for both sets: none of it is served yet."""
+        self.memory, self.layouts = list(memory), [None] * SLOTS
+        self.serving = self.target = None
+
+    def forget(self) -> None:
+        self.hold([])
+
+    def ask(self) -> int | None:
+        """The set the next sync may land in: the one not served, or None when either will do."""
+        self.target = None if self.serving is None else 1 - self.serving
+        return self.target
+
+    def layout(self, index: int, plan: Plan, raw: bytes, carve: Carve) -> Layout:
+        """Set `index` laid out for `plan`: bucket k in buffer k of `carve(index, plan)`, built
+        once per plan and set."""
+        layout = self.layouts[index]
+        if layout is None or layout.plan is not plan:
+            layout = self.layouts[index] = Layout(plan, carve(index, plan), raw=raw)
+        return layout
+
+    def plan_of(self, raw: bytes) -> Plan | None:
+        """The plan parsed from these very bytes for a layout already built, if any."""
+        for layout in self.layouts:
+            if layout is not None and layout.raw == raw:
+                return layout.plan
+        return None
+
+    def handed_out(self) -> None:
+        """The rollout read every tensor of the set this sync landed in: that set is served now."""
+        self.serving = self.target
+
+
+def private_sets(sets: WeightSets, plan: Plan, raw: bytes,
+                 allocate: Callable[[list[int]], list[torch.Tensor]]) -> Layout:
+    """A receiver's own two sets, for an engine that lands buckets where it likes (the group
+    engines): the layout of the set its rollout does not serve (set 0 when it serves neither).
+    Both sets are allocated by `allocate` (one buffer per bucket) when the plan's bucket sizes
+    are not the ones they hold."""
+    sizes = [plan.used(k) for k in range(len(plan.buckets))]
+    wanted = [HEADER_BYTES + align(size) for size in sizes]
+    if len(sets.memory) != SLOTS or any([b.numel() for b in buffers] != wanted for buffers in sets.memory):  # type: ignore[attr-defined]
+        sets.hold([allocate(sizes) for _ in range(SLOTS)])
+    target = sets.ask()
+    if target is None:
+        target = sets.target = 0
+    return sets.layout(target, plan, raw, lambda index, _: list(sets.memory[index]))  # type: ignore[call-overload]
