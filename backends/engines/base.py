@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -80,15 +80,21 @@ class SyncStats:
     tensors: int
     receivers: int
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+    """Where the sender's time went, in seconds (a bucket engine's: `plan`, `pack`, `wire`,
+    `apply`, which add up to about `seconds`, and `hash`, on the checksum worker alongside)."""
 
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def figures(self) -> dict[str, Any]:
-        return {"backend": self.backend, "bytes": self.bytes, "buckets": self.buckets,
-                "tensors": self.tensors, "receivers": self.receivers,
-                "seconds": round(self.seconds, 6), "gbps": round(self.gbps, 3), "version": self.version}
+        figures = {"backend": self.backend, "bytes": self.bytes, "buckets": self.buckets,
+                   "tensors": self.tensors, "receivers": self.receivers,
+                   "seconds": round(self.seconds, 6), "gbps": round(self.gbps, 3), "version": self.version}
+        if self.phases:
+            figures["phases"] = {name: round(seconds, 6) for name, seconds in self.phases.items()}
+        return figures
 
 
 class Incoming(Iterator[tuple[str, torch.Tensor]]):

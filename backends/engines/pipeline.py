@@ -16,6 +16,8 @@ matches `digest/{k}`. What it does next is its `apply` mode:
   into its own (shm copies it out of the shared slot, then lets the sender refill it), so
   bucket k is checked while later ones land. It hands out the first tensor only once the
   last bucket has verified, so a bad bucket anywhere means nothing is applied.
+- `flip`: as atomic, into the one of two weight sets (`sets`) its rollout does not serve,
+  whose views the rollout adopts: no copy on the receiving side.
 
 The small messages (plan, answers, checksums, and for shm the per-bucket signals) go through
 a `ControlStore`; a subclass supplies only the data plane: slots, start send / receive, wait.
@@ -41,12 +43,13 @@ from torch.profiler import record_function
 
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
 from backends.engines.buckets import (
-    HEADER_BYTES, SLOTS, Copied, Layout, done, fold, settle, word_sum_digest, word_sums, write_header, xxh3_digest,
+    HEADER_BYTES, SLOTS, Copied, Layout, done, fold, word_sum_digest, word_sums, write_header, xxh3_digest,
     xxh3_packed,
 )
 from backends.engines.control import ControlStore, StoreLink, answer, read_answer
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
+from backends.engines.sender import send_buckets
 from backends.engines.sets import WeightSets, private_sets
 from lifecycle.errors import EngineError
 
@@ -79,6 +82,8 @@ class BucketEngine(CheckpointEngine):
         self._regions: list[torch.Tensor | None] = [None] * SLOTS
         """The sender's data region of the bucket in each slot, None where it was packed into the slot."""
         self._flip = WeightSets()
+        self._phases: dict[str, float] = {}
+        """The current send's phase timings (`SyncStats.phases`)."""
         """A flip receiver's two weight sets (`sets`); shm's sender keeps the shared ones here too."""
 
     # -- the data plane a subclass supplies ---------------------------------------------------
@@ -166,6 +171,7 @@ class BucketEngine(CheckpointEngine):
     def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         topology, control = self._topology(sender=True), self._control()
         start = time.perf_counter()
+        phases = self._phases = dict.fromkeys(("plan", "pack", "wire", "apply", "hash"), 0.0)
         pairs = list(named_tensors)
         tensors = [tensor for _, tensor in pairs]
         layout = self._send_layout([TensorMeta(name, self.wire_dtype(t), tuple(t.shape)) for name, t in pairs])
@@ -173,12 +179,15 @@ class BucketEngine(CheckpointEngine):
         control.set("plan", layout.raw)
         self._await_answers("accepted", f"refused the plan of weights v{version}")
         layout = self._bind(layout)
-        self._send_buckets(layout, tensors, version)
+        phases["plan"] = (sent := time.perf_counter()) - start
+        send_buckets(self, layout, tensors, version)
+        phases["wire"] = (landed := time.perf_counter()) - sent - phases["pack"]
         self._await_answers("status", f"rejected weights v{version}")
+        phases["apply"] = time.perf_counter() - landed
         self._clean = True
         return SyncStats(backend=self.name, version=version, bytes=layout.plan.total_bytes,
                          buckets=len(layout.plan.buckets), tensors=len(pairs), receivers=len(topology.receivers),
-                         seconds=time.perf_counter() - start)
+                         seconds=time.perf_counter() - start, phases=phases)
 
     def receive_weights(self, version: int | None = None, *, expected: Collection[str] | None = None) -> Incoming:
         topology = self._topology(sender=False)
@@ -323,34 +332,11 @@ class BucketEngine(CheckpointEngine):
         except EngineError as exc:
             structlog.get_logger().warning("engine.answer_not_sent", engine=self.name, key=key, error=str(exc))
 
-    def _send_buckets(self, layout: Layout, tensors: Sequence[torch.Tensor], version: int) -> None:
-        """Every bucket, two in flight, each checksum sent after its bucket; returns once the
-        last transfer is done, and, however it ends, once no checksum reads a bucket any more."""
-        count = len(layout.plan.buckets)
-        in_flight: list[Any] = [None] * SLOTS
-        self._in_flight = in_flight
-        digests: dict[int, Future[int]] = {}
-        try:
-            for k in range(count):
-                if in_flight[k % SLOTS] is not None:
-                    self._wait(in_flight[k % SLOTS], f"bucket {k - SLOTS} of {count}")
-                self._send_digests(digests, upto=k - SLOTS)
-                in_flight[k % SLOTS], digest = self._send_bucket(layout, k, tensors, version)
-                if digest is not None:
-                    digests[k] = digest
-                self._send_digests(digests, upto=k - 1)
-            self._send_digests(digests, upto=count - 1)
-            for k in range(max(0, count - SLOTS), count):
-                self._wait(in_flight[k % SLOTS], f"bucket {k} of {count}")
-        finally:
-            settle(digests.values())
-            self._regions = [None] * SLOTS
-
     def _send_bucket(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor],
                      version: int) -> tuple[Any, Future[int] | None]:
         """Pack bucket k (or, when the engine `sends_regions` and it has one, take its region
         instead: only its header goes into the slot) and start its transfer at once; returns the
-        transfer and, when the plan verifies, its checksum under way (sent by `_send_digests`).
+        transfer and, when the plan verifies, its checksum under way (sent by `sender.send_buckets`).
 
         On a host the checksum worker hashes the bucket while it is on the wire, reading each
         piece packed byte for byte where it was packed from, and a region in place (nothing
@@ -365,24 +351,24 @@ class BucketEngine(CheckpointEngine):
         self._regions[k % SLOTS] = region
         data = slot[HEADER_BYTES:HEADER_BYTES + used] if region is None else region
         copied: Copied | None = [] if verify and host else None
+        packing = time.perf_counter()
         with record_function(f"pack bucket {k}"):
             if region is None:
                 layout.pack(k, tensors, copied)
             write_header(slot, version, k, used)
             sums = word_sums(data) if verify and not host else None
+        self._phases["pack"] += time.perf_counter() - packing
         handle = self._start_send(k, HEADER_BYTES + used)
         if copied is not None:
-            return handle, self._worker().submit(xxh3_packed, data, copied)
+            return handle, self._worker().submit(self._hash_sent, data, copied)
         return handle, None if sums is None else done(fold(sums))
 
-    def _send_digests(self, digests: dict[int, Future[int]], upto: int) -> None:
-        """Send, in bucket order, the checksums of buckets up to `upto` (waiting for them), then
-        those of later buckets already computed."""
-        while digests:
-            k = min(digests)
-            if k > upto and not digests[k].done():
-                return
-            self._send_digest(k, digests.pop(k).result())
+    def _hash_sent(self, data: torch.Tensor, copied: Copied) -> int:
+        """`xxh3_packed` on the checksum worker, its time counted as the sync's `hash` phase."""
+        start = time.perf_counter()
+        digest = xxh3_packed(data, copied)
+        self._phases["hash"] += time.perf_counter() - start
+        return digest
 
     def _send_digest(self, k: int, digest: int) -> None:
         self._control().set(f"digest/{k}", f"{digest:016x}")

@@ -247,10 +247,10 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def bound(args: argparse.Namespace, point: Point, side: int, name: str) -> int:
     """The rise side 0 (sender) or 1 (receiver) may show: two buckets, plus the weights on an
-    atomic receiver; with shm's flip, the two shared weight sets on either side (the same pages
-    on both: one of them is the rollout's weights, which it no longer holds apart)."""
-    if args.apply == "flip" and name == "shm":
-        return 2 * point.total
+    atomic receiver; with flip, two weight sets on the receiver (one of them is the rollout's
+    weights, which it no longer holds apart), and with shm on the sender too (the same pages)."""
+    if args.apply == "flip":  # two weight sets: on both sides with shm (the same pages), on the receiver with gloo
+        return 2 * point.total if side == 1 or name == "shm" else 2 * args.bucket
     return 2 * args.bucket + (point.total if side == 1 and args.apply == "atomic" else 0)
 
 

@@ -62,6 +62,9 @@ def test_one_sender_delivers_every_tensor_to_every_receiver(name: str) -> None:
         assert rollout.calls == ["pause", "load_weights", "resume"]
     figures = run.figures or {}
     assert figures["backend"] == name and figures["receivers"] == 2 and figures["tensors"] == len(named)
+    phases = figures["phases"]
+    assert set(phases) == {"plan", "pack", "wire", "apply", "hash"} and min(phases.values()) >= 0
+    assert phases["plan"] + phases["pack"] + phases["wire"] + phases["apply"] <= figures["seconds"]
     assert figures["bytes"] == sum(t.numel() * t.element_size() for _, t in named)
     assert figures["buckets"] > 4 and figures["seconds"] > 0
     assert figures["gbps"] == pytest.approx(figures["bytes"] / figures["seconds"] / 1e9, abs=1e-3)
