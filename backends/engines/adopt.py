@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from backends.engines.base import Incoming
 from lifecycle.errors import EngineError
 
 
@@ -30,6 +31,8 @@ def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
     `complete=False` only for a parameter that is not served from a sync. Autograd and a
     parameter's identity are untouched (only `.data` changes).
     """
+    if isinstance(named_tensors, Incoming):
+        named_tensors.adopted = False  # until every tensor is rebound: a flip engine then counts its set served
     owned: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     owned.update(module.named_buffers(remove_duplicate=False))
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -52,6 +55,8 @@ def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
                               f"{type(module).__name__}: {shown}; nothing was adopted (complete=False adopts a part)")
     for mine, tensor in pending:
         mine.data = tensor
+    if isinstance(named_tensors, Incoming):
+        named_tensors.adopted = True
     return len(pending)
 
 

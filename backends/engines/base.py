@@ -115,6 +115,10 @@ class Incoming(Iterator[tuple[str, torch.Tensor]]):
         self.tensors = 0
         self.complete = False
         self.stop_reason: str | None = None
+        self.adopted: bool | None = None
+        """Whether the rollout took the tensors as its weights (`adopt_weights` says, True or
+        False); None: it did not say, and a flip receiver counts a sync read to the end without
+        an abort as adopted."""
         self._source: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def feed(self, source: Iterator[tuple[str, torch.Tensor]]) -> Incoming:

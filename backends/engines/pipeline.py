@@ -82,9 +82,9 @@ class BucketEngine(CheckpointEngine):
         self._regions: list[torch.Tensor | None] = [None] * SLOTS
         """The sender's data region of the bucket in each slot, None where it was packed into the slot."""
         self._flip = WeightSets()
+        """A flip receiver's two weight sets (`sets`); shm's sender keeps the shared ones here too."""
         self._phases: dict[str, float] = {}
         """The current send's phase timings (`SyncStats.phases`)."""
-        """A flip receiver's two weight sets (`sets`); shm's sender keeps the shared ones here too."""
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 
@@ -202,7 +202,9 @@ class BucketEngine(CheckpointEngine):
         try:
             if receiver is not None:
                 receiver.finish()
-                if receiver.incoming.complete and receiver.incoming.stop_reason is None and receiver.error is None:
+                incoming = receiver.incoming
+                read = incoming.complete and incoming.stop_reason is None and receiver.error is None
+                if incoming.adopted if incoming.adopted is not None else read:
                     self._handed_out()
         finally:
             if self._receiver is not None:
@@ -262,8 +264,8 @@ class BucketEngine(CheckpointEngine):
         return layout
 
     def _handed_out(self) -> None:
-        """A receiver, as the sync ends: its rollout read every tensor and did not abort (a
-        consumer that fails after the last tensor aborts the `Incoming`, as `receive_into` does)."""
+        """A receiver, as the sync ends: its rollout adopted the tensors (`Incoming.adopted`), or,
+        when it did not say, read every one and did not abort."""
         if self.apply == "flip":
             self._flip.handed_out()
 

@@ -248,7 +248,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
                f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors{' (flattened)' if args.flat else ''}, "
                f"{args.bucket / 2**20:g} MiB buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}, "
                f"one sender and one receiver "
-               f"process, median of {args.repeat} syncs after an untimed first round; each engine also ran "
+               f"process, median of {args.repeat} syncs after {warmup(args)} untimed round(s); each engine also ran "
                f"unverified in the same rounds.")
 
 

@@ -383,7 +383,7 @@ def note(args: argparse.Namespace, rows: Sequence[Row]) -> str:
     lines = [
         f"Sizes at {args.tensors} tensors and tensor counts at {args.gib:g} GiB, float32; {args.bucket / 2**20:g} MiB "
         f"buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}; each engine of each row in a fresh "
-        f"sender and receiver process, median of {args.repeat} syncs after an untimed first round. Peak memory: the "
+        f"sender and receiver process, median of {args.repeat} syncs after {warmup(args)} untimed round(s). Peak memory: the "
         "rise of each side's peak RSS (VmHWM, reset through /proc/self/clear_refs before each sync) over its RSS "
         "before the engine's first sync; the bound is two buckets a side, plus the weights on an atomic receiver."
         + (f" Plot: `{args.plot}`." if args.plot is not None else ""),

@@ -435,3 +435,36 @@ def test_a_flattened_model_goes_into_the_set_with_one_copy_a_bucket(monkeypatch:
     finally:
         receiver.close()
         sender.close()
+
+
+class _AdoptsThenFails(_AdoptingModule):
+    fail = True
+
+    def load_weights(self, named_tensors: Any) -> None:
+        super().load_weights(named_tensors)
+        if self.fail:
+            raise RuntimeError("the rollout broke after adopting")
+
+
+@pytest.mark.parametrize("name", FLIPPING)
+def test_a_rollout_that_adopts_then_fails_serves_the_new_set_and_the_next_sync_leaves_it_alone(name: str) -> None:
+    sender, receiver, port = _flip(name, bucket_bytes=4096), _flip(name, bucket_bytes=4096), free_port()
+    rollout = _AdoptsThenFails(_Three())
+    weights = [[("a", torch.full((16,), v)), ("b", torch.full((32,), v)), ("c", torch.full((16,), v))]
+               for v in (1.0, 2.0, 3.0)]
+    try:
+        rollout.fail = False
+        assert sync_threads(sender, [receiver], weights[0], [rollout], version=1, port=port).versions == [1]
+        rollout.fail = True
+        run = sync_threads(sender, [receiver], weights[1], [rollout], version=2, port=port)
+        assert isinstance(run.errors[0], RuntimeError) and rollout.stale
+        assert receiver._flip.serving == 1 and torch.equal(rollout.model.a.data, weights[1][0][1])
+        rollout.fail = False
+        adopted = rollout.model.a.data
+        run = sync_threads(sender, [receiver], weights[2], [rollout], version=3, port=port)
+        assert run.error is None and receiver._flip.serving == 0
+        assert torch.equal(adopted, weights[1][0][1]), "the set the rollout served was not written"
+        assert torch.equal(rollout.model.a.data, weights[2][0][1])
+    finally:
+        receiver.close()
+        sender.close()
