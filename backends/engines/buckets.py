@@ -30,7 +30,7 @@ from concurrent.futures import Future, wait
 import torch
 import xxhash
 
-from backends.engines.plan import ALIGN, Piece, Plan
+from backends.engines.plan import ALIGN, Piece, Plan, align
 
 HEADER_BYTES = 64
 SLOTS = 2
@@ -38,6 +38,12 @@ SLOTS = 2
 MAGIC = 0x4C43_5753_0000_0002
 """Format 2: the checksum travels after the bucket, not in its header (format 1)."""
 _MASK = (1 << 64) - 1
+
+
+def slot_bytes(data_bytes: int) -> int:
+    """A slot's size for `data_bytes` of bucket data: the header, then the data aligned."""
+    return HEADER_BYTES + align(data_bytes)
+
 Copied = list[tuple[int, int, int]]
 """(offset in the data region, address, nbytes) of pieces `Layout.pack` copied byte for byte."""
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -74,21 +80,21 @@ class Layout:
     def fits(self, slots: Sequence[torch.Tensor]) -> bool:
         return len(slots) == len(self.slots) and all(a is b for a, b in zip(slots, self.slots))
 
-    def pack(self, k: int, tensors: Sequence[torch.Tensor], copied: Copied | None = None) -> None:
+    def pack(self, k: int, tensors: Sequence[torch.Tensor], copied: Copied | None = None,
+             region: torch.Tensor | None = None) -> None:
         """Copy bucket k's pieces into its slot, casting to the wire dtype.
 
         `copied`, when given, gets (offset, address, nbytes) of each piece copied byte for byte
         from host memory, in order: where a checksum of the packed bucket can read that piece
         without the slot (`xxh3_packed`), so a slot scribbled on after packing fails it.
-        A bucket whose pieces sit in one storage at the plan's offsets (`region`) is one memmove
-        (one device copy) of that range. Otherwise, host to host in the same dtype from
+        `region`, the bucket's `region(k, tensors)` when the caller found one, is copied with one
+        memmove (one device copy) instead of one a piece. Otherwise, host to host in the same dtype from
         contiguous memory, a piece is one memmove:
         torch's `copy_` spreads every copy over its OpenMP threads, which on cores that also
         run the transport (gloo's threads, the receivers) costs more than it gains.
         """
         slot = self.slots[k % len(self.slots)]
         host = slot.device.type == "cpu"
-        region = self.region(k, tensors)
         if region is not None:  # pieces in place in one storage (a flattened model): one copy, not one a piece
             used = region.numel()
             if host:
@@ -254,6 +260,7 @@ def fold(sums: torch.Tensor) -> int:
 
 
 __all__ = [
-    "HEADER_BYTES", "MAGIC", "SLOTS", "Copied", "Layout", "done", "fold", "read_header", "settle", "word_sum_digest",
+    "HEADER_BYTES", "MAGIC", "SLOTS", "Copied", "Layout", "done", "fold", "read_header", "settle", "slot_bytes",
+    "word_sum_digest",
     "word_sums", "write_header", "xxh3_digest", "xxh3_packed",
 ]

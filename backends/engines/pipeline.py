@@ -43,11 +43,11 @@ from torch.profiler import record_function
 
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
 from backends.engines.buckets import (
-    HEADER_BYTES, SLOTS, Copied, Layout, done, fold, word_sum_digest, word_sums, write_header, xxh3_digest,
-    xxh3_packed,
+    HEADER_BYTES, SLOTS, Copied, Layout, done, fold, slot_bytes, word_sum_digest, word_sums, write_header,
+    xxh3_digest, xxh3_packed,
 )
 from backends.engines.control import ControlStore, StoreLink, answer, read_answer
-from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
+from backends.engines.plan import Plan, PlanRefused, TensorMeta, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
 from backends.engines.sender import send_buckets
 from backends.engines.sets import WeightSets, private_sets
@@ -91,14 +91,14 @@ class BucketEngine(CheckpointEngine):
     def _ensure_slots(self, sizes: Sequence[int]) -> None:
         """One slot per entry of `sizes`, each holding a header and that many data bytes; kept
         when they already are so."""
-        if [slot.numel() for slot in self.slots] != [HEADER_BYTES + align(size) for size in sizes]:
+        if [slot.numel() for slot in self.slots] != [slot_bytes(size) for size in sizes]:
             self.slots = []
             self.slots = self._allocate(sizes, self.device)
 
     def _allocate(self, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
         """Bucket buffers of a header plus `sizes` data bytes each; an `EngineError` that says
         what to change when they do not fit."""
-        wanted = [HEADER_BYTES + align(size) for size in sizes]
+        wanted = [slot_bytes(size) for size in sizes]
         try:
             return [torch.empty(size, dtype=torch.uint8, device=device) for size in wanted]
         except RuntimeError as exc:  # torch.OutOfMemoryError on a device, a plain RuntimeError on the host
@@ -336,9 +336,10 @@ class BucketEngine(CheckpointEngine):
 
     def _send_bucket(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor],
                      version: int) -> tuple[Any, Future[int] | None]:
-        """Pack bucket k (or, when the engine `sends_regions` and it has one, take its region
-        instead: only its header goes into the slot) and start its transfer at once; returns the
-        transfer and, when the plan verifies, its checksum under way (sent by `sender.send_buckets`).
+        """Pack bucket k (with one copy when it is a region of its sources' storage; not at all
+        when the engine `sends_regions` too: only its header goes into the slot) and start its
+        transfer at once; returns the transfer and, when the plan verifies, its checksum under
+        way (sent by `sender.send_buckets`).
 
         On a host the checksum worker hashes the bucket while it is on the wire, reading each
         piece packed byte for byte where it was packed from, and a region in place (nothing
@@ -349,14 +350,15 @@ class BucketEngine(CheckpointEngine):
         they see the bucket as packed, and read once the transfer started."""
         slot, used, verify = self.slots[k % len(self.slots)], layout.plan.used(k), layout.plan.verify
         host = slot.device.type == "cpu"
-        region = layout.region(k, tensors) if self.sends_regions else None
-        self._regions[k % SLOTS] = region
-        data = slot[HEADER_BYTES:HEADER_BYTES + used] if region is None else region
+        region = layout.region(k, tensors)
+        in_place = region if self.sends_regions else None
+        self._regions[k % SLOTS] = in_place
+        data = slot[HEADER_BYTES:HEADER_BYTES + used] if in_place is None else in_place
         copied: Copied | None = [] if verify and host else None
         packing = time.perf_counter()
         with record_function(f"pack bucket {k}"):
-            if region is None:
-                layout.pack(k, tensors, copied)
+            if in_place is None:
+                layout.pack(k, tensors, copied, region)
             write_header(slot, version, k, used)
             sums = word_sums(data) if verify and not host else None
         self._phases["pack"] += time.perf_counter() - packing

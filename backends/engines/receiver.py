@@ -201,7 +201,7 @@ class Receiver:
         self.finished = True
         if self.link_failed:
             return
-        ok = self.incoming.complete and self.error is None and self.incoming.stop_reason is None
+        ok = self.incoming.complete and self.error is None
         error = self.error or self.incoming.stop_reason or (
             f"the rollout stopped reading after {self.incoming.tensors} of {len(self.plan.tensors)} tensors")
         try:

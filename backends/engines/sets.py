@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout
-from backends.engines.plan import Plan, align
+from backends.engines.buckets import SLOTS, Layout, slot_bytes
+from backends.engines.plan import Plan
+from backends.engines.receiver import receive_sizes
 
 Carve = Callable[[int, Plan], list[torch.Tensor]]
 """Set `index`'s buffers for `plan`, one per bucket, each a header and the bucket's data."""
@@ -32,7 +33,7 @@ class WeightSets:
         """Per set, what its buckets are carved from (a mapped file, or the buffers themselves)."""
         self.layouts: list[Layout | None] = [None] * SLOTS
         self.serving: int | None = None
-        """The set whose tensors the rollout read last, in full; None before any, or after new memory."""
+        """The set whose tensors the rollout adopted last; None before any, or after new memory."""
         self.target: int | None = None
         """The set this sync lands in, once known."""
 
@@ -65,7 +66,7 @@ class WeightSets:
         return None
 
     def handed_out(self) -> None:
-        """The rollout read every tensor of the set this sync landed in: that set is served now."""
+        """The rollout adopted the set this sync landed in (`Incoming.adopted`): it is served now."""
         self.serving = self.target
 
 
@@ -75,8 +76,8 @@ def private_sets(sets: WeightSets, plan: Plan, raw: bytes,
     engines): the layout of the set its rollout does not serve (set 0 when it serves neither).
     Both sets are allocated by `allocate` (one buffer per bucket) when the plan's bucket sizes
     are not the ones they hold."""
-    sizes = [plan.used(k) for k in range(len(plan.buckets))]
-    wanted = [HEADER_BYTES + align(size) for size in sizes]
+    sizes = receive_sizes(plan, "atomic")
+    wanted = [slot_bytes(size) for size in sizes]
     if len(sets.memory) != SLOTS or any([b.numel() for b in buffers] != wanted for buffers in sets.memory):  # type: ignore[attr-defined]
         sets.hold([allocate(sizes) for _ in range(SLOTS)])
     target = sets.ask()

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from backends.engines.base import Topology
-from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout
+from backends.engines.buckets import SLOTS, Layout, slot_bytes
 from backends.engines.pipeline import BucketEngine
 from backends.engines.control import answer, clip
-from backends.engines.plan import ALIGN, Plan, PlanRefused, TensorMeta, align, parse_plan
+from backends.engines.plan import ALIGN, Plan, PlanRefused, TensorMeta, parse_plan
 from backends.engines.receiver import receive_sizes
 from lifecycle.errors import EngineError
 
@@ -53,7 +53,7 @@ def _pick(asked: dict[int, bytes]) -> int | str:
 
 def set_bytes(plan: Plan) -> int:
     """The bytes of one flip weight set: every bucket of `plan`, header and data, back to back."""
-    return max(sum(HEADER_BYTES + align(plan.used(k)) for k in range(len(plan.buckets))), HEADER_BYTES + ALIGN)
+    return max(sum(slot_bytes(plan.used(k)) for k in range(len(plan.buckets))), slot_bytes(ALIGN))
 
 
 class SharedSlotEngine(BucketEngine):
@@ -63,7 +63,7 @@ class SharedSlotEngine(BucketEngine):
         super().__init__(**kwargs)
         self._staged: Layout | None = None
         self._served: object = None
-        """A flip receiver: the identity (`_identity`) of the set its rollout read last, in full;
+        """A flip receiver: the identity (`_identity`) of the set its rollout adopted last;
         kept through `close()` and new publications, so opening the same files again does not
         forget which one is served."""
         self._mapped_from: bytes | None = None
@@ -104,16 +104,16 @@ class SharedSlotEngine(BucketEngine):
         if topology.is_sender:
             self._control().set("shares", b"sets" if self.apply == "flip" else b"buckets")
         if topology.is_sender and self.apply != "flip":
-            if not self.slots or self.slots[0].numel() != HEADER_BYTES + align(self.bucket_bytes):
-                self._create(HEADER_BYTES + align(self.bucket_bytes))
+            if not self.slots or self.slots[0].numel() != slot_bytes(self.bucket_bytes):
+                self._create(slot_bytes(self.bucket_bytes))
             self._control().set("slots", self._publish())
 
     def _receive_slots(self, plan: Plan) -> None:
         """Open the sender's slots, unless they are the ones opened last sync; they must hold
         the plan's buckets: a receiver reads them up to `bucket_bytes`."""
-        self.slots = self._shared(plan, HEADER_BYTES + align(plan.bucket_bytes), "buckets")
+        self.slots = self._open_regions(plan, slot_bytes(plan.bucket_bytes), "buckets")
 
-    def _shared(self, plan: Plan, wanted: int, kind: str) -> list[torch.Tensor]:
+    def _open_regions(self, plan: Plan, wanted: int, kind: str) -> list[torch.Tensor]:
         """The sender's two shared regions (slots or weight sets), opened unless they are the ones
         opened last; `PlanRefused` unless they are `kind` and of `wanted` bytes each."""
         control = self._control()
@@ -192,7 +192,7 @@ class SharedSlotEngine(BucketEngine):
         if self.apply != "flip":
             return super()._receive_layout(raw, expected)
         plan = self._receivable(self._flip.plan_of(raw) or parse_plan(raw), expected)
-        self._shared(plan, set_bytes(plan), "sets")
+        self._open_regions(plan, set_bytes(plan), "sets")
         target = self._flip.ask()
         self._control().set(f"target/{self._topology().rank}", "any" if target is None else str(target))
         return self._flip.layout(target or 0, plan, raw, self._carve)
@@ -206,7 +206,7 @@ class SharedSlotEngine(BucketEngine):
         """Set `index` cut into `plan`'s buckets, back to back (`set_bytes`)."""
         region, at, views = self._flip.memory[index], 0, []
         for k in range(len(plan.buckets)):
-            size = HEADER_BYTES + align(plan.used(k))
+            size = slot_bytes(plan.used(k))
             views.append(region[at:at + size])  # type: ignore[index]
             at += size
         return views

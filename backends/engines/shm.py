@@ -146,22 +146,21 @@ def _map_published(path: Path, folder: Path) -> tuple[torch.Tensor, tuple[int, i
     """Map a bucket the sender published in `folder` read-write (see `_open_shared`), with the
     file's (device, inode); `PlanRefused` says why not."""
     try:
-        fd, size = _open_shared(path, folder)
+        fd, info = _open_shared(path, folder)
     except OSError as exc:
         raise PlanRefused(f"cannot open the shared bucket {path}: {exc}") from None
     try:
-        info = os.fstat(fd)
-        return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8), (info.st_dev, info.st_ino)
+        return torch.frombuffer(mmap.mmap(fd, info.st_size), dtype=torch.uint8), (info.st_dev, info.st_ino)
     except OSError as exc:
         raise PlanRefused(f"cannot map the shared bucket {path}: {exc}") from None
     finally:
         os.close(fd)
 
 
-def _open_shared(path: Path, folder: Path) -> tuple[int, int]:
+def _open_shared(path: Path, folder: Path) -> tuple[int, os.stat_result]:
     """Open a published bucket read-write through `folder` itself, refusing a link, anything but
     a regular file, a file with other names (hard links), and a size no bucket has; returns the
-    descriptor and the size. The descriptor is closed on every way out but the return."""
+    descriptor and what `fstat` says of it. The descriptor is closed on every way out but the return."""
     folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         before = os.stat(path.name, dir_fd=folder_fd, follow_symlinks=False)
@@ -182,7 +181,7 @@ def _open_shared(path: Path, folder: Path) -> tuple[int, int]:
     except BaseException:
         os.close(fd)
         raise
-    return fd, info.st_size
+    return fd, info
 
 
 def _unlink(paths: list[str]) -> None:

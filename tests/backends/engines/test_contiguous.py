@@ -43,9 +43,9 @@ def packed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     pack = Layout.pack
 
-    def counted(self: Layout, k: int, tensors: Any, copied: Any = None) -> None:
+    def counted(self: Layout, k: int, tensors: Any, copied: Any = None, region: Any = None) -> None:
         calls.append(k)
-        pack(self, k, tensors, copied)
+        pack(self, k, tensors, copied, region)
 
     monkeypatch.setattr(Layout, "pack", counted)
     return calls

@@ -158,3 +158,19 @@ def test_engine_options_are_checked_when_an_engine_is_built() -> None:
         CheckpointEngineRegistry.new("naive", flavour=1)
     engine = CheckpointEngineRegistry.new("naive", rollout_dtype=torch.float16)
     assert (engine.rollout_dtype, engine.options.rollout_dtype) == (torch.float16, "float16")
+
+
+def test_no_engine_instance_attribute_hides_a_method_of_its_class() -> None:
+    """An attribute set in `__init__` under a method's name turns every call of that method into a
+    call of the attribute (cuda_ipc's list of exported handles once hid the shared-slot engines'
+    method that opens the sender's regions, so no receiver could start)."""
+    from backends.engines.cuda_ipc import CudaIpcEngine  # builds without CUDA; refuses only in prepare()
+    from backends.engines.gloo import GlooEngine
+    from backends.engines.naive import NaiveEngine
+    from backends.engines.nccl import NcclEngine
+    from backends.engines.shm import ShmEngine
+
+    for engine_class in (GlooEngine, ShmEngine, CudaIpcEngine, NcclEngine, NaiveEngine):
+        engine = engine_class(bucket_bytes=4096)
+        hidden = [attr for attr in vars(engine) if callable(getattr(engine_class, attr, None))]
+        assert hidden == [], (engine_class.__name__, hidden)
