@@ -26,6 +26,7 @@ import ctypes
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, wait
+from dataclasses import dataclass
 
 import torch
 import xxhash
@@ -54,6 +55,45 @@ ctypes array type for each piece's length instead costs about 15 us a piece, as 
 the bucket. `xxh3_packed` reads nothing but a bucket and the live tensors it was packed from."""
 
 
+Source = tuple[object, ...]
+"""What packing a bucket depends on about one sender tensor (`describe`)."""
+
+
+def describe(named: Sequence[tuple[str, torch.Tensor]], last: list[Source] | None = None) -> list[Source] | None:
+    """Per tensor, its name and all that packing its pieces depends on: type, device, dtype,
+    shape, strides, storage offset, address and lazy conjugate and negation bits. Equal lists
+    mean the same plan and the same copies from the same addresses. `last` itself when every
+    tensor is as `last` describes it (so a sender holds one description, not two); None when
+    a tensor is not plain strided memory (then nothing is reused). About 4 us a tensor."""
+    out: list[Source] = []
+    same = last is not None and len(last) == len(named)
+    for i, (name, t) in enumerate(named):
+        if type(t) not in _PLAIN or t.layout != torch.strided:
+            return None
+        entry = (name, t.device, t.dtype, t.shape, t.stride(), t.storage_offset(), t.data_ptr(), t.is_conj(),
+                 t.is_neg())
+        if same:
+            if entry == last[i]:  # type: ignore[index]
+                continue
+            same, out = False, list(last[:i])  # type: ignore[index]
+        out.append(entry)
+    return last if same else out
+
+
+@dataclass(frozen=True)
+class Program:
+    """What packing one bucket takes, worked out from its tensors (`Layout.program`)."""
+
+    region: tuple[int, int] | None
+    """(index of a tensor, byte offset in its storage) where the bucket's data region sits in
+    one storage as it would be packed (`Layout.region`); None when it must be packed."""
+    moves: Copied
+    """Host memmoves into a host slot: (offset in the data region, address, nbytes), adjacent
+    pieces merged into one run."""
+    rest: list[int]
+    """Positions in the bucket of the pieces torch copies (`Layout._copy_piece`)."""
+
+
 class Layout:
     """A plan bound to bucket slots: one typed view per piece, built once and reused.
 
@@ -69,7 +109,14 @@ class Layout:
         self.raw = raw
         self.slots = list(slots)
         self.views = [[self._view(k, p) for p in bucket] for k, bucket in enumerate(plan.buckets)]
+        self._handed: list[list[tuple[str, torch.Tensor]] | None] = [
+            None if any(p.nbytes != plan.tensors[p.index].nbytes for p in bucket)
+            else [(plan.tensors[p.index].name, view) for p, view in zip(bucket, views)]
+            for bucket, views in zip(plan.buckets, self.views)]
+        """Per bucket without chunks, what `unpack` hands out, built once."""
         self._partial: dict[int, torch.Tensor] = {}
+        self._sources: list[Source] | None = None
+        self._programs: dict[int, Program] = {}
 
     def _view(self, k: int, p: Piece) -> torch.Tensor:
         meta = self.plan.tensors[p.index]
@@ -80,47 +127,107 @@ class Layout:
     def fits(self, slots: Sequence[torch.Tensor]) -> bool:
         return len(slots) == len(self.slots) and all(a is b for a, b in zip(slots, self.slots))
 
+    def bind_sources(self, sources: list[Source] | None) -> None:
+        """The sender's tensors of this sync as `describe` found them: what packing each bucket
+        takes (`Program`) is worked out once and reused while they stay where they were; None
+        (or tensors that moved) forgets it."""
+        if sources is None or (sources is not self._sources and sources != self._sources):
+            self._programs = {}
+        self._sources = sources
+
+    def program(self, k: int, tensors: Sequence[torch.Tensor]) -> Program:
+        """What packing bucket k from `tensors` takes (`Program`): reused while the tensors are the
+        ones `bind_sources` was given, worked out again otherwise."""
+        program = self._programs.get(k)
+        if program is None:
+            region = self._find_region(k, tensors)
+            host = self.slots[k % len(self.slots)].device.type == "cpu"
+            program = Program(region, *(self._classify(k, tensors) if host and region is None else ([], [])))
+            if self._sources is not None:
+                self._programs[k] = program
+        return program
+
+    def _classify(self, k: int, tensors: Sequence[torch.Tensor]) -> tuple[Copied, list[int]]:
+        """Bucket k's pieces that host memory holds as their wire bytes, as memmoves (runs that are
+        adjacent both in the sources and in the slot merged into one), and the positions of the
+        rest, which torch copies (casts, strided tensors, other devices, lazy conjugates)."""
+        moves: Copied = []
+        rest: list[int] = []
+        for i, (p, dst) in enumerate(zip(self.plan.buckets[k], self.views[k])):
+            src = tensors[p.index]
+            if (src.device.type == "cpu" and src.dtype == dst.dtype and not (src.is_conj() or src.is_neg())
+                    and src.is_contiguous()):
+                if not p.nbytes:
+                    continue
+                address = src.data_ptr() + p.start
+                if moves and moves[-1][0] + moves[-1][2] == p.offset and moves[-1][1] + moves[-1][2] == address:
+                    offset, start, nbytes = moves[-1]
+                    moves[-1] = (offset, start, nbytes + p.nbytes)
+                else:
+                    moves.append((p.offset, address, p.nbytes))
+            else:
+                rest.append(i)
+        return moves, rest
+
     def pack(self, k: int, tensors: Sequence[torch.Tensor], copied: Copied | None = None,
              region: torch.Tensor | None = None) -> None:
         """Copy bucket k's pieces into its slot, casting to the wire dtype.
 
-        `copied`, when given, gets (offset, address, nbytes) of each piece copied byte for byte
-        from host memory, in order: where a checksum of the packed bucket can read that piece
+        `copied`, when given, gets (offset, address, nbytes) of each run copied byte for byte
+        from host memory, in order: where a checksum of the packed bucket can read that run
         without the slot (`xxh3_packed`), so a slot scribbled on after packing fails it.
         `region`, the bucket's `region(k, tensors)` when the caller found one, is copied with one
-        memmove (one device copy) instead of one a piece. Otherwise, host to host in the same dtype from
-        contiguous memory, a piece is one memmove:
-        torch's `copy_` spreads every copy over its OpenMP threads, which on cores that also
-        run the transport (gloo's threads, the receivers) costs more than it gains.
+        memmove (one device copy) instead of one a piece. Otherwise, into a host slot, the pieces
+        host memory holds as their wire bytes are memmoves, one per run of adjacent pieces (the
+        bucket's `program`), and torch copies the rest: torch's `copy_` spreads every copy over
+        its OpenMP threads, which on cores that also run the transport (gloo's threads, the
+        receivers) costs more than it gains.
         """
         slot = self.slots[k % len(self.slots)]
-        host = slot.device.type == "cpu"
+        region = region if region is not None else self.region(k, tensors)
+        if slot.device.type != "cpu":
+            self._pack_on_device(k, tensors, slot, region)
+            return
+        base = slot.data_ptr() + HEADER_BYTES
         if region is not None:  # pieces in place in one storage (a flattened model): one copy, not one a piece
-            used = region.numel()
-            if host:
-                ctypes.memmove(slot.data_ptr() + HEADER_BYTES, region.data_ptr(), used)
-                if copied is not None:
-                    copied.append((0, region.data_ptr(), used))
-            else:
-                slot[HEADER_BYTES:HEADER_BYTES + used].copy_(region)
+            moves, rest = [(0, region.data_ptr(), region.numel())], []
+        else:
+            program = self.program(k, tensors)
+            moves, rest = program.moves, program.rest
+        for offset, address, nbytes in moves:
+            ctypes.memmove(base + offset, address, nbytes)
+        if copied is not None:
+            copied.extend(moves)
+        for i in rest:
+            self._copy_piece(k, i, tensors)
+
+    def _copy_piece(self, k: int, i: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Piece i of bucket k copied by torch: cast, gathered from strides, or from another device."""
+        p, dst = self.plan.buckets[k][i], self.views[k][i]
+        src = tensors[p.index].detach()
+        if p.nbytes == self.plan.tensors[p.index].nbytes:
+            dst.copy_(src)
+        else:
+            step = dst.element_size()
+            dst.copy_(src.reshape(-1)[p.start // step:(p.start + p.nbytes) // step])
+
+    def _pack_on_device(self, k: int, tensors: Sequence[torch.Tensor], slot: torch.Tensor,
+                        region: torch.Tensor | None) -> None:
+        """A device slot: a region in one device copy; else whole tensors already on the slot's
+        device in a few kernel launches (`_foreach_copy_`), the rest one copy each."""
+        if region is not None:
+            slot[HEADER_BYTES:HEADER_BYTES + region.numel()].copy_(region)
             return
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for p, dst in zip(self.plan.buckets[k], self.views[k]):
+        for i, (p, dst) in enumerate(zip(self.plan.buckets[k], self.views[k])):
             src = tensors[p.index].detach()
-            raw = src.dtype == dst.dtype and not (src.is_conj() or src.is_neg())  # its memory is its values
-            if host and src.device.type == "cpu" and raw and src.is_contiguous():
-                ctypes.memmove(dst.data_ptr(), src.data_ptr() + p.start, p.nbytes)
-                if copied is not None and p.nbytes:
-                    copied.append((p.offset, src.data_ptr() + p.start, p.nbytes))
-            elif not host and src.device == slot.device and raw and p.nbytes == self.plan.tensors[p.index].nbytes:
+            if (src.device == slot.device and src.dtype == dst.dtype and not (src.is_conj() or src.is_neg())
+                    and p.nbytes == self.plan.tensors[p.index].nbytes):
                 batch[0].append(dst)
                 batch[1].append(src)
-            elif p.nbytes == self.plan.tensors[p.index].nbytes:
-                dst.copy_(src)
             else:
-                step = dst.element_size()
-                dst.copy_(src.reshape(-1)[p.start // step:(p.start + p.nbytes) // step])
-        if batch[0]:  # on a device, whole tensors go in a few kernel launches instead of one each
+                self._copy_piece(k, i, tensors)
+        if batch[0]:
             torch._foreach_copy_(*batch)
 
     def region(self, k: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -133,12 +240,29 @@ class Layout:
         Then the region holds every piece where `pack` would copy it, so sending it sends the
         bucket without a copy; the bytes between pieces are whatever the storage holds there,
         which the receiver never reads as a tensor and both sides hash as they travel.
-        A handful of attribute reads per piece, against a copy of its bytes; it never views
-        past the storage's end (the aligned tail of the last piece must be inside it too).
+        Found with a handful of attribute reads per piece, once while the sources stay where they
+        are (`bind_sources`); it never views past the storage's end (the aligned tail of the last
+        piece must be inside it too), which is checked again at every use.
         """
+        program = self.program(k, tensors)
+        if program.region is None:
+            return None
+        used = self.plan.used(k)
+        index, start = program.region
+        if start + used > tensors[index].untyped_storage().nbytes():  # another storage at the same addresses
+            self._programs.pop(k, None)
+            program = self.program(k, tensors)  # found again, its bounds checked
+            if program.region is None:
+                return None
+            index, start = program.region
+        storage = tensors[index].untyped_storage()
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start, (used,))
+
+    def _find_region(self, k: int, tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+        """(index of a tensor in it, byte offset in that tensor's storage) of bucket k's region, if it has one."""
         used = self.plan.used(k)
         device = self.slots[k % len(self.slots)].device
-        base, storage = -1, None
+        base, storage, index = -1, None, -1
         for p in self.plan.buckets[k]:
             if not p.nbytes:
                 continue  # an empty tensor has no bytes to place, wherever it lives
@@ -149,7 +273,7 @@ class Layout:
                 return None
             at = src.data_ptr() + p.start - p.offset
             if storage is None:
-                base, storage = at, src.untyped_storage()
+                base, storage, index = at, src.untyped_storage(), p.index
             elif at != base or src.untyped_storage().data_ptr() != storage.data_ptr():
                 return None
         if storage is None or base % ALIGN:
@@ -157,7 +281,7 @@ class Layout:
         start = base - storage.data_ptr()
         if start < 0 or start + used > storage.nbytes():
             return None
-        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (used,))
+        return index, start
 
     def reset(self) -> None:
         """Forget chunks of a tensor an aborted receive left half-joined."""
@@ -165,6 +289,10 @@ class Layout:
 
     def unpack(self, k: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Bucket k's tensors: views into its slot, or, for a chunked tensor, the rejoined whole."""
+        handed = self._handed[k]
+        if handed is not None:
+            yield from handed
+            return
         for p, view in zip(self.plan.buckets[k], self.views[k]):
             meta = self.plan.tensors[p.index]
             if p.nbytes == meta.nbytes:
@@ -260,7 +388,7 @@ def fold(sums: torch.Tensor) -> int:
 
 
 __all__ = [
-    "HEADER_BYTES", "MAGIC", "SLOTS", "Copied", "Layout", "done", "fold", "read_header", "settle", "slot_bytes",
+    "HEADER_BYTES", "MAGIC", "SLOTS", "Copied", "Layout", "Program", "Source", "describe", "done", "fold", "read_header", "settle", "slot_bytes",
     "word_sum_digest",
     "word_sums", "write_header", "xxh3_digest", "xxh3_packed",
 ]

@@ -39,17 +39,15 @@ from typing import Any
 
 import structlog
 import torch
-from torch.profiler import record_function
 
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
 from backends.engines.buckets import (
-    HEADER_BYTES, SLOTS, Copied, Layout, done, fold, slot_bytes, word_sum_digest, word_sums, write_header,
-    xxh3_digest, xxh3_packed,
+    SLOTS, Layout, Source, describe, done, slot_bytes, word_sum_digest, xxh3_digest,
 )
 from backends.engines.control import ControlStore, StoreLink, answer, read_answer
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
-from backends.engines.sender import send_buckets
+from backends.engines.sender import send_bucket, send_buckets
 from backends.engines.sets import WeightSets, private_sets
 from lifecycle.errors import EngineError
 
@@ -84,6 +82,8 @@ class BucketEngine(CheckpointEngine):
         self._flip = WeightSets()
         """A flip receiver's two weight sets (`sets`); shm's sender keeps the shared ones here too."""
         self._phases: dict[str, float] = {}
+        self._described: tuple[list[Source] | None, torch.dtype | None, list[TensorMeta]] = (None, None, [])
+        """The sender's last tensors as `describe` found them, the rollout dtype then, and their plan metadata."""
         """The current send's phase timings (`SyncStats.phases`)."""
 
     # -- the data plane a subclass supplies ---------------------------------------------------
@@ -174,11 +174,13 @@ class BucketEngine(CheckpointEngine):
         phases = self._phases = dict.fromkeys(("plan", "pack", "wire", "apply", "hash"), 0.0)
         pairs = list(named_tensors)
         tensors = [tensor for _, tensor in pairs]
-        layout = self._send_layout([TensorMeta(name, self.wire_dtype(t), tuple(t.shape)) for name, t in pairs])
+        sources = describe(pairs, self._described[0])
+        layout = self._send_layout(self._metas(pairs, sources))
         control.set("version", str(version))
         control.set("plan", layout.raw)
         self._await_answers("accepted", f"refused the plan of weights v{version}")
         layout = self._bind(layout)
+        layout.bind_sources(sources)
         phases["plan"] = (sent := time.perf_counter()) - start
         send_buckets(self, layout, tensors, version)
         phases["wire"] = (landed := time.perf_counter()) - sent - phases["pack"]
@@ -245,6 +247,15 @@ class BucketEngine(CheckpointEngine):
             plan = self._make_plan(metas)
             layout = self._layout = Layout(plan, self.slots, raw=plan.to_bytes())
         return layout
+
+    def _metas(self, pairs: list[tuple[str, torch.Tensor]], sources: list[Source] | None) -> list[TensorMeta]:
+        """The plan's metadata of these tensors: those of the last sync when `describe` found them
+        as they were then (the same list, so `_same_plan` compares each entry by identity)."""
+        last, dtype, metas = self._described
+        if sources is None or sources is not last or dtype != self.rollout_dtype:
+            metas = [TensorMeta(name, self.wire_dtype(t), tuple(t.shape)) for name, t in pairs]
+            self._described = (sources, self.rollout_dtype, metas)
+        return metas
 
     def _same_plan(self, plan: Plan, metas: list[TensorMeta]) -> bool:
         """Whether `plan` is the one `_make_plan(metas)` would make now."""
@@ -336,43 +347,8 @@ class BucketEngine(CheckpointEngine):
 
     def _send_bucket(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor],
                      version: int) -> tuple[Any, Future[int] | None]:
-        """Pack bucket k (with one copy when it is a region of its sources' storage; not at all
-        when the engine `sends_regions` too: only its header goes into the slot) and start its
-        transfer at once; returns the transfer and, when the plan verifies, its checksum under
-        way (sent by `sender.send_buckets`).
-
-        On a host the checksum worker hashes the bucket while it is on the wire, reading each
-        piece packed byte for byte where it was packed from, and a region in place (nothing
-        copied: `xxh3_packed` reads it all, as `xxh3_digest` does): until it is done neither
-        those tensors nor the slot may change, which the pipeline keeps by sending digest k
-        before it writes bucket k + 2 into k's slot, and by settling every checksum before the
-        send returns. On a device the word sums are queued on the stream behind the pack, so
-        they see the bucket as packed, and read once the transfer started."""
-        slot, used, verify = self.slots[k % len(self.slots)], layout.plan.used(k), layout.plan.verify
-        host = slot.device.type == "cpu"
-        region = layout.region(k, tensors)
-        in_place = region if self.sends_regions else None
-        self._regions[k % SLOTS] = in_place
-        data = slot[HEADER_BYTES:HEADER_BYTES + used] if in_place is None else in_place
-        copied: Copied | None = [] if verify and host else None
-        packing = time.perf_counter()
-        with record_function(f"pack bucket {k}"):
-            if in_place is None:
-                layout.pack(k, tensors, copied, region)
-            write_header(slot, version, k, used)
-            sums = word_sums(data) if verify and not host else None
-        self._phases["pack"] += time.perf_counter() - packing
-        handle = self._start_send(k, HEADER_BYTES + used)
-        if copied is not None:
-            return handle, self._worker().submit(self._hash_sent, data, copied)
-        return handle, None if sums is None else done(fold(sums))
-
-    def _hash_sent(self, data: torch.Tensor, copied: Copied) -> int:
-        """`xxh3_packed` on the checksum worker, its time counted as the sync's `hash` phase."""
-        start = time.perf_counter()
-        digest = xxh3_packed(data, copied)
-        self._phases["hash"] += time.perf_counter() - start
-        return digest
+        """Pack bucket k and start its transfer; its checksum under way (`sender.send_bucket`)."""
+        return send_bucket(self, layout, k, tensors, version)
 
     def _send_digest(self, k: int, digest: int) -> None:
         self._control().set(f"digest/{k}", f"{digest:016x}")

@@ -16,7 +16,7 @@ import functools
 import json
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -88,9 +88,11 @@ class Plan:
         last = self.buckets[k][-1]
         return align(last.offset + last.nbytes)
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(meta.nbytes for meta in self.tensors)
+    total_bytes: int = field(init=False, repr=False, compare=False)
+    """Every tensor's bytes, summed once."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_bytes", sum(meta.nbytes for meta in self.tensors))
 
     def to_bytes(self) -> bytes:
         return json.dumps({
@@ -282,9 +284,9 @@ def _tensor(i: int, entry: Any) -> TensorMeta:
 def _piece(k: int, j: int, entry: Any) -> Piece:
     if not (isinstance(entry, list) and len(entry) == 4):
         raise PlanRefused(f"bucket {k} piece {j} must be [index, offset, start, nbytes], got {_show(entry)}")
-    for field, value in zip(("index", "offset", "start", "nbytes"), entry):
+    for what, value in zip(("index", "offset", "start", "nbytes"), entry):
         if not _is_int(value, 0, _MAX_INT):
-            raise PlanRefused(f"bucket {k} piece {j} {field} must be an integer in 0..{_MAX_INT}, got {_show(value)}")
+            raise PlanRefused(f"bucket {k} piece {j} {what} must be an integer in 0..{_MAX_INT}, got {_show(value)}")
     return Piece(*entry)
 
 

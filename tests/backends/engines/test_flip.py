@@ -410,20 +410,20 @@ def test_a_sender_killed_mid_flip_leaves_the_rollout_generating_from_its_old_set
 
 
 def test_a_flattened_model_goes_into_the_set_with_one_copy_a_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
-    import backends.engines.pipeline as pipeline
+    import backends.engines.sender as sender_module
     from backends.engines import flatten_parameters
 
     trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
     flatten_parameters(trainer)
     train_step(trainer, 1)
     hashed: list[int] = []
-    real = pipeline.xxh3_packed
+    real = sender_module.xxh3_packed
 
     def spy(data: torch.Tensor, copied: Any) -> int:
         hashed.append(len(copied))
         return real(data, copied)
 
-    monkeypatch.setattr(pipeline, "xxh3_packed", spy)
+    monkeypatch.setattr(sender_module, "xxh3_packed", spy)
     sender, receiver = _flip(), _flip()
     try:
         run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout])

@@ -71,7 +71,7 @@ def test_a_latest_key_that_is_no_sync_number_fails_the_receiver_at_once_naming_k
             overwritten.wait(HANG_GUARD_S)
             super().init_process_group()
 
-    sender = new_engine(name, timeout_s=3.0)
+    sender = new_engine(name, timeout_s=1.5)
     sender._link = BadLatest(sender)  # type: ignore[attr-defined]
     rollout = old_rollout()
     run = sync_threads(sender, [Late(bucket_bytes=4096, timeout_s=TIMEOUT_S)], mixed_tensors(), [rollout])

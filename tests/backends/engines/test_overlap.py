@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from backends.engines import TransportError
-from backends.engines import pipeline as pipeline_module
+from backends.engines import sender as sender_module
 from backends.engines.control import ControlStore
 from backends.engines.receiver import Receiver
 from lifecycle.errors import EngineError
@@ -42,7 +42,7 @@ Events = list[tuple[str, int, str]]
 def _recording_sender(name: str, events: Events, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A sender that records when each bucket starts, is hashed (and on which thread), and when
     its digest is sent."""
-    hash_packed = pipeline_module.xxh3_packed
+    hash_packed = sender_module.xxh3_packed
     hashed = iter(range(1 << 30))  # one worker hashes the buckets in order
 
     def recorded_hash(data: torch.Tensor, copied: Any) -> int:
@@ -52,7 +52,7 @@ def _recording_sender(name: str, events: Events, monkeypatch: pytest.MonkeyPatch
         events.append(("hashed", k, threading.current_thread().name))
         return digest
 
-    monkeypatch.setattr(pipeline_module, "xxh3_packed", recorded_hash)
+    monkeypatch.setattr(sender_module, "xxh3_packed", recorded_hash)
 
     class Recording(CLASSES[name]):  # type: ignore[valid-type,misc]
         def _start_send(self, k: int, nbytes: int) -> Any:
@@ -219,7 +219,7 @@ def test_a_checksum_that_is_not_16_hex_digits_is_a_rejection_both_sides_name(nam
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_without_checksums_neither_side_hashes_nor_sends_a_digest(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     hashed: list[int] = []
-    monkeypatch.setattr(pipeline_module, "xxh3_packed", lambda data, copied: hashed.append(1))
+    monkeypatch.setattr(sender_module, "xxh3_packed", lambda data, copied: hashed.append(1))
     sent: list[int] = []
 
     class Quiet(CLASSES[name]):  # type: ignore[valid-type,misc]

@@ -1,0 +1,226 @@
+"""A sender works out what packing each bucket takes once, and reuses it while its tensors stay put.
+
+`describe` records, per tensor, all that packing depends on (name, dtype, shape, strides,
+address, lazy bits); a layout bound to an equal description reuses each bucket's `Program`
+(its region, its merged memmoves, the pieces torch copies). These tests prove the reuse
+happens, that anything that moves a tensor (a rebound `.data`, a new dtype, a new storage)
+makes the sender look again, and that whatever happens between syncs, a reused program
+delivers exactly what a fresh layout would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backends.engines.buckets import HEADER_BYTES, Layout, Program, describe
+from backends.engines.flat import flatten_parameters
+from backends.engines.plan import TensorMeta, align, make_plan
+from lifecycle.testing import MemoryRollout
+from tests.backends.engines.kit import TRANSPORTS, new_engine, sync_threads, tiny_qwen2
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+def _metas(named: Named) -> list[TensorMeta]:
+    return [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in named]
+
+
+def _layout(named: Named, bucket_bytes: int) -> Layout:
+    plan = make_plan(_metas(named), bucket_bytes, verify=True)
+    return Layout(plan, [torch.zeros(HEADER_BYTES + align(bucket_bytes), dtype=torch.uint8) for _ in range(2)])
+
+
+def _delivered(layout: Layout, named: Named) -> dict[str, torch.Tensor]:
+    """Pack every bucket and read it back as the receiver would, like the pipeline does."""
+    receiver = Layout(layout.plan, layout.slots)
+    tensors = [t for _, t in named]
+    out: dict[str, torch.Tensor] = {}
+    for k in range(len(layout.plan.buckets)):
+        layout.pack(k, tensors)
+        out.update((name, t.clone()) for name, t in receiver.unpack(k))
+    return out
+
+
+def _assert_delivers(layout: Layout, named: Named) -> None:
+    out = _delivered(layout, named)
+    assert list(out) == [name for name, _ in named]
+    for name, tensor in named:
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+
+
+def _separate(count: int = 24) -> Named:
+    gen = torch.Generator().manual_seed(0)
+    return [(f"t{i}", torch.randn(37 + i, generator=gen)) for i in range(count)]
+
+
+def test_a_second_bind_to_tensors_that_stayed_put_reuses_every_program_and_sends_their_new_values() -> None:
+    named = _separate()
+    layout = _layout(named, 1024)
+    layout.bind_sources(describe(named))
+    _assert_delivers(layout, named)
+    programs = dict(layout._programs)
+    assert len(programs) == len(layout.plan.buckets)
+    for _, tensor in named:
+        tensor.mul_(-3).add_(1)  # an optimizer step: in place, same addresses
+    layout.bind_sources(describe(named))
+    assert all(layout._programs[k] is program for k, program in programs.items())
+    _assert_delivers(layout, named)
+
+
+def test_describe_hands_back_the_last_description_itself_while_nothing_moved_and_a_new_one_once_something_did(
+        ) -> None:
+    named = _separate()
+    first = describe(named)
+    assert first is not None and describe(named, first) is first
+    named[3] = (named[3][0], named[3][1].clone())
+    second = describe(named, first)
+    assert second is not first and second == describe(named)
+    assert second[:3] == first[:3] and second[3] != first[3] and second[4:] == first[4:]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("change", ["rebound .data", "new tensor", "another dtype", "strided", "lazy negation"])
+def test_a_tensor_that_moved_makes_the_sender_look_again_and_send_it_from_where_it_is(change: str) -> None:
+    named = _separate()
+    layout = _layout(named, 1024)
+    layout.bind_sources(describe(named))
+    _assert_delivers(layout, named)
+    name, old = named[5]
+    if change == "rebound .data":
+        param = torch.nn.Parameter(old.clone())
+        named[5] = (name, param)
+        layout.bind_sources(describe(named))
+        _assert_delivers(layout, named)
+        param.data = torch.randn(old.shape)
+    elif change == "new tensor":
+        named[5] = (name, torch.randn(old.shape))
+    elif change == "another dtype":  # the plan's wire dtype is float32: this piece is a cast now
+        named[5] = (name, torch.randn(old.shape, dtype=torch.float64))
+    elif change == "strided":
+        named[5] = (name, torch.randn(2, old.numel())[0::1, :].t().contiguous().t()[0])
+    else:
+        complex_ = torch.randn(old.numel(), dtype=torch.complex64)
+        named[5] = (name, complex_.conj().imag)  # a real tensor carrying the lazy negation bit
+        assert named[5][1].is_neg()
+    del old
+    layout.bind_sources(describe(named))
+    out = _delivered(layout, named)
+    want = named[5][1].to(torch.float32)
+    assert torch.equal(out[name], want), change
+    assert all(torch.equal(out[n], t) for n, t in named if n != name)
+
+
+def test_pieces_adjacent_in_one_storage_and_in_the_bucket_are_one_memmove() -> None:
+    buffer = torch.randn(16 * 10 + 1)
+    named = [(f"v{i}", buffer[1 + 16 * i:1 + 16 * (i + 1)]) for i in range(10)]  # 64 bytes each, 4 bytes off alignment
+    layout = _layout(named, 4096)
+    layout.bind_sources(describe(named))
+    program = layout.program(0, [t for _, t in named])
+    assert program.region is None  # its base is not aligned, so no region: but one run all the same
+    assert program.moves == [(0, named[0][1].data_ptr(), 640)] and program.rest == []
+    _assert_delivers(layout, named)
+
+
+def test_a_region_whose_storage_no_longer_holds_it_is_looked_for_again_not_viewed_past_its_end() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    flatten_parameters(model)
+    named = list(model.named_parameters())
+    layout = _layout(named, 4096)
+    layout.bind_sources(describe(named))
+    tensors = [t for _, t in named]
+    found = layout.region(0, tensors)
+    assert found is not None
+    storage = tensors[0].untyped_storage()
+    layout._programs[0] = Program((0, storage.nbytes()), [], [])  # a stale region past the storage's end
+    again = layout.region(0, tensors)
+    assert again is not None and again.data_ptr() == found.data_ptr() and again.numel() == found.numel()
+    _assert_delivers(layout, named)
+
+
+def test_tensors_describe_cannot_read_reuse_nothing() -> None:
+    class Marked(torch.Tensor):
+        pass
+
+    named: Named = [("plain", torch.randn(8)), ("sub", torch.randn(8).as_subclass(Marked))]
+    assert describe(named) is None
+    layout = _layout(named, 4096)
+    layout.bind_sources(None)
+    _assert_delivers(layout, named)
+    assert layout._programs == {}
+
+
+# -- whatever happens between syncs, a reused program delivers what a fresh layout would --------
+
+_CHANGES = st.sampled_from(["in place", "rebind", "re-dtype", "stride", "flatten", "none"])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12), bucket=st.sampled_from([64, 256, 1024, 4096]),
+       rounds=st.lists(st.tuples(st.integers(0, 11), _CHANGES), min_size=1, max_size=6),
+       seed=st.integers(0, 2**16))
+def test_any_changes_between_syncs_deliver_exactly_what_a_fresh_layout_does(
+        sizes: list[int], bucket: int, rounds: list[tuple[int, str]], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    named: Named = [(f"t{i}", torch.randn(n, generator=gen)) for i, n in enumerate(sizes)]
+    layout = _layout(named, bucket)
+    keep: list[Any] = []  # old tensors stay alive, so new ones get new addresses only when they should
+    for which, change in rounds:
+        i = which % len(named)
+        name, tensor = named[i]
+        if change == "in place":
+            tensor.add_(1)
+        elif change == "rebind":
+            keep.append(tensor)
+            named[i] = (name, torch.randn(tensor.shape, generator=gen))
+        elif change == "re-dtype":
+            keep.append(tensor)
+            named[i] = (name, torch.randn(tensor.shape, generator=gen, dtype=torch.float64))
+        elif change == "stride" and tensor.numel():
+            keep.append(tensor)
+            named[i] = (name, torch.randn(tensor.numel(), 2, generator=gen)[:, 0])
+        elif change == "flatten":
+            keep.extend(t for _, t in named)
+            module = torch.nn.Module()
+            for n, t in named:
+                module.register_parameter(n, torch.nn.Parameter(t.detach().to(torch.float32).clone()))
+            flatten_parameters(module)
+            named = [(n, p.detach()) for n, p in module.named_parameters()]
+            keep.append(module)
+        layout.bind_sources(describe(named))
+        reused = _delivered(layout, named)
+        fresh = _delivered(_layout([(n, t.to(torch.float32)) for n, t in named], bucket), named)
+        for n, _ in named:
+            assert torch.equal(reused[n], fresh[n]), (n, change)
+
+
+# -- through the engines ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_syncs_of_a_model_whose_parameters_get_new_memory_between_them_deliver_the_new_values(name: str) -> None:
+    model = tiny_qwen2(0)
+    sender, receiver = new_engine(name, bucket_bytes=4096), new_engine(name, bucket_bytes=4096)
+    try:
+        for version, act in enumerate(["first", "in place", "rebound", "flattened", "in place"], start=1):
+            params = dict(model.named_parameters())
+            if act == "in place":
+                with torch.no_grad():
+                    for p in params.values():
+                        p.mul_(0.5)
+            elif act == "rebound":
+                for p in list(params.values())[::3]:
+                    p.data = torch.randn(p.shape)
+            elif act == "flattened":
+                flatten_parameters(model)
+            rollout = MemoryRollout()
+            named = [(n, p.detach()) for n, p in model.named_parameters()]
+            run = sync_threads(sender, [receiver], named, [rollout], version=version)
+            assert run.error is None and run.errors == [None], (act, run.error, run.errors)
+            for n, p in named:
+                assert torch.equal(rollout.weights[n], p), (act, n)
+    finally:
+        sender.close()
+        receiver.close()
