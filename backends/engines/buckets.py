@@ -95,7 +95,7 @@ class Program:
 
 
 class Layout:
-    """A plan bound to bucket slots: one typed view per piece, built once and reused.
+    """A plan bound to bucket slots: one typed view per piece, built when first needed and reused.
 
     Bucket k lives in slot k % len(slots) (two slots, or one per bucket). Building the views
     costs a few microseconds per tensor; for thousands of tensors that is as much as copying
@@ -108,15 +108,23 @@ class Layout:
         self.plan = plan
         self.raw = raw
         self.slots = list(slots)
-        self.views = [[self._view(k, p) for p in bucket] for k, bucket in enumerate(plan.buckets)]
-        self._handed: list[list[tuple[str, torch.Tensor]] | None] = [
-            None if any(p.nbytes != plan.tensors[p.index].nbytes for p in bucket)
-            else [(plan.tensors[p.index].name, view) for p, view in zip(bucket, views)]
-            for bucket, views in zip(plan.buckets, self.views)]
-        """Per bucket without chunks, what `unpack` hands out, built once."""
+        self._views: list[list[torch.Tensor] | None] = [None] * len(plan.buckets)
+        self._handed: list[list[tuple[str, torch.Tensor]] | None] = [None] * len(plan.buckets)
         self._partial: dict[int, torch.Tensor] = {}
         self._sources: list[Source] | None = None
         self._programs: dict[int, Program] = {}
+
+    @property
+    def views(self) -> list[list[torch.Tensor]]:
+        return [self.bucket_views(k) for k in range(len(self.plan.buckets))]
+
+    def bucket_views(self, k: int) -> list[torch.Tensor]:
+        """One typed view per piece of bucket k, into its slot; built when first needed (a sender
+        that only memmoves never needs them) and kept."""
+        views = self._views[k]
+        if views is None:
+            views = self._views[k] = [self._view(k, p) for p in self.plan.buckets[k]]
+        return views
 
     def _view(self, k: int, p: Piece) -> torch.Tensor:
         meta = self.plan.tensors[p.index]
@@ -153,9 +161,9 @@ class Layout:
         rest, which torch copies (casts, strided tensors, other devices, lazy conjugates)."""
         moves: Copied = []
         rest: list[int] = []
-        for i, (p, dst) in enumerate(zip(self.plan.buckets[k], self.views[k])):
+        for i, p in enumerate(self.plan.buckets[k]):
             src = tensors[p.index]
-            if (src.device.type == "cpu" and src.dtype == dst.dtype and not (src.is_conj() or src.is_neg())
+            if (src.device.type == "cpu" and src.dtype == self.plan.tensors[p.index].dtype and not (src.is_conj() or src.is_neg())
                     and src.is_contiguous()):
                 if not p.nbytes:
                     continue
@@ -203,7 +211,7 @@ class Layout:
 
     def _copy_piece(self, k: int, i: int, tensors: Sequence[torch.Tensor]) -> None:
         """Piece i of bucket k copied by torch: cast, gathered from strides, or from another device."""
-        p, dst = self.plan.buckets[k][i], self.views[k][i]
+        p, dst = self.plan.buckets[k][i], self.bucket_views(k)[i]
         src = tensors[p.index].detach()
         if p.nbytes == self.plan.tensors[p.index].nbytes:
             dst.copy_(src)
@@ -219,7 +227,7 @@ class Layout:
             slot[HEADER_BYTES:HEADER_BYTES + region.numel()].copy_(region)
             return
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for i, (p, dst) in enumerate(zip(self.plan.buckets[k], self.views[k])):
+        for i, (p, dst) in enumerate(zip(self.plan.buckets[k], self.bucket_views(k))):
             src = tensors[p.index].detach()
             if (src.device == slot.device and src.dtype == dst.dtype and not (src.is_conj() or src.is_neg())
                     and p.nbytes == self.plan.tensors[p.index].nbytes):
@@ -290,10 +298,13 @@ class Layout:
     def unpack(self, k: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Bucket k's tensors: views into its slot, or, for a chunked tensor, the rejoined whole."""
         handed = self._handed[k]
-        if handed is not None:
+        if handed is None and all(p.nbytes == self.plan.tensors[p.index].nbytes for p in self.plan.buckets[k]):
+            handed = self._handed[k] = [(self.plan.tensors[p.index].name, view)
+                                        for p, view in zip(self.plan.buckets[k], self.bucket_views(k))]
+        if handed is not None:  # no chunk in it: the same list every sync
             yield from handed
             return
-        for p, view in zip(self.plan.buckets[k], self.views[k]):
+        for p, view in zip(self.plan.buckets[k], self.bucket_views(k)):
             meta = self.plan.tensors[p.index]
             if p.nbytes == meta.nbytes:
                 yield meta.name, view
