@@ -65,11 +65,11 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: list[Source] | Non
     mean the same plan and the same copies from the same addresses. `last` itself when every
     tensor is as `last` describes it (so a sender holds one description, not two); None when
     a tensor is not plain strided memory (then nothing is reused). About 4 us a tensor."""
+    if any(type(t) not in _PLAIN or t.layout != torch.strided for _, t in named):
+        return None
     out: list[Source] = []
     same = last is not None and len(last) == len(named)
     for i, (name, t) in enumerate(named):
-        if type(t) not in _PLAIN or t.layout != torch.strided:
-            return None
         entry = (name, t.device, t.dtype, t.shape, t.stride(), t.storage_offset(), t.data_ptr(), t.is_conj(),
                  t.is_neg())
         if same:
@@ -113,6 +113,9 @@ class Layout:
         self._partial: dict[int, torch.Tensor] = {}
         self._sources: list[Source] | None = None
         self._programs: dict[int, Program] = {}
+        self._bound = False
+        """Whether `bind_sources` was called: until then nothing is kept (a caller that packs
+        without binding may change its tensors between calls)."""
 
     @property
     def views(self) -> list[list[torch.Tensor]]:
@@ -137,11 +140,13 @@ class Layout:
 
     def bind_sources(self, sources: list[Source] | None) -> None:
         """The sender's tensors of this sync as `describe` found them: what packing each bucket
-        takes (`Program`) is worked out once and reused while they stay where they were; None
-        (or tensors that moved) forgets it."""
+        takes (`Program`) is worked out once and reused while they stay where they were. None
+        (tensors `describe` cannot read) or tensors that moved forget it; with None, what this
+        sync works out is kept for this sync only."""
         if sources is None or (sources is not self._sources and sources != self._sources):
             self._programs = {}
         self._sources = sources
+        self._bound = True
 
     def program(self, k: int, tensors: Sequence[torch.Tensor]) -> Program:
         """What packing bucket k from `tensors` takes (`Program`): reused while the tensors are the
@@ -151,7 +156,7 @@ class Layout:
             region = self._find_region(k, tensors)
             host = self.slots[k % len(self.slots)].device.type == "cpu"
             program = Program(region, *(self._classify(k, tensors) if host and region is None else ([], [])))
-            if self._sources is not None:
+            if self._bound:  # kept for this sync at least; beyond it only while `bind_sources` finds the same tensors
                 self._programs[k] = program
         return program
 

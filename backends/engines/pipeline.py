@@ -82,9 +82,9 @@ class BucketEngine(CheckpointEngine):
         self._flip = WeightSets()
         """A flip receiver's two weight sets (`sets`); shm's sender keeps the shared ones here too."""
         self._phases: dict[str, float] = {}
+        """The current send's phase timings (`SyncStats.phases`)."""
         self._described: tuple[list[Source] | None, torch.dtype | None, list[TensorMeta]] = (None, None, [])
         """The sender's last tensors as `describe` found them, the rollout dtype then, and their plan metadata."""
-        """The current send's phase timings (`SyncStats.phases`)."""
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 

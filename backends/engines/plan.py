@@ -16,7 +16,7 @@ import functools
 import json
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,11 +88,11 @@ class Plan:
         last = self.buckets[k][-1]
         return align(last.offset + last.nbytes)
 
-    total_bytes: int = field(init=False, repr=False, compare=False)
-    """Every tensor's bytes, summed once."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "total_bytes", sum(meta.nbytes for meta in self.tensors))
+    @property
+    def total_bytes(self) -> int:
+        """Every tensor's bytes; only for a plan `check_plan` passed (a received plan's shapes
+        are not summed before they are checked)."""
+        return sum(meta.nbytes for meta in self.tensors)
 
     def to_bytes(self) -> bytes:
         return json.dumps({

@@ -8,6 +8,7 @@ that does not must be refused with `PlanRefused` (an `EngineError`), never anoth
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from backends.engines.buckets import HEADER_BYTES, Layout
 from backends.engines.plan import (
-    ALIGN, Piece, Plan, PlanRefused, TensorMeta, check_plan, make_plan, parse_plan, travels,
+    ALIGN, FORMAT, Piece, Plan, PlanRefused, TensorMeta, check_plan, make_plan, parse_plan, travels,
 )
 from lifecycle.config import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES
 from lifecycle.errors import EngineError
@@ -281,3 +282,14 @@ def test_a_mutated_plan_passes_only_as_a_full_exact_cover_and_is_otherwise_an_en
         return
     _covers_exactly(accepted)
     _round_trip(accepted)
+
+
+def test_a_plan_whose_shape_multiplies_past_any_tensor_is_refused_before_anything_sums_its_sizes() -> None:
+    """60000 sizes of 2**62: multiplying them all out (as a sum of sizes would) takes tens of
+    seconds; the checker stops at the first product past 2**63 - 1."""
+    raw = json.dumps({"format": FORMAT, "bucket_bytes": 1 << 20, "verify": True,
+                      "tensors": [["w", "float32", [1 << 62] * 60_000]], "buckets": [[[0, 0, 0, 64]]]}).encode()
+    started = time.monotonic()
+    with pytest.raises(PlanRefused, match="too large for any tensor"):
+        parse_plan(raw)
+    assert time.monotonic() - started < 5.0  # a hang guard: it takes milliseconds

@@ -148,9 +148,23 @@ def test_tensors_describe_cannot_read_reuse_nothing() -> None:
     named: Named = [("plain", torch.randn(8)), ("sub", torch.randn(8).as_subclass(Marked))]
     assert describe(named) is None
     layout = _layout(named, 4096)
+    found: list[int] = []
+    find = layout._find_region
+
+    def counted(k: int, tensors: Any) -> Any:
+        found.append(k)
+        return find(k, tensors)
+
+    layout._find_region = counted  # type: ignore[method-assign]
     layout.bind_sources(None)
+    tensors = [t for _, t in named]
+    assert layout.region(0, tensors) is None
     _assert_delivers(layout, named)
+    assert found == [0]  # worked out once in the sync, however often it is asked
+    layout.bind_sources(None)  # the next sync: nothing kept from the last
     assert layout._programs == {}
+    _assert_delivers(layout, named)
+    assert found == [0, 0]
 
 
 # -- whatever happens between syncs, a reused program delivers what a fresh layout would --------
