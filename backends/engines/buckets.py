@@ -55,6 +55,12 @@ ctypes array type for each piece's length instead costs about 15 us a piece, as 
 the bucket. `xxh3_packed` reads nothing but a bucket and the live tensors it was packed from."""
 
 
+def _wire_bytes(src: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a tensor's memory is its values as they travel in `dtype`: that dtype, and no lazy
+    conjugate or negation (whose memory holds other values)."""
+    return src.dtype == dtype and not (src.is_conj() or src.is_neg())
+
+
 Source = tuple[object, ...]
 """What packing a bucket depends on about one sender tensor (`describe`)."""
 
@@ -168,8 +174,7 @@ class Layout:
         rest: list[int] = []
         for i, p in enumerate(self.plan.buckets[k]):
             src = tensors[p.index]
-            if (src.device.type == "cpu" and src.dtype == self.plan.tensors[p.index].dtype and not (src.is_conj() or src.is_neg())
-                    and src.is_contiguous()):
+            if src.device.type == "cpu" and _wire_bytes(src, self.plan.tensors[p.index].dtype) and src.is_contiguous():
                 if not p.nbytes:
                     continue
                 address = src.data_ptr() + p.start
@@ -182,22 +187,21 @@ class Layout:
                 rest.append(i)
         return moves, rest
 
-    def pack(self, k: int, tensors: Sequence[torch.Tensor], copied: Copied | None = None,
-             region: torch.Tensor | None = None) -> None:
+    def pack(self, k: int, tensors: Sequence[torch.Tensor], copied: Copied | None = None) -> None:
         """Copy bucket k's pieces into its slot, casting to the wire dtype.
 
         `copied`, when given, gets (offset, address, nbytes) of each run copied byte for byte
         from host memory, in order: where a checksum of the packed bucket can read that run
         without the slot (`xxh3_packed`), so a slot scribbled on after packing fails it.
-        `region`, the bucket's `region(k, tensors)` when the caller found one, is copied with one
-        memmove (one device copy) instead of one a piece. Otherwise, into a host slot, the pieces
+        A bucket with a `region` is copied with one memmove (one device copy) instead of one a
+        piece. Otherwise, into a host slot, the pieces
         host memory holds as their wire bytes are memmoves, one per run of adjacent pieces (the
         bucket's `program`), and torch copies the rest: torch's `copy_` spreads every copy over
         its OpenMP threads, which on cores that also run the transport (gloo's threads, the
         receivers) costs more than it gains.
         """
         slot = self.slots[k % len(self.slots)]
-        region = region if region is not None else self.region(k, tensors)
+        region = self.region(k, tensors)
         if slot.device.type != "cpu":
             self._pack_on_device(k, tensors, slot, region)
             return
@@ -234,8 +238,8 @@ class Layout:
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for i, (p, dst) in enumerate(zip(self.plan.buckets[k], self.bucket_views(k))):
             src = tensors[p.index].detach()
-            if (src.device == slot.device and src.dtype == dst.dtype and not (src.is_conj() or src.is_neg())
-                    and p.nbytes == self.plan.tensors[p.index].nbytes):
+            whole = p.nbytes == self.plan.tensors[p.index].nbytes
+            if src.device == slot.device and _wire_bytes(src, dst.dtype) and whole:
                 batch[0].append(dst)
                 batch[1].append(src)
             else:
@@ -281,8 +285,7 @@ class Layout:
                 continue  # an empty tensor has no bytes to place, wherever it lives
             src = tensors[p.index]
             if (type(src) not in _PLAIN or src.layout != torch.strided or src.device != device
-                    or src.dtype != self.plan.tensors[p.index].dtype or not src.is_contiguous()
-                    or src.is_conj() or src.is_neg()):  # a lazy conjugate or negation is not its memory
+                    or not _wire_bytes(src, self.plan.tensors[p.index].dtype) or not src.is_contiguous()):
                 return None
             at = src.data_ptr() + p.start - p.offset
             if storage is None:
@@ -404,7 +407,7 @@ def fold(sums: torch.Tensor) -> int:
 
 
 __all__ = [
-    "HEADER_BYTES", "MAGIC", "SLOTS", "Copied", "Layout", "Program", "Source", "describe", "done", "fold", "read_header", "settle", "slot_bytes",
-    "word_sum_digest",
-    "word_sums", "write_header", "xxh3_digest", "xxh3_packed",
+    "HEADER_BYTES", "MAGIC", "SLOTS", "Copied", "Layout", "Program", "Source", "describe", "done", "fold",
+    "read_header", "settle", "slot_bytes", "word_sum_digest", "word_sums", "write_header", "xxh3_digest",
+    "xxh3_packed",
 ]

@@ -60,7 +60,7 @@ def _send_digests(engine: BucketEngine, digests: dict[int, Future[int]], upto: i
 
 
 def send_bucket(engine: BucketEngine, layout: Layout, k: int, tensors: Sequence[torch.Tensor],
-            version: int) -> tuple[Any, Future[int] | None]:
+                version: int) -> tuple[Any, Future[int] | None]:
     """Pack bucket k (with one copy when it is a region of its sources' storage; not at all
     when the engine `sends_regions` too: only its header goes into the slot) and start its
     transfer at once; returns the transfer and, when the plan verifies, its checksum under
@@ -75,15 +75,14 @@ def send_bucket(engine: BucketEngine, layout: Layout, k: int, tensors: Sequence[
     they see the bucket as packed, and read once the transfer started."""
     slot, used, verify = engine.slots[k % len(engine.slots)], layout.plan.used(k), layout.plan.verify
     host = slot.device.type == "cpu"
-    region = layout.region(k, tensors)
-    in_place = region if engine.sends_regions else None
+    in_place = layout.region(k, tensors) if engine.sends_regions else None
     engine._regions[k % SLOTS] = in_place
     data = slot[HEADER_BYTES:HEADER_BYTES + used] if in_place is None else in_place
     copied: Copied | None = [] if verify and host else None
     packing = time.perf_counter()
     with record_function(f"pack bucket {k}"):
         if in_place is None:
-            layout.pack(k, tensors, copied, region)
+            layout.pack(k, tensors, copied)
         write_header(slot, version, k, used)
         sums = word_sums(data) if verify and not host else None
     engine._phases["pack"] += time.perf_counter() - packing

@@ -43,9 +43,9 @@ def packed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     pack = Layout.pack
 
-    def counted(self: Layout, k: int, tensors: Any, copied: Any = None, region: Any = None) -> None:
+    def counted(self: Layout, k: int, tensors: Any, copied: Any = None) -> None:
         calls.append(k)
-        pack(self, k, tensors, copied, region)
+        pack(self, k, tensors, copied)
 
     monkeypatch.setattr(Layout, "pack", counted)
     return calls
