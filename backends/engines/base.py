@@ -108,6 +108,11 @@ class Incoming(Iterator[tuple[str, torch.Tensor]]):
     a later sync has completed into the other set: a rollout adopts them (`adopt_weights`)
     instead of copying, and the sync after next lands in the set it no longer serves.
     `complete` turns true once the last tensor was read.
+
+    The receiver tells the sender how the sync went as the last tensor is read, or, once
+    `hold()` was called, when its session ends (`finalize`): then what the consumer does after
+    reading (a `load_weights` that checks or applies at the end) is part of the answer, and an
+    `abort` before then is what the sender hears. `receive_into` holds every receive.
     """
 
     def __init__(self, version: int) -> None:
@@ -119,7 +124,13 @@ class Incoming(Iterator[tuple[str, torch.Tensor]]):
         """Whether the rollout took the tensors as its weights (`adopt_weights` says, True or
         False); None: it did not say, and a flip receiver counts a sync read to the end without
         an abort as adopted."""
+        self.held = False
         self._source: Iterator[tuple[str, torch.Tensor]] = iter(())
+
+    def hold(self) -> Incoming:
+        """Answer the sender when the session ends, not as the last tensor is read (see the class)."""
+        self.held = True
+        return self
 
     def feed(self, source: Iterator[tuple[str, torch.Tensor]]) -> Incoming:
         self._source = source

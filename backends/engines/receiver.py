@@ -133,7 +133,8 @@ class Receiver:
         finally:
             settle(self.checks.values())
             self.checks.clear()
-            self.finish()
+            if not (self.incoming.held and self.incoming.complete):
+                self.finish()  # a held receive read to the end answers in `finalize`
 
     def _receive_all(self) -> Layout:
         """Every bucket received and verified, kept where the returned layout reads them.
@@ -201,7 +202,7 @@ class Receiver:
         self.finished = True
         if self.link_failed:
             return
-        ok = self.incoming.complete and self.error is None
+        ok = self.incoming.complete and self.error is None and self.incoming.stop_reason is None
         error = self.error or self.incoming.stop_reason or (
             f"the rollout stopped reading after {self.incoming.tensors} of {len(self.plan.tensors)} tensors")
         try:

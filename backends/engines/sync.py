@@ -114,8 +114,8 @@ def receive_into(
 
 def _load(engine: CheckpointEngine, rollout: RolloutTarget, version: int | None,
           expected: Collection[str] | None) -> int:
-    incoming = engine.receive_weights(version) if expected is None else engine.receive_weights(
-        version, expected=expected)
+    incoming = (engine.receive_weights(version) if expected is None else engine.receive_weights(
+        version, expected=expected)).hold()
     try:
         rollout.load_weights(incoming)
     except BaseException as exc:

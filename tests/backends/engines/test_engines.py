@@ -292,6 +292,25 @@ def test_a_rollout_whose_load_weights_raises_fails_the_sync_with_its_reason() ->
     assert run.errors[0] is None and good.weights_version == 1 and not good.stale
 
 
+@pytest.mark.parametrize("apply", ["atomic", "streamed"])
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_rollout_that_fails_after_reading_the_last_tensor_fails_the_sender_too(name: str, apply: str) -> None:
+    """The sender hears how the rollout's load_weights ended, not only that every tensor was read."""
+    class ChecksAtTheEnd(MemoryRollout):
+        def load_weights(self, named_tensors: Any) -> None:
+            for _ in named_tensors:
+                pass
+            raise ValueError("the weights do not fit the kv cache")
+
+    good, late = MemoryRollout(), ChecksAtTheEnd()
+    receivers = [new_engine(name, apply=apply), new_engine(name, apply=apply)]
+    run = sync_threads(new_engine(name, apply=apply), receivers, mixed_tensors(), [good, late])
+    assert isinstance(run.error, EngineError) and "1 of 2 receiver(s) rejected weights v1" in str(run.error)
+    assert "rank 2: the rollout's load_weights raised ValueError: the weights do not fit the kv cache" in str(run.error)
+    assert isinstance(run.errors[1], ValueError) and late.stale and late.weights_version == 0
+    assert run.errors[0] is None and good.weights_version == 1 and not good.stale
+
+
 def test_a_rollout_that_stops_reading_early_is_a_partial_update() -> None:
     class Lazy(MemoryRollout):
         def load_weights(self, named_tensors: Any) -> None:

@@ -330,6 +330,8 @@ def test_a_sync_that_leaves_a_parameter_out_adopts_nothing_and_the_rollout_keeps
         assert receiver._mapped_from == mapped, "the same sets: only the served one's bookkeeping protects it"
         assert isinstance(run.errors[0], EngineError) and "leaves out 1 parameter(s)" in str(run.errors[0])
         assert "'b'" in str(run.errors[0]) and torch.equal(rollout.model.a.data, ones)
+        assert isinstance(run.error, EngineError) and "rank 1: the rollout's load_weights raised EngineError: " \
+            "adopt_weights: the sync leaves out 1 parameter(s)" in str(run.error), "the sender hears it too"
         assert receiver._flip.serving == 0, "its rollout read every tensor, then adopted none: it serves set 0"
         named = [("a", twos), ("b", torch.ones(32)), ("c", twos)]
         assert sync_threads(sender, [receiver], named, [rollout], version=3, port=port).versions == [3]
@@ -458,6 +460,7 @@ def test_a_rollout_that_adopts_then_fails_serves_the_new_set_and_the_next_sync_l
         rollout.fail = True
         run = sync_threads(sender, [receiver], weights[1], [rollout], version=2, port=port)
         assert isinstance(run.errors[0], RuntimeError) and rollout.stale
+        assert isinstance(run.error, EngineError) and "the rollout broke after adopting" in str(run.error)
         assert receiver._flip.serving == 1 and torch.equal(rollout.model.a.data, weights[1][0][1])
         rollout.fail = False
         adopted = rollout.model.a.data
