@@ -101,9 +101,9 @@ class Incoming(Iterator[tuple[str, torch.Tensor]]):
     """The named tensors of one sync: with `apply="atomic"`, the first arrives once every
     bucket has verified; with `"streamed"`, bucket by bucket as each verifies.
 
-    A tensor that fitted in one bucket is a view into the engine's buffer: streamed, it is
-    valid until the iteration moves on to the next bucket; atomic, until the sync ends. A
-    consumer copies it (as `load_weights` does). With `"flip"` the views are into the weight
+    A tensor is a view into the engine's buffer (streamed, only one that fitted in one bucket;
+    a larger one is rejoined in a copy): streamed, valid until the iteration moves on to the
+    next bucket; atomic, until the sync ends. A consumer copies it (as `load_weights` does). With `"flip"` the views are into the weight
     set this sync filled (`sets`), handed out once every bucket verified, and stay valid until
     a later sync has completed into the other set: a rollout adopts them (`adopt_weights`)
     instead of copying, and the sync after next lands in the set it no longer serves.

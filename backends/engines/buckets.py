@@ -1,18 +1,16 @@
 """Flat transfer buckets: packing by the plan both sides agree on, checksums, and rejoining chunks.
 
-A bucket is one flat byte buffer: a 64-byte header (magic, version, bucket index, bytes used)
-and then the tensors, each at a 64-byte aligned offset. A tensor that fits in a bucket
-travels whole; one larger than a bucket is split into chunks across consecutive buckets and
-rejoined by the receiver. The plan (names, dtypes, shapes, where every piece sits;
+A bucket is a 64-byte header (magic, version, bucket index, bytes used) and a data region
+holding the tensors, each at a 64-byte aligned offset; a `Slot` holds one bucket, its header
+and data adjacent (a buffer of `slot_bytes`) or apart (`join`). A tensor that fits in a
+bucket travels whole; one larger than a bucket is split into chunks across consecutive
+buckets: a receiver that keeps every bucket in `join`ed slots hands it out as one view of
+where its chunks landed, back to back; one with two slots (streamed) rejoins it in a copy. The plan (names, dtypes, shapes, where every piece sits;
 `plan.py`) is computed from tensor metadata alone, before any byte is packed, so the sender
 can pack bucket k+1 while bucket k is on the wire.
 
-A bucket's checksum is not in its header: it covers the data region, is computed while the
-bucket is on the wire, and travels after it (`pipeline`). On a host the sender reads each
-piece it copied byte for byte where it copied it from (`Layout.pack` says where:
-`xxh3_packed`), so a bucket scribbled on between packing and the wire fails the check; on a
-device it is a word sum queued on the packing stream right behind the pack (`word_sums`,
-read once the transfer started by `fold`).
+A bucket's checksum is not in its header: it covers the data region and travels after the
+bucket (`digests`, `pipeline`).
 
 A bucket whose pieces already sit in one storage at the plan's offsets (a model flattened by
 `flat.flatten_parameters`) need not be packed at all: its data region is a byte range of that
@@ -23,13 +21,11 @@ engines) broadcasts as it stands, and whose checksum reads that range in place.
 from __future__ import annotations
 
 import ctypes
-import sys
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-import xxhash
 
 from backends.engines.plan import ALIGN, Piece, Plan, align
 
@@ -45,16 +41,44 @@ def slot_bytes(data_bytes: int) -> int:
     """A slot's size for `data_bytes` of bucket data: the header, then the data aligned."""
     return HEADER_BYTES + align(data_bytes)
 
+
+class Slot(NamedTuple):
+    """Where one bucket lives: its header and its data region, adjacent or apart."""
+
+    head: torch.Tensor
+    """`HEADER_BYTES` bytes."""
+    data: torch.Tensor
+    """The data region, at least as long as the bucket's data."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.head.numel() + self.data.numel()
+
+
+def as_slots(buffers: Iterable[torch.Tensor]) -> list[Slot]:
+    """Each buffer one slot: its header, then its data (`slot_bytes`)."""
+    return [Slot(buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]) for buffer in buffers]
+
+
+def joined_bytes(sizes: Sequence[int]) -> int:
+    """The bytes `join` carves buckets of `sizes` data bytes from."""
+    return sum(align(size) for size in sizes) + HEADER_BYTES * len(sizes)
+
+
+def join(sizes: Sequence[int], buffer: torch.Tensor) -> list[Slot]:
+    """One slot per bucket of `sizes` data bytes, carved from one buffer (`joined_bytes`): every
+    bucket's data back to back, then the headers. A tensor split across buckets then lies whole
+    in the buffer, so a receiver that keeps every bucket hands it out as one view (`Layout.unpack`)."""
+    slots, at, heads = [], 0, sum(align(size) for size in sizes)
+    for k, size in enumerate(sizes):
+        slots.append(Slot(buffer[heads + k * HEADER_BYTES:heads + (k + 1) * HEADER_BYTES], buffer[at:at + align(size)]))
+        at += align(size)
+    return slots
+
 Copied = list[tuple[int, int, int]]
 """(offset in the data region, address, nbytes) of pieces `Layout.pack` copied byte for byte."""
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 """Tensor types whose memory is their storage as it stands (no subclass with its own layout)."""
-_MEMORY = memoryview((ctypes.c_char * sys.maxsize).from_address(0))
-"""This process's memory as one buffer, so a piece is read in place by slicing it: building a
-ctypes array type for each piece's length instead costs about 15 us a piece, as much as hashing
-the bucket. `xxh3_packed` reads nothing but a bucket and the live tensors it was packed from."""
-
-
 def _wire_bytes(src: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a tensor's memory is its values as they travel in `dtype`: that dtype, and no lazy
     conjugate or negation (whose memory holds other values)."""
@@ -103,20 +127,24 @@ class Program:
 class Layout:
     """A plan bound to bucket slots: one typed view per piece, built when first needed and reused.
 
-    Bucket k lives in slot k % len(slots) (two slots, or one per bucket). Building the views
+    Bucket k lives in slot k % len(slots) (two slots, or one per bucket, carved apart or
+    `join`ed). Building the views
     costs a few microseconds per tensor; for thousands of tensors that is as much as copying
     their bytes, so both sides keep the layout while the plan and the slots stay the same.
     `raw` is the plan as it went over the wire: a receiver reuses the layout for the very same
     bytes, whoever formatted them.
     """
 
-    def __init__(self, plan: Plan, slots: Sequence[torch.Tensor], *, raw: bytes = b"") -> None:
+    def __init__(self, plan: Plan, slots: Sequence[Slot], *, raw: bytes = b"") -> None:
         self.plan = plan
         self.raw = raw
         self.slots = list(slots)
         self._views: list[list[torch.Tensor] | None] = [None] * len(plan.buckets)
         self._handed: list[list[tuple[str, torch.Tensor]] | None] = [None] * len(plan.buckets)
         self._partial: dict[int, torch.Tensor] = {}
+        self._whole: dict[int, torch.Tensor | None] | None = None
+        """Per tensor split across buckets, the one view of all its pieces where they lie back to
+        back in one storage and no bucket shares a slot (`unpack`); None where they do not."""
         self._sources: list[Source] | None = None
         self._programs: dict[int, Program] = {}
         self._bound = False
@@ -137,11 +165,11 @@ class Layout:
 
     def _view(self, k: int, p: Piece) -> torch.Tensor:
         meta = self.plan.tensors[p.index]
-        data = self.slots[k % len(self.slots)][HEADER_BYTES + p.offset:HEADER_BYTES + p.offset + p.nbytes]
+        data = self.slots[k % len(self.slots)].data[p.offset:p.offset + p.nbytes]
         typed = data.view(meta.dtype)
         return typed.view(meta.shape) if p.nbytes == meta.nbytes else typed
 
-    def fits(self, slots: Sequence[torch.Tensor]) -> bool:
+    def fits(self, slots: Sequence[Slot]) -> bool:
         return len(slots) == len(self.slots) and all(a is b for a, b in zip(slots, self.slots))
 
     def bind_sources(self, sources: list[Source] | None) -> None:
@@ -160,7 +188,7 @@ class Layout:
         program = self._programs.get(k)
         if program is None:
             region = self._find_region(k, tensors)
-            host = self.slots[k % len(self.slots)].device.type == "cpu"
+            host = self.slots[k % len(self.slots)].data.device.type == "cpu"
             program = Program(region, *(self._classify(k, tensors) if host and region is None else ([], [])))
             if self._bound:  # kept for this sync at least; beyond it only while `bind_sources` finds the same tensors
                 self._programs[k] = program
@@ -200,12 +228,12 @@ class Layout:
         its OpenMP threads, which on cores that also run the transport (gloo's threads, the
         receivers) costs more than it gains.
         """
-        slot = self.slots[k % len(self.slots)]
+        data = self.slots[k % len(self.slots)].data
         region = self.region(k, tensors)
-        if slot.device.type != "cpu":
-            self._pack_on_device(k, tensors, slot, region)
+        if data.device.type != "cpu":
+            self._pack_on_device(k, tensors, data, region)
             return
-        base = slot.data_ptr() + HEADER_BYTES
+        base = data.data_ptr()
         if region is not None:  # pieces in place in one storage (a flattened model): one copy, not one a piece
             moves, rest = [(0, region.data_ptr(), region.numel())], []
         else:
@@ -228,18 +256,18 @@ class Layout:
             step = dst.element_size()
             dst.copy_(src.reshape(-1)[p.start // step:(p.start + p.nbytes) // step])
 
-    def _pack_on_device(self, k: int, tensors: Sequence[torch.Tensor], slot: torch.Tensor,
+    def _pack_on_device(self, k: int, tensors: Sequence[torch.Tensor], data: torch.Tensor,
                         region: torch.Tensor | None) -> None:
-        """A device slot: a region in one device copy; else whole tensors already on the slot's
-        device in a few kernel launches (`_foreach_copy_`), the rest one copy each."""
+        """A device slot (its data region `data`): a region in one device copy; else whole tensors
+        already on the slot's device in a few kernel launches (`_foreach_copy_`), the rest one copy each."""
         if region is not None:
-            slot[HEADER_BYTES:HEADER_BYTES + region.numel()].copy_(region)
+            data[:region.numel()].copy_(region)
             return
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for i, (p, dst) in enumerate(zip(self.plan.buckets[k], self.bucket_views(k))):
             src = tensors[p.index].detach()
             whole = p.nbytes == self.plan.tensors[p.index].nbytes
-            if src.device == slot.device and _wire_bytes(src, dst.dtype) and whole:
+            if src.device == data.device and _wire_bytes(src, dst.dtype) and whole:
                 batch[0].append(dst)
                 batch[1].append(src)
             else:
@@ -278,7 +306,7 @@ class Layout:
     def _find_region(self, k: int, tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
         """(index of a tensor in it, byte offset in that tensor's storage) of bucket k's region, if it has one."""
         used = self.plan.used(k)
-        device = self.slots[k % len(self.slots)].device
+        device = self.slots[k % len(self.slots)].data.device
         base, storage, index = -1, None, -1
         for p in self.plan.buckets[k]:
             if not p.nbytes:
@@ -304,7 +332,8 @@ class Layout:
         self._partial.clear()
 
     def unpack(self, k: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Bucket k's tensors: views into its slot, or, for a chunked tensor, the rejoined whole."""
+        """Bucket k's tensors: views into its slot; a tensor split across buckets at its last
+        piece, as one view where its pieces lie back to back (`join`), else rejoined in a copy."""
         handed = self._handed[k]
         if handed is None and all(p.nbytes == self.plan.tensors[p.index].nbytes for p in self.plan.buckets[k]):
             handed = self._handed[k] = [(self.plan.tensors[p.index].name, view)
@@ -317,6 +346,11 @@ class Layout:
             if p.nbytes == meta.nbytes:
                 yield meta.name, view
                 continue
+            whole = self._whole_views().get(p.index)
+            if whole is not None:
+                if p.start + p.nbytes == meta.nbytes:
+                    yield meta.name, whole
+                continue
             whole = self._partial.get(p.index)
             if whole is None:
                 whole = self._partial[p.index] = torch.empty(meta.shape, dtype=meta.dtype, device=view.device)
@@ -325,89 +359,54 @@ class Layout:
             if p.start + p.nbytes == meta.nbytes:
                 yield meta.name, self._partial.pop(p.index)
 
+    def _whole_views(self) -> dict[int, torch.Tensor | None]:
+        """`_whole`, worked out on first use: a split tensor is one view when every bucket has a
+        slot of its own (none is refilled during the sync) and each piece starts in memory
+        where the one before it ended, all in one storage."""
+        if self._whole is None:
+            pieces: dict[int, list[tuple[int, Piece]]] = {}
+            for k, bucket in enumerate(self.plan.buckets):
+                for p in bucket:
+                    if p.nbytes != self.plan.tensors[p.index].nbytes:
+                        pieces.setdefault(p.index, []).append((k, p))
+            own = len(self.slots) >= len(self.plan.buckets)
+            self._whole = {index: self._one_view(index, found) if own else None for index, found in pieces.items()}
+        return self._whole
+
+    def _one_view(self, index: int, pieces: list[tuple[int, Piece]]) -> torch.Tensor | None:
+        datas = [self.slots[k].data for k, _ in pieces]
+        storage = datas[0].untyped_storage()
+        at = datas[0].data_ptr() + pieces[0][1].offset
+        first = at
+        for data, (_, p) in zip(datas, pieces):
+            if data.untyped_storage().data_ptr() != storage.data_ptr() or data.data_ptr() + p.offset != at:
+                return None
+            at += p.nbytes
+        meta = self.plan.tensors[index]
+        offset = first - storage.data_ptr()
+        if offset % meta.dtype.itemsize:
+            return None
+        view = torch.empty(0, dtype=meta.dtype, device=datas[0].device)
+        return view.set_(storage, offset // meta.dtype.itemsize, meta.shape)
+
     def names(self, k: int) -> list[str]:
         return [self.plan.tensors[p.index].name for p in self.plan.buckets[k]]
 
 
-def write_header(slot: torch.Tensor, version: int, k: int, used: int) -> None:
+def write_header(head: torch.Tensor, version: int, k: int, used: int) -> None:
+    """Fill a slot's header (`Slot.head`)."""
     words = [MAGIC, version, k, used, 0, 0, 0, 0]
     signed = [w - (1 << 64) if w >= 1 << 63 else w for w in words]
-    slot[:HEADER_BYTES].copy_(torch.tensor(signed, dtype=torch.int64).view(torch.uint8))
+    head.copy_(torch.tensor(signed, dtype=torch.int64).view(torch.uint8))
 
 
-def read_header(slot: torch.Tensor) -> tuple[int, int, int, int]:
-    """(magic, version, bucket index, bytes used) as unsigned integers."""
-    words = [w & _MASK for w in slot[:HEADER_BYTES].view(torch.int64).tolist()]
+def read_header(head: torch.Tensor) -> tuple[int, int, int, int]:
+    """(magic, version, bucket index, bytes used) of a slot's header, as unsigned integers."""
+    words = [w & _MASK for w in head.view(torch.int64).tolist()]
     return words[0], words[1], words[2], words[3]
 
 
-def xxh3_digest(data: torch.Tensor) -> int:
-    """xxh3_64 of a CPU byte tensor, read in place (xxhash releases the GIL while it hashes)."""
-    return xxhash.xxh3_64_intdigest(data.numpy())
-
-
-def xxh3_packed(data: torch.Tensor, copied: Copied) -> int:
-    """xxh3_64 of a packed host bucket's data region `data` (the same `xxh3_digest` gives),
-    reading each piece of `copied` (see `Layout.pack`) where it was copied from and the rest
-    (padding, pieces torch cast or gathered) in `data`. Its sources must not change meanwhile."""
-    state, base, at = xxhash.xxh3_64(), data.data_ptr(), 0
-    for offset, address, nbytes in copied:
-        if offset > at:
-            state.update(_MEMORY[base + at:base + offset])
-        state.update(_MEMORY[address:address + nbytes])
-        at = offset + nbytes
-    if data.numel() > at:
-        state.update(_MEMORY[base + at:base + data.numel()])
-    return state.intdigest()
-
-
-def done(digest: int) -> Future[int]:
-    """A checksum computed already, as one under way is handed around."""
-    future: Future[int] = Future()
-    future.set_result(digest)
-    return future
-
-
-def settle(pending: Iterable[Future[int]]) -> None:
-    """Drop checksums not started and wait for those running: once this returns, no worker
-    reads a slot or a source any more, so they may be refilled or freed."""
-    pending = list(pending)
-    for future in pending:
-        future.cancel()
-    wait(pending)
-
-
-def word_sum_digest(data: torch.Tensor) -> int:
-    """A 64-bit checksum computed on the tensor's own device, for buckets in GPU/NPU memory.
-
-    xxh3 needs host memory; copying a device bucket to the host to hash it would cost more
-    than the transfer. This sums the data as 64-bit words (which catches flipped or stale
-    bytes) and weights the sum of each 1 MiB block by its position (which catches blocks
-    landing in the wrong place). `data` is a whole number of 64-byte blocks.
-    """
-    return fold(word_sums(data))
-
-
-def word_sums(data: torch.Tensor) -> torch.Tensor:
-    """The two sums `word_sum_digest` folds, queued on the current stream and not waited for:
-    the value they read is the data as the stream has it, whatever the host does next."""
-    words = data.view(torch.int64)
-    block = 1 << 17
-    full = words.numel() // block
-    sums = words[:full * block].view(full, block).sum(dim=1)
-    tail = words[full * block:].sum()
-    weights = torch.arange(1, full + 1, dtype=torch.int64, device=data.device)
-    return torch.stack([sums.sum() + tail, (sums * weights).sum() + tail * (full + 1)])
-
-
-def fold(sums: torch.Tensor) -> int:
-    """The checksum from `word_sums`; waits for them."""
-    a, b = (int(v) & _MASK for v in sums.tolist())
-    return ((a * 0x9E37_79B9_7F4A_7C15) & _MASK) ^ b
-
-
 __all__ = [
-    "HEADER_BYTES", "MAGIC", "SLOTS", "Copied", "Layout", "Program", "Source", "describe", "done", "fold",
-    "read_header", "settle", "slot_bytes", "word_sum_digest", "word_sums", "write_header", "xxh3_digest",
-    "xxh3_packed",
+    "HEADER_BYTES", "MAGIC", "SLOTS", "Copied", "Layout", "Program", "Slot", "Source", "as_slots", "describe", "join",
+    "joined_bytes", "read_header", "slot_bytes", "write_header",
 ]

@@ -3,8 +3,9 @@
 A bucket travels as its 64-byte header and then its data region, each a broadcast of its own,
 so the data need not follow the header in memory: a sender whose weights already sit in one
 storage at the plan's offsets broadcasts that storage's bytes without packing them
-(`buckets.Layout.region`). Receivers cannot tell the two apart and always post both into
-their slot; a bucket with no data bytes (only empty tensors) is its header alone.
+(`buckets.Layout.region`). Receivers cannot tell the two apart and post both into their slot
+(an atomic receiver's slots are `join`ed: every bucket's data back to back, headers apart); a
+bucket with no data bytes (only empty tensors) is its header alone.
 
 The group is private to one sync: built on a prefix of the sync's own store (never the
 default group a trainer uses for training), and aborted in `finalize`, so a sync that failed
@@ -71,11 +72,11 @@ class GroupEngine(BucketEngine):
 
     def _start_send(self, k: int, nbytes: int) -> Any:
         slot, region = self.slots[k % len(self.slots)], self._regions[k % SLOTS]
-        return self._broadcast(k, slot[:HEADER_BYTES], slot[HEADER_BYTES:nbytes] if region is None else region)
+        return self._broadcast(k, slot.head, slot.data[:nbytes - HEADER_BYTES] if region is None else region)
 
     def _start_recv(self, k: int, nbytes: int) -> Any:
         slot = self.slots[k % len(self.slots)]
-        return self._broadcast(k, slot[:HEADER_BYTES], slot[HEADER_BYTES:nbytes])
+        return self._broadcast(k, slot.head, slot.data[:nbytes - HEADER_BYTES])
 
     def _wait(self, handle: Any, what: str) -> None:
         """Wait for each of a bucket's works in turn, all within what is left of the sync's time."""

@@ -84,10 +84,11 @@ class CudaIpcEngine(SharedSlotEngine):
         """The whole device: a rollout's `load_weights` may copy on a stream of its own."""
         torch.cuda.synchronize(self.device)
 
-    def _create(self, size: int) -> None:
+    def _create(self, size: int) -> list[torch.Tensor]:
         self._free_buckets()
-        self.slots = self._allocate([size - HEADER_BYTES] * SLOTS, self.device)
-        self._shared = [_export(slot) for slot in self.slots]
+        buffers = self._buffers([size] * SLOTS, self.device)
+        self._shared = [_export(buffer) for buffer in buffers]
+        return buffers
 
     def _free_buckets(self) -> None:
         super()._free_buckets()

@@ -41,11 +41,10 @@ import structlog
 import torch
 
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
-from backends.engines.buckets import (
-    SLOTS, Layout, Source, describe, done, slot_bytes, word_sum_digest, xxh3_digest,
-)
+from backends.engines.buckets import SLOTS, Layout, Slot, Source, as_slots, describe, join, joined_bytes, slot_bytes
+from backends.engines.digests import done, word_sum_digest, xxh3_digest
 from backends.engines.control import ControlStore, StoreLink, answer, read_answer
-from backends.engines.plan import Plan, PlanRefused, TensorMeta, check_plan, make_plan, parse_plan
+from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
 from backends.engines.sender import send_bucket, send_buckets
 from backends.engines.sets import WeightSets, private_sets
@@ -66,7 +65,7 @@ class BucketEngine(CheckpointEngine):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.slots: list[torch.Tensor] = []
+        self.slots: list[Slot] = []
         self.control: ControlStore | None = None
         self._link = StoreLink(self)
         self._clean = False
@@ -88,22 +87,27 @@ class BucketEngine(CheckpointEngine):
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 
-    def _ensure_slots(self, sizes: Sequence[int]) -> None:
-        """One slot per entry of `sizes`, each holding a header and that many data bytes; kept
-        when they already are so."""
-        if [slot.numel() for slot in self.slots] != [slot_bytes(size) for size in sizes]:
+    def _ensure_slots(self, sizes: Sequence[int], *, joined: bool = False) -> None:
+        """One slot per entry of `sizes`, each holding a header and that many data bytes, carved
+        from one buffer when `joined` (`buckets.join`); kept when they already are so."""
+        if [slot.data.numel() for slot in self.slots] != [align(size) for size in sizes]:
             self.slots = []
-            self.slots = self._allocate(sizes, self.device)
+            self.slots = self._allocate(sizes, self.device, joined=joined)
 
-    def _allocate(self, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
-        """Bucket buffers of a header plus `sizes` data bytes each; an `EngineError` that says
-        what to change when they do not fit."""
-        wanted = [slot_bytes(size) for size in sizes]
+    def _allocate(self, sizes: Sequence[int], device: torch.device, *, joined: bool = False) -> list[Slot]:
+        """Slots of a header plus `sizes` data bytes each: one buffer each, or, `joined`, carved
+        from one buffer with the data back to back (`buckets.join`)."""
+        if joined:
+            return join(sizes, self._buffers([joined_bytes(sizes)], device)[0])
+        return as_slots(self._buffers([slot_bytes(size) for size in sizes], device))
+
+    def _buffers(self, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+        """Byte buffers of `sizes`; an `EngineError` that says what to change when they do not fit."""
         try:
-            return [torch.empty(size, dtype=torch.uint8, device=device) for size in wanted]
+            return [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
         except RuntimeError as exc:  # torch.OutOfMemoryError on a device, a plain RuntimeError on the host
             raise EngineError(
-                f"{self.name} engine: {len(wanted)} bucket buffer(s), {sum(wanted)} bytes, do not fit on "
+                f"{self.name} engine: {len(sizes)} bucket buffer(s), {sum(sizes)} bytes, do not fit on "
                 f"{device} (engine.apply={self.apply!r}: an atomic receiver holds the whole sync, a "
                 f"streamed one two buckets; engine.bucket_bytes sets their size): {exc}"
             ) from exc
@@ -312,7 +316,7 @@ class BucketEngine(CheckpointEngine):
         known = layout.plan if layout is not None and layout.raw == raw else self._flip.plan_of(raw)
         plan = self._receivable(known or parse_plan(raw), expected)
         if self.apply == "flip":  # the set the rollout does not serve, of two this receiver holds
-            layout = private_sets(self._flip, plan, raw, lambda sizes: self._allocate(sizes, self.device))
+            layout = private_sets(self._flip, plan, raw, lambda size: self._buffers([size], self.device)[0])
             self.slots = layout.slots
             layout.reset()
             return layout
@@ -336,7 +340,7 @@ class BucketEngine(CheckpointEngine):
     def _receive_slots(self, plan: Plan) -> None:
         """Have the slots a receive of `plan` lands in; shm maps and checks the sender's instead.
         A `PlanRefused` here is answered like any other refusal (`_accept`)."""
-        self._ensure_slots(receive_sizes(plan, self.apply))
+        self._ensure_slots(receive_sizes(plan, self.apply), joined=self.apply == "atomic")
 
     def _answer(self, key: str, error: str | None) -> None:
         """Tell the sender; a receiver whose link is gone logs that the answer was lost."""

@@ -20,7 +20,8 @@ import torch
 from torch.profiler import record_function
 
 from backends.engines.base import Incoming, Topology, TransportError
-from backends.engines.buckets import HEADER_BYTES, MAGIC, SLOTS, Layout, read_header, settle
+from backends.engines.buckets import HEADER_BYTES, MAGIC, SLOTS, Layout, Slot, read_header
+from backends.engines.digests import settle
 from backends.engines.control import clip, digits
 from backends.engines.plan import Plan, PlanRefused
 from lifecycle.errors import EngineError
@@ -68,7 +69,7 @@ class Inbox:
             self.pending[self.next] = self.engine._start_recv(self.next, HEADER_BYTES + self.plan.used(self.next))
             self.next += 1
 
-    def take(self, k: int) -> torch.Tensor:
+    def take(self, k: int) -> Slot:
         self.engine._wait(self.pending.pop(k), f"bucket {k} of {self.count}")
         self.current = k
         return self.engine.slots[k % len(self.engine.slots)]
@@ -145,11 +146,13 @@ class Receiver:
         for k in range(self.inbox.count):
             slot = self.inbox.take(k)
             if staging is not self.layout:
-                nbytes = HEADER_BYTES + self.plan.used(k)
-                if slot.device.type == "cpu":
-                    ctypes.memmove(staging.slots[k].data_ptr(), slot.data_ptr(), nbytes)
+                kept, used = staging.slots[k], self.plan.used(k)
+                if slot.data.device.type == "cpu":
+                    ctypes.memmove(kept.head.data_ptr(), slot.head.data_ptr(), HEADER_BYTES)
+                    ctypes.memmove(kept.data.data_ptr(), slot.data.data_ptr(), used)
                 else:
-                    staging.slots[k][:nbytes].copy_(slot[:nbytes])
+                    kept.head.copy_(slot.head)
+                    kept.data[:used].copy_(slot.data[:used])
             self.inbox.done(k)
             self._land(k, staging.slots[k])
             if k:
@@ -158,14 +161,14 @@ class Receiver:
             self._verify(self.inbox.count - 1)
         return staging
 
-    def _land(self, k: int, slot: torch.Tensor) -> None:
+    def _land(self, k: int, slot: Slot) -> None:
         """Bucket k is in `slot`: check its header now, and start its checksum when this receiver verifies."""
         self._header(k, slot)
         if self.engine.verify:
-            self.checks[k] = self.engine._digest_later(slot[HEADER_BYTES:HEADER_BYTES + self.plan.used(k)])
+            self.checks[k] = self.engine._digest_later(slot.data[:self.plan.used(k)])
 
-    def _header(self, k: int, slot: torch.Tensor) -> None:
-        magic, version, index, used = read_header(slot)
+    def _header(self, k: int, slot: Slot) -> None:
+        magic, version, index, used = read_header(slot.head)
         expected = (MAGIC, self.version, k, self.plan.used(k))
         if (magic, version, index, used) != expected:
             raise EngineError(f"{self.engine.name} engine: bucket {k} of {self.inbox.count} arrived with a bad header "

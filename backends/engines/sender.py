@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.profiler import record_function
 
-from backends.engines.buckets import (
-    HEADER_BYTES, SLOTS, Copied, Layout, done, fold, settle, word_sums, write_header, xxh3_packed,
-)
+from backends.engines.buckets import HEADER_BYTES, SLOTS, Copied, Layout, write_header
+from backends.engines.digests import done, fold, settle, word_sums, xxh3_packed
 
 if TYPE_CHECKING:
     from backends.engines.pipeline import BucketEngine
@@ -74,16 +73,16 @@ def send_bucket(engine: BucketEngine, layout: Layout, k: int, tensors: Sequence[
     send returns. On a device the word sums are queued on the stream behind the pack, so
     they see the bucket as packed, and read once the transfer started."""
     slot, used, verify = engine.slots[k % len(engine.slots)], layout.plan.used(k), layout.plan.verify
-    host = slot.device.type == "cpu"
+    host = slot.data.device.type == "cpu"
     in_place = layout.region(k, tensors) if engine.sends_regions else None
     engine._regions[k % SLOTS] = in_place
-    data = slot[HEADER_BYTES:HEADER_BYTES + used] if in_place is None else in_place
+    data = slot.data[:used] if in_place is None else in_place
     copied: Copied | None = [] if verify and host else None
     packing = time.perf_counter()
     with record_function(f"pack bucket {k}"):
         if in_place is None:
             layout.pack(k, tensors, copied)
-        write_header(slot, version, k, used)
+        write_header(slot.head, version, k, used)
         sums = word_sums(data) if verify and not host else None
     engine._phases["pack"] += time.perf_counter() - packing
     handle = engine._start_send(k, HEADER_BYTES + used)

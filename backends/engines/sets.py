@@ -17,27 +17,27 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from backends.engines.buckets import SLOTS, Layout, slot_bytes
+from backends.engines.buckets import SLOTS, Layout, Slot, join, joined_bytes
 from backends.engines.plan import Plan
 from backends.engines.receiver import receive_sizes
 
-Carve = Callable[[int, Plan], list[torch.Tensor]]
-"""Set `index`'s buffers for `plan`, one per bucket, each a header and the bucket's data."""
+Carve = Callable[[int, Plan], list[Slot]]
+"""Set `index`'s slots for `plan`, one per bucket (`buckets.join`)."""
 
 
 class WeightSets:
     """Both sets' memory and layouts, and which set the rollout serves."""
 
     def __init__(self) -> None:
-        self.memory: list[object] = []
-        """Per set, what its buckets are carved from (a mapped file, or the buffers themselves)."""
+        self.memory: list[torch.Tensor] = []
+        """Per set, the one buffer its buckets are carved from (a mapped file, or private memory)."""
         self.layouts: list[Layout | None] = [None] * SLOTS
         self.serving: int | None = None
         """The set whose tensors the rollout adopted last; None before any, or after new memory."""
         self.target: int | None = None
         """The set this sync lands in, once known."""
 
-    def hold(self, memory: Sequence[object]) -> None:
+    def hold(self, memory: Sequence[torch.Tensor]) -> None:
         """New memory for both sets: none of it is served yet."""
         self.memory, self.layouts = list(memory), [None] * SLOTS
         self.serving = self.target = None
@@ -70,17 +70,16 @@ class WeightSets:
         self.serving = self.target
 
 
-def private_sets(sets: WeightSets, plan: Plan, raw: bytes,
-                 allocate: Callable[[list[int]], list[torch.Tensor]]) -> Layout:
+def private_sets(sets: WeightSets, plan: Plan, raw: bytes, allocate: Callable[[int], torch.Tensor]) -> Layout:
     """A receiver's own two sets, for an engine that lands buckets where it likes (the group
     engines): the layout of the set its rollout does not serve (set 0 when it serves neither).
-    Both sets are allocated by `allocate` (one buffer per bucket) when the plan's bucket sizes
-    are not the ones they hold."""
+    Each set is one buffer from `allocate(bytes)`, its buckets `join`ed, allocated again when
+    the plan's buckets need another size."""
     sizes = receive_sizes(plan, "atomic")
-    wanted = [slot_bytes(size) for size in sizes]
-    if len(sets.memory) != SLOTS or any([b.numel() for b in buffers] != wanted for buffers in sets.memory):  # type: ignore[attr-defined]
-        sets.hold([allocate(sizes) for _ in range(SLOTS)])
+    wanted = joined_bytes(sizes)
+    if len(sets.memory) != SLOTS or any(memory.numel() != wanted for memory in sets.memory):
+        sets.hold([allocate(wanted) for _ in range(SLOTS)])
     target = sets.ask()
     if target is None:
         target = sets.target = 0
-    return sets.layout(target, plan, raw, lambda index, _: list(sets.memory[index]))  # type: ignore[call-overload]
+    return sets.layout(target, plan, raw, lambda index, _: join(sizes, sets.memory[index]))

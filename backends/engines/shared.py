@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from backends.engines.base import Topology
-from backends.engines.buckets import SLOTS, Layout, slot_bytes
+from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined_bytes, slot_bytes
 from backends.engines.pipeline import BucketEngine
 from backends.engines.control import answer, clip
 from backends.engines.plan import ALIGN, Plan, PlanRefused, TensorMeta, parse_plan
@@ -52,8 +52,9 @@ def _pick(asked: dict[int, bytes]) -> int | str:
 
 
 def set_bytes(plan: Plan) -> int:
-    """The bytes of one flip weight set: every bucket of `plan`, header and data, back to back."""
-    return max(sum(slot_bytes(plan.used(k)) for k in range(len(plan.buckets))), slot_bytes(ALIGN))
+    """The bytes of one flip weight set: every bucket of `plan` `join`ed (data back to back, then
+    the headers); never less than a slot of `ALIGN` data bytes (what a shared file may be)."""
+    return max(joined_bytes(receive_sizes(plan, "atomic")), slot_bytes(ALIGN))
 
 
 class SharedSlotEngine(BucketEngine):
@@ -71,8 +72,9 @@ class SharedSlotEngine(BucketEngine):
 
     # -- what a subclass supplies -------------------------------------------------------------
 
-    def _create(self, size: int) -> None:
-        """The sender: replace `self.slots` with `SLOTS` shared slots of `size` bytes each."""
+    def _create(self, size: int) -> list[torch.Tensor]:
+        """The sender: `SLOTS` new shared buffers of `size` bytes each (slots, or flip's weight
+        sets), in place of those it shared before."""
         raise NotImplementedError
 
     def _publish(self) -> bytes:
@@ -104,16 +106,16 @@ class SharedSlotEngine(BucketEngine):
         if topology.is_sender:
             self._control().set("shares", b"sets" if self.apply == "flip" else b"buckets")
         if topology.is_sender and self.apply != "flip":
-            if not self.slots or self.slots[0].numel() != slot_bytes(self.bucket_bytes):
-                self._create(slot_bytes(self.bucket_bytes))
+            if not self.slots or self.slots[0].nbytes != slot_bytes(self.bucket_bytes):
+                self.slots = as_slots(self._create(slot_bytes(self.bucket_bytes)))
             self._control().set("slots", self._publish())
 
     def _receive_slots(self, plan: Plan) -> None:
         """Open the sender's slots, unless they are the ones opened last sync; they must hold
         the plan's buckets: a receiver reads them up to `bucket_bytes`."""
-        self.slots = self._open_regions(plan, slot_bytes(plan.bucket_bytes), "buckets")
+        self._open_regions(plan, slot_bytes(plan.bucket_bytes), "buckets")
 
-    def _open_regions(self, plan: Plan, wanted: int, kind: str) -> list[torch.Tensor]:
+    def _open_regions(self, plan: Plan, wanted: int, kind: str) -> None:
         """The sender's two shared regions (slots or weight sets), opened unless they are the ones
         opened last; `PlanRefused` unless they are `kind` and of `wanted` bytes each."""
         control = self._control()
@@ -131,13 +133,11 @@ class SharedSlotEngine(BucketEngine):
                 self._flip.serving = next((i for i in range(SLOTS) if self._served is not None
                                            and self._identity(i) == self._served), None)
             else:
-                self.slots = opened
-        regions: list[torch.Tensor] = self._flip.memory if kind == "sets" else self.slots  # type: ignore[assignment]
-        held = [region.numel() for region in regions]
+                self.slots = as_slots(opened)
+        held = [memory.numel() for memory in self._flip.memory] if kind == "sets" else [s.nbytes for s in self.slots]
         if held != [wanted] * SLOTS:
             raise PlanRefused(f"its bucket_bytes={plan.bucket_bytes} needs shared {kind} of {wanted} bytes; "
                               f"the sender's hold {held}")
-        return regions
 
     # -- flip: two weight sets ----------------------------------------------------------------
 
@@ -148,10 +148,8 @@ class SharedSlotEngine(BucketEngine):
         cached = self._flip.layouts[0] or self._flip.layouts[1]
         plan = cached.plan if cached is not None and self._same_plan(cached.plan, metas) else self._make_plan(metas)
         size = set_bytes(plan)
-        if not self._flip.memory or self._flip.memory[0].numel() != size:  # type: ignore[attr-defined]
-            self._create(size)
-            self._flip.hold(self.slots)
-            self.slots = []
+        if not self._flip.memory or self._flip.memory[0].numel() != size:
+            self._flip.hold(self._create(size))
         self._control().set("slots", self._publish())
         return self._flip.layout(0, plan, cached.raw if cached is not None and cached.plan is plan else plan.to_bytes(),
                                  self._carve)
@@ -202,14 +200,9 @@ class SharedSlotEngine(BucketEngine):
         if self.apply == "flip" and self._flip.target is not None:
             self._served = self._identity(self._flip.target)
 
-    def _carve(self, index: int, plan: Plan) -> list[torch.Tensor]:
-        """Set `index` cut into `plan`'s buckets, back to back (`set_bytes`)."""
-        region, at, views = self._flip.memory[index], 0, []
-        for k in range(len(plan.buckets)):
-            size = slot_bytes(plan.used(k))
-            views.append(region[at:at + size])  # type: ignore[index]
-            at += size
-        return views
+    def _carve(self, index: int, plan: Plan) -> list[Slot]:
+        """Set `index` cut into `plan`'s buckets (`set_bytes`)."""
+        return join(receive_sizes(plan, "atomic"), self._flip.memory[index])
 
     def _forget_shared(self) -> None:
         """Drop what was opened from the sender's last publication: a flip receiver serves no set
@@ -223,8 +216,8 @@ class SharedSlotEngine(BucketEngine):
         staged = self._staged
         if staged is None or staged.plan is not layout.plan:
             self._staged = None
-            buffers = self._allocate(receive_sizes(layout.plan, "atomic"), self.device)
-            staged = self._staged = Layout(layout.plan, buffers)
+            slots = self._allocate(receive_sizes(layout.plan, "atomic"), self.device, joined=True)
+            staged = self._staged = Layout(layout.plan, slots)
         staged.reset()
         return staged
 

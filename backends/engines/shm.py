@@ -66,7 +66,7 @@ class ShmEngine(SharedSlotEngine):
     def _identity(self, index: int) -> object:
         return self._files[index] if index < len(self._files) else None
 
-    def _create(self, size: int) -> None:
+    def _create(self, size: int) -> list[torch.Tensor]:
         self._free_buckets()
         _remove_orphans(self.shm_dir)
         try:
@@ -81,7 +81,7 @@ class ShmEngine(SharedSlotEngine):
         token = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._paths = [str(self.shm_dir / f"{token}-{i}") for i in range(SLOTS)]
         self._unlink = weakref.finalize(self, _unlink, list(self._paths))
-        self.slots = [_create_bucket(Path(path), size) for path in self._paths]
+        return [_create_bucket(Path(path), size) for path in self._paths]
 
     def _free_buckets(self) -> None:
         super()._free_buckets()

@@ -30,7 +30,6 @@ import pytest
 import torch
 
 from backends.engines.base import TransportError
-from backends.engines.buckets import HEADER_BYTES
 from lifecycle.errors import ConfigError, EngineError
 from tests.backends.dist_util import run_ranks
 from tests.backends.engines.kit import mixed_tensors
@@ -142,7 +141,7 @@ def _corrupting(start: Any, engine: Any) -> Any:
     in the shared bucket for shm."""
     def flipped(k: int, nbytes: int) -> Any:
         if k == CORRUPT_BUCKET:
-            engine.slots[k % 2][HEADER_BYTES + 5] ^= 0xFF
+            engine.slots[k % 2].data[5] ^= 0xFF
         return start(k, nbytes)
     return flipped
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.engines.buckets import (
-    HEADER_BYTES, MAGIC, Copied, Layout, fold, read_header, word_sum_digest, word_sums, write_header, xxh3_digest,
-    xxh3_packed,
-)
+from backends.engines.buckets import HEADER_BYTES, MAGIC, Copied, Layout, as_slots, read_header, write_header
+from backends.engines.digests import fold, word_sum_digest, word_sums, xxh3_digest, xxh3_packed
 from backends.engines.plan import ALIGN, Plan, TensorMeta, align, make_plan
 from tests.backends.engines.kit import mixed_tensors
 
@@ -18,7 +16,7 @@ def _metas(named: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
 
 
 def _slots(bucket_bytes: int) -> list[torch.Tensor]:
-    return [torch.zeros(HEADER_BYTES + align(bucket_bytes), dtype=torch.uint8) for _ in range(2)]
+    return as_slots(torch.zeros(HEADER_BYTES + align(bucket_bytes), dtype=torch.uint8) for _ in range(2))
 
 
 def _round_trip(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[Plan, dict[str, torch.Tensor]]:
@@ -75,15 +73,15 @@ def test_layout_views_live_inside_the_two_slots() -> None:
     plan = make_plan(_metas(mixed_tensors()), 256, verify=True)
     slots = _slots(256)
     layout = Layout(plan, slots)
-    owners = {slot.untyped_storage().data_ptr() for slot in slots}
+    owners = {slot.data.untyped_storage().data_ptr() for slot in slots}
     assert all(v.untyped_storage().data_ptr() in owners for views in layout.views for v in views)
     assert layout.fits(slots) and not layout.fits(_slots(256))
 
 
 def test_header_round_trips_unsigned_64_bit_words() -> None:
     slot = torch.zeros(HEADER_BYTES + 64, dtype=torch.uint8)
-    write_header(slot, (1 << 64) - 5, 3, 64)
-    assert read_header(slot) == (MAGIC, (1 << 64) - 5, 3, 64)
+    write_header(slot[:HEADER_BYTES], (1 << 64) - 5, 3, 64)
+    assert read_header(slot[:HEADER_BYTES]) == (MAGIC, (1 << 64) - 5, 3, 64)
 
 
 @pytest.mark.parametrize("checksum", [xxh3_digest, word_sum_digest])
@@ -106,7 +104,7 @@ def test_packing_says_which_pieces_it_copied_byte_for_byte_so_their_sources_hash
     for k in range(len(plan.buckets)):
         copied: Copied = []
         layout.pack(k, [t for _, t in named], copied)
-        data = layout.slots[k % 2][HEADER_BYTES:HEADER_BYTES + plan.used(k)]
+        data = layout.slots[k % 2].data[:plan.used(k)]
         assert xxh3_packed(data, copied) == xxh3_digest(data)
         assert [offset for offset, _, _ in copied] == sorted(offset for offset, _, _ in copied)
         sources += len(copied)
@@ -119,7 +117,7 @@ def test_a_slot_scribbled_on_after_packing_fails_the_senders_checksum() -> None:
     layout = Layout(plan, _slots(4096))
     copied: Copied = []
     layout.pack(0, [t for _, t in named], copied)
-    data = layout.slots[0][HEADER_BYTES:HEADER_BYTES + plan.used(0)]
+    data = layout.slots[0].data[:plan.used(0)]
     data[5] ^= 0xFF
     assert xxh3_packed(data, copied) != xxh3_digest(data)
 

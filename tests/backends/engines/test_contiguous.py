@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from backends.engines.buckets import HEADER_BYTES, Layout
+from backends.engines.buckets import HEADER_BYTES, Layout, as_slots
 from backends.engines.flat import flatten_parameters
 from backends.engines.gloo import GlooEngine
 from backends.engines.plan import TensorMeta, make_plan
@@ -173,7 +173,7 @@ class _FlipOnLanding(GlooEngine):
     def _wait(self, handle: Any, what: str) -> None:
         super()._wait(handle, what)
         if self.bad is not None and what.startswith(f"bucket {self.bad} of "):
-            self.slots[self.bad % len(self.slots)][HEADER_BYTES + 5] ^= 0xFF
+            self.slots[self.bad % len(self.slots)].data[5] ^= 0xFF
 
 
 def test_a_region_bucket_corrupted_on_arrival_fails_its_checksum_applies_nothing_and_the_next_sync_repairs(
@@ -200,7 +200,7 @@ def test_a_region_buckets_header_travels_from_the_slot_and_is_checked() -> None:
         def _start_send(self, k: int, nbytes: int) -> Any:
             if k == 2:
                 assert self._regions[0] is not None  # bucket 2 goes unpacked
-                self.slots[0][16] ^= 0x01  # the header's bucket index
+                self.slots[0].head[16] ^= 0x01  # the header's bucket index
             return super()._start_send(k, nbytes)
 
     rollout = old_rollout()
@@ -217,7 +217,7 @@ def test_a_region_buckets_header_travels_from_the_slot_and_is_checked() -> None:
 
 def _layout(metas: list[TensorMeta], bucket_bytes: int = 4096, device: str = "cpu") -> Layout:
     plan = make_plan(metas, bucket_bytes, verify=True)
-    return Layout(plan, [torch.empty(64 + bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)])
+    return Layout(plan, as_slots(torch.empty(64 + bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)))
 
 
 def _placed(sizes: list[int], offsets: list[int], total: int, dtype: torch.dtype = torch.float32,
@@ -239,7 +239,7 @@ def test_the_region_is_the_storage_range_holding_each_piece_where_pack_puts_it()
     assert region is not None and region.dtype == torch.uint8
     assert region.data_ptr() == storage.data_ptr() and region.numel() == layout.plan.used(0) == 320
     layout.pack(0, tensors)
-    slot = layout.slots[0][HEADER_BYTES:HEADER_BYTES + 320]
+    slot = layout.slots[0].data[:320]
     for p in layout.plan.buckets[0]:
         assert torch.equal(region[p.offset:p.offset + p.nbytes], slot[p.offset:p.offset + p.nbytes])
 
@@ -307,7 +307,7 @@ def test_lazy_conjugate_and_negative_views_travel_as_their_values_not_their_memo
     named = [("conj", complex_base.conj()), ("neg", torch._neg_view(torch.arange(16.0)))]
     for _, tensor in named:  # alone in its bucket, from its own aligned storage: a region, but for the lazy view
         layout = Layout(make_plan([TensorMeta("t", tensor.dtype, tuple(tensor.shape))], 4096, verify=True),
-                        [torch.zeros(HEADER_BYTES + 4096, dtype=torch.uint8)])
+                        as_slots([torch.zeros(HEADER_BYTES + 4096, dtype=torch.uint8)]))
         assert layout.region(0, [tensor.resolve_conj().resolve_neg()]) is not None
         assert layout.region(0, [tensor]) is None
     rollout = MemoryRollout()

@@ -175,13 +175,12 @@ def test_a_rollout_on_the_trainers_gpu_generates_as_the_trainer_after_each_sync(
 
 def _mixed_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
     from backends.engines import WeightSync
-    from backends.engines.buckets import HEADER_BYTES
     from backends.engines.cuda_ipc import CudaIpcEngine
 
     class Corrupting(CudaIpcEngine):
         def _start_send(self, k: int, nbytes: int) -> Any:
             if k == 1:
-                self.slots[k % 2][HEADER_BYTES + 5] ^= 0xFF
+                self.slots[k % 2].data[5] ^= 0xFF
             return super()._start_send(k, nbytes)
 
     case = read_case(tmp_path / "case.json")

@@ -45,7 +45,7 @@ def _corrupting(name: str, bucket: int) -> CheckpointEngine:
 
         def _start_send(self, k: int, nbytes: int) -> Any:
             if k == self.corrupt:
-                self.slots[k % 2][HEADER_BYTES + 5] ^= 0xFF
+                self.slots[k % 2].data[5] ^= 0xFF
             return super()._start_send(k, nbytes)
 
     return Corrupting(bucket_bytes=4096, timeout_s=10)
@@ -95,15 +95,15 @@ def test_streamed_each_side_holds_two_buckets_and_keeps_them_from_one_sync_to_th
     for version in (1, 2):
         assert sync_threads(sender, [receiver], mixed_tensors(version), version=version, port=port).error is None
         for engine in (sender, receiver):
-            assert [s.numel() for s in engine.slots] == [HEADER_BYTES + align(4096)] * 2  # type: ignore[attr-defined]
-        seen.append([s.data_ptr() for e in (sender, receiver) for s in e.slots])  # type: ignore[attr-defined]
+            assert [s.nbytes for s in engine.slots] == [HEADER_BYTES + align(4096)] * 2  # type: ignore[attr-defined]
+        seen.append([s.data.data_ptr() for e in (sender, receiver) for s in e.slots])  # type: ignore[attr-defined]
     assert seen[0] == seen[1]
     sender.close()  # type: ignore[attr-defined]
     assert sender.slots == []  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_an_atomic_receiver_holds_one_buffer_per_bucket_sized_to_it_and_keeps_them(name: str) -> None:
+def test_an_atomic_receiver_holds_one_slot_per_bucket_sized_to_it_data_back_to_back_and_keeps_them(name: str) -> None:
     sender, receiver = new_engine(name), new_engine(name)
     port = free_port()
     seen = []
@@ -113,9 +113,11 @@ def test_an_atomic_receiver_holds_one_buffer_per_bucket_sized_to_it_and_keeps_th
         plan = receiver._layout.plan  # type: ignore[attr-defined]
         held = receiver._staging(receiver._layout).slots  # type: ignore[attr-defined]
         assert len(held) == run.figures["buckets"] == len(plan.buckets)
-        assert [s.numel() for s in held] == [HEADER_BYTES + plan.used(k) for k in range(len(held))]
-        assert [s.numel() for s in sender.slots] == [HEADER_BYTES + align(4096)] * 2  # type: ignore[attr-defined]
-        seen.append([s.data_ptr() for s in held])
+        assert [s.nbytes for s in held] == [HEADER_BYTES + plan.used(k) for k in range(len(held))]
+        assert [s.nbytes for s in sender.slots] == [HEADER_BYTES + align(4096)] * 2  # type: ignore[attr-defined]
+        ends = [s.data.data_ptr() + plan.used(k) for k, s in enumerate(held)]
+        assert [s.data.data_ptr() for s in held[1:]] == ends[:-1], "one buffer, every bucket's data after the last"
+        seen.append([s.data.data_ptr() for s in held])
     assert seen[0] == seen[1]
     sender.close()
     receiver.close()
@@ -123,8 +125,8 @@ def test_an_atomic_receiver_holds_one_buffer_per_bucket_sized_to_it_and_keeps_th
 
 def test_buffers_that_do_not_fit_fail_the_receiver_naming_engine_apply_and_the_sender_quickly() -> None:
     class NoRoom(GlooEngine):
-        def _ensure_slots(self, sizes: Any) -> None:
-            super()._ensure_slots([1 << 50] * len(sizes))  # a PiB per bucket: the allocator refuses
+        def _ensure_slots(self, sizes: Any, **kwargs: Any) -> None:
+            super()._ensure_slots([1 << 50] * len(sizes), **kwargs)  # a PiB per bucket: the allocator refuses
 
     rollout = MemoryRollout()
     start = time.monotonic()
@@ -145,6 +147,33 @@ def test_an_empty_sync_delivers_the_version_and_nothing_else(name: str, apply: s
     assert rollout.weights == {} and rollout.weights_version == 4 and not rollout.stale
 
 
+@pytest.mark.parametrize("apply", ["atomic", "streamed"])
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_tensor_larger_than_a_bucket_is_one_view_of_an_atomic_receivers_slots_and_a_copy_streamed(
+    name: str, apply: str,
+) -> None:
+    class Looking(MemoryRollout):
+        inside: dict[str, bool] = {}
+
+        def load_weights(self, named_tensors: Any) -> None:
+            slots = receiver._staging(receiver._layout).slots if apply == "atomic" else receiver.slots
+            storages = {s.data.untyped_storage().data_ptr() for s in slots}
+            for name, tensor in named_tensors:
+                self.inside[name] = tensor.untyped_storage().data_ptr() in storages
+                self.weights[name] = tensor.clone()
+
+    named = mixed_tensors()
+    assert dict(named)["embed.weight"].nbytes > 4 * 4096, "split across five buckets"
+    receiver, rollout = new_engine(name, apply=apply), Looking()
+    run = sync_threads(new_engine(name), [receiver], named, [rollout])
+    assert run.error is None and run.errors == [None]
+    assert rollout.inside["embed.weight"] is (apply == "atomic")
+    assert all(rollout.inside[key] for key, tensor in named if tensor.nbytes <= 4096)
+    for key, tensor in named:
+        assert torch.equal(rollout.weights[key], tensor), key
+    receiver.close()
+
+
 @pytest.mark.parametrize("name", ["gloo"])  # shm receivers map the sender's buckets: nothing to size
 def test_a_receiver_sizes_its_buckets_from_the_senders_plan_once(name: str) -> None:
     sender, receiver = new_engine(name), new_engine(name, bucket_bytes=1 << 20, apply="streamed")
@@ -152,8 +181,8 @@ def test_a_receiver_sizes_its_buckets_from_the_senders_plan_once(name: str) -> N
     seen = []
     for version in (1, 2):
         assert sync_threads(sender, [receiver], mixed_tensors(version), version=version, port=port).error is None
-        assert [s.numel() for s in receiver.slots] == [HEADER_BYTES + align(4096)] * 2  # type: ignore[attr-defined]
-        seen.append([s.data_ptr() for s in receiver.slots])  # type: ignore[attr-defined]
+        assert [s.nbytes for s in receiver.slots] == [HEADER_BYTES + align(4096)] * 2  # type: ignore[attr-defined]
+        seen.append([s.data.data_ptr() for s in receiver.slots])  # type: ignore[attr-defined]
     assert seen[0] == seen[1]
     sender.close()  # type: ignore[attr-defined]
 

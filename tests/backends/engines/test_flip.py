@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from backends.engines import CheckpointEngine, Rendezvous, WeightSync, adopt_weights, receive_into
-from backends.engines.buckets import HEADER_BYTES
 from backends.engines.shared import _pick, set_bytes
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
@@ -50,7 +49,7 @@ def _corrupting(name: str) -> CheckpointEngine:
 
         def _start_send(self, k: int, nbytes: int) -> Any:
             if k == self.corrupt:
-                self.slots[k % len(self.slots)][HEADER_BYTES + 5] ^= 0xFF
+                self.slots[k % len(self.slots)].data[5] ^= 0xFF
             return super()._start_send(k, nbytes)
 
     return Corrupting(apply="flip", bucket_bytes=BUCKET, timeout_s=10)
@@ -98,6 +97,28 @@ def test_each_sync_fills_the_other_set_and_the_rollout_adopts_it_without_a_priva
         receiver.close()
         sender.close()
     assert greedy(rollout.model) == greedy(trainer), "the adopted set outlives the engine's own hold on it"
+
+
+@pytest.mark.parametrize("name", FLIPPING)
+def test_tensors_larger_than_a_bucket_are_adopted_as_views_into_the_set_not_copies(name: str) -> None:
+    trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
+    sender, receiver = _flip(name, bucket_bytes=8192), _flip(name, bucket_bytes=8192)
+    big = [key for key, param in trainer.named_parameters() if param.nbytes > 8192]
+    assert "model.embed_tokens.weight" in big and len(big) >= 4
+    port = free_port()
+    try:
+        for version, target in ((1, 0), (2, 1)):
+            train_step(trainer, version)
+            run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=version,
+                               port=port)
+            assert run.error is None and run.versions == [version], (run.error, run.errors)
+            for key, param in rollout.model.named_parameters():
+                assert _inside(param, _set(receiver, target)), key
+                assert torch.equal(param, dict(trainer.named_parameters())[key]), key
+            assert greedy(rollout.model) == greedy(trainer)
+    finally:
+        receiver.close()
+        sender.close()
 
 
 @pytest.mark.parametrize("name", FLIPPING)
@@ -243,7 +264,7 @@ class _Respaced(CLASSES["shm"]):  # type: ignore[valid-type,misc]
 
     def _start_send(self, k: int, nbytes: int) -> Any:
         if k == self.corrupt:
-            self.slots[k][HEADER_BYTES + 5] ^= 0xFF
+            self.slots[k].data[5] ^= 0xFF
         return super()._start_send(k, nbytes)
 
 

@@ -287,9 +287,10 @@ HOSTILE_SLOTS: dict[str, tuple[Callable[[Path, Path, list[str]], object], str]] 
 
 def _hostile_shm(shm_dir: Path, publish: Callable[[list[str]], object]) -> ShmEngine:
     class HostileShm(ShmEngine):
-        def _create(self, size: int) -> None:
-            super()._create(size)
+        def _create(self, size: int) -> list[torch.Tensor]:
+            buffers = super()._create(size)
             self._paths = publish(list(self._paths))  # type: ignore[assignment]
+            return buffers
 
     return HostileShm(bucket_bytes=4096, timeout_s=TIMEOUT_S, shm_dir=shm_dir)
 

@@ -31,7 +31,6 @@ def test_nccl_delivers_every_tensor_from_gpu_buckets_and_keeps_them_on_the_devic
 
 
 def test_nccl_refuses_a_corrupted_bucket_with_the_on_device_checksum() -> None:
-    from backends.engines.buckets import HEADER_BYTES
     from backends.engines.nccl import NcclEngine
 
     class Corrupting(NcclEngine):
@@ -39,7 +38,7 @@ def test_nccl_refuses_a_corrupted_bucket_with_the_on_device_checksum() -> None:
 
         def _start_send(self, k: int, nbytes: int) -> object:
             if k == 1:
-                self.slots[k % 2][HEADER_BYTES + 5] ^= 0xFF
+                self.slots[k % 2].data[5] ^= 0xFF
             return super()._start_send(k, nbytes)
 
     rollout = MemoryRollout()

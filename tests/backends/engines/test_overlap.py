@@ -282,8 +282,8 @@ def test_an_atomic_shm_receiver_hashes_its_private_copy_never_the_shared_slot() 
     receiver = Spying(bucket_bytes=4096, timeout_s=TIMEOUT_S)
     run = sync_threads(new_engine("shm"), [receiver], mixed_tensors())
     assert run.error is None and run.errors == [None]
-    private = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in receiver._staged.slots]  # type: ignore[union-attr]
-    shared = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in receiver.slots]
+    private = [(s.data.data_ptr(), s.data.data_ptr() + s.data.numel()) for s in receiver._staged.slots]  # type: ignore[union-attr]
+    shared = [(s.data.data_ptr(), s.data.data_ptr() + s.data.numel()) for s in receiver.slots]
     assert len(hashed) == len(private) > 2
     assert all(any(lo <= p < hi for lo, hi in private) for p in hashed)
     assert not any(lo <= p < hi for p in hashed for lo, hi in shared)

@@ -17,7 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.engines.buckets import HEADER_BYTES, Copied, Layout, Program, describe, xxh3_digest, xxh3_packed
+from backends.engines.buckets import HEADER_BYTES, Copied, Layout, Program, as_slots, describe
+from backends.engines.digests import xxh3_digest, xxh3_packed
 from backends.engines.flat import flatten_parameters
 from backends.engines.plan import TensorMeta, align, make_plan
 from lifecycle.testing import MemoryRollout
@@ -32,7 +33,7 @@ def _metas(named: Named) -> list[TensorMeta]:
 
 def _layout(named: Named, bucket_bytes: int) -> Layout:
     plan = make_plan(_metas(named), bucket_bytes, verify=True)
-    return Layout(plan, [torch.zeros(HEADER_BYTES + align(bucket_bytes), dtype=torch.uint8) for _ in range(2)])
+    return Layout(plan, as_slots(torch.zeros(HEADER_BYTES + align(bucket_bytes), dtype=torch.uint8) for _ in range(2)))
 
 
 def _delivered(layout: Layout, named: Named) -> dict[str, torch.Tensor]:
@@ -125,7 +126,7 @@ def test_pieces_adjacent_in_one_storage_and_in_the_bucket_are_one_memmove() -> N
     assert program.moves == [(0, named[0][1].data_ptr(), 640)] and program.rest == []
     copied: Copied = []
     layout.pack(0, [t for _, t in named], copied)
-    data = layout.slots[0][HEADER_BYTES:HEADER_BYTES + layout.plan.used(0)]
+    data = layout.slots[0].data[:layout.plan.used(0)]
     assert copied == program.moves and xxh3_packed(data, copied) == xxh3_digest(data)  # the run hashes as the bucket
     _assert_delivers(layout, named)
 
