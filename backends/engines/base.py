@@ -103,11 +103,11 @@ class Incoming(Iterator[tuple[str, torch.Tensor]]):
 
     A tensor is a view into the engine's buffer (streamed, only one that fitted in one bucket;
     a larger one is rejoined in a copy): streamed, valid until the iteration moves on to the
-    next bucket; atomic, until the sync ends. A consumer copies it (as `load_weights` does). With `"flip"` the views are into the weight
-    set this sync filled (`sets`), handed out once every bucket verified, and stay valid until
-    a later sync has completed into the other set: a rollout adopts them (`adopt_weights`)
-    instead of copying, and the sync after next lands in the set it no longer serves.
-    `complete` turns true once the last tensor was read.
+    next bucket; atomic, until the sync ends. A consumer copies it (as `load_weights` does).
+    With `"flip"` the views are into the weight set this sync filled (`sets`), handed out once
+    every bucket verified, and stay valid until a later sync has completed into the other set:
+    a rollout adopts them (`adopt_weights`) instead of copying, and the sync after next lands
+    in the set it no longer serves. `complete` turns true once the last tensor was read.
 
     The receiver tells the sender how the sync went as the last tensor is read, or, once
     `hold()` was called, when its session ends (`finalize`): then what the consumer does after

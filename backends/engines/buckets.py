@@ -1,11 +1,12 @@
-"""Flat transfer buckets: packing by the plan both sides agree on, checksums, and rejoining chunks.
+"""Flat transfer buckets: where they live (`Slot`), packing by the plan both sides agree on, and unpacking.
 
 A bucket is a 64-byte header (magic, version, bucket index, bytes used) and a data region
 holding the tensors, each at a 64-byte aligned offset; a `Slot` holds one bucket, its header
 and data adjacent (a buffer of `slot_bytes`) or apart (`join`). A tensor that fits in a
 bucket travels whole; one larger than a bucket is split into chunks across consecutive
 buckets: a receiver that keeps every bucket in `join`ed slots hands it out as one view of
-where its chunks landed, back to back; one with two slots (streamed) rejoins it in a copy. The plan (names, dtypes, shapes, where every piece sits;
+where its chunks landed, back to back; one with two slots (streamed) rejoins it in a copy.
+The plan (names, dtypes, shapes, where every piece sits;
 `plan.py`) is computed from tensor metadata alone, before any byte is packed, so the sender
 can pack bucket k+1 while bucket k is on the wire.
 
@@ -68,17 +69,22 @@ def joined_bytes(sizes: Sequence[int]) -> int:
 def join(sizes: Sequence[int], buffer: torch.Tensor) -> list[Slot]:
     """One slot per bucket of `sizes` data bytes, carved from one buffer (`joined_bytes`): every
     bucket's data back to back, then the headers. A tensor split across buckets then lies whole
-    in the buffer, so a receiver that keeps every bucket hands it out as one view (`Layout.unpack`)."""
+    in the buffer, so a receiver that keeps every bucket hands it out as one view
+    (`Layout.unpack`)."""
     slots, at, heads = [], 0, sum(align(size) for size in sizes)
     for k, size in enumerate(sizes):
-        slots.append(Slot(buffer[heads + k * HEADER_BYTES:heads + (k + 1) * HEADER_BYTES], buffer[at:at + align(size)]))
+        head = buffer[heads + k * HEADER_BYTES:heads + (k + 1) * HEADER_BYTES]
+        slots.append(Slot(head, buffer[at:at + align(size)]))
         at += align(size)
     return slots
+
 
 Copied = list[tuple[int, int, int]]
 """(offset in the data region, address, nbytes) of pieces `Layout.pack` copied byte for byte."""
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 """Tensor types whose memory is their storage as it stands (no subclass with its own layout)."""
+
+
 def _wire_bytes(src: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a tensor's memory is its values as they travel in `dtype`: that dtype, and no lazy
     conjugate or negation (whose memory holds other values)."""

@@ -130,6 +130,13 @@ class ControlStore:
                                      f"while this receiver was {what}")
         self._written.extend(keys)
 
+    def closed_clean(self) -> bool:
+        """Whether the sender closed this sync after every receiver answered that it took it."""
+        try:
+            return bool(self.store.check(["closed"])) and bytes(self.store.get("closed")) == b"clean"
+        except _STORE_ERRORS as exc:
+            raise self._lost("checking 'closed'", exc) from exc
+
     def is_set(self, key: str) -> bool:
         try:
             return bool(self.store.check([key]))
@@ -137,14 +144,15 @@ class ControlStore:
             raise self._lost(f"checking {key!r}", exc) from exc
 
     def close(self, topology: Topology, *, clean: bool) -> None:
-        """The sender marks the sync closed; after a clean sync it also drops the sync's keys.
+        """The sender marks the sync closed (`clean` once every receiver took it: `closed_clean`);
+        after a clean sync it also drops the sync's keys.
 
         A failed sync keeps its keys: a receiver still reading one must fail by itself, not wait.
         """
         if not topology.is_sender:
             return
         try:
-            self.store.set("closed", b"1")
+            self.store.set("closed", b"clean" if clean else b"1")
             if clean:
                 claims = [f"joined/{rank}" for rank in topology.receivers]
                 for key in dict.fromkeys([*self._written, *claims]):

@@ -12,9 +12,10 @@ matches `digest/{k}`. What it does next is its `apply` mode:
 - `streamed`: two slots, like the sender. It hands out bucket k's tensors once k verified
   and only then posts bucket k + 2 into the slot k used, so it never holds more than two
   buckets; a bad bucket k leaves buckets before it applied.
-- `atomic` (the default): one buffer per bucket of the sync, each bucket received straight
-  into its own (shm copies it out of the shared slot, then lets the sender refill it), so
-  bucket k is checked while later ones land. It hands out the first tensor only once the
+- `atomic` (the default): one slot per bucket of the sync, all `join`ed in one buffer (every
+  bucket's data back to back, so a tensor split across buckets is one view), each bucket
+  received straight into its own (shm copies it out of the shared slot, then lets the sender
+  refill it), so bucket k is checked while later ones land. It hands out the first tensor only once the
   last bucket has verified, so a bad bucket anywhere means nothing is applied.
 - `flip`: as atomic, into the one of two weight sets (`sets`) its rollout does not serve,
   whose views the rollout adopts: no copy on the receiving side.
@@ -114,7 +115,7 @@ class BucketEngine(CheckpointEngine):
 
     def _staging(self, layout: Layout) -> Layout:
         """Where an atomic receive keeps every bucket until the last one verifies: by default
-        the slots themselves, one per bucket (see `_receive_slots`). Called once per receive,
+        the slots themselves, one per bucket, `join`ed (see `_receive_slots`). Called once per receive,
         before the plan is accepted, so buffers that do not fit refuse it."""
         return layout
 
@@ -188,7 +189,7 @@ class BucketEngine(CheckpointEngine):
         phases["plan"] = (sent := time.perf_counter()) - start
         send_buckets(self, layout, tensors, version)
         phases["wire"] = (landed := time.perf_counter()) - sent - phases["pack"]
-        self._await_answers("status", f"rejected weights v{version}")
+        self._await_answers("status", f"rejected weights v{version}", acknowledge=True)
         phases["apply"] = time.perf_counter() - landed
         self._clean = True
         return SyncStats(backend=self.name, version=version, bytes=layout.plan.total_bytes,
@@ -204,6 +205,8 @@ class BucketEngine(CheckpointEngine):
         return incoming.feed(self._receiver.run())
 
     def finalize(self) -> None:
+        """Tear the sync down; a receive held (`Incoming.hold`) that answered the sender it took the
+        weights, but whose answer the sender did not read in time, raises here, after the teardown."""
         topology, receiver = self.topology, self._receiver
         try:
             if receiver is not None:
@@ -225,6 +228,8 @@ class BucketEngine(CheckpointEngine):
             if not self.keeps_buckets:
                 self._free_buckets()
             super().finalize()
+        if receiver is not None and receiver.unheard is not None:
+            raise EngineError(receiver.unheard)
 
     def close(self) -> None:
         """Finalize, give the buckets back, stop the checksum worker, and leave the rendezvous store."""
@@ -357,11 +362,16 @@ class BucketEngine(CheckpointEngine):
     def _send_digest(self, k: int, digest: int) -> None:
         self._control().set(f"digest/{k}", f"{digest:016x}")
 
-    def _await_answers(self, key: str, what: str) -> None:
-        """Wait for every receiver's `{key}/{rank}`; an `EngineError` naming each that said no."""
+    def _await_answers(self, key: str, what: str, *, acknowledge: bool = False) -> None:
+        """Wait for every receiver's `{key}/{rank}`; an `EngineError` naming each that said no.
+        `acknowledge`: once every answer is read, say so (`heard`), which a receiver that holds
+        its answer waits for (`Receiver.finish`)."""
         receivers, control = self._topology(sender=True).receivers, self._control()
         keys = [f"{key}/{rank}" for rank in receivers]
-        problems = [f"rank {rank}: {error}" for rank, raw in zip(receivers, control.get_many(keys))
+        answers = control.get_many(keys)
+        if acknowledge:
+            control.set("heard", b"1")
+        problems = [f"rank {rank}: {error}" for rank, raw in zip(receivers, answers)
                     if (error := read_answer(raw)) is not None]
         if problems:
             raise EngineError(f"{self.name} engine: {len(problems)} of {len(keys)} receiver(s) {what}: "

@@ -90,6 +90,10 @@ class Plan:
         last = self.buckets[k][-1]
         return align(last.offset + last.nbytes)
 
+    def sizes(self) -> list[int]:
+        """Every bucket's `used` bytes: what a receiver that keeps every bucket holds of each."""
+        return [self.used(k) for k in range(len(self.buckets))]
+
     @property
     def total_bytes(self) -> int:
         """Every tensor's bytes; only for a plan `check_plan` passed (a received plan's shapes
@@ -105,11 +109,16 @@ class Plan:
 
 
 def make_plan(metas: Sequence[TensorMeta], bucket_bytes: int, verify: bool) -> Plan:
-    """Lay tensors out in order: whole when they fit a bucket, else in chunks filling buckets."""
+    """Lay tensors out in order: whole when they fit a bucket, else in chunks filling buckets,
+    each chunk but the last a whole number of `ALIGN` bytes, so a receiver that keeps the
+    buckets' data back to back holds the chunks back to back (`buckets.join`) whatever
+    `bucket_bytes` is."""
     buckets: list[list[Piece]] = [[]]
     used = 0
     for index, meta in enumerate(metas):
         size, step = meta.nbytes, meta.dtype.itemsize
+        if size > bucket_bytes and ALIGN % step == 0:
+            step = ALIGN
         if size <= bucket_bytes and align(used) + size > bucket_bytes:
             buckets.append([])
             used = 0

@@ -46,7 +46,7 @@ def receive_sizes(plan: Plan, apply: str) -> list[int]:
     """The data bytes of each slot a receiver needs: two of a whole bucket streamed, each
     bucket's own size atomic (a short last bucket takes only what it uses)."""
     if apply == "atomic":
-        return [plan.used(k) for k in range(len(plan.buckets))]
+        return plan.sizes()
     return [plan.bucket_bytes] * SLOTS
 
 
@@ -110,6 +110,9 @@ class Receiver:
         self.error: str | None = None
         self.link_failed = False
         self.finished = False
+        self.unheard: str | None = None
+        """Why a held receive that answered it took the weights must count as failed: the sender
+        did not read that answer (it gave up first); `finalize` raises it."""
 
     def run(self) -> Iterator[tuple[str, torch.Tensor]]:
         try:
@@ -140,7 +143,7 @@ class Receiver:
     def _receive_all(self) -> Layout:
         """Every bucket received and verified, kept where the returned layout reads them.
 
-        Bucket k is in a buffer of its own once it landed (or was copied out of the shared
+        Bucket k is in a slot of its own once it landed (or was copied out of the shared
         slot), so its slot is given back at once and k is checked while later buckets land."""
         staging = self.staging
         for k in range(self.inbox.count):
@@ -216,3 +219,23 @@ class Receiver:
                                            error=str(exc))
             return
         self.engine._answer(f"status/{self.rank}", None if ok else error)
+        if ok and self.incoming.held:
+            self._await_heard()
+
+    def _await_heard(self) -> None:
+        """A held receive answered that it took the weights, after its rollout's `load_weights`
+        returned: it counts only once the sender read that answer (`heard`, or the sync closed
+        clean); a sender that gave up first, or the deadline, make it `unheard`."""
+        control = self.engine._control()
+        try:
+            control.wait(["heard"], watch_closed=True)
+            return
+        except EngineError as exc:
+            try:
+                if control.closed_clean():
+                    return
+            except EngineError:
+                pass
+            reason = str(exc)
+        self.unheard = (f"{self.engine.name} engine: rank {self.rank} took weights v{self.version}, but the sender "
+                        f"did not read its answer before it gave up ({reason}); the update counts as failed")

@@ -7,8 +7,9 @@ again only after a later sync has completed into the other one. A failed sync le
 rollout on the set it serves, untouched.
 
 Where the sets live is the engine's business: the group engines allocate them as private
-bucket buffers (a receiver's own choice, whatever the sender does); `shm` maps two files the
-sender writes into, and asks the sender for the set (see `shared`).
+buffers, one per set with its buckets `join`ed (a receiver's own choice, whatever the sender
+does); `shm` maps two files the sender writes into, and asks the sender for the set (see
+`shared`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 
 from backends.engines.buckets import SLOTS, Layout, Slot, join, joined_bytes
 from backends.engines.plan import Plan
-from backends.engines.receiver import receive_sizes
 
 Carve = Callable[[int, Plan], list[Slot]]
 """Set `index`'s slots for `plan`, one per bucket (`buckets.join`)."""
@@ -51,7 +51,7 @@ class WeightSets:
         return self.target
 
     def layout(self, index: int, plan: Plan, raw: bytes, carve: Carve) -> Layout:
-        """Set `index` laid out for `plan`: bucket k in buffer k of `carve(index, plan)`, built
+        """Set `index` laid out for `plan`: bucket k in slot k of `carve(index, plan)`, built
         once per plan and set."""
         layout = self.layouts[index]
         if layout is None or layout.plan is not plan:
@@ -75,7 +75,7 @@ def private_sets(sets: WeightSets, plan: Plan, raw: bytes, allocate: Callable[[i
     engines): the layout of the set its rollout does not serve (set 0 when it serves neither).
     Each set is one buffer from `allocate(bytes)`, its buckets `join`ed, allocated again when
     the plan's buckets need another size."""
-    sizes = receive_sizes(plan, "atomic")
+    sizes = plan.sizes()
     wanted = joined_bytes(sizes)
     if len(sets.memory) != SLOTS or any(memory.numel() != wanted for memory in sets.memory):
         sets.hold([allocate(wanted) for _ in range(SLOTS)])

@@ -25,7 +25,7 @@ receiver of the host, in place of the rollout's own weights.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,6 @@ from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined
 from backends.engines.pipeline import BucketEngine
 from backends.engines.control import answer, clip
 from backends.engines.plan import ALIGN, Plan, PlanRefused, TensorMeta, parse_plan
-from backends.engines.receiver import receive_sizes
 from lifecycle.errors import EngineError
 
 
@@ -54,7 +53,7 @@ def _pick(asked: dict[int, bytes]) -> int | str:
 def set_bytes(plan: Plan) -> int:
     """The bytes of one flip weight set: every bucket of `plan` `join`ed (data back to back, then
     the headers); never less than a slot of `ALIGN` data bytes (what a shared file may be)."""
-    return max(joined_bytes(receive_sizes(plan, "atomic")), slot_bytes(ALIGN))
+    return max(joined_bytes(plan.sizes()), slot_bytes(ALIGN))
 
 
 class SharedSlotEngine(BucketEngine):
@@ -96,7 +95,7 @@ class SharedSlotEngine(BucketEngine):
 
     # -- the data plane -----------------------------------------------------------------------
 
-    def _ensure_slots(self, sizes: list[int]) -> None:
+    def _ensure_slots(self, sizes: Sequence[int], *, joined: bool = False) -> None:
         """Nothing here: the sender creates the shared slots once the group forms (`_connect`),
         receivers open them (`_receive_slots`)."""
 
@@ -202,7 +201,7 @@ class SharedSlotEngine(BucketEngine):
 
     def _carve(self, index: int, plan: Plan) -> list[Slot]:
         """Set `index` cut into `plan`'s buckets (`set_bytes`)."""
-        return join(receive_sizes(plan, "atomic"), self._flip.memory[index])
+        return join(plan.sizes(), self._flip.memory[index])
 
     def _forget_shared(self) -> None:
         """Drop what was opened from the sender's last publication: a flip receiver serves no set
@@ -211,12 +210,12 @@ class SharedSlotEngine(BucketEngine):
         self._flip.forget()
 
     def _staging(self, layout: Layout) -> Layout:
-        """An atomic receiver's private buffers, one per bucket: the shared slots are the
-        sender's to refill. Kept from one sync to the next while the plan stays the same."""
+        """An atomic receiver's private slots, one per bucket `join`ed in one buffer: the shared
+        slots are the sender's to refill. Kept from one sync to the next while the plan stays the same."""
         staged = self._staged
         if staged is None or staged.plan is not layout.plan:
             self._staged = None
-            slots = self._allocate(receive_sizes(layout.plan, "atomic"), self.device, joined=True)
+            slots = self._allocate(layout.plan.sizes(), self.device, joined=True)
             staged = self._staged = Layout(layout.plan, slots)
         staged.reset()
         return staged

@@ -23,7 +23,7 @@ from lifecycle import Lifecycle, State
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryCheckpointer, MemoryRollout
 from tests.backends.dist_util import free_port
-from tests.backends.engines.kit import CLASSES, TRANSPORTS, mixed_tensors, new_engine, sync_threads
+from tests.backends.engines.kit import CLASSES, HANG_GUARD_S, TRANSPORTS, mixed_tensors, new_engine, sync_threads
 
 
 def _assert_delivered(rollout: MemoryRollout, named: list[tuple[str, torch.Tensor]], version: int) -> None:
@@ -147,10 +147,11 @@ def test_an_empty_sync_delivers_the_version_and_nothing_else(name: str, apply: s
     assert rollout.weights == {} and rollout.weights_version == 4 and not rollout.stale
 
 
+@pytest.mark.parametrize("bucket", [4096, 4000])
 @pytest.mark.parametrize("apply", ["atomic", "streamed"])
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_a_tensor_larger_than_a_bucket_is_one_view_of_an_atomic_receivers_slots_and_a_copy_streamed(
-    name: str, apply: str,
+    name: str, apply: str, bucket: int,
 ) -> None:
     class Looking(MemoryRollout):
         inside: dict[str, bool] = {}
@@ -163,12 +164,12 @@ def test_a_tensor_larger_than_a_bucket_is_one_view_of_an_atomic_receivers_slots_
                 self.weights[name] = tensor.clone()
 
     named = mixed_tensors()
-    assert dict(named)["embed.weight"].nbytes > 4 * 4096, "split across five buckets"
-    receiver, rollout = new_engine(name, apply=apply), Looking()
-    run = sync_threads(new_engine(name), [receiver], named, [rollout])
+    assert dict(named)["embed.weight"].nbytes > 4 * bucket, "split across five buckets"
+    receiver, rollout = new_engine(name, apply=apply, bucket_bytes=bucket), Looking()
+    run = sync_threads(new_engine(name, bucket_bytes=bucket), [receiver], named, [rollout])
     assert run.error is None and run.errors == [None]
     assert rollout.inside["embed.weight"] is (apply == "atomic")
-    assert all(rollout.inside[key] for key, tensor in named if tensor.nbytes <= 4096)
+    assert all(rollout.inside[key] for key, tensor in named if tensor.nbytes <= bucket)
     for key, tensor in named:
         assert torch.equal(rollout.weights[key], tensor), key
     receiver.close()
@@ -338,6 +339,23 @@ def test_a_rollout_that_fails_after_reading_the_last_tensor_fails_the_sender_too
     assert "rank 2: the rollout's load_weights raised ValueError: the weights do not fit the kv cache" in str(run.error)
     assert isinstance(run.errors[1], ValueError) and late.stale and late.weights_version == 0
     assert run.errors[0] is None and good.weights_version == 1 and not good.stale
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_rollout_still_loading_when_the_sender_gives_up_does_not_take_the_version(name: str) -> None:
+    """Sender and rollout agree: an update the sender gave up on is no update on the rollout either."""
+    class Slow(MemoryRollout):
+        def load_weights(self, named_tensors: Any) -> None:
+            for _ in named_tensors:
+                pass
+            time.sleep(2.5)  # past the sender's timeout_s, within the receiver's
+
+    rollout = Slow()
+    run = sync_threads(new_engine(name, timeout_s=1.5), [new_engine(name, timeout_s=20)], mixed_tensors(), [rollout])
+    assert isinstance(run.error, EngineError) and "'status/1'" in str(run.error), run.error
+    assert isinstance(run.errors[0], EngineError) and "did not read its answer" in str(run.errors[0]), run.errors
+    assert rollout.stale and rollout.weights_version == 0 and not rollout.paused
+    assert run.seconds < HANG_GUARD_S
 
 
 def test_a_rollout_that_stops_reading_early_is_a_partial_update() -> None:
