@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import pickle
+import queue
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.strategies import (
+    filesystem_async as mcore_fs_async,
+)
 from megatron.core.dist_checkpointing.strategies import torch as mcore_dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
@@ -255,8 +259,22 @@ def save_sharded(state: dict[str, Any], folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     if any(folder.iterdir()):
         raise CheckpointError(f"{folder}: dist_checkpointing writes only into an empty folder")
-    with library_errors("megatron dist_checkpointing save", folder), cpu_safe():
+    with library_errors("megatron dist_checkpointing save", folder), cpu_safe(), in_process_write_results():
         dist_checkpointing.save(state, str(folder))
+
+
+@contextmanager
+def in_process_write_results() -> Iterator[None]:
+    """Megatron's torch_dist writer hands its write results over the queue of a multiprocessing
+    Manager, which it starts on a process's first save: a spawned interpreter that imports torch to
+    unpickle them (seconds of CPU per rank, and a process left running). A synchronous save (ours)
+    puts the results and takes them back in this very process, so for the call a plain thread-safe
+    queue stands in; Megatron's own queue is put back afterwards, for an async save of Megatron's."""
+    if not hasattr(mcore_fs_async, "_results_queue"):
+        yield  # another megatron-core layout: leave its writer as it is
+        return
+    with temporarily(mcore_fs_async, _results_queue=queue.Queue()):
+        yield
 
 
 class _CheckedBytesPlanner(mcore_dcp.MCoreLoadPlanner):

@@ -145,6 +145,8 @@ def resume_child(root: str, refs: str) -> None:
     reports how the restored state and one more step differ from the references."""
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
+    if sys.stdin.readline() != "go\n":
+        return  # the test is gone. The child starts early, so its import of verl overlaps the training child
     torch.set_num_threads(1)
     random.seed(99)
     np.random.seed(99)
@@ -160,9 +162,9 @@ def resume_child(root: str, refs: str) -> None:
     print(json.dumps({"latest": latest, "loaded": loaded, "stepped": stepped}), flush=True)
 
 
-def start(tmp_path: Path, timeout_s: float, *args: str) -> Child:
+def start(tmp_path: Path, timeout_s: float, *args: str, stdin: int | None = subprocess.DEVNULL) -> Child:
     return Child.spawn(["-c", CHILD.format(repo=str(REPO)), *args], tmp_path / f"{args[0]}.stderr", timeout_s,
-                       cwd=REPO, stdin=subprocess.DEVNULL)
+                       cwd=REPO, stdin=stdin)
 
 
 def read_until(child: Child, wanted: str) -> list[str]:
@@ -193,6 +195,8 @@ def test_sigkill_mid_save_resumes_the_last_committed_step_bit_for_bit_through_ve
 ) -> None:
     root, refs = tmp_path / "ckpt", tmp_path / "refs"
     refs.mkdir()
+    resumed = start(tmp_path, TRAIN_TIMEOUT_S + RESUME_TIMEOUT_S, "resume_child", str(root), str(refs),
+                    stdin=subprocess.PIPE)  # imports verl meanwhile; resumes only once told to go
     child = start(tmp_path, TRAIN_TIMEOUT_S, "train_child", str(root), str(refs), "3")
     assert read_until(child, "mid-write 3") == ["saved 1", "saved 2", "mid-write 3"]
     child.proc.send_signal(signal.SIGKILL)
@@ -204,7 +208,7 @@ def test_sigkill_mid_save_resumes_the_last_committed_step_bit_for_bit_through_ve
     assert store.read_tracker() == 2 and store.newest_committed([ROLE]) == 2
     assert store.validate(2, ROLE, deep=True) == []
 
-    resumed = start(tmp_path, RESUME_TIMEOUT_S, "resume_child", str(root), str(refs))
+    resumed.go()
     rc = resumed.proc.wait()
     assert resumed.proc.stdout is not None
     if rc != 0:

@@ -176,13 +176,23 @@ import sys
 from pathlib import Path
 from lifecycle import CheckpointError
 from tests.lifecycle.hostile import lifecycle_at, has_weights_of
-lc = lifecycle_at(Path(sys.argv[1]), on_damaged=sys.argv[2])
-try:
-    step = lc.resume()
-    print("RESUMED", step, has_weights_of(lc.parts.model, step))
-except CheckpointError as exc:
-    print("REFUSED", exc)
+for mode in sys.argv[2:]:  # one fresh lifecycle a mode, in the order given; one process spares an import of torch
+    print("MODE", mode, flush=True)
+    lc = lifecycle_at(Path(sys.argv[1]), on_damaged=mode)
+    try:
+        step = lc.resume()
+        print("RESUMED", step, has_weights_of(lc.parts.model, step))
+    except CheckpointError as exc:
+        print("REFUSED", exc)
 """
+
+
+def resume_unprivileged(root: Path, *modes: str) -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    """What a resume said in each of `modes`, one after the other in one unprivileged process."""
+    done = run_unprivileged(UNPRIVILEGED_RESUME, str(root), *modes)
+    said = [part.partition("\n")[2] for part in done.stdout.split("MODE ")[1:]]
+    assert len(said) == len(modes), done.stdout + done.stderr
+    return said, done
 
 
 @pytest.mark.parametrize("target", ["file", "folder", "manifest"])
@@ -193,12 +203,11 @@ def test_unreadable_files_and_folders_are_named_with_the_errno_text(tmp_path: Pa
             "manifest": folder(tmp_path) / MANIFEST}[target]
     path.chmod(0)
     try:
-        refused = run_unprivileged(UNPRIVILEGED_RESUME, str(tmp_path), "refuse")
-        assert "Traceback" not in refused.stderr, refused.stderr
-        assert "REFUSED" in refused.stdout and str(path) in refused.stdout
-        assert "Permission denied" in refused.stdout
-        falls_back = run_unprivileged(UNPRIVILEGED_RESUME, str(tmp_path), "fallback")
-        assert "RESUMED 1 True" in falls_back.stdout, falls_back.stdout + falls_back.stderr
+        (refused, falls_back), done = resume_unprivileged(tmp_path, "refuse", "fallback")
+        assert "Traceback" not in done.stderr, done.stderr
+        assert "REFUSED" in refused and str(path) in refused
+        assert "Permission denied" in refused
+        assert "RESUMED 1 True" in falls_back, done.stdout + done.stderr
         listing = run_unprivileged("import sys; from lifecycle.cli import main; sys.exit(main(sys.argv[1:]))",
                                    "verify", str(tmp_path))
         assert listing.returncode in (1, 2) and "Traceback" not in listing.stderr, listing.stderr
@@ -211,8 +220,8 @@ def test_an_unreadable_root_is_a_checkpoint_error_naming_it(tmp_path: Path) -> N
     saved_run(root)
     root.chmod(0)
     try:
-        result = run_unprivileged(UNPRIVILEGED_RESUME, str(root), "fallback")
-        assert "REFUSED" in result.stdout and str(root) in result.stdout and "Permission denied" in result.stdout
+        [said], _ = resume_unprivileged(root, "fallback")
+        assert "REFUSED" in said and str(root) in said and "Permission denied" in said
         listing = run_unprivileged("import sys; from lifecycle.cli import main; sys.exit(main(sys.argv[1:]))",
                                    "inspect", str(root))
         assert listing.returncode == 2 and "Permission denied" in listing.stderr and "Traceback" not in listing.stderr

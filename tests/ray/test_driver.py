@@ -1,8 +1,9 @@
 """The driver on a local Ray: workers really killed (SIGKILL of the actor's process), the run recovers.
 
-One Ray for the module; tiny Qwen2 models; a few steps each. Kills happen at exact points of
-the loop (a phase hook, or a recipe that makes a worker kill itself at a given moment), so
-nothing depends on timing.
+One Ray for the module; a few steps each, on tiny Qwen2 models in the first test and on the
+digits recipe's bigrams (`BigramRecipe`: no worker imports transformers) in the others. Kills
+happen at exact points of the loop (a phase hook, or a recipe that makes a worker kill itself
+at a given moment), so nothing depends on timing.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from lifecycle.ray.run_report import Overdue, RunSummary, render_summary
 from lifecycle.store import CheckpointStore
 from lifecycle.trace import read_events
 from lifecycle.types import Parts
-from tests.ray.recipe import DigitsRecipe
+from tests.ray.recipe import BigramRecipe, DigitsRecipe
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -116,7 +117,7 @@ def test_actor_killed_mid_run_finishes_every_step_resumed_from_the_last_complete
 
 
 @dataclass
-class Sabotaged(DigitsRecipe):
+class Sabotaged(BigramRecipe):
     """Patches code inside the process of `role` when it builds, to misbehave once (`marker`)."""
 
     marker: str = ""
@@ -222,7 +223,7 @@ def test_rollout_killed_mid_sync_is_replaced_and_synced_before_it_generates(tmp_
 
 
 @dataclass
-class StallsInTraining(DigitsRecipe):
+class StallsInTraining(BigramRecipe):
     """The actor's update of step `step` sleeps `stall_s`, as a hung collective would (in the first group only)."""
 
     step: int = 1
@@ -261,7 +262,7 @@ def test_a_worker_phase_past_its_budget_shows_in_the_driver_output_while_the_wor
 
 
 @dataclass
-class BadConfigInUpdate(DigitsRecipe):
+class BadConfigInUpdate(BigramRecipe):
     """The critic's update raises a ConfigError: no rebuilt group would get past it."""
 
     def update(self, role: str, parts: Parts, batch: Any, step: int) -> dict[str, float]:

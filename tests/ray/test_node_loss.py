@@ -30,18 +30,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from lifecycle.machine import DriverState
 from lifecycle.ray.driver import Driver, DriverConfig, DriverHooks
 from lifecycle.ray.run_report import Failure
 from lifecycle.store import CheckpointStore
 from lifecycle.types import Parts
-from tests.ray.recipe import DIGITS, PROMPT, RESPONSE, DigitsRecipe
+from tests.ray.recipe import BigramRecipe
 
 if TYPE_CHECKING:
     from ray._private.node import Node
@@ -51,7 +50,6 @@ ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.slow
 ROLES = ["actor", "critic"]
-VOCAB = 128
 HANG_GUARD_S = 240
 """The driver's run (about 20 s here); past it the test raises instead of stalling the whole pytest run."""
 START_GUARD_S = 120
@@ -65,41 +63,15 @@ for an actor that asks for some resource; one that asks for none (the driver's d
 goes to any node (ray-project/ray#25360 made hard affinity the exception, not soft)."""
 
 
-class Bigram(torch.nn.Module):
-    """Next-token logits from the current token alone, read as `.logits` like the tiny Qwen2's, so
-    the digits recipe trains it unchanged; it spares each worker process the import of transformers."""
-
-    def __init__(self, out: int) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, 16)
-        self.head = torch.nn.Linear(16, out)
-
-    def forward(self, ids: torch.Tensor) -> SimpleNamespace:
-        return SimpleNamespace(logits=self.head(self.embed(ids)))
-
-
 @dataclass
-class PlacedBigrams(DigitsRecipe):
+class PlacedBigrams(BigramRecipe):
     """The digits recipe on `Bigram`s; writes each worker process's Ray node id to `where/{pid}` as it builds."""
 
     where: str = ""
 
-    def model(self, role: str) -> torch.nn.Module:
-        torch.manual_seed(0)
-        return Bigram(1 if role == "critic" else VOCAB)
-
     def build(self, role: str) -> Parts:
         (Path(self.where) / str(os.getpid())).write_text(f"{role} {ray.get_runtime_context().get_node_id()}")
         return super().build(role)
-
-    def generate(self, model: Any, prompts: torch.Tensor, step: int) -> dict[str, Any]:
-        torch.manual_seed(step)
-        sequences = prompts
-        with torch.no_grad():
-            for _ in range(RESPONSE):
-                probs = torch.softmax(model(sequences[:, -1:]).logits[:, -1], -1)
-                sequences = torch.cat([sequences, torch.multinomial(probs, 1)], 1)
-        return {"sequences": sequences, "reward": torch.isin(sequences[:, PROMPT:], DIGITS).float().mean(1)}
 
 
 class LoseNodeAt(DriverHooks):

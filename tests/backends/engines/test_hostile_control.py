@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,20 +57,27 @@ def _dead_pid() -> int:
 def test_a_latest_key_that_is_no_sync_number_fails_the_receiver_at_once_naming_key_and_rendezvous(
         name: str, latest: bytes) -> None:
     """The receiver cannot tell which sync to join, so it cannot tell the sender either: the
-    sender (given a short timeout here) waits for it; the receiver (given TIMEOUT_S) must not."""
-    overwritten = threading.Event()
+    sender (given a short timeout here) waits for it; the receiver (given TIMEOUT_S) must not.
+    The sender holds its store open until the receiver's attempt has ended, and then runs out
+    of time at once: nothing here waits for a clock but the hang guards."""
+    overwritten, tried = threading.Event(), threading.Event()
 
     class BadLatest(StoreLink):
         def _open(self, rdv: Rendezvous) -> Any:
             control = super()._open(rdv)
             self.base.set("latest", latest)
             overwritten.set()
+            tried.wait(HANG_GUARD_S)
+            self.engine.deadline = min(self.engine.deadline, time.monotonic())
             return control
 
     class Late(CLASSES[name]):  # type: ignore[valid-type,misc]
         def init_process_group(self) -> None:
             overwritten.wait(HANG_GUARD_S)
-            super().init_process_group()
+            try:
+                super().init_process_group()
+            finally:
+                tried.set()
 
     sender = new_engine(name, timeout_s=1.5)
     sender._link = BadLatest(sender)  # type: ignore[attr-defined]
