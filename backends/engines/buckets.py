@@ -352,10 +352,10 @@ class Layout:
             if p.nbytes == meta.nbytes:
                 yield meta.name, view
                 continue
-            whole = self._whole_views().get(p.index)
-            if whole is not None:
+            joined = self._whole_views().get(p.index)
+            if joined is not None:  # one view of every piece: handed out at the last one, nothing copied
                 if p.start + p.nbytes == meta.nbytes:
-                    yield meta.name, whole
+                    yield meta.name, joined
                 continue
             whole = self._partial.get(p.index)
             if whole is None:

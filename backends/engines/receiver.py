@@ -228,14 +228,14 @@ class Receiver:
         clean); a sender that gave up first, or the deadline, make it `unheard`."""
         control = self.engine._control()
         try:
-            control.wait(["heard"], watch_closed=True)
+            control.wait(["heard"], watch_closed=True)  # a clean close drops `heard` with the sync's other keys
             return
         except EngineError as exc:
-            try:
-                if control.closed_clean():
-                    return
-            except EngineError:
-                pass
             reason = str(exc)
+        try:
+            if control.closed_clean():
+                return
+        except EngineError:
+            pass
         self.unheard = (f"{self.engine.name} engine: rank {self.rank} took weights v{self.version}, but the sender "
                         f"did not read its answer before it gave up ({reason}); the update counts as failed")
