@@ -1,9 +1,11 @@
 """The double-buffered bucket pipeline every transport engine shares (gloo, nccl, hccl, shm, cuda_ipc).
 
 The sender has two bucket slots: it packs bucket k into slot k % 2 while bucket k - 1 is on
-the wire, and waits for bucket k - 2's transfer before it overwrites that slot. Bucket k
-starts as soon as it is packed; its checksum is computed while it is on the wire (on a host
-by the engine's one checksum worker, see `buckets`) and sent after it as the control key
+the wire, and waits for bucket k - 2's transfer before it overwrites that slot (a shm flip
+sender writes each bucket to its own place in the weight set, so it waits for none until the
+last is written). Bucket k starts as soon as it is packed; its checksum is computed while it
+is on the wire (on a host by the engine's one checksum worker, see `buckets`) and sent after
+it as the control key
 `digest/{k}` (16 lowercase hex digits), as soon as it is ready and at the latest once bucket k + 1 has
 started. A receiver has buckets k and k + 1 posted; it checks bucket k's header as it lands,
 hashes it on its own worker while k + 1 arrives, and counts it verified only once its hash

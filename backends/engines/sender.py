@@ -21,28 +21,30 @@ if TYPE_CHECKING:
 
 
 def send_buckets(engine: BucketEngine, layout: Layout, tensors: Sequence[torch.Tensor], version: int) -> None:
-    """Every bucket, two in flight, each checksum sent after its bucket; returns once the last
-    transfer is done, and, however it ends, once no checksum reads a bucket any more.
+    """Every bucket, as many in flight as the sender has slots, each checksum sent after its
+    bucket; returns once the last transfer is done, and, however it ends, once no checksum
+    reads a bucket any more.
 
-    Bucket k waits for bucket k - 2's transfer (its slot) and for its checksum's being sent, so
-    digest k - 2 goes out at the latest before bucket k is packed; later digests go as soon as
-    they are ready."""
-    count = len(layout.plan.buckets)
-    in_flight: list[Any] = [None] * SLOTS
+    With two slots, bucket k waits for bucket k - 2's transfer (its slot) and for its checksum's
+    being sent, so digest k - 2 goes out at the latest before bucket k is packed; later digests
+    go as soon as they are ready. A sender with a slot per bucket (shm's flip: each bucket has
+    its own place in the weight set) waits for no receiver until the last bucket is written."""
+    count, window = len(layout.plan.buckets), max(SLOTS, len(engine.slots))
+    in_flight: list[Any] = [None] * window
     engine._in_flight = in_flight
     digests: dict[int, Future[int]] = {}
     try:
         for k in range(count):
-            if in_flight[k % SLOTS] is not None:
-                engine._wait(in_flight[k % SLOTS], f"bucket {k - SLOTS} of {count}")
-            _send_digests(engine, digests, upto=k - SLOTS)
-            in_flight[k % SLOTS], digest = engine._send_bucket(layout, k, tensors, version)
+            if in_flight[k % window] is not None:
+                engine._wait(in_flight[k % window], f"bucket {k - window} of {count}")
+            _send_digests(engine, digests, upto=k - window)
+            in_flight[k % window], digest = engine._send_bucket(layout, k, tensors, version)
             if digest is not None:
                 digests[k] = digest
             _send_digests(engine, digests, upto=k - 1)
         _send_digests(engine, digests, upto=count - 1)
-        for k in range(max(0, count - SLOTS), count):
-            engine._wait(in_flight[k % SLOTS], f"bucket {k} of {count}")
+        for k in range(max(0, count - window), count):
+            engine._wait(in_flight[k % window], f"bucket {k} of {count}")
     finally:
         settle(digests.values())
         engine._regions = [None] * SLOTS

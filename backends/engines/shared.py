@@ -16,6 +16,7 @@ expensive part), until the sender's `close()`.
 weight sets instead of two slots: each holds every bucket of the plan, back to back. Each
 receiver picks the set its rollout does not serve (`target/{rank}`, answered before it
 accepts the plan); the sender writes the sync straight into it, once all receivers agree,
+without waiting for any receiver's check before the last bucket (no slot is reused),
 and every receiver verifies each bucket in place and hands out views into the set once all
 have verified: one copy per byte end to end, and a bad bucket leaves the rollout on the set
 it serves. The set a rollout serves becomes writable again only once a later sync completed

@@ -492,3 +492,30 @@ def test_a_rollout_that_adopts_then_fails_serves_the_new_set_and_the_next_sync_l
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_shm_flip_sender_writes_every_bucket_before_it_waits_for_a_receiver() -> None:
+    """Each bucket has its own place in the set, so no slot is refilled: the sender runs ahead
+    of the receivers' checks instead of waiting for bucket k - 2 before writing bucket k."""
+    order: list[str] = []
+
+    class Recording(CLASSES["shm"]):  # type: ignore[valid-type,misc]
+        def _start_send(self, k: int, nbytes: int) -> Any:
+            order.append("write")
+            return super()._start_send(k, nbytes)
+
+        def _wait(self, handle: Any, what: str) -> None:
+            if self.topology.is_sender:
+                order.append("wait")
+            super()._wait(handle, what)
+
+    sender, receiver = Recording(apply="flip", bucket_bytes=4096, timeout_s=10), _flip(bucket_bytes=4096)
+    try:
+        run = sync_threads(sender, [receiver], mixed_tensors())
+        assert run.error is None and run.errors == [None]
+        count = run.figures["buckets"]  # type: ignore[index]
+        assert count > 4
+        assert order == ["write"] * count + ["wait"] * count
+    finally:
+        receiver.close()
+        sender.close()
