@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from backends.engines.plan import ALIGN, Piece, Plan, align
+from backends.engines.sources import PLAIN, Copied, Program, Source, wire_bytes
 
 HEADER_BYTES = 64
 SLOTS = 2
@@ -77,57 +77,6 @@ def join(sizes: Sequence[int], buffer: torch.Tensor) -> list[Slot]:
         slots.append(Slot(head, buffer[at:at + align(size)]))
         at += align(size)
     return slots
-
-
-Copied = list[tuple[int, int, int]]
-"""(offset in the data region, address, nbytes) of pieces `Layout.pack` copied byte for byte."""
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-"""Tensor types whose memory is their storage as it stands (no subclass with its own layout)."""
-
-
-def _wire_bytes(src: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a tensor's memory is its values as they travel in `dtype`: that dtype, and no lazy
-    conjugate or negation (whose memory holds other values)."""
-    return src.dtype == dtype and not (src.is_conj() or src.is_neg())
-
-
-Source = tuple[object, ...]
-"""What packing a bucket depends on about one sender tensor (`describe`)."""
-
-
-def describe(named: Sequence[tuple[str, torch.Tensor]], last: list[Source] | None = None) -> list[Source] | None:
-    """Per tensor, its name and all that packing its pieces depends on: type, device, dtype,
-    shape, strides, storage offset, address and lazy conjugate and negation bits. Equal lists
-    mean the same plan and the same copies from the same addresses. `last` itself when every
-    tensor is as `last` describes it (so a sender holds one description, not two); None when
-    a tensor is not plain strided memory (then nothing is reused). About 4 us a tensor."""
-    if any(type(t) not in _PLAIN or t.layout != torch.strided for _, t in named):
-        return None
-    out: list[Source] = []
-    same = last is not None and len(last) == len(named)
-    for i, (name, t) in enumerate(named):
-        entry = (name, t.device, t.dtype, t.shape, t.stride(), t.storage_offset(), t.data_ptr(), t.is_conj(),
-                 t.is_neg())
-        if same:
-            if entry == last[i]:  # type: ignore[index]
-                continue
-            same, out = False, list(last[:i])  # type: ignore[index]
-        out.append(entry)
-    return last if same else out
-
-
-@dataclass(frozen=True)
-class Program:
-    """What packing one bucket takes, worked out from its tensors (`Layout.program`)."""
-
-    region: tuple[int, int] | None
-    """(index of a tensor, byte offset in its storage) where the bucket's data region sits in
-    one storage as it would be packed (`Layout.region`); None when it must be packed."""
-    moves: Copied
-    """Host memmoves into a host slot: (offset in the data region, address, nbytes), adjacent
-    pieces merged into one run."""
-    rest: list[int]
-    """Positions in the bucket of the pieces torch copies (`Layout._copy_piece`)."""
 
 
 class Layout:
@@ -208,7 +157,7 @@ class Layout:
         rest: list[int] = []
         for i, p in enumerate(self.plan.buckets[k]):
             src = tensors[p.index]
-            if src.device.type == "cpu" and _wire_bytes(src, self.plan.tensors[p.index].dtype) and src.is_contiguous():
+            if src.device.type == "cpu" and wire_bytes(src, self.plan.tensors[p.index].dtype) and src.is_contiguous():
                 if not p.nbytes:
                     continue
                 address = src.data_ptr() + p.start
@@ -273,7 +222,7 @@ class Layout:
         for i, (p, dst) in enumerate(zip(self.plan.buckets[k], self.bucket_views(k))):
             src = tensors[p.index].detach()
             whole = p.nbytes == self.plan.tensors[p.index].nbytes
-            if src.device == data.device and _wire_bytes(src, dst.dtype) and whole:
+            if src.device == data.device and wire_bytes(src, dst.dtype) and whole:
                 batch[0].append(dst)
                 batch[1].append(src)
             else:
@@ -318,8 +267,8 @@ class Layout:
             if not p.nbytes:
                 continue  # an empty tensor has no bytes to place, wherever it lives
             src = tensors[p.index]
-            if (type(src) not in _PLAIN or src.layout != torch.strided or src.device != device
-                    or not _wire_bytes(src, self.plan.tensors[p.index].dtype) or not src.is_contiguous()):
+            if (type(src) not in PLAIN or src.layout != torch.strided or src.device != device
+                    or not wire_bytes(src, self.plan.tensors[p.index].dtype) or not src.is_contiguous()):
                 return None
             at = src.data_ptr() + p.start - p.offset
             if storage is None:
@@ -413,6 +362,6 @@ def read_header(head: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 __all__ = [
-    "HEADER_BYTES", "MAGIC", "SLOTS", "Copied", "Layout", "Program", "Slot", "Source", "as_slots", "describe", "join",
-    "joined_bytes", "read_header", "slot_bytes", "write_header",
+    "HEADER_BYTES", "MAGIC", "SLOTS", "Layout", "Slot", "as_slots", "join", "joined_bytes", "read_header", "slot_bytes",
+    "write_header",
 ]

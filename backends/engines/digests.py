@@ -18,7 +18,7 @@ from concurrent.futures import Future, wait
 import torch
 import xxhash
 
-from backends.engines.buckets import Copied
+from backends.engines.sources import Copied
 
 _MASK = (1 << 64) - 1
 _MEMORY = memoryview((ctypes.c_char * sys.maxsize).from_address(0))

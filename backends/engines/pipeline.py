@@ -44,7 +44,8 @@ import structlog
 import torch
 
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
-from backends.engines.buckets import SLOTS, Layout, Slot, Source, as_slots, describe, join, joined_bytes, slot_bytes
+from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined_bytes, slot_bytes
+from backends.engines.sources import Source, describe
 from backends.engines.digests import done, word_sum_digest, xxh3_digest
 from backends.engines.control import ControlStore, StoreLink, answer, read_answer
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan

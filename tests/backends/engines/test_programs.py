@@ -17,7 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.engines.buckets import HEADER_BYTES, Copied, Layout, Program, as_slots, describe
+from backends.engines.buckets import HEADER_BYTES, Layout, as_slots
+from backends.engines.sources import Copied, Program, describe
 from backends.engines.digests import xxh3_digest, xxh3_packed
 from backends.engines.flat import flatten_parameters
 from backends.engines.plan import TensorMeta, align, make_plan
