@@ -28,6 +28,7 @@ class GroupEngine(BucketEngine):
     """A `BucketEngine` over a process group that a subclass builds for its device."""
 
     sends_regions = True
+    lands_in_place = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from backends.engines.base import Rendezvous, Topology, TransportError
+from lifecycle.errors import EngineError
 
 if TYPE_CHECKING:
     from backends.engines.base import CheckpointEngine
@@ -104,6 +105,20 @@ class ControlStore:
             return [bytes(value) for value in self.store.multi_get(keys)]
         except _STORE_ERRORS as exc:
             raise self._lost(f"reading {_listed(keys)}", exc) from exc
+
+    def await_answers(self, receivers: range, key: str, what: str, *, acknowledge: bool = False) -> None:
+        """The sender: wait for every receiver's `{key}/{rank}`; an `EngineError` naming each that
+        said no. `acknowledge`: once every answer is read, say so (`heard`), which a receiver that
+        holds its answer waits for (`Receiver.finish`)."""
+        keys = [f"{key}/{rank}" for rank in receivers]
+        answers = self.get_many(keys)
+        if acknowledge:
+            self.set("heard", b"1")
+        problems = [f"rank {rank}: {error}" for rank, raw in zip(receivers, answers)
+                    if (error := read_answer(raw)) is not None]
+        if problems:
+            raise EngineError(f"{self.engine.name} engine: {len(problems)} of {len(keys)} receiver(s) {what}: "
+                              + "; ".join(problems))
 
     def _lost(self, what: str, exc: BaseException) -> TransportError:
         return TransportError(f"{self.engine.name} engine: lost the rendezvous of sync {self.number} while "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from collections.abc import Iterable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 import xxhash
@@ -45,6 +45,33 @@ def xxh3_packed(data: torch.Tensor, copied: Copied) -> int:
     if data.numel() > at:
         state.update(_MEMORY[base + at:base + data.numel()])
     return state.intdigest()
+
+
+class Checksums:
+    """An engine's one checksum worker: a thread (xxh3 releases the GIL while it hashes), started
+    on first use and kept from one bucket and one sync to the next, until `close`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+
+    def worker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-checksum")
+        return self._pool
+
+    def later(self, data: torch.Tensor) -> Future[int]:
+        """A receiver's checksum of a bucket's data region under way: xxh3 on the worker on a host,
+        so the caller goes on receiving; a word sum at once on a device (no copy to the host),
+        where it runs on the stream anyway."""
+        if data.device.type == "cpu":
+            return self.worker().submit(xxh3_digest, data)
+        return done(word_sum_digest(data))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def done(digest: int) -> Future[int]:
@@ -92,4 +119,4 @@ def fold(sums: torch.Tensor) -> int:
     return ((a * 0x9E37_79B9_7F4A_7C15) & _MASK) ^ b
 
 
-__all__ = ["done", "fold", "settle", "word_sum_digest", "word_sums", "xxh3_digest", "xxh3_packed"]
+__all__ = ["Checksums", "done", "fold", "settle", "word_sum_digest", "word_sums", "xxh3_digest", "xxh3_packed"]

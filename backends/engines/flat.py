@@ -5,7 +5,9 @@ a model's parameters sit in one storage, each at an `ALIGN`-aligned offset (the 
 alignment), a slice of that storage could be a bucket's data region as it stands.
 `flatten_parameters` makes that layout once, before training; `contiguous_layout` finds one
 already there (made here, built by hand, or Megatron DDP's param buffers) by storage
-arithmetic, without copying a byte. The engines still pack from such a storage today.
+arithmetic, without copying a byte. The group engines send a bucket of such a storage as it
+stands (`buckets.Layout.region`), and a streamed receiver lands one straight in the rollout's
+(`inplace`).
 
 Flattening rehomes each parameter's `.data` and nothing else: every `nn.Parameter` stays the
 same object, so `named_parameters()`, optimizers built before or after, tied weights and

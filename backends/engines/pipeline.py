@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import structlog
@@ -46,8 +46,10 @@ import torch
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
 from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined_bytes, slot_bytes
 from backends.engines.sources import Source, describe
-from backends.engines.digests import done, word_sum_digest, xxh3_digest
-from backends.engines.control import ControlStore, StoreLink, answer, read_answer
+from backends.engines.digests import Checksums
+from backends.engines.flat import Named
+from backends.engines.inplace import landing_slots
+from backends.engines.control import ControlStore, StoreLink, answer
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
 from backends.engines.sender import send_bucket, send_buckets
@@ -66,6 +68,9 @@ class BucketEngine(CheckpointEngine):
     """Send a bucket whose pieces already sit in one storage straight from there, unpacked
     (`Layout.region`): only for a data plane that sends header and data apart (group engines);
     shm and cuda_ipc hand the receiver the slot itself, so they always pack."""
+    lands_in_place: bool = False
+    """Whether a streamed receive can land each bucket in the rollout's own storage
+    (`receive_weights(into=...)`, `inplace`): only an engine that receives into slots of its own."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -78,8 +83,8 @@ class BucketEngine(CheckpointEngine):
         self._layout: Layout | None = None
         self._receiver: Receiver | None = None
         self._prepared = False
-        self._hashing: ThreadPoolExecutor | None = None
-        """The one worker that checksums the buckets this engine sends or receives; started on first use."""
+        self.checksums = Checksums(self.name)
+        """The one worker that checksums the buckets this engine sends or receives."""
         self._regions: list[torch.Tensor | None] = [None] * SLOTS
         """The sender's data region of the bucket in each slot, None where it was packed into the slot."""
         self._flip = WeightSets()
@@ -88,6 +93,10 @@ class BucketEngine(CheckpointEngine):
         """The current send's phase timings (`SyncStats.phases`)."""
         self._described: tuple[list[Source] | None, torch.dtype | None, list[TensorMeta]] = (None, None, [])
         """The sender's last tensors as `describe` found them, the rollout dtype then, and their plan metadata."""
+        self._into: Named | None = None
+        """This receive's `into=`: the rollout's tensors its buckets land in; None lands them in slots of its own."""
+        self._landed = False
+        """Whether `slots` are ranges of a rollout's storage (`into`), which no later receive may land in."""
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 
@@ -143,25 +152,6 @@ class BucketEngine(CheckpointEngine):
     def _release(self, k: int) -> None:
         """A receiver is done with bucket k: its slot may be refilled."""
 
-    def _digest(self, data: torch.Tensor) -> int:
-        """The checksum a receiver computes over a bucket's data region: xxh3 on the host, a
-        word sum on a device (`word_sum_digest`: no copy to the host)."""
-        return xxh3_digest(data) if data.device.type == "cpu" else word_sum_digest(data)
-
-    def _digest_later(self, data: torch.Tensor) -> Future[int]:
-        """`_digest(data)` under way: on the checksum worker on a host, so the caller goes on
-        receiving; at once on a device, where the word sum runs anyway."""
-        if data.device.type == "cpu":
-            return self._worker().submit(self._digest, data)
-        return done(self._digest(data))
-
-    def _worker(self) -> ThreadPoolExecutor:
-        """The engine's checksum worker: one thread (xxh3 releases the GIL while it hashes),
-        from one bucket and one sync to the next, until `close()`."""
-        if self._hashing is None:
-            self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-checksum")
-        return self._hashing
-
     # -- the protocol -------------------------------------------------------------------------
 
     def prepare(self) -> dict[str, Any]:
@@ -186,21 +176,28 @@ class BucketEngine(CheckpointEngine):
         layout = self._send_layout(self._metas(pairs, sources))
         control.set("version", str(version))
         control.set("plan", layout.raw)
-        self._await_answers("accepted", f"refused the plan of weights v{version}")
+        control.await_answers(topology.receivers, "accepted", f"refused the plan of weights v{version}")
         layout = self._bind(layout)
         layout.bind_sources(sources)
         phases["plan"] = (sent := time.perf_counter()) - start
         send_buckets(self, layout, tensors, version)
         phases["wire"] = (landed := time.perf_counter()) - sent - phases["pack"]
-        self._await_answers("status", f"rejected weights v{version}", acknowledge=True)
+        control.await_answers(topology.receivers, "status", f"rejected weights v{version}", acknowledge=True)
         phases["apply"] = time.perf_counter() - landed
         self._clean = True
         return SyncStats(backend=self.name, version=version, bytes=layout.plan.total_bytes,
                          buckets=len(layout.plan.buckets), tensors=len(pairs), receivers=len(topology.receivers),
                          seconds=time.perf_counter() - start, phases=phases)
 
-    def receive_weights(self, version: int | None = None, *, expected: Collection[str] | None = None) -> Incoming:
+    def receive_weights(self, version: int | None = None, *, expected: Collection[str] | None = None,
+                        into: Named | None = None) -> Incoming:
+        """`into`: the rollout's tensors (a module, pairs or a state dict), when they sit in one
+        storage laid out as the sender's plan lays out its buckets: a streamed receive of an
+        engine that `lands_in_place` receives every bucket straight there (`inplace`), and hands
+        out views of that storage. A plan they cannot take is refused, and the sender told."""
         topology = self._topology(sender=False)
+        self._forget_landing()
+        self._into = into
         sent, accepted, staging = self._accept(topology.rank, version, expected)
         layout = self._bind(accepted)
         incoming = Incoming(sent)
@@ -222,6 +219,7 @@ class BucketEngine(CheckpointEngine):
             if self._receiver is not None:
                 self._receiver.inbox.pending.clear()
             self._receiver = None
+            self._forget_landing()
             self._in_flight.clear()
             self._disconnect()
             if self.control is not None and topology is not None:
@@ -239,9 +237,7 @@ class BucketEngine(CheckpointEngine):
         self.finalize()
         self._free_buckets()
         self._flip.forget()
-        if self._hashing is not None:
-            self._hashing.shutdown(wait=True)
-            self._hashing = None
+        self.checksums.close()
         self._link.drop()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -250,6 +246,12 @@ class BucketEngine(CheckpointEngine):
         """Give the buckets back; a flip receiver's weight sets stay (`close()` gives them back)."""
         self.slots = []
         self._layout = None
+
+    def _forget_landing(self) -> None:
+        """Drop slots that are ranges of a rollout's storage (`into`): no later receive lands there."""
+        self._into = None
+        if self._landed:
+            self.slots, self._layout, self._landed = [], None, False
 
     def _send_layout(self, metas: list[TensorMeta]) -> Layout:
         """The sender's buckets take its own `bucket_bytes`; a receiver's, the plan's (`_receive_layout`)."""
@@ -295,7 +297,7 @@ class BucketEngine(CheckpointEngine):
     def _accept(self, rank: int, version: int | None,
                 expected: Collection[str] | None) -> tuple[int, Layout, Layout]:
         """Take the sender's version and plan, or refuse them, and answer `accepted/{rank}` either
-        way before any bucket moves: the sender waits for every answer (`_await_answers`).
+        way before any bucket moves: the sender waits for every answer (`ControlStore.await_answers`).
 
         Returns the version, the layout, and where an atomic receive stages (`_staging`)."""
         control, sent = self._control(), None
@@ -304,6 +306,10 @@ class BucketEngine(CheckpointEngine):
             sent = sent_version(raw_version)
             if version is not None and version != sent:
                 raise PlanRefused(f"expected weights v{version}, the sender sends v{sent}")
+            if self._into is not None and not (self.lands_in_place and self.apply == "streamed"):
+                raise PlanRefused(f"into= lands every bucket in the rollout's weights as it arrives: that takes "
+                                  f"engine.apply 'streamed' (this receiver: {self.apply!r}) on an engine that "
+                                  f"receives into buffers of its own (gloo, nccl, hccl; this is {self.name})")
             layout = self._receive_layout(raw_plan, expected)
             staging = self._staging(layout) if self.apply == "atomic" else layout
         except TransportError:
@@ -323,6 +329,9 @@ class BucketEngine(CheckpointEngine):
         layout = self._layout
         known = layout.plan if layout is not None and layout.raw == raw else self._flip.plan_of(raw)
         plan = self._receivable(known or parse_plan(raw), expected)
+        if self._into is not None:  # streamed, straight into the rollout's storage (checked in `_accept`)
+            self.slots, self._layout, self._landed = landing_slots(plan, self._into, self.device), None, True
+            return Layout(plan, self.slots, raw=raw)
         if self.apply == "flip":  # the set the rollout does not serve, of two this receiver holds
             layout = private_sets(self._flip, plan, raw, lambda size: self._buffers([size], self.device)[0])
             self.slots = layout.slots
@@ -364,21 +373,6 @@ class BucketEngine(CheckpointEngine):
 
     def _send_digest(self, k: int, digest: int) -> None:
         self._control().set(f"digest/{k}", f"{digest:016x}")
-
-    def _await_answers(self, key: str, what: str, *, acknowledge: bool = False) -> None:
-        """Wait for every receiver's `{key}/{rank}`; an `EngineError` naming each that said no.
-        `acknowledge`: once every answer is read, say so (`heard`), which a receiver that holds
-        its answer waits for (`Receiver.finish`)."""
-        receivers, control = self._topology(sender=True).receivers, self._control()
-        keys = [f"{key}/{rank}" for rank in receivers]
-        answers = control.get_many(keys)
-        if acknowledge:
-            control.set("heard", b"1")
-        problems = [f"rank {rank}: {error}" for rank, raw in zip(receivers, answers)
-                    if (error := read_answer(raw)) is not None]
-        if problems:
-            raise EngineError(f"{self.name} engine: {len(problems)} of {len(keys)} receiver(s) {what}: "
-                              + "; ".join(problems))
 
     def _topology(self, sender: bool | None = None) -> Topology:
         topology = self.topology

@@ -168,7 +168,7 @@ class Receiver:
         """Bucket k is in `slot`: check its header now, and start its checksum when this receiver verifies."""
         self._header(k, slot)
         if self.engine.verify:
-            self.checks[k] = self.engine._digest_later(slot.data[:self.plan.used(k)])
+            self.checks[k] = self.engine.checksums.later(slot.data[:self.plan.used(k)])
 
     def _header(self, k: int, slot: Slot) -> None:
         magic, version, index, used = read_header(slot.head)

@@ -90,7 +90,7 @@ def send_bucket(engine: BucketEngine, layout: Layout, k: int, tensors: Sequence[
     engine._phases["pack"] += time.perf_counter() - packing
     handle = engine._start_send(k, HEADER_BYTES + used)
     if copied is not None:
-        return handle, engine._worker().submit(_hash_sent, engine, data, copied)
+        return handle, engine.checksums.worker().submit(_hash_sent, engine, data, copied)
     return handle, None if sums is None else done(fold(sums))
 
 

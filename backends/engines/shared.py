@@ -168,7 +168,7 @@ class SharedSlotEngine(BucketEngine):
             if isinstance(target, str):
                 raise EngineError(f"{self.name} engine: {target}")
             control.set("target", str(target))
-            self._await_answers("bound", f"refused to take weight set {target}")
+            control.await_answers(topology.receivers, "bound", f"refused to take weight set {target}")
         else:
             raw = control.get("target", watch_closed=True)
             target = int(raw) if raw in (b"0", b"1") else None

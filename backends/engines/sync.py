@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from backends.engines.base import CheckpointEngine, Rendezvous, SyncStats
+from backends.engines.flat import Named
 from backends.engines.options import EngineSource
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import EngineError
@@ -85,6 +86,7 @@ def receive_into(
     rank: int = 1,
     version: int | None = None,
     expected: Collection[str] | None = None,
+    into: Named | None = None,
     profile_dir: str | os.PathLike[str] | None = None,
 ) -> int:
     """The rollout side of one sync: pause, receive and verify, load, take the version, resume.
@@ -94,28 +96,35 @@ def receive_into(
     `expected`: the names of the weights the rollout must get; a sync that leaves any out is
     refused before anything is applied, and the sender is told (the engine's
     `receive_weights` must take `expected`, as every engine of this package does).
+    `into`: the rollout's own tensors, flattened as the trainer's are (`flatten_parameters`):
+    a streamed gloo / nccl / hccl receive lands every bucket straight in their storage
+    (`inplace`), and `load_weights` is handed views of that storage, already holding the
+    values. A failed sync then leaves the weights partly overwritten (the rollout is stale).
     """
     if isinstance(expected, str):
         raise EngineError(f"{engine.name} engine: expected= takes a collection of weight names, not the one "
                           f"string {expected!r}")
-    if expected is not None and not _takes_expected(type(engine)):
+    if expected is not None and not _takes(type(engine), "expected"):
         raise EngineError(f"{engine.name} engine: its receive_weights takes no `expected`, so it cannot refuse a "
                           "sync that leaves weights out; call receive_into without expected=")
+    if into is not None and not _takes(type(engine), "into"):
+        raise EngineError(f"{engine.name} engine: its receive_weights takes no `into`, so it cannot land a sync in "
+                          "the rollout's own storage; call receive_into without into=")
     with updating(rollout) as landed:
         with profiled(profile_dir, f"weight_sync_{engine.name}_receive_rank{rank}"):
             if engine.capabilities.in_process:
-                received = _load(engine, rollout, version, expected)
+                received = _load(engine, rollout, version, expected, into)
             else:
                 with engine.session(rendezvous, rank):
-                    received = _load(engine, rollout, version, expected)
+                    received = _load(engine, rollout, version, expected, into)
         landed(received)
     return received
 
 
 def _load(engine: CheckpointEngine, rollout: RolloutTarget, version: int | None,
-          expected: Collection[str] | None) -> int:
-    incoming = (engine.receive_weights(version) if expected is None else engine.receive_weights(
-        version, expected=expected)).hold()
+          expected: Collection[str] | None, into: Named | None) -> int:
+    options = {key: value for key, value in (("expected", expected), ("into", into)) if value is not None}
+    incoming = engine.receive_weights(version, **options).hold()
     try:
         rollout.load_weights(incoming)
     except BaseException as exc:
@@ -129,10 +138,11 @@ def _load(engine: CheckpointEngine, rollout: RolloutTarget, version: int | None,
 
 
 @functools.cache
-def _takes_expected(engine_class: type[CheckpointEngine]) -> bool:
-    """Whether the class's `receive_weights` takes `expected` (the base class declares it; an
-    engine written before it may not). Looked up once per class, not on every receive."""
-    return "expected" in inspect.signature(engine_class.receive_weights).parameters
+def _takes(engine_class: type[CheckpointEngine], option: str) -> bool:
+    """Whether the class's `receive_weights` takes `option` (the base class declares `expected`,
+    an engine written before it may not; `into` only engines that land in place). Looked up
+    once per class, not on every receive."""
+    return option in inspect.signature(engine_class.receive_weights).parameters
 
 
 @contextmanager

@@ -113,9 +113,9 @@ def new_engine(name: str, **kwargs: Any) -> CheckpointEngine:
 def sync_threads(sender: CheckpointEngine | WeightSync, receivers: list[CheckpointEngine],
                  named: list[tuple[str, torch.Tensor]], rollouts: list[Any] | None = None, *,
                  version: int = 1, port: int | None = None, deadline_s: float = TIMEOUT_S + 5,
-                 expected: Collection[str] | None = None) -> Run:
+                 expected: Collection[str] | None = None, into: list[Any] | None = None) -> Run:
     """One sync: `sender` on this thread, receiver i (rank i + 1) on a thread of its own;
-    `expected` goes to every receiver's `receive_into`."""
+    `expected` goes to every receiver's `receive_into`, `into[i]` to receiver i's."""
     start = time.monotonic()
     rdv = Rendezvous("127.0.0.1", port or free_port(), receivers=len(receivers))
     rollouts = rollouts if rollouts is not None else [MemoryRollout() for _ in receivers]
@@ -123,7 +123,8 @@ def sync_threads(sender: CheckpointEngine | WeightSync, receivers: list[Checkpoi
 
     def receive(i: int) -> None:
         try:
-            run.versions[i] = receive_into(receivers[i], rollouts[i], rdv, rank=i + 1, expected=expected)
+            run.versions[i] = receive_into(receivers[i], rollouts[i], rdv, rank=i + 1, expected=expected,
+                                           into=None if into is None else into[i])
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             run.errors[i] = exc
 

@@ -194,10 +194,10 @@ def test_the_sender_checksums_every_bucket_on_one_worker_until_close() -> None:
     workers = []
     for version in (1, 2):
         assert sync_threads(sender, [new_engine("gloo")], mixed_tensors(version), version=version, port=port).error is None
-        workers.append(sender._hashing)  # type: ignore[attr-defined]
+        workers.append(sender.checksums._pool)  # type: ignore[attr-defined]
     assert workers[0] is not None and workers[0] is workers[1]
     sender.close()
-    assert sender._hashing is None  # type: ignore[attr-defined]
+    assert sender.checksums._pool is None  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="shutdown"):
         workers[0].submit(int)
 

@@ -21,6 +21,7 @@ import torch
 
 from backends.engines import CheckpointEngine, Incoming, receive_into
 from backends.engines.buckets import HEADER_BYTES
+from backends.engines.digests import Checksums
 from backends.engines.gloo import GlooEngine
 from backends.engines.plan import align
 from backends.engines.shm import _PREFIX, ShmEngine
@@ -133,13 +134,15 @@ def test_one_refusal_fails_the_sync_for_the_receiver_that_accepted_too_and_it_ap
 def test_the_receivers_verify_decides_whether_it_checks_checksums(name: str) -> None:
     checked: dict[bool, int] = {True: 0, False: 0}
 
-    class Counting(CLASSES[name]):  # type: ignore[valid-type,misc]
-        def _digest(self, data: torch.Tensor) -> int:
-            checked[self.verify] += 1
-            return super()._digest(data)
+    class Counting(Checksums):
+        def later(self, data: torch.Tensor) -> Any:
+            checked[self.name == "verifying"] += 1
+            return super().later(data)
 
     rollouts = [MemoryRollout(), MemoryRollout()]
-    receivers = [Counting(bucket_bytes=4096, timeout_s=TIMEOUT_S, verify=v) for v in (False, True)]
+    receivers = [new_engine(name, timeout_s=TIMEOUT_S, verify=v) for v in (False, True)]
+    for receiver, label in zip(receivers, ("unverified", "verifying")):
+        receiver.checksums = Counting(label)
     run = sync_threads(new_engine(name, timeout_s=TIMEOUT_S), receivers, mixed_tensors(), rollouts)
     assert run.error is None and run.errors == [None, None]
     assert checked[False] == 0 and checked[True] == run.figures["buckets"]  # type: ignore[index]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from backends.engines import TransportError
+from backends.engines import digests
 from backends.engines import sender as sender_module
 from backends.engines.control import ControlStore
 from backends.engines.receiver import Receiver
@@ -133,15 +134,15 @@ def test_an_atomic_receiver_hashes_on_its_worker_lets_the_next_bucket_land_and_h
     events: Events = []
     _recording_receivers(events, monkeypatch)
     hashed_on: list[str] = []
+    real = digests.xxh3_digest
 
-    class Counting(CLASSES[name]):  # type: ignore[valid-type,misc]
-        def _digest(self, data: torch.Tensor) -> int:
-            hashed_on.append(threading.current_thread().name)
-            return super()._digest(data)
+    def counting(data: torch.Tensor) -> int:  # the receiver's hash (the sender's is xxh3_packed)
+        hashed_on.append(threading.current_thread().name)
+        return real(data)
 
+    monkeypatch.setattr(digests, "xxh3_digest", counting)
     rollout = _Watching(events)
-    run = sync_threads(new_engine(name), [Counting(bucket_bytes=4096, timeout_s=TIMEOUT_S)], mixed_tensors(),
-                       [rollout])
+    run = sync_threads(new_engine(name), [new_engine(name, timeout_s=TIMEOUT_S)], mixed_tensors(), [rollout])
     assert run.error is None and run.errors == [None]
     count = run.figures["buckets"]  # type: ignore[index]
     assert hashed_on == [f"{name}-checksum_0"] * count
@@ -226,13 +227,11 @@ def test_without_checksums_neither_side_hashes_nor_sends_a_digest(name: str, mon
         def _send_digest(self, k: int, digest: int) -> None:
             sent.append(k)
 
-        def _digest(self, data: torch.Tensor) -> int:
-            raise AssertionError("the receiver hashed")
-
+    monkeypatch.setattr(digests, "xxh3_digest", lambda data: hashed.append(1))
     sender, receiver = Quiet(bucket_bytes=4096, verify=False), Quiet(bucket_bytes=4096, verify=False)
     run = sync_threads(sender, [receiver], mixed_tensors())
     assert run.error is None and run.errors == [None] and sent == [] and hashed == []
-    assert sender._hashing is None and receiver._hashing is None  # type: ignore[attr-defined]
+    assert sender.checksums._pool is None and receiver.checksums._pool is None  # no worker started
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
@@ -250,7 +249,7 @@ def test_a_receiver_that_does_not_verify_reads_no_digest_of_a_sender_that_sends_
     run = sync_threads(new_engine(name), [receiver], mixed_tensors())
     assert run.error is None and run.errors == [None]
     assert "plan" in read and not any(key.startswith("digest/") for key in read)
-    assert receiver._hashing is None  # type: ignore[attr-defined]
+    assert receiver.checksums._pool is None  # no worker started
 
 
 def test_a_sender_failing_after_a_bucket_left_fails_a_receiver_waiting_for_its_digest_quickly() -> None:
@@ -267,19 +266,18 @@ def test_a_sender_failing_after_a_bucket_left_fails_a_receiver_waiting_for_its_d
     assert_kept_old_weights(rollout)
 
 
-def test_an_atomic_shm_receiver_hashes_its_private_copy_never_the_shared_slot() -> None:
+def test_an_atomic_shm_receiver_hashes_its_private_copy_never_the_shared_slot(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sender refills a shared slot once the receiver said it is done with it, so a hash of
     the slot taken after that would check bytes of another bucket."""
-    from backends.engines.shm import ShmEngine
-
     hashed: list[int] = []
+    real = digests.xxh3_digest
 
-    class Spying(ShmEngine):
-        def _digest_later(self, data: torch.Tensor) -> Any:
-            hashed.append(data.data_ptr())
-            return super()._digest_later(data)
+    def spying(data: torch.Tensor) -> int:  # the receiver's hash (the sender's is xxh3_packed)
+        hashed.append(data.data_ptr())
+        return real(data)
 
-    receiver = Spying(bucket_bytes=4096, timeout_s=TIMEOUT_S)
+    monkeypatch.setattr(digests, "xxh3_digest", spying)
+    receiver = new_engine("shm", timeout_s=TIMEOUT_S)
     run = sync_threads(new_engine("shm"), [receiver], mixed_tensors())
     assert run.error is None and run.errors == [None]
     private = [(s.data.data_ptr(), s.data.data_ptr() + s.data.numel()) for s in receiver._staged.slots]  # type: ignore[union-attr]

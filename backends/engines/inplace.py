@@ -1,0 +1,100 @@
+"""Landing a sync straight into the rollout's own weights: `receive_weights(..., into=...)`.
+
+When the rollout's parameters sit in one storage laid out as the sender's plan lays out its
+buckets (both sides flattened by `flat.flatten_parameters` from the same model), bucket k's
+data region is a byte range of that storage, so an engine that receives into slots of its own
+(the group engines) receives it there: no receive buffer, no copy into the model. The bytes
+land before their bucket is verified, in the weights the rollout serves, so only a streamed
+receive may do this: a bucket that fails its checksum, or a sync that fails half-way, leaves
+the weights partly overwritten, and `receive_into` leaves the rollout stale until a sync
+completes.
+
+The plan decides where the sender's bytes land, so none of it is trusted. Every tensor it
+names must be one of `into`, of the plan's dtype and shape; every bucket's pieces must sit
+at their offsets from one `ALIGN`-aligned base in one storage, each piece at the aligned end
+of the one before (as `plan.make_plan` lays them out, so the bytes between pieces are the
+alignment padding flattening leaves unused); bucket ranges must not overlap, and no other
+tensor of `into` may share a byte with one. A plan that fails any of this is refused before a
+byte moves, with the reason, and the sender is told.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from backends.engines.buckets import HEADER_BYTES, Layout, Slot
+from backends.engines.flat import Named, _pairs
+from backends.engines.plan import Plan, PlanRefused, align
+
+
+def landing_slots(plan: Plan, into: Named, device: torch.device) -> list[Slot]:
+    """One slot per bucket of `plan`: a header of its own, and the byte range of the rollout's
+    storage its data lands in; `PlanRefused` says why the rollout's tensors cannot take it."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in _pairs(into):
+        if not isinstance(tensor, torch.Tensor):
+            raise PlanRefused(f"into= holds {name!r} as a {type(tensor).__name__}, not a tensor")
+        tensors[name] = tensor.detach()
+    ordered = []
+    for meta in plan.tensors:
+        tensor = tensors.get(meta.name)
+        if tensor is None:
+            raise PlanRefused(f"it sends {meta.name!r}, which the rollout's tensors (into=) do not hold")
+        if tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape:
+            raise PlanRefused(f"it sends {meta.name!r} as {meta.dtype} {list(meta.shape)}; the rollout holds "
+                              f"{tensor.dtype} {list(tensor.shape)}")
+        ordered.append(tensor)
+    heads = torch.zeros(HEADER_BYTES * len(plan.buckets), dtype=torch.uint8, device=device)
+    probe = Layout(plan, [Slot(heads[:HEADER_BYTES], heads[:0])])
+    slots = []
+    for k, bucket in enumerate(plan.buckets):
+        at = 0
+        for j, piece in enumerate(bucket):
+            if piece.offset != align(at):
+                raise PlanRefused(f"bucket {k} piece {j} sits at offset {piece.offset}, not at {align(at)} where the "
+                                  "piece before it ends: bytes between pieces would land on memory no tensor of "
+                                  "the plan owns")
+            at = piece.offset + piece.nbytes
+        head = heads[k * HEADER_BYTES:(k + 1) * HEADER_BYTES]
+        region = probe.region(k, ordered) if plan.used(k) else heads[:0]
+        if region is None:
+            raise PlanRefused(f"bucket {k} does not lie in one storage of the rollout at the plan's offsets "
+                              f"(it holds {', '.join(probe.names(k)[:3])}); flatten both sides' models with "
+                              "flatten_parameters, from the same model, or receive without into=")
+        slots.append(Slot(head, region))
+    _check_apart(slots, plan, tensors)
+    return slots
+
+
+def _check_apart(slots: list[Slot], plan: Plan, tensors: dict[str, torch.Tensor]) -> None:
+    """No two buckets' ranges overlap, and no tensor of the rollout's that the plan does not
+    send shares a byte with one."""
+    ranges = sorted((slot.data.data_ptr(), slot.data.data_ptr() + slot.data.numel(), k)
+                    for k, slot in enumerate(slots) if slot.data.numel())
+    for (_, end, k), (start, _, later) in zip(ranges, ranges[1:]):
+        if start < end:
+            raise PlanRefused(f"buckets {k} and {later} would land on the same bytes of the rollout's storage")
+    starts = [start for start, _, _ in ranges]
+    sent = {meta.name for meta in plan.tensors}
+    for name, tensor in tensors.items():
+        if name in sent or not tensor.numel():
+            continue
+        low, high = _span(tensor)
+        i = bisect.bisect_right(starts, high - 1) - 1
+        if i >= 0 and ranges[i][1] > low:
+            raise PlanRefused(f"bucket {ranges[i][2]} would land on {name!r}, a tensor of the rollout's the plan "
+                              "does not send")
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses [low, high) of every byte a (strided) tensor reads."""
+    low = high = tensor.data_ptr()
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        reach = (size - 1) * stride * tensor.element_size()
+        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
+    return low, high + tensor.element_size()
+
+
+__all__ = ["landing_slots"]

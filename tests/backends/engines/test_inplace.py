@@ -1,0 +1,177 @@
+"""`receive_weights(into=...)`: a streamed group-engine receive lands every bucket straight in
+the rollout's own flattened storage; a plan that storage cannot take is refused before a byte
+moves, and the sender is told."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from backends.engines import flatten_parameters
+from backends.engines.inplace import landing_slots
+from backends.engines.plan import Piece, Plan, PlanRefused, TensorMeta, make_plan
+from lifecycle.errors import EngineError
+from tests.backends.engines.kit import (
+    CLASSES, ModelRollout, greedy, mixed_tensors, new_engine, sync_threads, tiny_qwen2, train_step,
+)
+
+BUCKET = 1 << 16
+
+
+class _Noting(ModelRollout):
+    """A rollout that notes where every tensor it is handed lies, then copies it by name."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.handed: list[tuple[int, int]] = []
+
+    def load_weights(self, named_tensors: Any) -> None:
+        def noted() -> Any:
+            for name, tensor in named_tensors:
+                self.handed.append((tensor.data_ptr(), tensor.nbytes))
+                yield name, tensor
+        super().load_weights(noted())
+
+
+def _flat_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    trainer, rollout = tiny_qwen2(0), tiny_qwen2(1)
+    flatten_parameters(trainer)
+    flatten_parameters(rollout)
+    train_step(trainer, 1)
+    return trainer, rollout
+
+
+def _storage(model: torch.nn.Module) -> tuple[int, int]:
+    storage = next(model.parameters()).untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def test_a_flattened_rollout_takes_every_bucket_in_its_own_storage_bit_identical_to_a_copying_one() -> None:
+    trainer, model = _flat_pair()
+    landing, copying = _Noting(model), ModelRollout(tiny_qwen2(1))
+    where = {name: param.data_ptr() for name, param in model.named_parameters()}
+    sender = new_engine("gloo", bucket_bytes=BUCKET)
+    receivers = [new_engine("gloo", bucket_bytes=BUCKET, apply="streamed") for _ in range(2)]
+    try:
+        run = sync_threads(sender, receivers, list(trainer.named_parameters()), [landing, copying],
+                           into=[model, None])
+        assert run.error is None and run.errors == [None, None] and run.versions == [1, 1]
+        assert run.figures["buckets"] > 2  # type: ignore[index]
+        low, high = _storage(model)
+        assert landing.handed and all(low <= at and at + n <= high for at, n in landing.handed)
+        assert {name: param.data_ptr() for name, param in model.named_parameters()} == where
+        assert receivers[0].slots == []  # nothing of the rollout's storage stays with the engine
+        for (name, mine), theirs in zip(model.named_parameters(), copying.model.parameters()):
+            assert torch.equal(mine, theirs), name
+        assert greedy(model) == greedy(trainer)
+    finally:
+        for engine in (*receivers, sender):
+            engine.close()
+
+
+def test_a_rollout_laid_out_otherwise_refuses_the_plan_and_both_sides_say_why() -> None:
+    trainer, _ = _flat_pair()
+    rollout = ModelRollout(tiny_qwen2(1))  # not flattened
+    before = {name: param.detach().clone() for name, param in rollout.model.named_parameters()}
+    sender, receiver = new_engine("gloo", bucket_bytes=BUCKET), new_engine("gloo", bucket_bytes=BUCKET, apply="streamed")
+    try:
+        run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], into=[rollout.model])
+        assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
+        for error in (run.error, run.errors[0]):
+            assert "does not lie in one storage of the rollout" in str(error)
+        assert rollout.stale
+        for name, param in rollout.model.named_parameters():
+            assert torch.equal(param, before[name]), name
+    finally:
+        receiver.close()
+        sender.close()
+
+
+@pytest.mark.parametrize(("name", "apply"), [("gloo", "atomic"), ("gloo", "flip"), ("shm", "streamed")])
+def test_into_takes_a_streamed_group_engine_and_anything_else_is_refused_before_a_byte_moves(name: str,
+                                                                                           apply: str) -> None:
+    named = mixed_tensors()
+    sender = new_engine(name, apply="flip" if apply == "flip" else "atomic")
+    receiver = new_engine(name, apply=apply)
+    try:
+        run = sync_threads(sender, [receiver], named, into=[dict(named)])
+        assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
+        assert "into= lands every bucket" in str(run.errors[0]) and "into= lands every bucket" in str(run.error)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+class _Corrupting(CLASSES["gloo"]):  # type: ignore[valid-type,misc]
+    """A sender that flips one byte of bucket `corrupt` after packing it (always packing)."""
+
+    corrupt: int | None = None
+    sends_regions = False
+
+    def _start_send(self, k: int, nbytes: int) -> Any:
+        if k == self.corrupt:
+            self.slots[k % len(self.slots)].data[5] ^= 0xFF
+        return super()._start_send(k, nbytes)
+
+
+def test_a_bad_bucket_landed_in_place_overwrites_its_weights_and_leaves_the_rollout_stale_until_a_sync_completes(
+) -> None:
+    trainer, model = _flat_pair()
+    rollout = ModelRollout(model)
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    metas = [TensorMeta(name, param.dtype, tuple(param.shape)) for name, param in trainer.named_parameters()]
+    second = {metas[p.index].name for p in make_plan(metas, BUCKET, True).buckets[1]}
+    sender = _Corrupting(bucket_bytes=BUCKET, timeout_s=10)
+    receiver = new_engine("gloo", bucket_bytes=BUCKET, apply="streamed")
+    try:
+        sender.corrupt = 1
+        run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], into=[model])
+        assert isinstance(run.errors[0], EngineError) and "bucket 1 of" in str(run.errors[0])
+        assert rollout.stale and rollout.weights_version == 0
+        changed = {name for name, param in model.named_parameters() if not torch.equal(param, before[name])}
+        assert changed & second  # the failed bucket's bytes landed where the rollout serves from
+        sender.corrupt = None
+        run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], into=[model], version=2)
+        assert run.error is None and run.versions == [2] and not rollout.stale
+        assert greedy(model) == greedy(trainer)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def _plan(*pieces: Piece) -> Plan:
+    metas = [TensorMeta("a", torch.uint8, (60,)), TensorMeta("b", torch.uint8, (64,))]
+    return Plan(4096, True, metas, [list(pieces)])
+
+
+def test_a_piece_away_from_the_end_of_the_one_before_is_refused() -> None:
+    buffer = torch.zeros(256, dtype=torch.uint8)
+    into = {"a": buffer[:60], "b": buffer[128:192]}
+    with pytest.raises(PlanRefused, match="bucket 0 piece 1 sits at offset 128, not at 64"):
+        landing_slots(_plan(Piece(0, 0, 0, 60), Piece(1, 128, 0, 64)), into, torch.device("cpu"))
+
+
+def test_a_tensor_the_plan_does_not_send_inside_a_bucket_range_is_refused() -> None:
+    buffer = torch.zeros(128, dtype=torch.uint8)
+    assert buffer.data_ptr() % 64 == 0
+    into = {"a": buffer[:60], "x": buffer[60:64], "b": buffer[64:128]}
+    plan = _plan(Piece(0, 0, 0, 60), Piece(1, 64, 0, 64))
+    with pytest.raises(PlanRefused, match="would land on 'x'"):
+        landing_slots(plan, into, torch.device("cpu"))
+    del into["x"]
+    slots = landing_slots(plan, into, torch.device("cpu"))
+    assert slots[0].data.data_ptr() == buffer.data_ptr() and slots[0].data.numel() == 128
+
+
+def test_a_plan_naming_a_tensor_the_rollout_lacks_or_holds_otherwise_is_refused() -> None:
+    flat = torch.nn.Linear(8, 8)
+    flatten_parameters(flat)
+    metas = [TensorMeta("weight", torch.float32, (8, 8)), TensorMeta("bias", torch.float32, (8,))]
+    with pytest.raises(PlanRefused, match="'bias' as torch.float32 \\[8\\]; the rollout holds torch.float32 \\[4\\]"):
+        landing_slots(make_plan(metas, 4096, True), {"weight": flat.weight, "bias": flat.bias[:4]}, torch.device("cpu"))
+    with pytest.raises(PlanRefused, match="which the rollout's tensors \\(into=\\) do not hold"):
+        landing_slots(make_plan(metas, 4096, True), {"weight": flat.weight}, torch.device("cpu"))
+    slots = landing_slots(make_plan(metas, 4096, True), flat, torch.device("cpu"))
+    assert slots[0].data.data_ptr() == flat.weight.data_ptr()
