@@ -27,6 +27,33 @@ import torch
 from backends.engines.buckets import HEADER_BYTES, Layout, Slot
 from backends.engines.flat import Named, _pairs
 from backends.engines.plan import Plan, PlanRefused, align
+from backends.engines.sources import Source, describe
+
+
+class Landing:
+    """A receiver's landing layout, kept from one sync to the next while the plan and the
+    rollout's tensors (as `sources.describe` finds them) stay as they were: working it out
+    costs a few microseconds a tensor, as much as receiving their bytes."""
+
+    def __init__(self) -> None:
+        self.layout: Layout | None = None
+        self._sources: list[Source] | None = None
+
+    def layout_for(self, plan: Plan, raw: bytes, into: Named, device: torch.device) -> Layout:
+        """The layout whose slots are `into`'s storage, for `plan` (`landing_slots`)."""
+        pairs = list(_pairs(into))
+        if not all(isinstance(tensor, torch.Tensor) for _, tensor in pairs):
+            return Layout(plan, landing_slots(plan, pairs, device), raw=raw)  # refuses, naming the non-tensor
+        sources = describe(pairs, self._sources)
+        if self.layout is None or self.layout.plan is not plan or sources is None or sources is not self._sources:
+            self.layout = None
+            self.layout = Layout(plan, landing_slots(plan, pairs, device), raw=raw)
+        self._sources = sources
+        return self.layout
+
+    def plan_of(self, raw: bytes) -> Plan | None:
+        """The plan parsed from these very bytes for the layout kept, if any."""
+        return self.layout.plan if self.layout is not None and self.layout.raw == raw else None
 
 
 def landing_slots(plan: Plan, into: Named, device: torch.device) -> list[Slot]:
@@ -97,4 +124,4 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     return low, high + tensor.element_size()
 
 
-__all__ = ["landing_slots"]
+__all__ = ["Landing", "landing_slots"]

@@ -48,7 +48,7 @@ from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined
 from backends.engines.sources import Source, describe
 from backends.engines.digests import Checksums
 from backends.engines.flat import Named
-from backends.engines.inplace import landing_slots
+from backends.engines.inplace import Landing
 from backends.engines.control import ControlStore, StoreLink, answer
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
@@ -97,6 +97,7 @@ class BucketEngine(CheckpointEngine):
         """This receive's `into=`: the rollout's tensors its buckets land in; None lands them in slots of its own."""
         self._landed = False
         """Whether `slots` are ranges of a rollout's storage (`into`), which no later receive may land in."""
+        self._landing = Landing()
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 
@@ -327,11 +328,14 @@ class BucketEngine(CheckpointEngine):
         """Check the plan (a plan of the very bytes of the last one was checked then) against this
         receiver's own settings before allocating for it: its `verify` wins over the plan's."""
         layout = self._layout
-        known = layout.plan if layout is not None and layout.raw == raw else self._flip.plan_of(raw)
+        known = (layout.plan if layout is not None and layout.raw == raw
+                 else self._flip.plan_of(raw) or self._landing.plan_of(raw))
         plan = self._receivable(known or parse_plan(raw), expected)
         if self._into is not None:  # streamed, straight into the rollout's storage (checked in `_accept`)
-            self.slots, self._layout, self._landed = landing_slots(plan, self._into, self.device), None, True
-            return Layout(plan, self.slots, raw=raw)
+            layout = self._landing.layout_for(plan, raw, self._into, self.device)
+            self.slots, self._layout, self._landed = layout.slots, None, True
+            layout.reset()
+            return layout
         if self.apply == "flip":  # the set the rollout does not serve, of two this receiver holds
             layout = private_sets(self._flip, plan, raw, lambda size: self._buffers([size], self.device)[0])
             self.slots = layout.slots

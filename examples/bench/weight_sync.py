@@ -135,6 +135,7 @@ def receiver(args: argparse.Namespace, ports: dict[str, int]) -> None:
     landing = [torch.empty_like(t) for _, t in tensors]
     _, group = _group(ports["group"], 1)
     engines = {key: _engine(name, args, verify) for key, (name, verify) in _variants(args).items()}
+    into = dict(make_tensors(args.total, args.tensors, flat=True)) if args.into else None
     for _ in range(args.repeat + warmup(args)):
         for name in ("flat", "per_tensor", *engines):
             _barrier(group)
@@ -143,7 +144,8 @@ def receiver(args: argparse.Namespace, ports: dict[str, int]) -> None:
             elif name == "per_tensor":
                 _broadcast(group, landing)
             else:
-                receive_into(engines[name], _Reader(), Rendezvous(HOST, ports[name]), rank=1)
+                lands = into if engines[name].name == "gloo" else None  # shm's receivers read the shared slot
+                receive_into(engines[name], _Reader(), Rendezvous(HOST, ports[name]), rank=1, into=lands)
             _barrier(group)
 
 
@@ -205,12 +207,15 @@ def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[fl
     return times
 
 
+_LANDS = " (gloo landing in the receiver's flattened tensors, into=)"
+
+
 def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     gbps = {k: args.total / statistics.median(v) / 1e9 for k, v in times.items()
             if not k.endswith("_setup") and "_phase_" not in k}
     print(f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors{' (flattened)' if args.flat else ''}, "
-          f"buckets of {args.bucket / 2**20:g} MiB, checksums {'on' if args.verify else 'off'}, apply {args.apply}, "
-          f"median of {args.repeat}, torch threads {args.threads}")
+          f"buckets of {args.bucket / 2**20:g} MiB, checksums {'on' if args.verify else 'off'}, apply {args.apply}"
+          f"{_LANDS if args.into else ''}, median of {args.repeat}, torch threads {args.threads}")
     for key, label in (("gloo", "gloo engine"), ("flat", "(a) one flat broadcast"),
                        ("per_tensor", "(b) one broadcast per tensor"), ("shm", "shm engine"),
                        ("memcpy", "one memcpy")):
@@ -246,7 +251,8 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
                               _shares(phase_shares(times, name)), "", "", ""))
     write_docs(args, "weight_sync.py", figures,
                f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors{' (flattened)' if args.flat else ''}, "
-               f"{args.bucket / 2**20:g} MiB buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}, "
+               f"{args.bucket / 2**20:g} MiB buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}"
+               f"{_LANDS if args.into else ''}, "
                f"one sender and one receiver "
                f"process, median of {args.repeat} syncs after {warmup(args)} untimed round(s); each engine also ran "
                f"unverified in the same rounds.")
@@ -271,6 +277,9 @@ def main() -> None:
     parser.add_argument("--flat", action="store_true",
                         help="the sender's tensors in one flattened storage (flatten_parameters): gloo sends "
                              "its buckets from it without packing")
+    parser.add_argument("--into", action="store_true",
+                        help="the receiver's tensors flattened too, and gloo lands each bucket straight in them "
+                             "(receive_into(into=...); implies --flat and --apply streamed)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the cuda_ipc engine against one device-to-device copy, on one GPU "
@@ -288,6 +297,11 @@ def main() -> None:
     args = parser.parse_args()
     args.total = int(args.gib * 2**30) // 4 * 4
     args.bucket = int(args.bucket_mib * 2**20)
+    if args.into:
+        if args.apply not in ("atomic", "streamed") or args.scale or args.device != "cpu":
+            parser.error("--into lands gloo's buckets in the receiver's tensors: a streamed receive on the host, "
+                         "not with --apply flip, --scale or --device cuda")
+        args.apply, args.flat = "streamed", True
     if args.device == "cuda":
         if args.scale:
             parser.error("--scale measures the host engines (gloo, shm); --device cuda is a bench of its own")

@@ -175,3 +175,34 @@ def test_a_plan_naming_a_tensor_the_rollout_lacks_or_holds_otherwise_is_refused(
         landing_slots(make_plan(metas, 4096, True), {"weight": flat.weight}, torch.device("cpu"))
     slots = landing_slots(make_plan(metas, 4096, True), flat, torch.device("cpu"))
     assert slots[0].data.data_ptr() == flat.weight.data_ptr()
+
+
+def test_the_landing_layout_is_kept_while_the_rollout_stays_put_and_worked_out_again_when_it_moves() -> None:
+    trainer, model = _flat_pair()
+    rollout = ModelRollout(model)
+    sender = new_engine("gloo", bucket_bytes=BUCKET)
+    receiver = new_engine("gloo", bucket_bytes=BUCKET, apply="streamed")
+    port = None
+    try:
+        layouts = []
+        for version in (1, 2):
+            run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], into=[model],
+                               version=version, port=port)
+            assert run.error is None and run.versions == [version]
+            layouts.append(receiver._landing.layout)  # type: ignore[attr-defined]
+        assert layouts[0] is layouts[1]
+        first_storage = _storage(model)
+        for param in model.parameters():  # the rollout moves its weights: the kept ranges are no longer its
+            param.data = param.data.clone()
+        flatten_parameters(model)
+        assert _storage(model) != first_storage
+        train_step(trainer, 3)
+        run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], into=[model], version=3)
+        assert run.error is None and run.versions == [3]
+        assert receiver._landing.layout is not layouts[0]  # type: ignore[attr-defined]
+        low, high = _storage(model)
+        assert all(low <= slot.data.data_ptr() < high for slot in receiver._landing.layout.slots if slot.data.numel())  # type: ignore[attr-defined]
+        assert greedy(model) == greedy(trainer)
+    finally:
+        receiver.close()
+        sender.close()
