@@ -14,8 +14,9 @@ names must be one of `into`, of the plan's dtype and shape; every bucket's piece
 at their offsets from one `ALIGN`-aligned base in one storage, each piece at the aligned end
 of the one before (as `plan.make_plan` lays them out, so the bytes between pieces are the
 alignment padding flattening leaves unused); bucket ranges must not overlap, and no other
-tensor of `into` may share a byte with one. A plan that fails any of this is refused before a
-byte moves, with the reason, and the sender is told.
+tensor of `into` (nor, for a module, any of its buffers) may share a byte with one; a name of
+`into` that is another name of a tensor the plan sends (tied weights) is that tensor. A plan
+that fails any of this is refused before a byte moves, with the reason, and the sender is told.
 """
 
 from __future__ import annotations
@@ -23,17 +24,18 @@ from __future__ import annotations
 import bisect
 
 import torch
+from torch import nn
 
 from backends.engines.buckets import HEADER_BYTES, Layout, Slot
-from backends.engines.flat import Named, _pairs
+from backends.engines.flat import Named, _kind_problem, _pairs
 from backends.engines.plan import Plan, PlanRefused, align
 from backends.engines.sources import Source, describe
 
 
 class Landing:
     """A receiver's landing layout, kept from one sync to the next while the plan and the
-    rollout's tensors (as `sources.describe` finds them) stay as they were: working it out
-    costs a few microseconds a tensor, as much as receiving their bytes."""
+    rollout's tensors (as `sources.describe` finds them, and their storages as large) stay as
+    they were: working it out costs a few microseconds a tensor, as much as receiving their bytes."""
 
     def __init__(self) -> None:
         self.layout: Layout | None = None
@@ -41,30 +43,51 @@ class Landing:
 
     def layout_for(self, plan: Plan, raw: bytes, into: Named, device: torch.device) -> Layout:
         """The layout whose slots are `into`'s storage, for `plan` (`landing_slots`)."""
-        pairs = list(_pairs(into))
-        if not all(isinstance(tensor, torch.Tensor) for _, tensor in pairs):
-            return Layout(plan, landing_slots(plan, pairs, device), raw=raw)  # refuses, naming the non-tensor
-        sources = describe(pairs, self._sources)
-        if self.layout is None or self.layout.plan is not plan or sources is None or sources is not self._sources:
+        named, beside = rollout_tensors(into)
+        sources = describe(list(named.items()), self._sources)
+        layout = self.layout
+        if (layout is None or layout.plan is not plan or sources is None or sources is not self._sources
+                or not all(_within(slot.data) for slot in layout.slots)):
             self.layout = None
-            self.layout = Layout(plan, landing_slots(plan, pairs, device), raw=raw)
+            layout = self.layout = Layout(plan, _slots(plan, named, beside, device), raw=raw)
         self._sources = sources
-        return self.layout
+        return layout
 
     def plan_of(self, raw: bytes) -> Plan | None:
         """The plan parsed from these very bytes for the layout kept, if any."""
         return self.layout.plan if self.layout is not None and self.layout.raw == raw else None
 
 
+def rollout_tensors(into: Named) -> tuple[dict[str, torch.Tensor], list[tuple[str, torch.Tensor]]]:
+    """`into`'s tensors by name, and what else lives beside them (a module's buffers);
+    `PlanRefused` for what cannot be landed in."""
+    try:
+        pairs = [(name, tensor) for name, tensor in _pairs(into)]
+    except (TypeError, ValueError) as exc:
+        raise PlanRefused(f"into= is no module, state dict or (name, tensor) pairs: {exc}") from None
+    named: dict[str, torch.Tensor] = {}
+    for name, tensor in pairs:
+        problem = (f"is a {type(tensor).__name__}, not a tensor" if not isinstance(tensor, torch.Tensor)
+                   else "is named twice" if name in named else _kind_problem(tensor))
+        if problem is not None:
+            raise PlanRefused(f"into= holds {name!r}, which {problem}")
+        named[name] = tensor.detach()
+    beside = ([(f"buffer {name}", buffer.detach()) for name, buffer in into.named_buffers(remove_duplicate=False)
+               if isinstance(buffer, torch.Tensor) and _kind_problem(buffer) is None]
+              if isinstance(into, nn.Module) else [])
+    return named, beside
+
+
 def landing_slots(plan: Plan, into: Named, device: torch.device) -> list[Slot]:
     """One slot per bucket of `plan`: a header of its own, and the byte range of the rollout's
     storage its data lands in; `PlanRefused` says why the rollout's tensors cannot take it."""
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in _pairs(into):
-        if not isinstance(tensor, torch.Tensor):
-            raise PlanRefused(f"into= holds {name!r} as a {type(tensor).__name__}, not a tensor")
-        tensors[name] = tensor.detach()
-    ordered = []
+    return _slots(plan, *rollout_tensors(into), device)
+
+
+def _slots(plan: Plan, tensors: dict[str, torch.Tensor], found: list[tuple[str, torch.Tensor]],
+           device: torch.device) -> list[Slot]:
+    """`landing_slots` of `rollout_tensors`' answer."""
+    ordered, places = [], {}
     for meta in plan.tensors:
         tensor = tensors.get(meta.name)
         if tensor is None:
@@ -72,6 +95,10 @@ def landing_slots(plan: Plan, into: Named, device: torch.device) -> list[Slot]:
         if tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape:
             raise PlanRefused(f"it sends {meta.name!r} as {meta.dtype} {list(meta.shape)}; the rollout holds "
                               f"{tensor.dtype} {list(tensor.shape)}")
+        other = places.setdefault(_place(tensor), meta.name) if tensor.numel() else meta.name
+        if other != meta.name:
+            raise PlanRefused(f"it sends {other!r} and {meta.name!r}, which the rollout ties (one tensor under two "
+                              "names): send tied weights once, as named_parameters() does")
         ordered.append(tensor)
     heads = torch.zeros(HEADER_BYTES * len(plan.buckets), dtype=torch.uint8, device=device)
     probe = Layout(plan, [Slot(heads[:HEADER_BYTES], heads[:0])])
@@ -91,28 +118,38 @@ def landing_slots(plan: Plan, into: Named, device: torch.device) -> list[Slot]:
                               f"(it holds {', '.join(probe.names(k)[:3])}); flatten both sides' models with "
                               "flatten_parameters, from the same model, or receive without into=")
         slots.append(Slot(head, region))
-    _check_apart(slots, plan, tensors)
+    unsent = [(name, tensor) for name, tensor in tensors.items()
+              if tensor.numel() and places.get(_place(tensor)) is None] + found
+    _check_apart(slots, unsent)
     return slots
 
 
-def _check_apart(slots: list[Slot], plan: Plan, tensors: dict[str, torch.Tensor]) -> None:
-    """No two buckets' ranges overlap, and no tensor of the rollout's that the plan does not
-    send shares a byte with one."""
+def _check_apart(slots: list[Slot], unsent: list[tuple[str, torch.Tensor]]) -> None:
+    """No two buckets' ranges overlap, and no tensor the plan does not send (`unsent`) shares a byte with one."""
     ranges = sorted((slot.data.data_ptr(), slot.data.data_ptr() + slot.data.numel(), k)
                     for k, slot in enumerate(slots) if slot.data.numel())
     for (_, end, k), (start, _, later) in zip(ranges, ranges[1:]):
         if start < end:
             raise PlanRefused(f"buckets {k} and {later} would land on the same bytes of the rollout's storage")
     starts = [start for start, _, _ in ranges]
-    sent = {meta.name for meta in plan.tensors}
-    for name, tensor in tensors.items():
-        if name in sent or not tensor.numel():
+    for name, tensor in unsent:
+        if not tensor.numel():
             continue
         low, high = _span(tensor)
         i = bisect.bisect_right(starts, high - 1) - 1
         if i >= 0 and ranges[i][1] > low:
             raise PlanRefused(f"bucket {ranges[i][2]} would land on {name!r}, a tensor of the rollout's the plan "
                               "does not send")
+
+
+def _place(tensor: torch.Tensor) -> tuple[object, ...]:
+    """Where a tensor's values lie: two names of one place are one tensor (tied weights)."""
+    return tensor.device, tensor.dtype, tensor.data_ptr(), tuple(tensor.shape), tensor.stride()
+
+
+def _within(region: torch.Tensor) -> bool:
+    """Whether a kept range still lies inside its storage (one resized in place may not)."""
+    return region.storage_offset() + region.numel() <= region.untyped_storage().nbytes()
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -124,4 +161,4 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     return low, high + tensor.element_size()
 
 
-__all__ = ["Landing", "landing_slots"]
+__all__ = ["Landing", "landing_slots", "rollout_tensors"]

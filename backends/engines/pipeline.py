@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable, Sequence
+from contextlib import suppress
 from concurrent.futures import Future
 from typing import Any
 
@@ -234,10 +235,12 @@ class BucketEngine(CheckpointEngine):
             raise EngineError(receiver.unheard)
 
     def close(self) -> None:
-        """Finalize, give the buckets back, stop the checksum worker, and leave the rendezvous store."""
+        """Finalize, give the buckets back (and any rollout's storage a landing kept), stop the
+        checksum worker, and leave the rendezvous store."""
         self.finalize()
         self._free_buckets()
         self._flip.forget()
+        self._landing = Landing()
         self.checksums.close()
         self._link.drop()
 
@@ -247,6 +250,12 @@ class BucketEngine(CheckpointEngine):
         """Give the buckets back; a flip receiver's weight sets stay (`close()` gives them back)."""
         self.slots = []
         self._layout = None
+
+    def _drain_aside(self, plan: Plan) -> None:
+        """A failed landing receive drains the rest into two buffers of its own (where they fit), so
+        no later bucket lands in the rollout's weights beyond the two posted already."""
+        with suppress(EngineError):
+            self.slots = self._allocate([plan.bucket_bytes] * SLOTS, self.device) if self._landed else self.slots
 
     def _forget_landing(self) -> None:
         """Drop slots that are ranges of a rollout's storage (`into`): no later receive lands there."""

@@ -213,6 +213,7 @@ class Receiver:
             f"the rollout stopped reading after {self.incoming.tensors} of {len(self.plan.tensors)} tensors")
         try:
             if not ok:
+                self.engine._drain_aside(self.plan)
                 self.inbox.drain()
         except EngineError as exc:
             structlog.get_logger().warning("engine.drain_failed", engine=self.engine.name, rank=self.rank,

@@ -132,6 +132,9 @@ def test_a_bad_bucket_landed_in_place_overwrites_its_weights_and_leaves_the_roll
         assert rollout.stale and rollout.weights_version == 0
         changed = {name for name, param in model.named_parameters() if not torch.equal(param, before[name])}
         assert changed & second  # the failed bucket's bytes landed where the rollout serves from
+        assert len(make_plan(metas, BUCKET, True).buckets) > 4
+        last = {metas[p.index].name for p in make_plan(metas, BUCKET, True).buckets[-1]}
+        assert not changed & last  # the rest after the two posted buckets drained into buffers of the engine's
         sender.corrupt = None
         run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], into=[model], version=2)
         assert run.error is None and run.versions == [2] and not rollout.stale
@@ -206,3 +209,72 @@ def test_the_landing_layout_is_kept_while_the_rollout_stays_put_and_worked_out_a
     finally:
         receiver.close()
         sender.close()
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(64, 16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize("how", ["module", "state_dict", "pairs"])
+def test_a_tied_rollout_lands_its_tied_weight_once_given_as_a_module_a_state_dict_or_pairs(how: str) -> None:
+    trainer, model = _Tied(0), _Tied(1)
+    flatten_parameters(trainer)
+    flatten_parameters(model)
+    sender, receiver = new_engine("gloo"), new_engine("gloo", apply="streamed")
+    try:
+        into = {"module": model, "state_dict": model.state_dict(), "pairs": iter(model.named_parameters())}[how]
+        run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [ModelRollout(model)], into=[into])
+        assert run.error is None and run.errors == [None]
+        for (name, mine), theirs in zip(model.named_parameters(), trainer.parameters()):
+            assert torch.equal(mine, theirs), name
+        assert model.head.weight is model.embed.weight
+        receiver.close()
+        assert receiver._landing.layout is None  # type: ignore[attr-defined]  # close lets the storage go
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_plan_that_sends_both_names_of_a_tied_weight_is_refused_naming_them() -> None:
+    flat = _Tied(0)
+    flatten_parameters(flat)
+    metas = [TensorMeta(name, p.dtype, tuple(p.shape)) for name, p in flat.named_parameters(remove_duplicate=False)]
+    with pytest.raises(PlanRefused, match="it sends 'embed.weight' and 'head.weight', which the rollout ties"):
+        landing_slots(make_plan(metas, 4096, True), flat, torch.device("cpu"))
+
+
+class _BufferInPadding(torch.nn.Module):
+    """Parameters `a` (15 floats) and `b` and a buffer `x` in a's alignment padding: one
+    hand-built storage that flattening leaves as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        store = torch.ones(32)
+        self.a = torch.nn.Parameter(store[0:15])
+        self.register_buffer("x", store[15:16])
+        self.b = torch.nn.Parameter(store[16:32])
+
+
+def test_a_modules_buffer_inside_a_bucket_range_is_refused() -> None:
+    model = _BufferInPadding()
+    assert model.a.data_ptr() % 64 == 0
+    metas = [TensorMeta("a", torch.float32, (15,)), TensorMeta("b", torch.float32, (16,))]
+    with pytest.raises(PlanRefused, match="would land on 'buffer x'"):
+        landing_slots(make_plan(metas, 4096, True), model, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("into", "reason"), [
+    ({"w": torch.eye(3).to_sparse()}, "into= holds 'w', which is not a strided tensor"),
+    ([("w", torch.zeros(3)), ("w", torch.zeros(3))], "into= holds 'w', which is named twice"),
+    ([1, 2], "into= is no module, state dict or \\(name, tensor\\) pairs"),
+    ({"w": "zeros"}, "into= holds 'w', which is a str, not a tensor"),
+])
+def test_an_into_that_cannot_be_landed_in_is_refused_saying_why(into: Any, reason: str) -> None:
+    with pytest.raises(PlanRefused, match=reason):
+        landing_slots(make_plan([TensorMeta("w", torch.float32, (3,))], 4096, True), into, torch.device("cpu"))
