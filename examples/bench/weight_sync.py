@@ -298,9 +298,9 @@ def main() -> None:
     args.total = int(args.gib * 2**30) // 4 * 4
     args.bucket = int(args.bucket_mib * 2**20)
     if args.into:
-        if args.apply not in ("atomic", "streamed") or args.scale or args.device != "cpu":
+        if args.apply not in ("atomic", "streamed") or args.device != "cpu":
             parser.error("--into lands gloo's buckets in the receiver's tensors: a streamed receive on the host, "
-                         "not with --apply flip, --scale or --device cuda")
+                         "not with --apply flip or --device cuda")
         args.apply, args.flat = "streamed", True
     if args.device == "cuda":
         if args.scale:

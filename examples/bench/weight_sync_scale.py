@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 import torch
 from record import Figure, write_docs
 from weight_sync import (
-    HOST, _barrier, _broadcast, _engine, _group, _Reader, _timed, _timed_engine, make_tensors, numels, warmup,
+    _LANDS, HOST, _barrier, _broadcast, _engine, _group, _Reader, _timed, _timed_engine, make_tensors, numels, warmup,
 )
 
 from backends.base import free_port
@@ -131,7 +131,7 @@ class _Meter:
 
 def _sender(args: argparse.Namespace, point: Point, name: str, ports: dict[str, int], out: Connection) -> None:
     torch.set_num_threads(args.threads)
-    tensors = make_tensors(point.total, point.count)
+    tensors = make_tensors(point.total, point.count, args.flat)
     flat = torch.empty(point.total, dtype=torch.uint8).fill_(7)
     copy_dst = torch.zeros_like(flat) if name == "shm" else flat
     _, group = _group(ports["group"], 0)
@@ -164,6 +164,7 @@ def _receiver(args: argparse.Namespace, point: Point, name: str, ports: dict[str
     landing = [torch.zeros(n) for n in numels(point.total, point.count)] if name == "gloo" else []
     _, group = _group(ports["group"], 1)
     engine, meter = _engine(name, args), _Meter()
+    into = dict(make_tensors(point.total, point.count, flat=True)) if args.into and name == "gloo" else None
     for _ in range(args.repeat + warmup(args)):
         for key in BASELINES[name]:
             if key != "memcpy":
@@ -172,7 +173,7 @@ def _receiver(args: argparse.Namespace, point: Point, name: str, ports: dict[str
                 _barrier(group)
         _barrier(group)
         with meter.around():
-            receive_into(engine, _Reader(), Rendezvous(HOST, ports[name]), rank=1)
+            receive_into(engine, _Reader(), Rendezvous(HOST, ports[name]), rank=1, into=into)
         _barrier(group)
     out.send(meter.peak())
 
@@ -276,8 +277,8 @@ def memory(args: argparse.Namespace, row: Row, name: str) -> tuple[list[str], st
 
 
 def print_rows(args: argparse.Namespace, rows: Sequence[Row]) -> None:
-    print(f"{args.bucket / 2**20:g} MiB buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}, "
-          f"median of {args.repeat}, torch threads {args.threads}; GB/s, and the engine's over its baseline's")
+    print(f"{args.bucket / 2**20:g} MiB buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}"
+          f"{_LANDS if args.into else ''}, median of {args.repeat}, torch threads {args.threads}; GB/s, and the engine's over its baseline's")
     print(f"  {'weights':>11s} {'tensors':>7s} {'gloo':>7s} {'(a)flat':>7s} {'(b)each':>7s} {'/(a)':>6s} "
           f"{'/(b)':>6s}   {'shm':>7s} {'memcpy':>7s} {'/memcpy':>7s}")
     for row in rows:
@@ -382,7 +383,8 @@ def note(args: argparse.Namespace, rows: Sequence[Row]) -> str:
     """The entry's prose and its table of every row's GB/s and peak memory rises."""
     lines = [
         f"Sizes at {args.tensors} tensors and tensor counts at {args.gib:g} GiB, float32; {args.bucket / 2**20:g} MiB "
-        f"buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}; each engine of each row in a fresh "
+        f"buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}{_LANDS if args.into else ''}"
+        f"{' (the sender flattened)' if args.flat else ''}; each engine of each row in a fresh "
         f"sender and receiver process, median of {args.repeat} syncs after {warmup(args)} untimed round(s). Peak memory: the "
         "rise of each side's peak RSS (VmHWM, reset through /proc/self/clear_refs before each sync) over its RSS "
         "before the engine's first sync; the bound is two buckets a side, plus the weights on an atomic receiver."
