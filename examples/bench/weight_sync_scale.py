@@ -372,7 +372,8 @@ def plot(args: argparse.Namespace, size_rows: Sequence[Row], count_rows: Sequenc
         panel.grid(True, which="both", alpha=0.3)
     figure.legend(*panels[0].get_legend_handles_labels(), loc="lower center", ncol=len(STYLES), fontsize=9)
     figure.suptitle(f"weight sync, one sender and one receiver process: {args.bucket / 2**20:g} MiB buckets, "
-                    f"checksums {'on' if args.verify else 'off'}, apply {args.apply}, median of {args.repeat}")
+                    f"checksums {'on' if args.verify else 'off'}, apply {args.apply}{_LANDS if args.into else ''}, "
+                    f"median of {args.repeat}")
     figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(args.plot, dpi=120)
     plt.close(figure)
