@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from backends.engines.base import Topology, TransportError
-from backends.engines.buckets import HEADER_BYTES, SLOTS
+from backends.engines.buckets import HEADER_BYTES
 from backends.engines.pipeline import BucketEngine
 
 
@@ -28,7 +28,6 @@ class GroupEngine(BucketEngine):
     """A `BucketEngine` over a process group that a subclass builds for its device."""
 
     sends_regions = True
-    lands_in_place = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -72,7 +71,7 @@ class GroupEngine(BucketEngine):
         return tuple(works)
 
     def _start_send(self, k: int, nbytes: int) -> Any:
-        slot, region = self.slots[k % len(self.slots)], self._regions[k % SLOTS]
+        slot, region = self.slots[k % len(self.slots)], self._regions[k % len(self._regions)]
         return self._broadcast(k, slot.head, slot.data[:nbytes - HEADER_BYTES] if region is None else region)
 
     def _start_recv(self, k: int, nbytes: int) -> Any:

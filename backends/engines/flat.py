@@ -139,7 +139,7 @@ class FlatLayout:
                 for name in (slot.name, *slot.aliases):
                     places[name] = (g, k)
         seen: set[tuple[int, int]] = set()
-        for name, tensor in _pairs(named_tensors):
+        for name, tensor in named_pairs(named_tensors):
             place = places.get(name)
             if place is None:
                 return False
@@ -164,7 +164,7 @@ def flatten_parameters(model: nn.Module) -> FlatLayout:
     a parameter that shares its storage with another tensor (a larger tensor it is a view of, a
     buffer, another parameter object) when its group must move: moving it would cut it off.
     """
-    entries = _entries(_pairs(model), by_place=False)
+    entries = _entries(named_pairs(model), by_place=False)
     for entry in entries:
         _check_movable_kind(entry.name, entry.tensor)
     groups = _grouped(entries)
@@ -195,8 +195,8 @@ def contiguous_layout(named_tensors: Named) -> FlatLayout | None:
     sparse, subclass tensors). Whether offsets are aligned is the group's `aligned`. A value that
     is not a tensor (a state dict's `_extra_state`) is an `EngineError` naming its key.
     """
-    entries = _entries(_pairs(named_tensors), by_place=True)
-    if any(_kind_problem(entry.tensor) for entry in entries):
+    entries = _entries(named_pairs(named_tensors), by_place=True)
+    if any(kind_problem(entry.tensor) for entry in entries):
         return None
     groups: list[FlatGroup] = []
     for key, members in _grouped(entries).items():
@@ -216,7 +216,8 @@ class _Entry:
     aliases: list[str]
 
 
-def _pairs(named: Named) -> Iterable[tuple[str, Any]]:
+def named_pairs(named: Named) -> Iterable[tuple[str, Any]]:
+    """(name, tensor) pairs of a module (every name of a tied parameter), a mapping, or pairs as given."""
     if isinstance(named, nn.Module):
         return named.named_parameters(remove_duplicate=False)
     return named.items() if isinstance(named, Mapping) else named
@@ -230,7 +231,7 @@ def _entries(named: Iterable[tuple[str, Any]], *, by_place: bool) -> list[_Entry
         if not isinstance(tensor, torch.Tensor):
             raise EngineError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
         key: object = id(tensor)
-        if by_place and not _kind_problem(tensor) and tensor.numel():
+        if by_place and not kind_problem(tensor) and tensor.numel():
             key = (tensor.device, tensor.dtype, _storage_ptr(tensor), tensor.storage_offset(),
                    tuple(tensor.shape), tensor.stride())
         entry = out.get(key)
@@ -248,7 +249,7 @@ def _grouped(entries: list[_Entry]) -> dict[GroupKey, list[_Entry]]:
     return groups
 
 
-def _kind_problem(tensor: torch.Tensor) -> str | None:
+def kind_problem(tensor: torch.Tensor) -> str | None:
     """Why a tensor has no place in a flat storage, or None."""
     data = tensor.data if isinstance(tensor, nn.Parameter) else tensor
     if type(data) is not torch.Tensor:
@@ -265,7 +266,7 @@ def _kind_problem(tensor: torch.Tensor) -> str | None:
 
 
 def _check_movable_kind(name: str, tensor: torch.Tensor) -> None:
-    problem = _kind_problem(tensor)
+    problem = kind_problem(tensor)
     if problem is not None:
         raise FlattenRefused(f"cannot flatten parameter {name!r}: it {problem}")
 
@@ -281,7 +282,7 @@ def _storage_owners(entries: list[_Entry], model: nn.Module) -> dict[int, list[s
         if entry.tensor.numel():
             owners.setdefault(_storage_ptr(entry.tensor), []).append(f"parameter {entry.name!r}")
     for name, buffer in model.named_buffers(remove_duplicate=False):
-        if isinstance(buffer, torch.Tensor) and _kind_problem(buffer) is None and buffer.numel():
+        if isinstance(buffer, torch.Tensor) and kind_problem(buffer) is None and buffer.numel():
             owners.setdefault(_storage_ptr(buffer), []).append(f"buffer {name!r}")
     return owners
 
@@ -361,7 +362,7 @@ def _rehome(key: GroupKey, members: list[_Entry]) -> FlatGroup:
 
 
 def _sits_at(tensor: Any, group: FlatGroup, slot: Slot) -> bool:
-    if not isinstance(tensor, torch.Tensor) or _kind_problem(tensor) is not None:
+    if not isinstance(tensor, torch.Tensor) or kind_problem(tensor) is not None:
         return False
     if (tensor.device, tensor.dtype, tuple(tensor.shape)) != (group.device, group.dtype, slot.shape):
         return False

@@ -17,7 +17,7 @@ from backends.engines.registry import CheckpointEngineRegistry
 class GlooEngine(GroupEngine):
     """CPU tensors over gloo; the sender's buckets go to every receiver in one broadcast each."""
 
-    capabilities = EngineCapabilities(devices=frozenset({"cpu"}), flips=True)
+    capabilities = EngineCapabilities(devices=frozenset({"cpu"}), flips=True, lands_in_place=True)
 
     def _make_group(self, store: Any, topology: Topology, timeout: timedelta) -> Any:
         import torch.distributed as dist

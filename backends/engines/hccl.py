@@ -21,7 +21,7 @@ from lifecycle.errors import ConfigError
 class HcclEngine(DeviceGroupEngine):
     """One NPU per rank; the current NPU by default."""
 
-    capabilities = EngineCapabilities(devices=frozenset({"npu"}), flips=True)
+    capabilities = EngineCapabilities(devices=frozenset({"npu"}), flips=True, lands_in_place=True)
 
     @classmethod
     def check_available(cls) -> None:

@@ -1,9 +1,10 @@
 """Landing a sync straight into the rollout's own weights: `receive_weights(..., into=...)`.
 
 When the rollout's parameters sit in one storage laid out as the sender's plan lays out its
-buckets (both sides flattened by `flat.flatten_parameters` from the same model), bucket k's
-data region is a byte range of that storage, so an engine that receives into slots of its own
-(the group engines) receives it there: no receive buffer, no copy into the model. The bytes
+buckets (flattened by `flat.flatten_parameters`, in the trainer's order and wire dtype; the
+trainer itself need not be flattened), bucket k's data region is a byte range of that
+storage, so an engine that receives into slots of its own (`EngineCapabilities.lands_in_place`:
+the group engines) receives it there: no receive buffer, no copy into the model. The bytes
 land before their bucket is verified, in the weights the rollout serves, so only a streamed
 receive may do this: a bucket that fails its checksum, or a sync that fails half-way, leaves
 the weights partly overwritten, and `receive_into` leaves the rollout stale until a sync
@@ -27,15 +28,17 @@ import torch
 from torch import nn
 
 from backends.engines.buckets import HEADER_BYTES, Layout, Slot
-from backends.engines.flat import Named, _kind_problem, _pairs
+from backends.engines.flat import Named, kind_problem, named_pairs
 from backends.engines.plan import Plan, PlanRefused, align
 from backends.engines.sources import Source, describe
 
 
 class Landing:
     """A receiver's landing layout, kept from one sync to the next while the plan and the
-    rollout's tensors (as `sources.describe` finds them, and their storages as large) stay as
-    they were: working it out costs a few microseconds a tensor, as much as receiving their bytes."""
+    rollout's tensors (as `sources.describe` finds them: names, shapes, strides, addresses) stay as
+    they were: working it out costs a few microseconds a tensor, as much as receiving their bytes.
+    The kept ranges hold the rollout's storage alive until the next sync that lands elsewhere, or
+    `close()` (a device engine lets it go after every sync)."""
 
     def __init__(self) -> None:
         self.layout: Layout | None = None
@@ -46,8 +49,7 @@ class Landing:
         named, beside = rollout_tensors(into)
         sources = describe(list(named.items()), self._sources)
         layout = self.layout
-        if (layout is None or layout.plan is not plan or sources is None or sources is not self._sources
-                or not all(_within(slot.data) for slot in layout.slots)):
+        if layout is None or layout.plan is not plan or sources is None or sources is not self._sources:
             self.layout = None
             layout = self.layout = Layout(plan, _slots(plan, named, beside, device), raw=raw)
         self._sources = sources
@@ -62,18 +64,18 @@ def rollout_tensors(into: Named) -> tuple[dict[str, torch.Tensor], list[tuple[st
     """`into`'s tensors by name, and what else lives beside them (a module's buffers);
     `PlanRefused` for what cannot be landed in."""
     try:
-        pairs = [(name, tensor) for name, tensor in _pairs(into)]
+        pairs = [(name, tensor) for name, tensor in named_pairs(into)]
     except (TypeError, ValueError) as exc:
         raise PlanRefused(f"into= is no module, state dict or (name, tensor) pairs: {exc}") from None
     named: dict[str, torch.Tensor] = {}
     for name, tensor in pairs:
         problem = (f"is a {type(tensor).__name__}, not a tensor" if not isinstance(tensor, torch.Tensor)
-                   else "is named twice" if name in named else _kind_problem(tensor))
+                   else "is named twice" if name in named else kind_problem(tensor))
         if problem is not None:
             raise PlanRefused(f"into= holds {name!r}, which {problem}")
         named[name] = tensor.detach()
     beside = ([(f"buffer {name}", buffer.detach()) for name, buffer in into.named_buffers(remove_duplicate=False)
-               if isinstance(buffer, torch.Tensor) and _kind_problem(buffer) is None]
+               if isinstance(buffer, torch.Tensor) and kind_problem(buffer) is None]
               if isinstance(into, nn.Module) else [])
     return named, beside
 
@@ -145,11 +147,6 @@ def _check_apart(slots: list[Slot], unsent: list[tuple[str, torch.Tensor]]) -> N
 def _place(tensor: torch.Tensor) -> tuple[object, ...]:
     """Where a tensor's values lie: two names of one place are one tensor (tied weights)."""
     return tensor.device, tensor.dtype, tensor.data_ptr(), tuple(tensor.shape), tensor.stride()
-
-
-def _within(region: torch.Tensor) -> bool:
-    """Whether a kept range still lies inside its storage (one resized in place may not)."""
-    return region.storage_offset() + region.numel() <= region.untyped_storage().nbytes()
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from lifecycle.errors import ConfigError
 class NcclEngine(DeviceGroupEngine):
     """One GPU per rank (NCCL refuses two ranks on one device); the current device by default."""
 
-    capabilities = EngineCapabilities(devices=frozenset({"cuda"}), flips=True)
+    capabilities = EngineCapabilities(devices=frozenset({"cuda"}), flips=True, lands_in_place=True)
 
     @classmethod
     def check_available(cls) -> None:

@@ -88,6 +88,9 @@ class EngineCapabilities:
     flips: bool = False
     """It can take `apply: flip`: a receiver keeps two weight sets and hands out views into the
     one a sync filled (gloo, nccl, hccl: its own buffers; shm: the sender's shared sets)."""
+    lands_in_place: bool = False
+    """A streamed receive can land each bucket in the rollout's own flattened storage
+    (`receive_weights(into=...)`, `inplace`): an engine that receives into buffers of its own."""
 
 
 def _is_number(value: object, kinds: type | tuple[type, ...]) -> bool:

@@ -4,16 +4,16 @@ The sender has two bucket slots: it packs bucket k into slot k % 2 while bucket 
 the wire, and waits for bucket k - 2's transfer before it overwrites that slot (a shm flip
 sender writes each bucket to its own place in the weight set, so it waits for none until the
 last is written). Bucket k starts as soon as it is packed; its checksum is computed while it
-is on the wire (on a host by the engine's one checksum worker, see `buckets`) and sent after
-it as the control key
-`digest/{k}` (16 lowercase hex digits), as soon as it is ready and at the latest once bucket k + 1 has
-started. A receiver has buckets k and k + 1 posted; it checks bucket k's header as it lands,
+is on the wire (on a host by the engine's checksum worker, `digests.Checksums`) and sent after
+it as `digest/{k}` (16 lowercase hex digits), as soon as it is ready and at the latest once
+bucket k + 1 has started. A receiver has buckets k and k + 1 posted; it checks bucket k's header as it lands,
 hashes it on its own worker while k + 1 arrives, and counts it verified only once its hash
 matches `digest/{k}`. What it does next is its `apply` mode:
 
 - `streamed`: two slots, like the sender. It hands out bucket k's tensors once k verified
   and only then posts bucket k + 2 into the slot k used, so it never holds more than two
-  buckets; a bad bucket k leaves buckets before it applied.
+  buckets; a bad bucket k leaves buckets before it applied. With `into=` it holds none: each
+  bucket lands straight in the rollout's flattened storage (`inplace`), before it verifies.
 - `atomic` (the default): one slot per bucket of the sync, all `join`ed in one buffer (every
   bucket's data back to back, so a tensor split across buckets is one view), each bucket
   received straight into its own (shm copies it out of the shared slot, then lets the sender
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable, Sequence
-from contextlib import suppress
 from concurrent.futures import Future
 from typing import Any
 
@@ -69,9 +68,6 @@ class BucketEngine(CheckpointEngine):
     """Send a bucket whose pieces already sit in one storage straight from there, unpacked
     (`Layout.region`): only for a data plane that sends header and data apart (group engines);
     shm and cuda_ipc hand the receiver the slot itself, so they always pack."""
-    lands_in_place: bool = False
-    """Whether a streamed receive can land each bucket in the rollout's own storage
-    (`receive_weights(into=...)`, `inplace`): only an engine that receives into slots of its own."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -94,8 +90,6 @@ class BucketEngine(CheckpointEngine):
         """The current send's phase timings (`SyncStats.phases`)."""
         self._described: tuple[list[Source] | None, torch.dtype | None, list[TensorMeta]] = (None, None, [])
         """The sender's last tensors as `describe` found them, the rollout dtype then, and their plan metadata."""
-        self._into: Named | None = None
-        """This receive's `into=`: the rollout's tensors its buckets land in; None lands them in slots of its own."""
         self._landed = False
         """Whether `slots` are ranges of a rollout's storage (`into`), which no later receive may land in."""
         self._landing = Landing()
@@ -141,7 +135,7 @@ class BucketEngine(CheckpointEngine):
 
     def _start_send(self, k: int, nbytes: int) -> Any:
         """Start bucket k's `nbytes` (header and data) from its slot; an engine that
-        `sends_regions` takes the data from `_regions[k % SLOTS]` where that is not None."""
+        `sends_regions` takes the data from `_regions[k % len(_regions)]` where that is not None."""
         raise NotImplementedError
 
     def _start_recv(self, k: int, nbytes: int) -> Any:
@@ -195,12 +189,12 @@ class BucketEngine(CheckpointEngine):
                         into: Named | None = None) -> Incoming:
         """`into`: the rollout's tensors (a module, pairs or a state dict), when they sit in one
         storage laid out as the sender's plan lays out its buckets: a streamed receive of an
-        engine that `lands_in_place` receives every bucket straight there (`inplace`), and hands
+        engine whose capabilities say `lands_in_place` receives every bucket straight there
+        (`inplace`), and hands
         out views of that storage. A plan they cannot take is refused, and the sender told."""
         topology = self._topology(sender=False)
         self._forget_landing()
-        self._into = into
-        sent, accepted, staging = self._accept(topology.rank, version, expected)
+        sent, accepted, staging = self._accept(topology.rank, version, expected, into)
         layout = self._bind(accepted)
         incoming = Incoming(sent)
         self._receiver = Receiver(self, topology, layout, layout if staging is accepted else staging, sent, incoming)
@@ -222,6 +216,8 @@ class BucketEngine(CheckpointEngine):
                 self._receiver.inbox.pending.clear()
             self._receiver = None
             self._forget_landing()
+            if not self.keeps_buckets:  # a device engine lets the rollout's memory go between syncs
+                self._landing = Landing()
             self._in_flight.clear()
             self._disconnect()
             if self.control is not None and topology is not None:
@@ -251,15 +247,8 @@ class BucketEngine(CheckpointEngine):
         self.slots = []
         self._layout = None
 
-    def _drain_aside(self, plan: Plan) -> None:
-        """A failed landing receive drains the rest into two buffers of its own (where they fit), so
-        no later bucket lands in the rollout's weights beyond the two posted already."""
-        with suppress(EngineError):
-            self.slots = self._allocate([plan.bucket_bytes] * SLOTS, self.device) if self._landed else self.slots
-
     def _forget_landing(self) -> None:
         """Drop slots that are ranges of a rollout's storage (`into`): no later receive lands there."""
-        self._into = None
         if self._landed:
             self.slots, self._layout, self._landed = [], None, False
 
@@ -304,8 +293,8 @@ class BucketEngine(CheckpointEngine):
         if self.apply == "flip":
             self._flip.handed_out()
 
-    def _accept(self, rank: int, version: int | None,
-                expected: Collection[str] | None) -> tuple[int, Layout, Layout]:
+    def _accept(self, rank: int, version: int | None, expected: Collection[str] | None,
+                into: Named | None = None) -> tuple[int, Layout, Layout]:
         """Take the sender's version and plan, or refuse them, and answer `accepted/{rank}` either
         way before any bucket moves: the sender waits for every answer (`ControlStore.await_answers`).
 
@@ -316,11 +305,11 @@ class BucketEngine(CheckpointEngine):
             sent = sent_version(raw_version)
             if version is not None and version != sent:
                 raise PlanRefused(f"expected weights v{version}, the sender sends v{sent}")
-            if self._into is not None and not (self.lands_in_place and self.apply == "streamed"):
+            if into is not None and not (self.capabilities.lands_in_place and self.apply == "streamed"):
                 raise PlanRefused(f"into= lands every bucket in the rollout's weights as it arrives: that takes "
-                                  f"engine.apply 'streamed' (this receiver: {self.apply!r}) on an engine that "
-                                  f"receives into buffers of its own (gloo, nccl, hccl; this is {self.name})")
-            layout = self._receive_layout(raw_plan, expected)
+                                  f"engine.apply 'streamed' (this receiver: {self.apply!r}) on an engine whose "
+                                  f"capabilities say lands_in_place (gloo, nccl, hccl; this is {self.name})")
+            layout = self._receive_layout(raw_plan, expected) if into is None else self._land(raw_plan, expected, into)
             staging = self._staging(layout) if self.apply == "atomic" else layout
         except TransportError:
             raise
@@ -337,14 +326,8 @@ class BucketEngine(CheckpointEngine):
         """Check the plan (a plan of the very bytes of the last one was checked then) against this
         receiver's own settings before allocating for it: its `verify` wins over the plan's."""
         layout = self._layout
-        known = (layout.plan if layout is not None and layout.raw == raw
-                 else self._flip.plan_of(raw) or self._landing.plan_of(raw))
+        known = layout.plan if layout is not None and layout.raw == raw else self._flip.plan_of(raw)
         plan = self._receivable(known or parse_plan(raw), expected)
-        if self._into is not None:  # streamed, straight into the rollout's storage (checked in `_accept`)
-            layout = self._landing.layout_for(plan, raw, self._into, self.device)
-            self.slots, self._layout, self._landed = layout.slots, None, True
-            layout.reset()
-            return layout
         if self.apply == "flip":  # the set the rollout does not serve, of two this receiver holds
             layout = private_sets(self._flip, plan, raw, lambda size: self._buffers([size], self.device)[0])
             self.slots = layout.slots
@@ -353,6 +336,14 @@ class BucketEngine(CheckpointEngine):
         self._receive_slots(plan)
         if layout is None or layout.plan is not plan or not layout.fits(self.slots):
             layout = self._layout = Layout(plan, self.slots, raw=raw)
+        layout.reset()
+        return layout
+
+    def _land(self, raw: bytes, expected: Collection[str] | None, into: Named) -> Layout:
+        """A streamed receive straight into the rollout's storage (`inplace`; `_accept` checked the mode)."""
+        plan = self._receivable(self._landing.plan_of(raw) or parse_plan(raw), expected)
+        layout = self._landing.layout_for(plan, raw, into, self.device)
+        self.slots, self._layout, self._landed = layout.slots, None, True
         layout.reset()
         return layout
 

@@ -170,13 +170,32 @@ class Receiver:
         if self.engine.verify:
             self.checks[k] = self.engine.checksums.later(slot.data[:self.plan.used(k)])
 
+    def _drain_aside(self) -> None:
+        """A failed landing receive drains the rest into one buffer of the engine's (what drains is
+        thrown away), so no bucket posted from now on lands in the rollout's weights."""
+        engine = self.engine
+        if not engine._landed:
+            return
+        try:
+            engine.slots = engine._allocate([self.plan.bucket_bytes], engine.device)
+        except EngineError as exc:
+            structlog.get_logger().warning("engine.drain_in_place", engine=engine.name, rank=self.rank, error=str(exc),
+                                           reason="no buffer to drain into: the rest lands in the rollout's weights")
+
+    def _fate(self) -> str:
+        """What became of a bucket refused once it landed: nothing of it was applied, unless it landed
+        in the rollout's own weights (`into=`)."""
+        if self.engine._landed:
+            return "its bytes landed in the rollout's weights (into=): the rollout stays stale until a sync completes"
+        return "nothing from it was applied"
+
     def _header(self, k: int, slot: Slot) -> None:
         magic, version, index, used = read_header(slot.head)
         expected = (MAGIC, self.version, k, self.plan.used(k))
         if (magic, version, index, used) != expected:
             raise EngineError(f"{self.engine.name} engine: bucket {k} of {self.inbox.count} arrived with a bad header "
                               f"(magic {magic:#x}, v{version}, bucket {index}, {used} bytes); expected "
-                              f"v{expected[1]}, bucket {k}, {expected[3]} bytes; nothing from it was applied")
+                              f"v{expected[1]}, bucket {k}, {expected[3]} bytes; {self._fate()}")
 
     def _verify(self, k: int) -> None:
         """Compare bucket k's checksum with the sender's, waiting for both."""
@@ -190,7 +209,7 @@ class Receiver:
             names = self.layout.names(k)
             held = clip(", ".join(names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
             raise EngineError(f"{self.engine.name} engine: bucket {k} of {self.inbox.count} failed its checksum "
-                              f"(sent {sent:016x}, received {actual:016x}); nothing from it was applied; "
+                              f"(sent {sent:016x}, received {actual:016x}); {self._fate()}; "
                               f"it holds {held}")
 
     def _sent_digest(self, k: int) -> int:
@@ -198,7 +217,7 @@ class Receiver:
         raw = self.engine._control().get(f"digest/{k}", watch_closed=True)
         if not _DIGEST.fullmatch(raw):
             raise EngineError(f"{self.engine.name} engine: bucket {k} of {self.inbox.count}: the sender's checksum "
-                              f"{raw[:40]!r} ({len(raw)} bytes) is not 16 lowercase hex digits; nothing from it was applied")
+                              f"{raw[:40]!r} ({len(raw)} bytes) is not 16 lowercase hex digits; {self._fate()}")
         return int(raw, 16)
 
     def finish(self) -> None:
@@ -213,7 +232,7 @@ class Receiver:
             f"the rollout stopped reading after {self.incoming.tensors} of {len(self.plan.tensors)} tensors")
         try:
             if not ok:
-                self.engine._drain_aside(self.plan)
+                self._drain_aside()
                 self.inbox.drain()
         except EngineError as exc:
             structlog.get_logger().warning("engine.drain_failed", engine=self.engine.name, rank=self.rank,

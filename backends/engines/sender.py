@@ -1,5 +1,5 @@
-"""The sender's side of one sync once every receiver accepted the plan: buckets in order, two in
-flight, each packed (or sent from its sources' storage) and its checksum started while it is
+"""The sender's side of one sync once every receiver accepted the plan: buckets in order, as many
+in flight as the sender has slots, each packed (or sent from its sources' storage) and its checksum started while it is
 on the wire, and sent after it (see `pipeline` for the pipeline as a whole).
 """
 
@@ -32,7 +32,7 @@ def send_buckets(engine: BucketEngine, layout: Layout, tensors: Sequence[torch.T
     its own place in the weight set) waits for no receiver until the last bucket is written."""
     count, window = len(layout.plan.buckets), max(SLOTS, len(engine.slots))
     in_flight: list[Any] = [None] * window
-    engine._in_flight = in_flight
+    engine._in_flight, engine._regions = in_flight, [None] * window
     digests: dict[int, Future[int]] = {}
     try:
         for k in range(count):
@@ -78,7 +78,7 @@ def send_bucket(engine: BucketEngine, layout: Layout, k: int, tensors: Sequence[
     slot, used, verify = engine.slots[k % len(engine.slots)], layout.plan.used(k), layout.plan.verify
     host = slot.data.device.type == "cpu"
     in_place = layout.region(k, tensors) if engine.sends_regions else None
-    engine._regions[k % SLOTS] = in_place
+    engine._regions[k % len(engine._regions)] = in_place
     data = slot.data[:used] if in_place is None else in_place
     copied: Copied | None = [] if verify and host else None
     packing = time.perf_counter()

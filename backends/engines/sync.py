@@ -96,10 +96,12 @@ def receive_into(
     `expected`: the names of the weights the rollout must get; a sync that leaves any out is
     refused before anything is applied, and the sender is told (the engine's
     `receive_weights` must take `expected`, as every engine of this package does).
-    `into`: the rollout's own tensors, flattened as the trainer's are (`flatten_parameters`):
-    a streamed gloo / nccl / hccl receive lands every bucket straight in their storage
-    (`inplace`), and `load_weights` is handed views of that storage, already holding the
-    values. A failed sync then leaves the weights partly overwritten (the rollout is stale).
+    `into`: the rollout's own tensors, flattened (`flatten_parameters`, in the trainer's
+    `named_parameters()` order and wire dtype): a streamed gloo / nccl / hccl receive lands
+    every bucket straight in their storage (`inplace`), and `load_weights` is handed views of
+    that storage, already holding the values. A failed sync then leaves the weights partly
+    overwritten (the rollout is stale). Tensors of `into` the plan does not send keep their
+    values; pass `expected` to require them.
     """
     if isinstance(expected, str):
         raise EngineError(f"{engine.name} engine: expected= takes a collection of weight names, not the one "
@@ -140,8 +142,8 @@ def _load(engine: CheckpointEngine, rollout: RolloutTarget, version: int | None,
 @functools.cache
 def _takes(engine_class: type[CheckpointEngine], option: str) -> bool:
     """Whether the class's `receive_weights` takes `option` (the base class declares `expected`,
-    an engine written before it may not; `into` only engines that land in place). Looked up
-    once per class, not on every receive."""
+    an engine written before it may not; every `BucketEngine` takes `into`, and refuses it in its
+    answer to the plan where it cannot land in place). Looked up once per class, not on every receive."""
     return option in inspect.signature(engine_class.receive_weights).parameters
 
 

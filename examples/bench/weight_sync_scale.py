@@ -278,7 +278,8 @@ def memory(args: argparse.Namespace, row: Row, name: str) -> tuple[list[str], st
 
 def print_rows(args: argparse.Namespace, rows: Sequence[Row]) -> None:
     print(f"{args.bucket / 2**20:g} MiB buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}"
-          f"{_LANDS if args.into else ''}, median of {args.repeat}, torch threads {args.threads}; GB/s, and the engine's over its baseline's")
+          f"{_LANDS if args.into else ''}, median of {args.repeat}, torch threads {args.threads}; "
+          "GB/s, and the engine's over its baseline's")
     print(f"  {'weights':>11s} {'tensors':>7s} {'gloo':>7s} {'(a)flat':>7s} {'(b)each':>7s} {'/(a)':>6s} "
           f"{'/(b)':>6s}   {'shm':>7s} {'memcpy':>7s} {'/memcpy':>7s}")
     for row in rows:
