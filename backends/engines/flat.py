@@ -232,8 +232,7 @@ def _entries(named: Iterable[tuple[str, Any]], *, by_place: bool) -> list[_Entry
             raise EngineError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
         key: object = id(tensor)
         if by_place and not kind_problem(tensor) and tensor.numel():
-            key = (tensor.device, tensor.dtype, _storage_ptr(tensor), tensor.storage_offset(),
-                   tuple(tensor.shape), tensor.stride())
+            key = place(tensor)
         entry = out.get(key)
         if entry is None:
             out[key] = _Entry(name, tensor, [])
@@ -247,6 +246,13 @@ def _grouped(entries: list[_Entry]) -> dict[GroupKey, list[_Entry]]:
     for entry in entries:
         groups.setdefault((entry.tensor.device, entry.tensor.dtype), []).append(entry)
     return groups
+
+
+def place(tensor: torch.Tensor) -> tuple[object, ...]:
+    """Where a tensor's values lie: two tensors of one place are one (tied weights, or a state
+    dict's detached views of one parameter)."""
+    return (tensor.device, tensor.dtype, _storage_ptr(tensor), tensor.storage_offset(), tuple(tensor.shape),
+            tensor.stride())
 
 
 def kind_problem(tensor: torch.Tensor) -> str | None:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from backends.engines.buckets import HEADER_BYTES, Layout, Slot
-from backends.engines.flat import Named, kind_problem, named_pairs
+from backends.engines.flat import Named, kind_problem, named_pairs, place
 from backends.engines.plan import Plan, PlanRefused, align
 from backends.engines.sources import Source, describe
 
@@ -86,7 +86,7 @@ def landing_slots(plan: Plan, into: Named, device: torch.device) -> list[Slot]:
     return _slots(plan, *rollout_tensors(into), device)
 
 
-def _slots(plan: Plan, tensors: dict[str, torch.Tensor], found: list[tuple[str, torch.Tensor]],
+def _slots(plan: Plan, tensors: dict[str, torch.Tensor], beside: list[tuple[str, torch.Tensor]],
            device: torch.device) -> list[Slot]:
     """`landing_slots` of `rollout_tensors`' answer."""
     ordered, places = [], {}
@@ -97,7 +97,7 @@ def _slots(plan: Plan, tensors: dict[str, torch.Tensor], found: list[tuple[str, 
         if tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape:
             raise PlanRefused(f"it sends {meta.name!r} as {meta.dtype} {list(meta.shape)}; the rollout holds "
                               f"{tensor.dtype} {list(tensor.shape)}")
-        other = places.setdefault(_place(tensor), meta.name) if tensor.numel() else meta.name
+        other = places.setdefault(place(tensor), meta.name) if tensor.numel() else meta.name
         if other != meta.name:
             raise PlanRefused(f"it sends {other!r} and {meta.name!r}, which the rollout ties (one tensor under two "
                               "names): send tied weights once, as named_parameters() does")
@@ -121,7 +121,7 @@ def _slots(plan: Plan, tensors: dict[str, torch.Tensor], found: list[tuple[str, 
                               "flatten_parameters, from the same model, or receive without into=")
         slots.append(Slot(head, region))
     unsent = [(name, tensor) for name, tensor in tensors.items()
-              if tensor.numel() and places.get(_place(tensor)) is None] + found
+              if tensor.numel() and places.get(place(tensor)) is None] + beside
     _check_apart(slots, unsent)
     return slots
 
@@ -142,11 +142,6 @@ def _check_apart(slots: list[Slot], unsent: list[tuple[str, torch.Tensor]]) -> N
         if i >= 0 and ranges[i][1] > low:
             raise PlanRefused(f"bucket {ranges[i][2]} would land on {name!r}, a tensor of the rollout's the plan "
                               "does not send")
-
-
-def _place(tensor: torch.Tensor) -> tuple[object, ...]:
-    """Where a tensor's values lie: two names of one place are one tensor (tied weights)."""
-    return tensor.device, tensor.dtype, tensor.data_ptr(), tuple(tensor.shape), tensor.stride()
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:

@@ -6,9 +6,9 @@ sender writes each bucket to its own place in the weight set, so it waits for no
 last is written). Bucket k starts as soon as it is packed; its checksum is computed while it
 is on the wire (on a host by the engine's checksum worker, `digests.Checksums`) and sent after
 it as `digest/{k}` (16 lowercase hex digits), as soon as it is ready and at the latest once
-bucket k + 1 has started. A receiver has buckets k and k + 1 posted; it checks bucket k's header as it lands,
-hashes it on its own worker while k + 1 arrives, and counts it verified only once its hash
-matches `digest/{k}`. What it does next is its `apply` mode:
+bucket k + 1 has started. A receiver has buckets k and k + 1 posted; it checks bucket k's
+header as it lands, hashes it on its own worker while k + 1 arrives, and counts it verified
+only once its hash matches `digest/{k}`. What it does next is its `apply` mode:
 
 - `streamed`: two slots, like the sender. It hands out bucket k's tensors once k verified
   and only then posts bucket k + 2 into the slot k used, so it never holds more than two
@@ -190,8 +190,8 @@ class BucketEngine(CheckpointEngine):
         """`into`: the rollout's tensors (a module, pairs or a state dict), when they sit in one
         storage laid out as the sender's plan lays out its buckets: a streamed receive of an
         engine whose capabilities say `lands_in_place` receives every bucket straight there
-        (`inplace`), and hands
-        out views of that storage. A plan they cannot take is refused, and the sender told."""
+        (`inplace`), and hands out views of that storage. A plan they cannot take is refused,
+        and the sender told."""
         topology = self._topology(sender=False)
         self._forget_landing()
         sent, accepted, staging = self._accept(topology.rank, version, expected, into)

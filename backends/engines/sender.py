@@ -1,6 +1,7 @@
 """The sender's side of one sync once every receiver accepted the plan: buckets in order, as many
-in flight as the sender has slots, each packed (or sent from its sources' storage) and its checksum started while it is
-on the wire, and sent after it (see `pipeline` for the pipeline as a whole).
+in flight as the sender has slots, each packed (or sent from its sources' storage) and its
+checksum started while it is on the wire, and sent after it (see `pipeline` for the pipeline
+as a whole).
 """
 
 from __future__ import annotations

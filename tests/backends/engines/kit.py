@@ -110,6 +110,24 @@ def new_engine(name: str, **kwargs: Any) -> CheckpointEngine:
     return CheckpointEngineRegistry.new(name, **kwargs)
 
 
+def corrupting(name: str, bucket: int | None = None, **kwargs: Any) -> CheckpointEngine:
+    """A `name` sender that flips one byte of bucket `corrupt` (`bucket` at first; None: none)
+    after its checksum was started. It flips a byte of the packed slot, so it packs every bucket:
+    a bucket sent from its weights' own storage is one the sender hashes as sent
+    (test_contiguous corrupts those)."""
+
+    class Corrupting(CLASSES[name]):  # type: ignore[valid-type,misc]
+        corrupt: int | None = bucket
+        sends_regions = False
+
+        def _start_send(self, k: int, nbytes: int) -> Any:
+            if k == self.corrupt:
+                self.slots[k % len(self.slots)].data[5] ^= 0xFF
+            return super()._start_send(k, nbytes)
+
+    return Corrupting(**{"bucket_bytes": 4096, "timeout_s": 10, **kwargs})
+
+
 def sync_threads(sender: CheckpointEngine | WeightSync, receivers: list[CheckpointEngine],
                  named: list[tuple[str, torch.Tensor]], rollouts: list[Any] | None = None, *,
                  version: int = 1, port: int | None = None, deadline_s: float = TIMEOUT_S + 5,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from backends.engines import CheckpointEngine, Rendezvous, SyncStats, WeightSync, receive_into
+from backends.engines import Rendezvous, SyncStats, WeightSync, receive_into
 from backends.engines.buckets import HEADER_BYTES
 from backends.engines.gloo import GlooEngine
 from backends.engines.plan import align
@@ -23,7 +23,9 @@ from lifecycle import Lifecycle, State
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryCheckpointer, MemoryRollout
 from tests.backends.dist_util import free_port
-from tests.backends.engines.kit import CLASSES, HANG_GUARD_S, TRANSPORTS, mixed_tensors, new_engine, sync_threads
+from tests.backends.engines.kit import (
+    CLASSES, HANG_GUARD_S, TRANSPORTS, corrupting, mixed_tensors, new_engine, sync_threads,
+)
 
 
 def _assert_delivered(rollout: MemoryRollout, named: list[tuple[str, torch.Tensor]], version: int) -> None:
@@ -31,24 +33,6 @@ def _assert_delivered(rollout: MemoryRollout, named: list[tuple[str, torch.Tenso
     served = rollout.serve()
     for name, tensor in named:
         assert served[name].dtype == tensor.dtype and torch.equal(served[name], tensor), name
-
-
-def _corrupting(name: str, bucket: int) -> CheckpointEngine:
-    """A sender whose bucket `bucket` has one byte flipped after its checksum was written.
-
-    It flips a byte of the packed slot, so it packs every bucket: a bucket sent from its
-    weights' own storage is one the sender hashes as sent (test_contiguous corrupts those)."""
-
-    class Corrupting(CLASSES[name]):  # type: ignore[valid-type,misc]
-        corrupt: int | None = bucket
-        sends_regions = False
-
-        def _start_send(self, k: int, nbytes: int) -> Any:
-            if k == self.corrupt:
-                self.slots[k % 2].data[5] ^= 0xFF
-            return super()._start_send(k, nbytes)
-
-    return Corrupting(bucket_bytes=4096, timeout_s=10)
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
@@ -225,7 +209,7 @@ def test_packing_the_next_bucket_overlaps_the_transfer_of_this_one() -> None:
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_a_corrupted_bucket_applies_nothing_fails_both_sides_and_the_next_sync_repairs(name: str) -> None:
-    sender, receivers = _corrupting(name, bucket=0), [new_engine(name), new_engine(name)]
+    sender, receivers = corrupting(name, bucket=0), [new_engine(name), new_engine(name)]
     rollouts = [MemoryRollout(), MemoryRollout()]
     port = free_port()
     run = sync_threads(sender, receivers, mixed_tensors(), rollouts, version=1, port=port)
@@ -251,7 +235,7 @@ def test_by_default_a_corrupted_last_bucket_applies_nothing_at_all(name: str) ->
     rollout.load_weights(mixed_tensors(seed=7))
     rollout.weights_version = 7
     before = {key: value.clone() for key, value in rollout.weights.items()}
-    engines = [new_engine(name), new_engine(name), _corrupting(name, bucket=0), new_engine(name)]
+    engines = [new_engine(name), new_engine(name), corrupting(name, bucket=0), new_engine(name)]
     buckets = sync_threads(engines[0], [engines[1]], named).figures["buckets"]  # type: ignore[index]
     assert buckets > 4
     engines[2].corrupt = buckets - 1  # type: ignore[attr-defined]
@@ -271,7 +255,7 @@ def test_streamed_a_corrupted_later_bucket_keeps_its_tensors_out_and_leaves_the_
              for i, name in enumerate(("first", "second", "third"))]
     named = whole + mixed_tensors()
     rollout = MemoryRollout()
-    run = sync_threads(_corrupting("gloo", bucket=2), [new_engine("gloo", apply="streamed")], named, [rollout])
+    run = sync_threads(corrupting("gloo", bucket=2), [new_engine("gloo", apply="streamed")], named, [rollout])
     assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
     held = str(run.errors[0]).split("it holds ")[1].split(", ")
     assert held == ["third", "embed.weight"] and not set(held) & set(rollout.weights)

@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from backends.engines import CheckpointEngine, Rendezvous, WeightSync, adopt_weights, receive_into
+from backends.engines import Rendezvous, WeightSync, adopt_weights, receive_into
 from backends.engines.shared import _pick, set_bytes
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
-    CLASSES, HANG_GUARD_S, ModelRollout, greedy, mixed_tensors, new_engine, read_case, sync_threads, tiny_qwen2, train_step,
+    CLASSES, HANG_GUARD_S, ModelRollout, corrupting, greedy, mixed_tensors, new_engine, read_case, sync_threads, tiny_qwen2,
+    train_step,
 )
 
 BUCKET = 1 << 16
@@ -38,21 +39,6 @@ class Adopting(ModelRollout):
 
 FLIPPING = ["gloo", "shm"]
 """gloo lands a sync in the receiver's own two sets; shm in the two the sender shares."""
-
-
-def _corrupting(name: str) -> CheckpointEngine:
-    """A flip sender that flips one byte of bucket `corrupt` after packing it (always packing)."""
-
-    class Corrupting(CLASSES[name]):  # type: ignore[valid-type,misc]
-        corrupt: int | None = None
-        sends_regions = False
-
-        def _start_send(self, k: int, nbytes: int) -> Any:
-            if k == self.corrupt:
-                self.slots[k % len(self.slots)].data[5] ^= 0xFF
-            return super()._start_send(k, nbytes)
-
-    return Corrupting(apply="flip", bucket_bytes=BUCKET, timeout_s=10)
 
 
 def _flip(name: str = "shm", **kwargs: Any) -> Any:
@@ -126,7 +112,7 @@ def test_a_corrupted_last_bucket_leaves_the_rollout_on_its_old_set_bit_identical
     name: str,
 ) -> None:
     trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
-    sender, receiver = _corrupting(name), _flip(name)
+    sender, receiver = corrupting(name, apply="flip", bucket_bytes=BUCKET), _flip(name)
     port = free_port()
     try:
         run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=1, port=port)

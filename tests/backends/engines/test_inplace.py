@@ -14,7 +14,7 @@ from backends.engines.inplace import landing_slots
 from backends.engines.plan import Piece, Plan, PlanRefused, TensorMeta, make_plan
 from lifecycle.errors import EngineError
 from tests.backends.engines.kit import (
-    CLASSES, ModelRollout, greedy, mixed_tensors, new_engine, sync_threads, tiny_qwen2, train_step,
+    ModelRollout, corrupting, greedy, mixed_tensors, new_engine, sync_threads, tiny_qwen2, train_step,
 )
 
 BUCKET = 1 << 16
@@ -106,40 +106,26 @@ def test_into_takes_a_streamed_group_engine_and_anything_else_is_refused_before_
         sender.close()
 
 
-class _Corrupting(CLASSES["gloo"]):  # type: ignore[valid-type,misc]
-    """A sender that flips one byte of bucket `corrupt` after packing it (always packing)."""
-
-    corrupt: int | None = None
-    sends_regions = False
-
-    def _start_send(self, k: int, nbytes: int) -> Any:
-        if k == self.corrupt:
-            self.slots[k % len(self.slots)].data[5] ^= 0xFF
-        return super()._start_send(k, nbytes)
-
-
 def test_a_bad_bucket_landed_in_place_overwrites_its_weights_and_leaves_the_rollout_stale_until_a_sync_completes(
 ) -> None:
     trainer, model = _flat_pair()
     rollout = ModelRollout(model)
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     metas = [TensorMeta(name, param.dtype, tuple(param.shape)) for name, param in trainer.named_parameters()]
-    second = {metas[p.index].name for p in make_plan(metas, BUCKET, True).buckets[1]}
-    sender = _Corrupting(bucket_bytes=BUCKET, timeout_s=10)
+    buckets = [{metas[p.index].name for p in bucket} for bucket in make_plan(metas, BUCKET, True).buckets]
+    sender = corrupting("gloo", bucket=1, bucket_bytes=BUCKET)
     receiver = new_engine("gloo", bucket_bytes=BUCKET, apply="streamed")
     try:
-        sender.corrupt = 1
         run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], into=[model])
         assert isinstance(run.errors[0], EngineError) and "bucket 1 of" in str(run.errors[0])
         assert rollout.stale and rollout.weights_version == 0
         changed = {name for name, param in model.named_parameters() if not torch.equal(param, before[name])}
-        assert changed & second  # the failed bucket's bytes landed where the rollout serves from
-        buckets = [{metas[p.index].name for p in bucket} for bucket in make_plan(metas, BUCKET, True).buckets]
+        assert changed & buckets[1]  # the failed bucket's bytes landed where the rollout serves from
         assert len(buckets) > 4
         landed = set().union(*buckets[:3])  # those before the bad one, the bad one, the one posted after it
         assert changed <= landed  # the rest drained into a buffer of the engine's
         assert "its bytes landed in the rollout's weights (into=)" in str(run.errors[0])
-        sender.corrupt = None
+        sender.corrupt = None  # type: ignore[attr-defined]
         run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], into=[model], version=2)
         assert run.error is None and run.versions == [2] and not rollout.stale
         assert greedy(model) == greedy(trainer)
