@@ -22,6 +22,7 @@ engines) broadcasts as it stands, and whose checksum reads that range in place.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -100,11 +101,16 @@ class Layout:
         self._whole: dict[int, torch.Tensor | None] | None = None
         """Per tensor split across buckets, the one view of all its pieces where they lie back to
         back in one storage and no bucket shares a slot (`unpack`); None where they do not."""
-        self._sources: list[Source] | None = None
+        self._sources: Source | None = None
         self._programs: dict[int, Program] = {}
         self._bound = False
         """Whether `bind_sources` was called: until then nothing is kept (a caller that packs
         without binding may change its tensors between calls)."""
+
+    @functools.cached_property
+    def total_bytes(self) -> int:
+        """Every tensor's bytes (`Plan.total_bytes`), summed once while the layout is kept."""
+        return self.plan.total_bytes
 
     @property
     def views(self) -> list[list[torch.Tensor]]:
@@ -127,7 +133,7 @@ class Layout:
     def fits(self, slots: Sequence[Slot]) -> bool:
         return len(slots) == len(self.slots) and all(a is b for a, b in zip(slots, self.slots))
 
-    def bind_sources(self, sources: list[Source] | None) -> None:
+    def bind_sources(self, sources: Source | None) -> None:
         """The sender's tensors of this sync as `describe` found them: what packing each bucket
         takes (`Program`) is worked out once and reused while they stay where they were. None
         (tensors `describe` cannot read) or tensors that moved forget it; with None, what this

@@ -42,7 +42,7 @@ class Landing:
 
     def __init__(self) -> None:
         self.layout: Layout | None = None
-        self._sources: list[Source] | None = None
+        self._sources: Source | None = None
 
     def layout_for(self, plan: Plan, raw: bytes, into: Named, device: torch.device) -> Layout:
         """The layout whose slots are `into`'s storage, for `plan` (`landing_slots`)."""

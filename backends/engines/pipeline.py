@@ -88,7 +88,7 @@ class BucketEngine(CheckpointEngine):
         """A flip receiver's two weight sets (`sets`); shm's sender keeps the shared ones here too."""
         self._phases: dict[str, float] = {}
         """The current send's phase timings (`SyncStats.phases`)."""
-        self._described: tuple[list[Source] | None, torch.dtype | None, list[TensorMeta]] = (None, None, [])
+        self._described: tuple[Source | None, torch.dtype | None, list[TensorMeta]] = (None, None, [])
         """The sender's last tensors as `describe` found them, the rollout dtype then, and their plan metadata."""
         self._landed = False
         """Whether `slots` are ranges of a rollout's storage (`into`), which no later receive may land in."""
@@ -181,7 +181,7 @@ class BucketEngine(CheckpointEngine):
         control.await_answers(topology.receivers, "status", f"rejected weights v{version}", acknowledge=True)
         phases["apply"] = time.perf_counter() - landed
         self._clean = True
-        return SyncStats(backend=self.name, version=version, bytes=layout.plan.total_bytes,
+        return SyncStats(backend=self.name, version=version, bytes=layout.total_bytes,
                          buckets=len(layout.plan.buckets), tensors=len(pairs), receivers=len(topology.receivers),
                          seconds=time.perf_counter() - start, phases=phases)
 
@@ -261,7 +261,7 @@ class BucketEngine(CheckpointEngine):
             layout = self._layout = Layout(plan, self.slots, raw=plan.to_bytes())
         return layout
 
-    def _metas(self, pairs: list[tuple[str, torch.Tensor]], sources: list[Source] | None) -> list[TensorMeta]:
+    def _metas(self, pairs: list[tuple[str, torch.Tensor]], sources: Source | None) -> list[TensorMeta]:
         """The plan's metadata of these tensors: those of the last sync when `describe` found them
         as they were then (the same list, so `_same_plan` compares each entry by identity)."""
         last, dtype, metas = self._described

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,10 +55,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)

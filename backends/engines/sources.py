@@ -5,10 +5,13 @@ are where they were last sync, and a `Program` is what packing one bucket from t
 
 from __future__ import annotations
 
+import threading
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 Copied = list[tuple[int, int, int]]
 """(offset in the data region, address, nbytes) of pieces `Layout.pack` copied byte for byte."""
@@ -22,29 +25,54 @@ def wire_bytes(src: torch.Tensor, dtype: torch.dtype) -> bool:
     return src.dtype == dtype and not (src.is_conj() or src.is_neg())
 
 
-Source = tuple[object, ...]
-"""What packing a bucket depends on about one sender tensor (`describe`)."""
+Source = bytes
+"""A fingerprint of the sender's tensors (`describe`): 16 bytes, whatever their count."""
+
+_WORDS = 8192
+"""Integers `describe` gathers before it hashes them, so it holds a few KiB, not a list per tensor."""
+_CODES: dict[object, int] = {}
+"""Small integers standing for the dtypes and devices `describe` has met, in this process."""
 
 
-def describe(named: Sequence[tuple[str, torch.Tensor]], last: list[Source] | None = None) -> list[Source] | None:
-    """Per tensor, its name and all that packing its pieces depends on: type, device, dtype,
-    shape, strides, storage offset, address and lazy conjugate and negation bits. Equal lists
-    mean the same plan and the same copies from the same addresses. `last` itself when every
-    tensor is as `last` describes it (so a sender holds one description, not two); None when
-    a tensor is not plain strided memory (then nothing is reused). About 4 us a tensor."""
-    if any(type(t) not in PLAIN or t.layout != torch.strided for _, t in named):
-        return None
-    out: list[Source] = []
-    same = last is not None and len(last) == len(named)
-    for i, (name, t) in enumerate(named):
-        entry = (name, t.device, t.dtype, t.shape, t.stride(), t.storage_offset(), t.data_ptr(), t.is_conj(),
-                 t.is_neg())
-        if same:
-            if entry == last[i]:  # type: ignore[index]
-                continue
-            same, out = False, list(last[:i])  # type: ignore[index]
-        out.append(entry)
-    return last if same else out
+_NEW_CODE = threading.Lock()
+
+
+def _code(key: object) -> int:
+    code = _CODES.get(key)
+    if code is None:
+        with _NEW_CODE:  # two threads meeting two new keys must not both take the same number
+            code = _CODES.setdefault(key, len(_CODES))
+    return code
+
+
+def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = None) -> Source | None:
+    """A fingerprint of all that packing the tensors' pieces depends on: per tensor its name,
+    device, dtype, shape, strides, storage offset, address and lazy conjugate and negation bits.
+    Equal fingerprints mean the same plan and the same copies from the same addresses. `last`
+    itself when the tensors are as `last` describes them (so a sender can tell by identity);
+    None when a tensor is not plain strided memory (then nothing is reused).
+
+    The integers (and the names, their lengths among the integers) are hashed with xxh3-128 a
+    few thousand at a time, the hash each bucket's bytes are checked with already, so a sender
+    keeps 16 bytes however many tensors it sends, and describing them holds a few KiB more
+    while it runs. About 4 us a tensor."""
+    hasher, words, names = xxhash.xxh3_128(), array("Q"), []
+    for name, t in named:
+        if type(t) not in PLAIN or t.layout != torch.strided:
+            return None
+        dtype, shape = t.dtype, t.size()
+        bits = 2 * t.is_neg() + (t.is_conj() if dtype.is_complex else 0)  # only a complex tensor is a lazy conjugate
+        words.extend((len(name), _code(t.device), _code(dtype), bits, t.data_ptr(), t.storage_offset(), len(shape),
+                      *shape, *t.stride()))
+        names.append(name)
+        if len(words) >= _WORDS:
+            hasher.update(words)
+            hasher.update("".join(names).encode(errors="surrogatepass"))
+            del words[:], names[:]
+    hasher.update(words)
+    hasher.update("".join(names).encode(errors="surrogatepass"))
+    found = hasher.digest()
+    return last if found == last else found
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,56 @@ def test_describe_hands_back_the_last_description_itself_while_nothing_moved_and
     assert first is not None and describe(named, first) is first
     named[3] = (named[3][0], named[3][1].clone())
     second = describe(named, first)
-    assert second is not first and second == describe(named)
-    assert second[:3] == first[:3] and second[3] != first[3] and second[4:] == first[4:]  # type: ignore[index]
+    assert second is not first and second == describe(named) and second != first
+
+
+def _changed(change: str) -> tuple[Named, Named]:
+    """Two lists of tensors alike in everything but `change`."""
+    base = torch.arange(64, dtype=torch.float32)
+    z = torch.randn(8, dtype=torch.complex64)
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
+        "address": (base[:8], base[8:16]),
+        "dtype": (base[:8], base[:8].view(torch.int32)),
+        "shape, same bytes": (base[:8], base[:8].view(2, 4)),
+        "strides": (base[:16].view(4, 4), base[:16].view(4, 4).t()),
+        # the same address, in a storage that starts where the tensor does
+        "storage offset": (base[8:16], torch.from_numpy(base.numpy()[8:16])),
+        "lazy negation": (z.imag, z.conj().imag),
+        "lazy conjugate": (z, z.conj()),
+    }
+    if change in pairs:
+        a, b = pairs[change]
+        return [("x", a)], [("x", b)]
+    if change == "name":
+        return [("x", base)], [("y", base)]
+    if change == "where one name ends and the next begins":
+        return [("ab", base[:8]), ("c", base[8:16])], [("a", base[:8]), ("bc", base[8:16])]
+    assert change == "count"
+    return [("x", base)], [("x", base), ("y", base[:0])]
+
+
+@pytest.mark.parametrize("change", ["address", "dtype", "shape, same bytes", "strides", "storage offset",
+                                    "lazy negation", "lazy conjugate", "name",
+                                    "where one name ends and the next begins", "count"])
+def test_describe_tells_apart_tensors_that_differ_in_any_one_fact_packing_depends_on(change: str) -> None:
+    before, after = _changed(change)
+    first = describe(before)
+    assert first is not None and describe(after, first) != first and describe(before, first) is first
+
+
+def test_describe_keeps_sixteen_bytes_and_holds_a_few_kib_however_many_tensors() -> None:
+    import tracemalloc
+
+    storage = torch.zeros(20_000)
+    named = [(f"model.layers.{i}.mlp.weight", storage[i:i + 1]) for i in range(20_000)]
+    tracemalloc.start()
+    try:
+        found = describe(named)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert found is not None and len(found) == 16
+    assert peak < 256 * 1024, f"describing 20000 tensors held {peak} bytes at its peak"
 
 
 @pytest.mark.parametrize("change", ["rebound .data", "new tensor", "another dtype", "strided", "lazy negation"])
