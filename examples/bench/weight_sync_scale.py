@@ -38,7 +38,8 @@ from multiprocessing.connection import Connection
 import torch
 from record import Figure, write_docs
 from weight_sync import (
-    _LANDS, HOST, _barrier, _broadcast, _engine, _group, _Reader, _timed, _timed_engine, make_tensors, numels, warmup,
+    _LANDS, HOST, _barrier, _broadcast, _engine, _group, _Reader, _shares, _timed, _timed_engine, make_tensors, numels,
+    phase_shares, warmup,
 )
 
 from backends.base import free_port
@@ -142,6 +143,7 @@ def _sender(args: argparse.Namespace, point: Point, name: str, ports: dict[str, 
         "memcpy": lambda: ctypes.memmove(copy_dst.data_ptr(), flat.data_ptr(), point.total),
     }
     seconds: dict[str, list[float]] = {key: [] for key in (*BASELINES[name], name)}
+    phases: dict[str, float] = {}
     for rep in range(args.repeat + warmup(args)):
         got: dict[str, float] = {}
         for key in BASELINES[name]:
@@ -150,11 +152,12 @@ def _sender(args: argparse.Namespace, point: Point, name: str, ports: dict[str, 
             got[key] = _timed(steps[key])
         _barrier(group)
         with meter.around():
-            got[name] = _timed_engine(engine, ports[name], tensors, rep + 1)[1]
+            _, got[name], phases = _timed_engine(engine, ports[name], tensors, rep + 1)
+        got.update({f"{name}_phase_{phase}": secs for phase, secs in phases.items()})
         _barrier(group)
         if rep >= warmup(args):  # untimed rounds touch every buffer first; first touches are not transfers
             for key, value in got.items():
-                seconds[key].append(value)
+                seconds.setdefault(key, []).append(value)
     out.send((seconds, meter.peak()))
 
 
@@ -287,6 +290,10 @@ def print_rows(args: argparse.Namespace, rows: Sequence[Row]) -> None:
         print(f"  {_gib(row):>11s} {row.point.count:7d} {gbps['gloo']:7.2f} {gbps['flat']:7.2f} "
               f"{gbps['per_tensor']:7.2f} {gbps['gloo'] / gbps['flat']:5.2f}x {gbps['gloo'] / gbps['per_tensor']:5.2f}x"
               f"   {gbps['shm']:7.2f} {gbps['memcpy']:7.2f} {gbps['shm'] / gbps['memcpy']:6.2f}x")
+    print("where a sync's time goes (the sender's phases, medians as shares of the median sync)")
+    for row in rows:
+        for name in BASELINES:
+            print(f"  {row.point.label:27s} {name:5s} {_shares(phase_shares(row.seconds, name))}")
     print("peak resident memory: the rise over the RSS before the engine's first sync, of the bound "
           "(two buckets a side, plus the weights on an atomic receiver)")
     for row in rows:
@@ -322,11 +329,17 @@ def checks(size_rows: Sequence[Row], count_rows: Sequence[Row]) -> list[Figure]:
     for name in BASELINES if len(size_rows) > 1 else ():
         ratio = large.gbps(name) / small.gbps(name)
         verdict = "met" if abs(ratio - 1) <= LINEAR_WITHIN else "NOT met"
+        base = BASELINES[name][0]
+        control = large.gbps(base) / small.gbps(base)  # the machine's own: the baseline over the same sizes
         print(f"  {name}: cost linear in size: {large.gbps(name):.2f} GB/s at {_gib(large)}, {small.gbps(name):.2f} "
-              f"at {_gib(small)}: {ratio:.2f}x, target within {LINEAR_WITHIN:.0%}: {verdict}")
+              f"at {_gib(small)}: {ratio:.2f}x, target within {LINEAR_WITHIN:.0%}: {verdict}; its baseline "
+              f"({AGAINST[base]}) over the same sizes in the same run: {control:.2f}x")
         figures.append(Figure(f"`{name}` cost linear in size: GB/s at {_gib(large)} against at {_gib(small)}",
                               f"{large.gbps(name):.2f} GB/s", f"{small.gbps(name):.2f} GB/s", f"{ratio:.2f}x",
                               f"{1 - LINEAR_WITHIN:.2f}x to {1 + LINEAR_WITHIN:.2f}x"))
+        figures.append(Figure(f"{AGAINST[base]} (the baseline) over the same sizes: GB/s at {_gib(large)} against at "
+                              f"{_gib(small)}", f"{large.gbps(base):.2f} GB/s", f"{small.gbps(base):.2f} GB/s",
+                              f"{control:.2f}x", ""))
     for name, base in (("gloo", "per_tensor"), ("shm", "memcpy")):
         ratios = {row.point.count: row.gbps(name) / row.gbps(base) for row in count_rows}
         listed = ", ".join(f"{count}: {ratio:.2f}x" for count, ratio in ratios.items())
@@ -401,4 +414,9 @@ def note(args: argparse.Namespace, rows: Sequence[Row]) -> str:
         lines.append(f"| {_gib(row)} | {row.point.count} | "
                      + " | ".join(f"{row.gbps(key):.2f}" for key in ("gloo", "flat", "per_tensor", "shm", "memcpy"))
                      + f" | {rises[0]} | {rises[1]} |")
+    lines += ["", "Where a sync's time goes (the sender's phases: medians as shares of the median sync):", "",
+              "| weights | tensors | gloo | shm |", "|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {_gib(row)} | {row.point.count} | "
+                     + " | ".join(_shares(phase_shares(row.seconds, name)) for name in BASELINES) + " |")
     return "\n".join(lines)
