@@ -17,7 +17,7 @@ import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -101,17 +101,19 @@ def receive_into(
     every bucket straight in their storage (`inplace`), and `load_weights` is handed views of
     that storage, already holding the values. A failed sync then leaves the weights partly
     overwritten (the rollout is stale). Tensors of `into` the plan does not send keep their
-    values; pass `expected` to require them.
+    values; pass `expected` to require them. An engine whose `receive_weights` does not take
+    the `expected` or `into` it is given joins the sync only to refuse it (`EngineError` on both
+    sides, the rollout untouched), so its sender fails at once instead of at its timeout.
     """
     if isinstance(expected, str):
         raise EngineError(f"{engine.name} engine: expected= takes a collection of weight names, not the one "
                           f"string {expected!r}")
     if expected is not None and not _takes(type(engine), "expected"):
-        raise EngineError(f"{engine.name} engine: its receive_weights takes no `expected`, so it cannot refuse a "
-                          "sync that leaves weights out; call receive_into without expected=")
+        _refuse(engine, rendezvous, rank, version, "its receive_weights takes no `expected`, so it cannot refuse a "
+                "sync that leaves weights out; call receive_into without expected=")
     if into is not None and not _takes(type(engine), "into"):
-        raise EngineError(f"{engine.name} engine: its receive_weights takes no `into`, so it cannot land a sync in "
-                          "the rollout's own storage; call receive_into without into=")
+        _refuse(engine, rendezvous, rank, version, "its receive_weights takes no `into`, so it cannot land a sync in "
+                "the rollout's own storage; call receive_into without into=")
     with updating(rollout) as landed:
         with profiled(profile_dir, f"weight_sync_{engine.name}_receive_rank{rank}"):
             if engine.capabilities.in_process:
@@ -121,6 +123,23 @@ def receive_into(
                     received = _load(engine, rollout, version, expected, into)
         landed(received)
     return received
+
+
+def _refuse(engine: CheckpointEngine, rendezvous: Rendezvous | None, rank: int, version: int | None,
+            why: str) -> NoReturn:
+    """Raise `EngineError(why)` for a receive this engine cannot do as asked, after joining the
+    sync only to abort it, so its sender fails now with the reason instead of waiting out its
+    timeout. The rollout is not touched. Where joining fails, the error says so beside `why`."""
+    message = f"{engine.name} engine: {why}"
+    try:
+        if engine.capabilities.in_process:
+            engine.receive_weights(version).hold().abort(message)
+        else:
+            with engine.session(rendezvous, rank):
+                engine.receive_weights(version).hold().abort(message)
+    except Exception as exc:  # noqa: BLE001 - the refusal is the error to raise; this only says the sender was not told
+        raise EngineError(f"{message} (the sender could not be told: {type(exc).__name__}: {exc})") from exc
+    raise EngineError(message)
 
 
 def _load(engine: CheckpointEngine, rollout: RolloutTarget, version: int | None,

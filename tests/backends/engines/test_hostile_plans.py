@@ -234,8 +234,29 @@ def test_an_engine_whose_receive_weights_takes_no_expected_says_so() -> None:
             return super().receive_weights(version)
 
     rollout = MemoryRollout()
-    with pytest.raises(EngineError, match=r"gloo engine: its receive_weights takes no `expected`"):
+    with pytest.raises(EngineError, match=r"gloo engine: its receive_weights takes no `expected`.*the sender could "
+                                          r"not be told"):
         receive_into(Old(), rollout, None, expected=["x"])
+    assert rollout.calls == []
+
+
+@pytest.mark.parametrize("option", ["expected", "into"])
+def test_an_engine_that_cannot_take_an_option_refuses_the_sync_and_its_sender_fails_at_once_not_at_its_timeout(
+        option: str) -> None:
+    class Old(GlooEngine):
+        def receive_weights(self, version: int | None = None) -> Incoming:  # type: ignore[override]
+            return super().receive_weights(version)
+
+    named = mixed_tensors()
+    rollout = MemoryRollout()
+    receiver = Old(bucket_bytes=4096, timeout_s=60)
+    run = sync_threads(new_engine("gloo", timeout_s=60), [receiver], named, [rollout],
+                       **{option: [name for name, _ in named] if option == "expected" else [dict(named)]})
+    why = rf"its receive_weights takes no `{option}`"
+    assert isinstance(run.errors[0], EngineError) and re.search(why, str(run.errors[0])), run.errors[0]
+    assert "could not be told" not in str(run.errors[0])
+    assert isinstance(run.error, EngineError) and re.search(why, str(run.error)), run.error
+    assert run.seconds < 30, f"the sender waited {run.seconds:.0f}s, as if nobody had told it"
     assert rollout.calls == []
 
 
