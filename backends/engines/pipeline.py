@@ -308,7 +308,7 @@ class BucketEngine(CheckpointEngine):
             if into is not None and not (self.capabilities.lands_in_place and self.apply == "streamed"):
                 raise PlanRefused(f"into= lands every bucket in the rollout's weights as it arrives: that takes "
                                   f"engine.apply 'streamed' (this receiver: {self.apply!r}) on an engine whose "
-                                  f"capabilities say lands_in_place (gloo, nccl, hccl; this is {self.name})")
+                                  f"capabilities say lands_in_place (this package's gloo, nccl and hccl; this is {self.name})")
             layout = self._receive_layout(raw_plan, expected) if into is None else self._land(raw_plan, expected, into)
             staging = self._staging(layout) if self.apply == "atomic" else layout
         except TransportError:

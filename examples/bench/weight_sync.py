@@ -271,9 +271,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                         help="engine.verify: checksum every bucket")
-    parser.add_argument("--apply", choices=APPLY_MODES, default="atomic",
-                        help="engine.apply: atomic holds the whole sync, streamed two buckets, flip two weight "
-                             "sets the rollout adopts (shm: shared with the sender)")
+    parser.add_argument("--apply", choices=APPLY_MODES,
+                        help="engine.apply: atomic (the default) holds the whole sync, streamed two buckets, flip "
+                             "two weight sets the rollout adopts (shm: shared with the sender); --into takes "
+                             "streamed")
     parser.add_argument("--flat", action="store_true",
                         help="the sender's tensors in one flattened storage (flatten_parameters): gloo sends "
                              "its buckets from it without packing")
@@ -298,10 +299,13 @@ def main() -> None:
     args.total = int(args.gib * 2**30) // 4 * 4
     args.bucket = int(args.bucket_mib * 2**20)
     if args.into:
-        if args.apply not in ("atomic", "streamed") or args.device != "cpu":
+        clash = [f"--{key} {value}" for key, value, fits in (("apply", args.apply, (None, "streamed")),
+                                                               ("device", args.device, ("cpu",))) if value not in fits]
+        if clash:
             parser.error("--into lands gloo's buckets in the receiver's tensors: a streamed receive on the host, "
-                         "not with --apply flip or --device cuda")
+                         f"not with {' and '.join(clash)}")
         args.apply, args.flat = "streamed", True
+    args.apply = args.apply or "atomic"
     if args.device == "cuda":
         if args.scale:
             parser.error("--scale measures the host engines (gloo, shm); --device cuda is a bench of its own")
