@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from backends.engines.plan import ALIGN, Piece, Plan, align
+from backends.engines.plan import ALIGN, Piece, Plan, align, collector_held
 from backends.engines.sources import PLAIN, Copied, Program, Source, wire_bytes
 
 HEADER_BYTES = 64
@@ -121,14 +121,25 @@ class Layout:
         that only memmoves never needs them) and kept."""
         views = self._views[k]
         if views is None:
-            views = self._views[k] = [self._view(k, p) for p in self.plan.buckets[k]]
+            data, typed = self.slots[k % len(self.slots)].data, {}
+            with collector_held():  # thousands of tensors kept: see `plan.collector_held`
+                views = self._views[k] = [self._view(data, typed, p) for p in self.plan.buckets[k]]
         return views
 
-    def _view(self, k: int, p: Piece) -> torch.Tensor:
+    def _view(self, data: torch.Tensor, typed: dict[torch.dtype, torch.Tensor], p: Piece) -> torch.Tensor:
+        """Piece p as a view of `data` (its slot's data region), shaped as its tensor when it is
+        all of it. One `as_strided` a piece, from the region viewed as the piece's dtype (`typed`
+        keeps one a dtype): pieces sit at multiples of `ALIGN`, so of any element size, inside
+        the region (`check_plan`, and the region is the plan's `used` bytes)."""
         meta = self.plan.tensors[p.index]
-        data = self.slots[k % len(self.slots)].data[p.offset:p.offset + p.nbytes]
-        typed = data.view(meta.dtype)
-        return typed.view(meta.shape) if p.nbytes == meta.nbytes else typed
+        whole = typed.get(meta.dtype)
+        if whole is None:
+            whole = typed[meta.dtype] = data.view(meta.dtype)
+        step = meta.dtype.itemsize
+        at = whole.storage_offset() + p.offset // step
+        if p.nbytes == meta.nbytes:
+            return whole.as_strided(meta.shape, _contiguous(meta.shape), at)
+        return whole.as_strided((p.nbytes // step,), (1,), at)
 
     def fits(self, slots: Sequence[Slot]) -> bool:
         return len(slots) == len(self.slots) and all(a is b for a, b in zip(slots, self.slots))
@@ -352,6 +363,16 @@ class Layout:
 
     def names(self, k: int) -> list[str]:
         return [self.plan.tensors[p.index].name for p in self.plan.buckets[k]]
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (as torch gives them)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def write_header(head: torch.Tensor, version: int, k: int, used: int) -> None:

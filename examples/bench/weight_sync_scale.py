@@ -235,6 +235,11 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--repeat {args.repeat}: --scale needs at least one timed round")
     if min(args.sizes) <= 0:
         parser.error(f"--sizes: {min(args.sizes)} GiB is not a size")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401 - drawn at the end; missing, say so before minutes of measuring
+        except ImportError:
+            parser.error("--plot draws with matplotlib, which is not installed (pip install -e \".[examples]\")")
     by_size, by_count = sweeps(args)
     for point in (*by_size, *by_count):
         if not 3 <= point.count <= point.total // 4:

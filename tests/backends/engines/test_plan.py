@@ -8,6 +8,7 @@ that does not must be refused with `PlanRefused` (an `EngineError`), never anoth
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -293,3 +294,32 @@ def test_a_plan_whose_shape_multiplies_past_any_tensor_is_refused_before_anythin
     with pytest.raises(PlanRefused, match="too large for any tensor"):
         parse_plan(raw)
     assert time.monotonic() - started < 5.0  # a hang guard: it takes milliseconds
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_making_and_reading_a_plan_hold_the_collector_off_and_leave_it_as_it_was_even_when_refused(
+        collector_on: bool) -> None:
+    import gc
+
+    seen: list[bool] = []
+
+    class Spy(TensorMeta):
+        @property
+        def nbytes(self) -> int:
+            seen.append(gc.isenabled())
+            return math.prod(self.shape) * self.dtype.itemsize
+
+    metas = [Spy(f"t{i}", torch.float32, (3,)) for i in range(4)]
+    was = gc.isenabled()
+    (gc.enable if collector_on else gc.disable)()
+    try:
+        plan = make_plan(metas, 4096, verify=True)
+        assert gc.isenabled() is collector_on
+        assert parse_plan(plan.to_bytes()).tensors == [TensorMeta(m.name, m.dtype, m.shape) for m in metas]
+        assert gc.isenabled() is collector_on
+        with pytest.raises(PlanRefused, match="not JSON"):
+            parse_plan(b"[1")
+        assert gc.isenabled() is collector_on
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen and not any(seen)  # off while the plan was made
