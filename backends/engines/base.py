@@ -231,6 +231,12 @@ class CheckpointEngine:
         any out is refused before the first tensor is handed out (see `missing`)."""
         raise NotImplementedError
 
+    def refuse(self, reason: str) -> None:
+        """Inside a session, join the sync under way only to fail it with `reason`, so the sender
+        hears it now rather than at its timeout. This default receives and aborts at once
+        (`Incoming.abort`); an engine with a plan answers the plan instead, before any byte moves."""
+        self.receive_weights().hold().abort(reason)
+
     def finalize(self) -> None:
         """Tear down everything of this sync; safe to call twice and after a failure."""
         self.topology = None

@@ -30,6 +30,7 @@ import torch
 
 from backends.engines.plan import ALIGN, Piece, Plan, align, collector_held
 from backends.engines.sources import PLAIN, Copied, Program, Source, wire_bytes
+from lifecycle.errors import EngineError
 
 HEADER_BYTES = 64
 SLOTS = 2
@@ -122,6 +123,9 @@ class Layout:
         views = self._views[k]
         if views is None:
             data, typed = self.slots[k % len(self.slots)].data, {}
+            if self.plan.used(k) > data.numel():  # as_strided is bounded by the storage, not by the region
+                raise EngineError(f"bucket {k} takes {self.plan.used(k)} bytes and its slot's data region holds "
+                                  f"{data.numel()}")
             with collector_held():  # thousands of tensors kept: see `plan.collector_held`
                 views = self._views[k] = [self._view(data, typed, p) for p in self.plan.buckets[k]]
         return views
@@ -130,7 +134,7 @@ class Layout:
         """Piece p as a view of `data` (its slot's data region), shaped as its tensor when it is
         all of it. One `as_strided` a piece, from the region viewed as the piece's dtype (`typed`
         keeps one a dtype): pieces sit at multiples of `ALIGN`, so of any element size, inside
-        the region (`check_plan`, and the region is the plan's `used` bytes)."""
+        the bucket's `used` bytes (`check_plan`), which the region holds (`bucket_views`)."""
         meta = self.plan.tensors[p.index]
         whole = typed.get(meta.dtype)
         if whole is None:
@@ -138,7 +142,8 @@ class Layout:
         step = meta.dtype.itemsize
         at = whole.storage_offset() + p.offset // step
         if p.nbytes == meta.nbytes:
-            return whole.as_strided(meta.shape, _contiguous(meta.shape), at)
+            strides = (_contiguous if len(meta.shape) <= 8 else _contiguous.__wrapped__)(meta.shape)
+            return whole.as_strided(meta.shape, strides, at)
         return whole.as_strided((p.nbytes // step,), (1,), at)
 
     def fits(self, slots: Sequence[Slot]) -> bool:
@@ -365,9 +370,11 @@ class Layout:
         return [self.plan.tensors[p.index].name for p in self.plan.buckets[k]]
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of `shape` (as torch gives them)."""
+    """The strides of a contiguous tensor of `shape`, as torch gives them. `_view` keeps those of
+    up to 8 dimensions, which a plan repeats; a longer shape, the sender's to choose, is worked
+    out each time (`__wrapped__`)."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

@@ -200,6 +200,12 @@ class BucketEngine(CheckpointEngine):
         self._receiver = Receiver(self, topology, layout, layout if staging is accepted else staging, sent, incoming)
         return incoming.feed(self._receiver.run())
 
+    def refuse(self, reason: str) -> None:
+        """Answer the sender's plan with `reason`, as `_accept` refuses one: before bucket 0 moves."""
+        topology = self._topology(sender=False)
+        self._control().get_many(["version", "plan"], watch_closed=True)
+        self._answer(f"accepted/{topology.rank}", reason)
+
     def finalize(self) -> None:
         """Tear the sync down; a receive held (`Incoming.hold`) that answered the sender it took the
         weights, but whose answer the sender did not read in time, raises here, after the teardown."""

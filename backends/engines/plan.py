@@ -49,7 +49,8 @@ def collector_held() -> Iterator[None]:
     of tens of thousands of tensors allocates hundreds of thousands of lists and records, none of
     them in a cycle, and the collector would walk them over and over (about 40% of reading a plan
     of 65536 tensors). Reference counting frees as usual; the collector is on again after, unless
-    it was off before."""
+    it was off before. The switch is process-wide: other threads collect no cycles meanwhile,
+    and leaving turns the collector on even if another thread turned it off in between."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -29,7 +29,8 @@ Source = bytes
 """A fingerprint of the sender's tensors (`describe`): 16 bytes, whatever their count."""
 
 _WORDS = 8192
-"""Integers `describe` gathers before it hashes them, so it holds a few KiB, not a list per tensor."""
+"""Integers `describe` gathers before it hashes them (64 KiB, with the names of their tensors),
+so it never holds a list as long as the tensors."""
 _CODES: dict[object, int] = {}
 """Small integers standing for the dtypes and devices `describe` has met, in this process."""
 
@@ -54,7 +55,7 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
 
     The integers (and the names, their lengths among the integers) are hashed with xxh3-128 a
     few thousand at a time, the hash each bucket's bytes are checked with already, so a sender
-    keeps 16 bytes however many tensors it sends, and describing them holds a few KiB more
+    keeps 16 bytes however many tensors it sends, and describing them holds 64 KiB or so more
     while it runs. About 4 us a tensor."""
     hasher, words, names = xxhash.xxh3_128(), array("Q"), []
     for name, t in named:

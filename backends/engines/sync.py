@@ -102,17 +102,18 @@ def receive_into(
     that storage, already holding the values. A failed sync then leaves the weights partly
     overwritten (the rollout is stale). Tensors of `into` the plan does not send keep their
     values; pass `expected` to require them. An engine whose `receive_weights` does not take
-    the `expected` or `into` it is given joins the sync only to refuse it (`EngineError` on both
-    sides, the rollout untouched), so its sender fails at once instead of at its timeout.
+    the `expected` or `into` it is given joins the sync only to refuse it (`engine.refuse`: a
+    bucket engine answers the plan, so the sender fails before a byte moves), and raises
+    `EngineError`; the rollout is untouched.
     """
     if isinstance(expected, str):
         raise EngineError(f"{engine.name} engine: expected= takes a collection of weight names, not the one "
                           f"string {expected!r}")
     if expected is not None and not _takes(type(engine), "expected"):
-        _refuse(engine, rendezvous, rank, version, "its receive_weights takes no `expected`, so it cannot refuse a "
+        _refuse(engine, rendezvous, rank, "its receive_weights takes no `expected`, so it cannot refuse a "
                 "sync that leaves weights out; call receive_into without expected=")
     if into is not None and not _takes(type(engine), "into"):
-        _refuse(engine, rendezvous, rank, version, "its receive_weights takes no `into`, so it cannot land a sync in "
+        _refuse(engine, rendezvous, rank, "its receive_weights takes no `into`, so it cannot land a sync in "
                 "the rollout's own storage; call receive_into without into=")
     with updating(rollout) as landed:
         with profiled(profile_dir, f"weight_sync_{engine.name}_receive_rank{rank}"):
@@ -125,20 +126,20 @@ def receive_into(
     return received
 
 
-def _refuse(engine: CheckpointEngine, rendezvous: Rendezvous | None, rank: int, version: int | None,
-            why: str) -> NoReturn:
+def _refuse(engine: CheckpointEngine, rendezvous: Rendezvous | None, rank: int, why: str) -> NoReturn:
     """Raise `EngineError(why)` for a receive this engine cannot do as asked, after joining the
-    sync only to abort it, so its sender fails now with the reason instead of waiting out its
-    timeout. The rollout is not touched. Where joining fails, the error says so beside `why`."""
+    sync only to fail it (`CheckpointEngine.refuse`), so its sender fails now with the reason
+    instead of waiting out its timeout; the rollout is not touched. An in-process engine has no
+    sender waiting, and raises at once."""
     message = f"{engine.name} engine: {why}"
+    if engine.capabilities.in_process:
+        raise EngineError(message)
     try:
-        if engine.capabilities.in_process:
-            engine.receive_weights(version).hold().abort(message)
-        else:
-            with engine.session(rendezvous, rank):
-                engine.receive_weights(version).hold().abort(message)
-    except Exception as exc:  # noqa: BLE001 - the refusal is the error to raise; this only says the sender was not told
-        raise EngineError(f"{message} (the sender could not be told: {type(exc).__name__}: {exc})") from exc
+        with engine.session(rendezvous, rank):
+            engine.refuse(message)
+    except Exception as exc:  # noqa: BLE001 - the refusal is the error to raise; this only says the sender may not know
+        raise EngineError(f"{message} (refusing the sync failed too, so the sender may not know: "
+                          f"{type(exc).__name__}: {exc})") from exc
     raise EngineError(message)
 
 

@@ -234,8 +234,8 @@ def test_an_engine_whose_receive_weights_takes_no_expected_says_so() -> None:
             return super().receive_weights(version)
 
     rollout = MemoryRollout()
-    with pytest.raises(EngineError, match=r"gloo engine: its receive_weights takes no `expected`.*the sender could "
-                                          r"not be told"):
+    with pytest.raises(EngineError, match=r"gloo engine: its receive_weights takes no `expected`.*the sender may "
+                                          r"not know"):
         receive_into(Old(), rollout, None, expected=["x"])
     assert rollout.calls == []
 
@@ -254,10 +254,35 @@ def test_an_engine_that_cannot_take_an_option_refuses_the_sync_and_its_sender_fa
                        **{option: [name for name, _ in named] if option == "expected" else [dict(named)]})
     why = rf"its receive_weights takes no `{option}`"
     assert isinstance(run.errors[0], EngineError) and re.search(why, str(run.errors[0])), run.errors[0]
-    assert "could not be told" not in str(run.errors[0])
+    assert "may not know" not in str(run.errors[0])
     assert isinstance(run.error, EngineError) and re.search(why, str(run.error)), run.error
+    assert "refused the plan of weights v1" in str(run.error)  # answered at the plan, before bucket 0 moved
     assert run.seconds < 30, f"the sender waited {run.seconds:.0f}s, as if nobody had told it"
     assert rollout.calls == []
+
+
+def test_an_in_process_engine_that_cannot_take_into_raises_at_once_with_no_sync_to_refuse() -> None:
+    rollout = MemoryRollout()
+    with pytest.raises(EngineError, match=r"naive engine: its receive_weights takes no `into`[^(]*$"):
+        receive_into(new_engine("naive"), rollout, into={"x": torch.zeros(2)})
+    assert rollout.calls == []
+
+
+def test_an_engine_without_a_plan_refuses_by_receiving_and_aborting_at_once() -> None:
+    read: list[int] = []
+
+    def tensors() -> Any:
+        read.append(1)
+        yield "x", torch.zeros(2)
+
+    class Plain(CheckpointEngine):
+        def receive_weights(self, version: int | None = None, *, expected: Any = None) -> Incoming:
+            self.incoming = Incoming(1).feed(tensors())
+            return self.incoming
+
+    engine = Plain()
+    engine.refuse("no thanks")
+    assert engine.incoming.held and engine.incoming.stop_reason == "no thanks" and read == []
 
 
 # -- the shared buckets an shm receiver maps --------------------------------------------------

@@ -293,3 +293,17 @@ def test_syncs_of_a_model_whose_parameters_get_new_memory_between_them_deliver_t
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_view_is_refused_where_a_slot_is_shorter_than_its_bucket_and_long_shapes_are_not_kept() -> None:
+    from backends.engines.buckets import _contiguous
+    from lifecycle.errors import EngineError
+
+    named = [("long", torch.arange(6, dtype=torch.float32).view((1,) * 10 + (2, 3))), ("flat", torch.randn(5))]
+    layout = _layout(named, 4096)
+    _contiguous.cache_clear()
+    _assert_delivers(layout, named)
+    assert _contiguous.cache_info().currsize == 1  # (5,) kept; the 12 dimensions of "long" are not
+    short = Layout(layout.plan, as_slots([torch.zeros(HEADER_BYTES + 16, dtype=torch.uint8)]))
+    with pytest.raises(EngineError, match=r"bucket 0 takes \d+ bytes and its slot's data region holds 16"):
+        short.bucket_views(0)
