@@ -203,7 +203,7 @@ class BucketEngine(CheckpointEngine):
     def refuse(self, reason: str) -> None:
         """Answer the sender's plan with `reason`, as `_accept` refuses one: before bucket 0 moves."""
         topology = self._topology(sender=False)
-        self._control().get_many(["version", "plan"], watch_closed=True)
+        self._control().wait(["version", "plan"], watch_closed=True)  # posted: the sender now waits for answers
         self._answer(f"accepted/{topology.rank}", reason)
 
     def finalize(self) -> None:

@@ -5,7 +5,7 @@ are where they were last sync, and a `Program` is what packing one bucket from t
 
 from __future__ import annotations
 
-import threading
+import itertools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,17 +33,13 @@ _WORDS = 8192
 so it never holds a list as long as the tensors."""
 _CODES: dict[object, int] = {}
 """Small integers standing for the dtypes and devices `describe` has met, in this process."""
-
-
-_NEW_CODE = threading.Lock()
+_NUMBERS = itertools.count()
+"""Where `_CODES` takes a new number: two threads meeting two new keys at once take two."""
 
 
 def _code(key: object) -> int:
     code = _CODES.get(key)
-    if code is None:
-        with _NEW_CODE:  # two threads meeting two new keys must not both take the same number
-            code = _CODES.setdefault(key, len(_CODES))
-    return code
+    return _CODES.setdefault(key, next(_NUMBERS)) if code is None else code
 
 
 def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = None) -> Source | None:
@@ -58,6 +54,12 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
     keeps 16 bytes however many tensors it sends, and describing them holds 64 KiB or so more
     while it runs. About 4 us a tensor."""
     hasher, words, names = xxhash.xxh3_128(), array("Q"), []
+
+    def flush() -> None:
+        hasher.update(words)
+        hasher.update("".join(names).encode(errors="surrogatepass"))
+        del words[:], names[:]
+
     for name, t in named:
         if type(t) not in PLAIN or t.layout != torch.strided:
             return None
@@ -67,11 +69,8 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
                       *shape, *t.stride()))
         names.append(name)
         if len(words) >= _WORDS:
-            hasher.update(words)
-            hasher.update("".join(names).encode(errors="surrogatepass"))
-            del words[:], names[:]
-    hasher.update(words)
-    hasher.update("".join(names).encode(errors="surrogatepass"))
+            flush()
+    flush()
     found = hasher.digest()
     return last if found == last else found
 

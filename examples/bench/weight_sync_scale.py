@@ -143,7 +143,6 @@ def _sender(args: argparse.Namespace, point: Point, name: str, ports: dict[str, 
         "memcpy": lambda: ctypes.memmove(copy_dst.data_ptr(), flat.data_ptr(), point.total),
     }
     seconds: dict[str, list[float]] = {key: [] for key in (*BASELINES[name], name)}
-    phases: dict[str, float] = {}
     for rep in range(args.repeat + warmup(args)):
         got: dict[str, float] = {}
         for key in BASELINES[name]:

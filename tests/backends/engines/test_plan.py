@@ -298,10 +298,20 @@ def test_a_plan_whose_shape_multiplies_past_any_tensor_is_refused_before_anythin
 
 @pytest.mark.parametrize("collector_on", [True, False])
 def test_making_and_reading_a_plan_hold_the_collector_off_and_leave_it_as_it_was_even_when_refused(
-        collector_on: bool) -> None:
+        collector_on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import gc
 
+    from backends.engines import plan as plan_module
+
     seen: list[bool] = []
+    read: list[bool] = []
+    check = plan_module.check_plan
+
+    def checking(plan: Plan) -> None:  # what parse_plan calls once it has read the plan's objects
+        read.append(gc.isenabled())
+        check(plan)
+
+    monkeypatch.setattr(plan_module, "check_plan", checking)
 
     class Spy(TensorMeta):
         @property
@@ -323,3 +333,4 @@ def test_making_and_reading_a_plan_hold_the_collector_off_and_leave_it_as_it_was
     finally:
         (gc.enable if was else gc.disable)()
     assert seen and not any(seen)  # off while the plan was made
+    assert read and not any(read)  # and while it was read
