@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from backends.engines.plan import ALIGN, align, travels
+from backends.engines.plan import ALIGN, align
+from backends.engines.sources import memory_problem
 from lifecycle.errors import EngineError
 
 GroupKey = tuple[torch.device, torch.dtype]
@@ -260,15 +261,7 @@ def kind_problem(tensor: torch.Tensor) -> str | None:
     data = tensor.data if isinstance(tensor, nn.Parameter) else tensor
     if type(data) is not torch.Tensor:
         return f"is a {type(data).__name__}, not a plain tensor (flatten the local tensors instead)"
-    if tensor.layout != torch.strided:
-        return f"is not a strided tensor (layout {tensor.layout})"
-    if tensor.is_nested or tensor.is_quantized:
-        return "is a nested or quantized tensor"
-    if tensor.device.type == "meta":
-        return "is on the meta device, with no data: materialize the model (to_empty and init, or load) first"
-    if not travels(tensor.dtype):
-        return f"has dtype {tensor.dtype}, which a sync plan cannot carry"
-    return None
+    return memory_problem(tensor)
 
 
 def _check_movable_kind(name: str, tensor: torch.Tensor) -> None:

@@ -45,11 +45,11 @@ import torch
 
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
 from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined_bytes, slot_bytes
-from backends.engines.sources import Source, describe
+from backends.engines.sources import Source, describe, memory_problem
 from backends.engines.digests import Checksums
 from backends.engines.flat import Named
 from backends.engines.inplace import Landing
-from backends.engines.control import ControlStore, StoreLink, answer
+from backends.engines.control import ControlStore, StoreLink, answer, clip
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
 from backends.engines.sender import send_bucket, send_buckets
@@ -272,9 +272,23 @@ class BucketEngine(CheckpointEngine):
         as they were then (the same list, so `_same_plan` compares each entry by identity)."""
         last, dtype, metas = self._described
         if sources is None or sources is not last or dtype != self.rollout_dtype:
+            if sources is None:  # some tensor is not plain memory: say which, before anything is posted
+                self._check_memory(pairs)
             metas = [TensorMeta(name, self.wire_dtype(t), tuple(t.shape)) for name, t in pairs]
             self._described = (sources, self.rollout_dtype, metas)
         return metas
+
+    def _check_memory(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """Refuse a sync of a tensor whose values are not plain strided memory (`memory_problem`),
+        naming it: torch would fail packing it half-way, in its own words."""
+        for i, (name, tensor) in enumerate(pairs):
+            if not isinstance(tensor, torch.Tensor):
+                raise EngineError(f"{self.name} engine: these weights cannot travel: tensor {i} {clip(repr(name))} "
+                                  f"is a {type(tensor).__name__}, not a tensor")
+            problem = memory_problem(tensor)
+            if problem is not None:
+                raise EngineError(f"{self.name} engine: these weights cannot travel: tensor {i} {clip(repr(name))} "
+                                  f"{problem}")
 
     def _same_plan(self, plan: Plan, metas: list[TensorMeta]) -> bool:
         """Whether `plan` is the one `_make_plan(metas)` would make now."""

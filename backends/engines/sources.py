@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from backends.engines.plan import travels
+
 Copied = list[tuple[int, int, int]]
 """(offset in the data region, address, nbytes) of pieces `Layout.pack` copied byte for byte."""
 PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -47,32 +49,59 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
     device, dtype, shape, strides, storage offset, address and lazy conjugate and negation bits.
     Equal fingerprints mean the same plan and the same copies from the same addresses. `last`
     itself when the tensors are as `last` describes them (so a sender can tell by identity);
-    None when a tensor is not plain strided memory (then nothing is reused).
+    None when a tensor is not plain strided memory (then nothing is reused, and the sender
+    checks each tensor: `memory_problem`).
 
     The integers (and the names, their lengths among the integers) are hashed with xxh3-128 a
     few thousand at a time, the hash each bucket's bytes are checked with already, so a sender
     keeps 16 bytes however many tensors it sends, and describing them holds 64 KiB or so more
-    while it runs. About 4 us a tensor."""
-    hasher, words, names = xxhash.xxh3_128(), array("Q"), []
+    while it runs. About 2-4 us a tensor: the torch attribute reads are most of it, so a tensor
+    of another layout is told by torch refusing its address or its sizes (sparse and mkldnn
+    tensors have no data pointer, a nested tensor no sizes), not by reading its layout, and a
+    meta tensor by its device, which never gets a code."""
+    hasher, words, names, codes = xxhash.xxh3_128(), array("Q"), [], _CODES
+    extend, append = words.extend, names.append
 
     def flush() -> None:
         hasher.update(words)
         hasher.update("".join(names).encode(errors="surrogatepass"))
         del words[:], names[:]
 
-    for name, t in named:
-        if type(t) not in PLAIN or t.layout != torch.strided:
-            return None
-        dtype, shape = t.dtype, t.size()
-        bits = 2 * t.is_neg() + (t.is_conj() if dtype.is_complex else 0)  # only a complex tensor is a lazy conjugate
-        words.extend((len(name), _code(t.device), _code(dtype), bits, t.data_ptr(), t.storage_offset(), len(shape),
-                      *shape, *t.stride()))
-        names.append(name)
-        if len(words) >= _WORDS:
-            flush()
+    try:
+        for name, t in named:
+            if type(t) not in PLAIN:
+                return None
+            dtype, device, shape = t.dtype, t.device, t.shape
+            kind, where = codes.get(dtype), codes.get(device)
+            if kind is None or where is None:  # a dtype or device met first: a meta tensor's never is
+                if device.type == "meta":
+                    return None
+                kind, where = _code(dtype), _code(device)
+            bits = 2 * t.is_neg() + (t.is_conj() if dtype.is_complex else 0)  # only a complex tensor is a lazy conjugate
+            extend((len(name), where, kind, bits, t.data_ptr(), t.storage_offset(), len(shape), *shape, *t.stride()))
+            append(name)
+            if len(words) >= _WORDS:
+                flush()
+    except RuntimeError:  # no address (sparse, mkldnn) or no sizes (nested): not plain memory
+        return None
     flush()
     found = hasher.digest()
     return last if found == last else found
+
+
+def memory_problem(tensor: torch.Tensor) -> str | None:
+    """Why a tensor's values are not plain strided memory a sync can copy, or None: another layout
+    (sparse, mkldnn), a nested or quantized tensor, the meta device (no data), or a dtype a plan
+    cannot carry (sub-byte)."""
+    if tensor.layout != torch.strided:
+        return f"is not a strided tensor (layout {tensor.layout})"
+    if tensor.is_nested or tensor.is_quantized:
+        return "is a nested or quantized tensor"
+    if tensor.device.type == "meta":
+        return "is on the meta device, with no data: materialize the model (to_empty and init, or load) first"
+    if not travels(tensor.dtype):
+        return f"has dtype {tensor.dtype}, which a sync plan cannot carry"
+    return None
 
 
 @dataclass(frozen=True)
@@ -89,4 +118,4 @@ class Program:
     """Positions in the bucket of the pieces torch copies (`Layout._copy_piece`)."""
 
 
-__all__ = ["PLAIN", "Copied", "Program", "Source", "describe", "wire_bytes"]
+__all__ = ["PLAIN", "Copied", "Program", "Source", "describe", "memory_problem", "wire_bytes"]

@@ -5,8 +5,10 @@ They still meet through a real rendezvous store and real gloo groups or shared m
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,8 @@ from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryCheckpointer, MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
-    CLASSES, HANG_GUARD_S, TRANSPORTS, corrupting, mixed_tensors, new_engine, sync_threads,
+    CLASSES, HANG_GUARD_S, TRANSPORTS, assert_kept_old_weights, corrupting, mixed_tensors, new_engine, old_rollout,
+    sync_threads,
 )
 
 
@@ -289,6 +292,43 @@ def test_a_receiver_that_never_comes_fails_the_sender_within_the_timeout(name: s
     with pytest.raises(EngineError, match=f"{name} engine: .*(timeout_s=1.5|could not form)"):
         WeightSync(new_engine(name, timeout_s=1.5)).sync(iter(mixed_tensors()), Rendezvous("127.0.0.1", free_port()), 1)
     assert time.monotonic() - start < 4
+
+
+def _odd_tensors() -> list[tuple[str, Any, str]]:
+    with warnings.catch_warnings():  # sparse CSR and strided nested tensors warn that they are beta
+        warnings.simplefilter("ignore")
+        return [
+            ("sparse COO", torch.eye(3).to_sparse(), r"is not a strided tensor \(layout torch.sparse_coo\)"),
+            ("sparse CSR", torch.eye(3).to_sparse_csr(), r"is not a strided tensor \(layout torch.sparse_csr\)"),
+            ("mkldnn", torch.eye(3).to_mkldnn(), r"is not a strided tensor \(layout torch._mkldnn\)"),
+            ("nested", torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "is a nested or quantized tensor"),
+            ("meta", torch.empty(3, device="meta"), "is on the meta device, with no data"),
+            ("not a tensor", [1.0, 2.0], "is a list, not a tensor"),
+        ]
+
+
+def test_a_tensor_that_is_not_plain_memory_is_refused_by_the_sender_naming_it_and_its_receiver_hears_at_once() -> None:
+    """Torch would fail packing it half-way in its own words (or, for a nested tensor, while the
+    sender describes its tensors); the sender names it before it posts a plan, and the receiver
+    that joined hears the sender gave up, with its rollout untouched."""
+    for what, odd, why in _odd_tensors():
+        rollout = old_rollout()
+        run = sync_threads(new_engine("gloo", timeout_s=60), [new_engine("gloo", timeout_s=60)],
+                           [("w", torch.ones(4)), ("odd.weight", odd)], [rollout], deadline_s=HANG_GUARD_S)
+        assert isinstance(run.error, EngineError), what
+        assert re.search(f"gloo engine: these weights cannot travel: tensor 1 'odd.weight' {why}", str(run.error)), what
+        assert run.seconds < HANG_GUARD_S and "the sender gave up on sync 1" in str(run.errors[0]), what
+        assert_kept_old_weights(rollout)
+
+
+def test_a_shm_sender_refuses_a_tensor_that_is_not_plain_memory_before_any_receiver_joins() -> None:
+    """shm forms no group: the refusal comes before a receiver is needed at all."""
+    for what, odd, why in _odd_tensors():
+        start = time.monotonic()
+        with pytest.raises(EngineError, match=f"shm engine: these weights cannot travel: tensor 1 'odd.weight' {why}"):
+            WeightSync(new_engine("shm", timeout_s=60)).sync(iter([("w", torch.ones(4)), ("odd.weight", odd)]),
+                                                             Rendezvous("127.0.0.1", free_port()), 1)
+        assert time.monotonic() - start < HANG_GUARD_S, what
 
 
 def test_a_rollout_whose_load_weights_raises_fails_the_sync_with_its_reason() -> None:

@@ -10,6 +10,7 @@ delivers exactly what a fresh layout would.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -222,6 +223,19 @@ def test_tensors_describe_cannot_read_reuse_nothing() -> None:
     assert layout._programs == {}
     _assert_delivers(layout, named)
     assert found == [0, 0]
+
+
+@pytest.mark.parametrize("odd", ["sparse", "mkldnn", "nested", "meta"])
+def test_describe_reads_a_tensor_that_is_not_plain_memory_as_none_without_raising(odd: str) -> None:
+    """It reads no layout: torch refusing the tensor's address or sizes tells, and a meta tensor's
+    device never gets a code, however often one is described."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tensor = {"sparse": lambda: torch.eye(3).to_sparse(), "mkldnn": lambda: torch.eye(3).to_mkldnn(),
+                  "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+                  "meta": lambda: torch.empty(3, device="meta")}[odd]()
+    for _ in range(2):
+        assert describe([("plain", torch.randn(8)), ("odd", tensor)]) is None
 
 
 # -- whatever happens between syncs, a reused program delivers what a fresh layout would --------
