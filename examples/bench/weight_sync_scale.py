@@ -14,10 +14,13 @@ engine's first sync: the peak (VmHWM) is reset to the current RSS through
 highest rise over the rounds is kept. The model and the baselines' buffers are resident
 before and untouched during, so the rise is what the sync itself holds: the engine's buckets
 and staging, a tensor larger than a bucket rejoined on the receiver, bookkeeping per tensor,
-and the few MiB of code a first sync touches. Shared memory counts on every side that
-touches it. The bound (the issue's) is the model plus two buckets per side, plus one weight
-set on a receiver that applies atomically (it holds the whole sync until the last bucket
-verified): as a rise, two buckets, or two buckets and the weights.
+and the few MiB of library code a first sync pages in. Shared memory counts on every side
+that touches it. The bound (the issue's) is the model plus two buckets per side, plus one
+weight set on a receiver that applies atomically (it holds the whole sync until the last
+bucket verified): as a rise, two buckets, or two buckets and the weights. Library code is
+shown apart ("code": the rise of RssFile, file-backed pages, shared with every process that
+maps the library and dropped under pressure) and the verdict does not count it; /dev/shm
+pages are not in RssFile, so the shared buckets count in full.
 
     python examples/bench/weight_sync.py --scale --repeat 2 --plot scale.png     # minutes
     python examples/bench/weight_sync.py --scale --sizes 0.0625 0.25 --counts 256 4096 --gib 0.25 --repeat 1
@@ -77,6 +80,9 @@ class Peak:
     """RSS just before the engine's first sync: runtime, model and the baselines' buffers."""
     rise: int | None
     """The highest peak RSS during any of its syncs, less `start`; None where the peak cannot be reset."""
+    code: int = 0
+    """Of `rise`, file-backed pages the syncs mapped (RssFile's rise: library code a first sync
+    pages in, shared and reclaimable); shown apart, and not counted against the bound."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,19 +121,22 @@ class _Meter:
 
     def __init__(self) -> None:
         self.start: int | None = None
+        self.file = 0
         self.rise = 0
+        self.code = 0
         self.resets = True
 
     @contextmanager
     def around(self) -> Iterator[None]:
         if self.start is None:
-            self.start = _status("VmRSS")
+            self.start, self.file = _status("VmRSS"), _status("RssFile")
         self.resets = _reset_peak() and self.resets
         yield
         self.rise = max(self.rise, _status("VmHWM") - self.start)
+        self.code = max(self.code, _status("RssFile") - self.file)  # mapped pages stay: no pressure here
 
     def peak(self) -> Peak:
-        return Peak(self.start or 0, self.rise if self.resets else None)
+        return Peak(self.start or 0, self.rise if self.resets else None, min(self.code, self.rise))
 
 
 def _sender(args: argparse.Namespace, point: Point, name: str, ports: dict[str, int], out: Connection) -> None:
@@ -275,8 +284,8 @@ def memory(args: argparse.Namespace, row: Row, name: str) -> tuple[list[str], st
     texts, overs = [], []
     for side, peak in enumerate(row.peaks[name]):
         limit = bound(args, row.point, side, name)
-        texts.append("n/a" if peak.rise is None else f"+{_bytes(peak.rise)} of {_bytes(limit)}")
-        overs.append(None if peak.rise is None else peak.rise - limit)
+        texts.append("n/a" if peak.rise is None else f"+{_bytes(peak.rise)} of {_bytes(limit)} ({_bytes(peak.code)} code)")
+        overs.append(None if peak.rise is None else peak.rise - peak.code - limit)
     if None in overs:
         return texts, "not measured"
     worst = max(over for over in overs if over is not None)
@@ -299,12 +308,12 @@ def print_rows(args: argparse.Namespace, rows: Sequence[Row]) -> None:
         for name in BASELINES:
             print(f"  {row.point.label:27s} {name:5s} {_shares(phase_shares(row.seconds, name))}")
     print("peak resident memory: the rise over the RSS before the engine's first sync, of the bound "
-          "(two buckets a side, plus the weights on an atomic receiver)")
+          "(two buckets a side, plus the weights on an atomic receiver); the verdict leaves out library code")
     for row in rows:
         for name in BASELINES:
             (sender, receiver), verdict = memory(args, row, name)
             starts = " / ".join(_bytes(peak.start) for peak in row.peaks[name])
-            print(f"  {row.point.label:27s} {name:5s} sender {sender:22s} receiver {receiver:24s} "
+            print(f"  {row.point.label:27s} {name:5s} sender {sender:33s} receiver {receiver:35s} "
                   f"{verdict:24s} (RSS at the start {starts})")
 
 
@@ -406,7 +415,8 @@ def note(args: argparse.Namespace, rows: Sequence[Row]) -> str:
         f"{' (the sender flattened)' if args.flat else ''}; each engine of each row in a fresh "
         f"sender and receiver process, median of {args.repeat} syncs after {warmup(args)} untimed round(s). Peak memory: the "
         "rise of each side's peak RSS (VmHWM, reset through /proc/self/clear_refs before each sync) over its RSS "
-        "before the engine's first sync; the bound is two buckets a side, plus the weights on an atomic receiver."
+        "before the engine's first sync, with the library code the syncs paged in (RssFile's rise) in brackets; the "
+        "bound is two buckets a side, plus the weights on an atomic receiver, and the verdict leaves the code out."
         + (f" Plot: `{args.plot}`." if args.plot is not None else ""),
         "",
         ("| weights | tensors | gloo GB/s | (a) flat | (b) per tensor | shm GB/s | memcpy "
