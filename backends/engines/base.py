@@ -15,6 +15,7 @@ half-way leaves nothing behind that could poison the next one.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
@@ -271,6 +272,21 @@ class CheckpointEngine:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(bucket_bytes={self.bucket_bytes}, verify={self.verify})"
+
+
+MAX_VERSION = 10**19 - 1
+"""The largest version a sync carries: receivers read it as at most 19 decimal digits."""
+
+
+def check_version(engine: str, version: Any) -> int:
+    """`version` as an int, or `EngineError` unless it is an integer (not a bool; numpy's count)
+    in 0..`MAX_VERSION`: the sender checks before it posts anything, rather than each receiver
+    refusing what it posted."""
+    if isinstance(version, bool) or not isinstance(version, numbers.Integral) or not 0 <= version <= MAX_VERSION:
+        shown = repr(version) if isinstance(version, (int, float, str)) else f"a {type(version).__name__}"
+        raise EngineError(f"{engine} engine: the version to send must be an int in 0..{MAX_VERSION}, got "
+                          f"{shown[:40]}")
+    return int(version)
 
 
 def missing(expected: Collection[str] | None, names: Iterable[str]) -> str | None:

@@ -178,8 +178,12 @@ class Layout:
         moves: Copied = []
         rest: list[int] = []
         for i, p in enumerate(self.plan.buckets[k]):
-            src = tensors[p.index]
-            if src.device.type == "cpu" and wire_bytes(src, self.plan.tensors[p.index].dtype) and src.is_contiguous():
+            src, meta = tensors[p.index], self.plan.tensors[p.index]
+            if tuple(src.shape) != meta.shape:  # the plan was made of it before: it changed since
+                raise EngineError(f"tensor {p.index} {meta.name[:80]!r} changed shape while it was being sent "
+                                  f"({list(meta.shape)} in the plan, {list(src.shape)} now): keep the weights as they "
+                                  "are until send_weights returns")
+            if src.device.type == "cpu" and wire_bytes(src, meta.dtype) and src.is_contiguous():
                 if not p.nbytes:
                     continue
                 address = src.data_ptr() + p.start

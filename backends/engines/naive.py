@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from backends.engines.base import CheckpointEngine, Incoming, SyncStats, missing
+from backends.engines.base import CheckpointEngine, Incoming, SyncStats, check_version, missing
 from backends.engines.options import EngineCapabilities
 from backends.engines.registry import CheckpointEngineRegistry
+from backends.engines.sources import sendable
 from lifecycle.errors import EngineError
 
 
@@ -32,7 +33,16 @@ class NaiveEngine(CheckpointEngine):
 
     def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         start = time.perf_counter()
-        pairs = [(name, tensor.detach()) for name, tensor in named_tensors]
+        version = check_version(self.name, version)
+        try:
+            pairs = [(name, tensor.detach()) for name, tensor in sendable(named_tensors)]
+        except ValueError as exc:
+            raise EngineError(f"naive engine: these weights cannot travel: {exc}") from None
+        named: dict[str, int] = {}
+        for i, (name, _) in enumerate(pairs):
+            if named.setdefault(name, i) != i:
+                raise EngineError(f"naive engine: these weights cannot travel: tensors {named[name]} and {i} are both "
+                                  f"named {name[:80]!r}")
         self._sent = (version, pairs)
         size = sum(tensor.numel() * self.wire_dtype(tensor).itemsize for _, tensor in pairs)
         return SyncStats(backend=self.name, version=version, bytes=size, buckets=0, tensors=len(pairs),

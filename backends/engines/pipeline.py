@@ -36,16 +36,18 @@ deadline; one that is not 16 lowercase hex digits is a rejection like a mismatch
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import structlog
 import torch
 
-from backends.engines.base import CheckpointEngine, Incoming, SyncStats, Topology, TransportError, missing
+from backends.engines.base import (
+    CheckpointEngine, Incoming, SyncStats, Topology, TransportError, check_version, missing,
+)
 from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined_bytes, slot_bytes
-from backends.engines.sources import Source, describe, memory_problem
+from backends.engines.sources import Source, casts, describe, sendable
 from backends.engines.digests import Checksums
 from backends.engines.flat import Named
 from backends.engines.inplace import Landing
@@ -90,6 +92,8 @@ class BucketEngine(CheckpointEngine):
         """The current send's phase timings (`SyncStats.phases`)."""
         self._described: tuple[Source | None, torch.dtype | None, list[TensorMeta]] = (None, None, [])
         """The sender's last tensors as `describe` found them, the rollout dtype then, and their plan metadata."""
+        self._sent: int | None = None
+        """The version this session sent, once `send_weights` was called (reset as a session opens)."""
         self._landed = False
         """Whether `slots` are ranges of a rollout's storage (`into`), which no later receive may land in."""
         self._landing = Landing()
@@ -159,17 +163,26 @@ class BucketEngine(CheckpointEngine):
         super().init_process_group()
         topology = self._topology()
         self._clean = False
+        self._sent = None
         self.control = self._link.begin(topology)
         self._connect(topology)
 
     def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         topology, control = self._topology(sender=True), self._control()
+        if self._sent is not None:  # the sync's keys (answers, digests) are the last send's: they would answer this one
+            raise EngineError(f"{self.name} engine: weights v{self._sent} were sent in this session already; "
+                              "a session carries one sync: open a new one for the next")
+        version = check_version(self.name, version)
+        self._sent = version
         start = time.perf_counter()
         phases = self._phases = dict.fromkeys(("plan", "pack", "wire", "apply", "hash"), 0.0)
-        pairs = list(named_tensors)
-        tensors = [tensor for _, tensor in pairs]
+        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         sources = describe(pairs, self._described[0])
         layout = self._send_layout(self._metas(pairs, sources))
+        tensors = [tensor for _, tensor in pairs]
+        held = [tensor.untyped_storage() for tensor in tensors]  # noqa: F841 - packing reads their addresses
+        # until the last bucket is hashed: a tensor given new memory meanwhile (set_, .data =) must
+        # not free the old under a memmove; the sync sends the values it was handed, as described
         control.set("version", str(version))
         control.set("plan", layout.raw)
         control.await_answers(topology.receivers, "accepted", f"refused the plan of weights v{version}")
@@ -272,23 +285,18 @@ class BucketEngine(CheckpointEngine):
         as they were then (the same list, so `_same_plan` compares each entry by identity)."""
         last, dtype, metas = self._described
         if sources is None or sources is not last or dtype != self.rollout_dtype:
-            if sources is None:  # some tensor is not plain memory: say which, before anything is posted
-                self._check_memory(pairs)
+            if sources is None:  # not all (str, plain tensor) pairs: say which, before anything is posted
+                try:
+                    sendable(pairs)
+                except ValueError as exc:
+                    raise EngineError(f"{self.name} engine: these weights cannot travel: {exc}") from None
             metas = [TensorMeta(name, self.wire_dtype(t), tuple(t.shape)) for name, t in pairs]
+            for i, ((name, tensor), meta) in enumerate(zip(pairs, metas)):
+                if meta.dtype != tensor.dtype and not casts(tensor.dtype, meta.dtype):
+                    raise EngineError(f"{self.name} engine: these weights cannot travel: tensor {i} {clip(repr(name))} "
+                                      f"of dtype {tensor.dtype} cannot be cast to engine.rollout_dtype {meta.dtype}")
             self._described = (sources, self.rollout_dtype, metas)
         return metas
-
-    def _check_memory(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        """Refuse a sync of a tensor whose values are not plain strided memory (`memory_problem`),
-        naming it: torch would fail packing it half-way, in its own words."""
-        for i, (name, tensor) in enumerate(pairs):
-            if not isinstance(tensor, torch.Tensor):
-                raise EngineError(f"{self.name} engine: these weights cannot travel: tensor {i} {clip(repr(name))} "
-                                  f"is a {type(tensor).__name__}, not a tensor")
-            problem = memory_problem(tensor)
-            if problem is not None:
-                raise EngineError(f"{self.name} engine: these weights cannot travel: tensor {i} {clip(repr(name))} "
-                                  f"{problem}")
 
     def _same_plan(self, plan: Plan, metas: list[TensorMeta]) -> bool:
         """Whether `plan` is the one `_make_plan(metas)` would make now."""

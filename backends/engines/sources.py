@@ -5,10 +5,12 @@ are where they were last sync, and a `Program` is what packing one bucket from t
 
 from __future__ import annotations
 
+import functools
 import itertools
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
@@ -82,11 +84,47 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
             append(name)
             if len(words) >= _WORDS:
                 flush()
+        flush()
     except RuntimeError:  # no address (sparse, mkldnn) or no sizes (nested): not plain memory
         return None
-    flush()
+    except (TypeError, ValueError):  # not (str, tensor) pairs: `sendable` says which
+        return None
     found = hasher.digest()
     return last if found == last else found
+
+
+def sendable(named: Iterable[Any] | Mapping[Any, Any]) -> list[tuple[str, torch.Tensor]]:
+    """What a sender was handed, as a list of (name, tensor) pairs (a mapping, a state dict say,
+    gives its items); `ValueError` naming the first item that is not a pair of a str and a
+    tensor of plain memory (`memory_problem`)."""
+    pairs = list(named.items() if isinstance(named, Mapping) else named)
+    for i, item in enumerate(pairs):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ValueError(f"item {i} is {_shown(item)}, not a (name, tensor) pair")
+        name, tensor = item
+        if not isinstance(name, str):
+            raise ValueError(f"item {i} is named by {_shown(name)}, not a str")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"tensor {i} {_shown(name)} is a {type(tensor).__name__}, not a tensor")
+        problem = memory_problem(tensor)
+        if problem is not None:
+            raise ValueError(f"tensor {i} {_shown(name)} {problem}")
+    return pairs
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if isinstance(value, (str, bytes, int, float, type(None))) else f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@functools.cache
+def casts(source: torch.dtype, wire: torch.dtype) -> bool:
+    """Whether torch can cast `source` to `wire`, as packing does under `engine.rollout_dtype`."""
+    try:
+        torch.zeros(2, dtype=source).to(wire)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def memory_problem(tensor: torch.Tensor) -> str | None:
@@ -118,4 +156,4 @@ class Program:
     """Positions in the bucket of the pieces torch copies (`Layout._copy_piece`)."""
 
 
-__all__ = ["PLAIN", "Copied", "Program", "Source", "describe", "memory_problem", "wire_bytes"]
+__all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "sendable", "wire_bytes"]

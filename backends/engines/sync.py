@@ -109,6 +109,9 @@ def receive_into(
     if isinstance(expected, str):
         raise EngineError(f"{engine.name} engine: expected= takes a collection of weight names, not the one "
                           f"string {expected!r}")
+    if not engine.capabilities.in_process and (type(rank) is not int or rank < 1):
+        shown = repr(rank) if isinstance(rank, (int, float, str)) else f"a {type(rank).__name__}"
+        raise EngineError(f"{engine.name} engine: a receiver's rank is an int from 1 (rank 0 sends), got {shown[:40]}")
     if expected is not None and not _takes(type(engine), "expected"):
         _refuse(engine, rendezvous, rank, "its receive_weights takes no `expected`, so it cannot refuse a "
                 "sync that leaves weights out; call receive_into without expected=")

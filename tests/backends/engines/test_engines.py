@@ -472,3 +472,117 @@ def test_a_failed_sync_fails_the_lifecycle_and_the_next_one_after_resume_succeed
     assert lc.state is State.FAILED and lc.progress.weights_version == 0
     lc.resume()
     assert _sync_lc(lc, free_port()) == 1
+
+
+# -- what a sender is handed, checked before it posts anything ----------------------------------
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_second_send_in_one_session_is_refused_and_leaves_the_rollout_on_the_first(name: str) -> None:
+    """The sync's keys (the receivers' answers, the digests) are the first send's: a second send in
+    the same session would have read them as answers to itself."""
+    first, second = [("w", torch.ones(8))], [("w", torch.full((8,), 7.0))]
+    rdv = Rendezvous("127.0.0.1", free_port())
+    rollout = MemoryRollout()
+    receiver = threading.Thread(target=receive_into, args=(new_engine(name), rollout, rdv), daemon=True)
+    receiver.start()
+    sender = new_engine(name)
+    with sender.session(rdv, rank=0):
+        sender.send_weights(iter(first), 1)
+        receiver.join(HANG_GUARD_S)
+        with pytest.raises(EngineError, match=f"{name} engine: weights v1 were sent in this session already"):
+            sender.send_weights(iter(second), 2)
+    assert not receiver.is_alive() and rollout.weights_version == 1
+    assert torch.equal(rollout.serve()["w"], torch.ones(8))
+
+
+@pytest.mark.parametrize("version", ["3", -1, True, 1.5, None, 10**19])
+def test_a_version_that_is_not_an_int_in_range_is_refused_by_the_sender_and_its_receiver_hears_at_once(
+        version: Any) -> None:
+    rollout = old_rollout()
+    run = sync_threads(new_engine("gloo", timeout_s=60), [new_engine("gloo", timeout_s=60)], [("w", torch.ones(4))],
+                       [rollout], version=version, deadline_s=HANG_GUARD_S)
+    assert isinstance(run.error, EngineError) and "the version to send must be an int in 0..9999999999999999999" in str(
+        run.error)
+    assert "the sender gave up on sync 1" in str(run.errors[0])
+    assert_kept_old_weights(rollout)
+    with pytest.raises(EngineError, match="naive engine: the version to send must be an int"):
+        WeightSync(new_engine("naive")).sync(iter([("w", torch.ones(4))]), MemoryRollout(), version)
+
+
+@pytest.mark.parametrize("items, why", [
+    ([(1, torch.ones(2))], "item 0 is named by 1, not a str"),
+    ([(b"w", torch.ones(2))], "item 0 is named by b'w', not a str"),
+    ([("w", torch.ones(2), "extra")], "item 0 is a tuple, not a \\(name, tensor\\) pair"),
+    (["ab"], "item 0 is 'ab', not a \\(name, tensor\\) pair"),
+    ([("w", [1.0])], "tensor 0 'w' is a list, not a tensor"),
+])
+def test_what_is_not_a_name_and_tensor_pair_is_refused_naming_the_item_on_every_engine(items: list[Any], why: str) -> None:
+    for name in ("gloo", "naive"):
+        engine = new_engine(name, timeout_s=60)
+        if name == "naive":
+            with pytest.raises(EngineError, match=f"naive engine: these weights cannot travel: {why}"):
+                WeightSync(engine).sync(iter(items), MemoryRollout(), 1)
+            continue
+        run = sync_threads(engine, [new_engine(name, timeout_s=60)], items, deadline_s=HANG_GUARD_S)
+        assert isinstance(run.error, EngineError) and re.search(f"these weights cannot travel: {why}", str(run.error))
+
+
+def test_a_state_dict_is_sent_as_its_items_and_naive_refuses_a_name_given_twice() -> None:
+    state = {"a": torch.ones(3), "b": torch.arange(4.0)}
+    rollout, rdv = MemoryRollout(), Rendezvous("127.0.0.1", free_port())
+    receiver = threading.Thread(target=receive_into, args=(new_engine("gloo"), rollout, rdv), daemon=True)
+    receiver.start()
+    WeightSync(new_engine("gloo")).sync(state, rdv, 2)
+    receiver.join(HANG_GUARD_S)
+    _assert_delivered(rollout, list(state.items()), 2)
+    rollout = MemoryRollout()
+    WeightSync(new_engine("naive")).sync(state, rollout, 2)
+    _assert_delivered(rollout, list(state.items()), 2)
+    with pytest.raises(EngineError, match="naive engine: .*tensors 0 and 1 are both named 'a'"):
+        WeightSync(new_engine("naive")).sync(iter([("a", torch.ones(1)), ("a", torch.zeros(1))]), MemoryRollout(), 1)
+
+
+def test_a_dtype_the_rollout_dtype_cannot_be_cast_from_is_refused_naming_the_tensor() -> None:
+    odd = torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    run = sync_threads(new_engine("gloo", rollout_dtype="bfloat16", timeout_s=60),
+                       [new_engine("gloo", rollout_dtype="bfloat16", timeout_s=60)],
+                       [("w", torch.ones(4)), ("packed", odd)], [old_rollout()], deadline_s=HANG_GUARD_S)
+    assert isinstance(run.error, EngineError)
+    assert ("tensor 1 'packed' of dtype torch.float4_e2m1fn_x2 cannot be cast to engine.rollout_dtype torch.bfloat16"
+            in str(run.error))
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_weight_given_new_memory_while_it_is_sent_is_sent_as_it_was_or_refused_naming_it_never_read_freed(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender holds every tensor's storage until the sync ends: memory handed back by a tensor
+    given new memory (`set_`) is not reused under a memmove (the fillers would land there)."""
+    from backends.engines.buckets import Layout
+
+    named = [("a", torch.arange(64.0)), ("b", torch.arange(64.0) + 100)]
+    before = named[1][1].clone()
+    pack, fillers = Layout.pack, []
+
+    def swapping(self: Layout, k: int, tensors: Any, copied: Any = None) -> None:
+        if not fillers:
+            named[1][1].set_(torch.empty(0))
+            fillers.extend(torch.full((64,), 7.0) for _ in range(4))
+        pack(self, k, tensors, copied)
+
+    monkeypatch.setattr(Layout, "pack", swapping)
+    rollout = old_rollout()
+    run = sync_threads(new_engine(name), [new_engine(name)], list(named), [rollout], deadline_s=HANG_GUARD_S)
+    if run.error is None:
+        assert torch.equal(rollout.serve()["b"], before)
+    else:
+        assert "tensor 1 'b' changed shape while it was being sent" in str(run.error)
+        assert_kept_old_weights(rollout)
+
+
+def test_a_receiver_of_rank_0_or_not_an_int_is_refused_before_it_joins() -> None:
+    for rank in (0, -1, "1", 1.0):
+        start = time.monotonic()
+        with pytest.raises(EngineError, match="gloo engine: a receiver's rank is an int from 1"):
+            receive_into(new_engine("gloo", timeout_s=60), MemoryRollout(), Rendezvous("127.0.0.1", free_port()),
+                         rank=rank)
+        assert time.monotonic() - start < HANG_GUARD_S
