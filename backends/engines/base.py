@@ -47,10 +47,21 @@ class Rendezvous:
     """How many rollout processes receive; they take ranks 1..receivers."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise EngineError(f"rendezvous port must be in 1..65535, got {self.port}")
-        if self.receivers < 1:
-            raise EngineError(f"a rendezvous needs at least one receiver, got {self.receivers}")
+        if not isinstance(self.host, str) or not self.host:
+            raise EngineError(f"rendezvous host must be a host name or address, got {_shown(self.host)}")
+        if not _whole(self.port) or not 0 < self.port < 65536:
+            raise EngineError(f"rendezvous port must be an int in 1..65535, got {_shown(self.port)}")
+        if not _whole(self.receivers) or self.receivers < 1:
+            raise EngineError(f"a rendezvous needs an int of at least one receiver, got {_shown(self.receivers)}")
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: object) -> str:
+    """A caller's argument in a message: its repr, cut short, with its type unless it is an int."""
+    return repr(value)[:40] + ("" if _whole(value) else f" (a {type(value).__name__})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +183,8 @@ class CheckpointEngine:
         """`options`, or its fields as keyword values (`rollout_dtype` may be a torch dtype)."""
         if options is not None and values:
             raise EngineError(f"{self.name} engine: give options= or keyword values, not both")
+        if options is not None and not isinstance(options, EngineOptions):
+            raise EngineError(f"{self.name} engine: options= takes an EngineOptions, got {_shown(options)}")
         options = self._options(values) if options is None else options
         if found := options.problem():
             raise EngineError(f"{self.name} engine: {found[0]} {found[1]}")

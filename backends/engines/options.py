@@ -61,9 +61,9 @@ class EngineOptions:
         if not _is_number(self.bucket_bytes, int) or not MIN_BUCKET_BYTES <= self.bucket_bytes <= MAX_BUCKET_BYTES:
             span = f"{_binary_size(MIN_BUCKET_BYTES)}..{_binary_size(MAX_BUCKET_BYTES)}"
             bounds = f"{MIN_BUCKET_BYTES}..{MAX_BUCKET_BYTES} ({span})"
-            return "bucket_bytes", f"must be in {bounds}, got {self.bucket_bytes}"
+            return "bucket_bytes", f"must be in {bounds}, got {_got(self.bucket_bytes, int)}"
         if not _is_number(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= MAX_TIMEOUT_S:
-            return "timeout_s", f"must be in (0, {MAX_TIMEOUT_S:g}], got {self.timeout_s}"
+            return "timeout_s", f"must be in (0, {MAX_TIMEOUT_S:g}], got {_got(self.timeout_s, (int, float))}"
         for flag in ("verify", "profile"):
             if type(getattr(self, flag)) is not bool:  # a truthy "no" must not switch checksums on or off
                 return flag, f"must be true or false, got {getattr(self, flag)!r}"
@@ -95,6 +95,16 @@ class EngineCapabilities:
 
 def _is_number(value: object, kinds: type | tuple[type, ...]) -> bool:
     return isinstance(value, kinds) and not isinstance(value, bool)
+
+
+def _got(value: object, kinds: type | tuple[type, ...]) -> str:
+    """A refused value as a message shows it: with its type when that is what is wrong (the
+    string "4096", numpy's 4096 and True all print like numbers)."""
+    shown = repr(value)[:40]
+    if _is_number(value, kinds):
+        return shown
+    kind = type(value)
+    return f"{shown} (a {kind.__name__ if kind.__module__ == 'builtins' else f'{kind.__module__}.{kind.__qualname__}'})"
 
 
 def _binary_size(n: int) -> str:

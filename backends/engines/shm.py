@@ -48,6 +48,9 @@ class ShmEngine(SharedSlotEngine):
 
     def __init__(self, *, shm_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if shm_dir is not None and (not isinstance(shm_dir, (str, os.PathLike)) or not str(shm_dir)
+                                    or "\0" in str(shm_dir)):
+            raise EngineError(f"shm engine: shm_dir must name a folder (a path, not empty), got {repr(shm_dir)[:60]}")
         self.shm_dir = Path(shm_dir) if shm_dir is not None else _default_dir()
         self._paths: list[str] = []
         """The sender's bucket files, as it publishes them."""

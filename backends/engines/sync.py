@@ -176,6 +176,8 @@ def profiled(folder: str | os.PathLike[str] | None, label: str) -> Iterator[None
     if folder is None:
         yield
         return
+    if not isinstance(folder, (str, os.PathLike)) or not str(folder) or "\0" in str(folder):
+        raise EngineError(f"profile_dir must name a folder, got {repr(folder)[:60]}")
     from torch.profiler import ProfilerActivity, profile
 
     out = Path(folder)

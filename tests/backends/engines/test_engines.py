@@ -586,3 +586,22 @@ def test_a_receiver_of_rank_0_or_not_an_int_is_refused_before_it_joins() -> None
             receive_into(new_engine("gloo", timeout_s=60), MemoryRollout(), Rendezvous("127.0.0.1", free_port()),
                          rank=rank)
         assert time.monotonic() - start < HANG_GUARD_S
+
+
+@pytest.mark.parametrize("build, why", [
+    (lambda: GlooEngine(options="x"), "gloo engine: options= takes an EngineOptions, got 'x' \\(a str\\)"),
+    (lambda: new_engine("shm", shm_dir=5), "shm engine: shm_dir must name a folder \\(a path, not empty\\), got 5"),
+    (lambda: new_engine("shm", shm_dir=""), "shm_dir must name a folder .*got ''"),
+    (lambda: new_engine("shm", shm_dir="a\x00b"), "shm_dir must name a folder"),
+    (lambda: new_engine("gloo", bucket_bytes="4096"), "bucket_bytes must be in 64\\.\\..*, got '4096' \\(a str\\)"),
+    (lambda: new_engine("gloo", timeout_s="5"), "timeout_s must be in \\(0, 604800\\], got '5' \\(a str\\)"),
+    (lambda: Rendezvous("127.0.0.1", 80.5), "rendezvous port must be an int in 1..65535, got 80.5 \\(a float\\)"),
+    (lambda: Rendezvous("127.0.0.1", True), "rendezvous port must be an int in 1..65535, got True \\(a bool\\)"),
+    (lambda: Rendezvous(None, 80), "rendezvous host must be a host name or address, got None"),  # type: ignore[arg-type]
+    (lambda: Rendezvous("h", 80, 1.5), "an int of at least one receiver, got 1.5 \\(a float\\)"),
+    (lambda: WeightSync(new_engine("naive"), profile_dir=5).sync(iter([("w", torch.ones(2))]), MemoryRollout(), 1),
+     "profile_dir must name a folder, got 5"),
+])
+def test_an_argument_of_the_wrong_type_is_an_engine_error_naming_it_and_its_type(build: Any, why: str) -> None:
+    with pytest.raises(EngineError, match=why):
+        build()
