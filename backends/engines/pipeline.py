@@ -206,6 +206,9 @@ class BucketEngine(CheckpointEngine):
         (`inplace`), and hands out views of that storage. A plan they cannot take is refused,
         and the sender told."""
         topology = self._topology(sender=False)
+        if self._receiver is not None:  # this session's keys carry the sync it already received
+            raise EngineError(f"{self.name} engine: rank {topology.rank} received weights v{self._receiver.version} in "
+                              "this session already; a session carries one sync: open a new one for the next")
         self._forget_landing()
         sent, accepted, staging = self._accept(topology.rank, version, expected, into)
         layout = self._bind(accepted)

@@ -495,6 +495,30 @@ def test_a_second_send_in_one_session_is_refused_and_leaves_the_rollout_on_the_f
     assert torch.equal(rollout.serve()["w"], torch.ones(8))
 
 
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_second_receive_in_one_session_is_refused_at_once(name: str) -> None:
+    rdv = Rendezvous("127.0.0.1", free_port())
+    receiver, taken, errors = new_engine(name, timeout_s=60), [], []
+
+    def receive() -> None:
+        try:
+            with receiver.session(rdv, rank=1):
+                taken.extend(receiver.receive_weights())
+                start = time.monotonic()
+                with pytest.raises(EngineError, match=f"{name} engine: rank 1 received weights v1 in this session already"):
+                    receiver.receive_weights()
+                errors.append(time.monotonic() - start)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    WeightSync(new_engine(name)).sync(iter([("w", torch.ones(8))]), rdv, 1)
+    thread.join(HANG_GUARD_S)
+    assert not thread.is_alive() and [n for n, _ in taken] == ["w"]
+    assert len(errors) == 1 and isinstance(errors[0], float) and errors[0] < 1.0, errors
+
+
 @pytest.mark.parametrize("version", ["3", -1, True, 1.5, None, 10**19])
 def test_a_version_that_is_not_an_int_in_range_is_refused_by_the_sender_and_its_receiver_hears_at_once(
         version: Any) -> None:
