@@ -34,10 +34,7 @@ class NaiveEngine(CheckpointEngine):
     def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         start = time.perf_counter()
         version = check_version(self.name, version)
-        try:
-            pairs = [(name, tensor.detach()) for name, tensor in sendable(named_tensors)]
-        except ValueError as exc:
-            raise EngineError(f"naive engine: these weights cannot travel: {exc}") from None
+        pairs = [(name, tensor.detach()) for name, tensor in sendable(self.name, named_tensors)]
         named: dict[str, int] = {}
         for i, (name, _) in enumerate(pairs):
             if named.setdefault(name, i) != i:

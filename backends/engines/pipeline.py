@@ -47,11 +47,11 @@ from backends.engines.base import (
     CheckpointEngine, Incoming, SyncStats, Topology, TransportError, check_version, missing,
 )
 from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined_bytes, slot_bytes
-from backends.engines.sources import Source, casts, describe, sendable
+from backends.engines.sources import Source, describe, metas_of
 from backends.engines.digests import Checksums
 from backends.engines.flat import Named
 from backends.engines.inplace import Landing
-from backends.engines.control import ControlStore, StoreLink, answer, clip
+from backends.engines.control import ControlStore, StoreLink, answer
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
 from backends.engines.sender import send_bucket, send_buckets
@@ -180,9 +180,8 @@ class BucketEngine(CheckpointEngine):
         sources = describe(pairs, self._described[0])
         layout = self._send_layout(self._metas(pairs, sources))
         tensors = [tensor for _, tensor in pairs]
-        held = [tensor.untyped_storage() for tensor in tensors]  # noqa: F841 - packing reads their addresses
-        # until the last bucket is hashed: a tensor given new memory meanwhile (set_, .data =) must
-        # not free the old under a memmove; the sync sends the values it was handed, as described
+        held = [tensor.untyped_storage() for tensor in tensors]  # noqa: F841 - read by address until the
+        # last bucket is hashed: memory a tensor gives back meanwhile (set_) is not freed under a memmove
         control.set("version", str(version))
         control.set("plan", layout.raw)
         control.await_answers(topology.receivers, "accepted", f"refused the plan of weights v{version}")
@@ -288,16 +287,7 @@ class BucketEngine(CheckpointEngine):
         as they were then (the same list, so `_same_plan` compares each entry by identity)."""
         last, dtype, metas = self._described
         if sources is None or sources is not last or dtype != self.rollout_dtype:
-            if sources is None:  # not all (str, plain tensor) pairs: say which, before anything is posted
-                try:
-                    sendable(pairs)
-                except ValueError as exc:
-                    raise EngineError(f"{self.name} engine: these weights cannot travel: {exc}") from None
-            metas = [TensorMeta(name, self.wire_dtype(t), tuple(t.shape)) for name, t in pairs]
-            for i, ((name, tensor), meta) in enumerate(zip(pairs, metas)):
-                if meta.dtype != tensor.dtype and not casts(tensor.dtype, meta.dtype):
-                    raise EngineError(f"{self.name} engine: these weights cannot travel: tensor {i} {clip(repr(name))} "
-                                      f"of dtype {tensor.dtype} cannot be cast to engine.rollout_dtype {meta.dtype}")
+            metas = metas_of(self.name, pairs, self.wire_dtype, checked=sources is not None)
             self._described = (sources, self.rollout_dtype, metas)
         return metas
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 import functools
 import itertools
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xxhash
 
-from backends.engines.plan import travels
+from backends.engines.plan import TensorMeta, travels
+from lifecycle.errors import EngineError
 
 Copied = list[tuple[int, int, int]]
 """(offset in the data region, address, nbytes) of pieces `Layout.pack` copied byte for byte."""
@@ -93,23 +94,39 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
     return last if found == last else found
 
 
-def sendable(named: Iterable[Any] | Mapping[Any, Any]) -> list[tuple[str, torch.Tensor]]:
+def sendable(engine: str, named: Iterable[Any] | Mapping[Any, Any]) -> list[tuple[str, torch.Tensor]]:
     """What a sender was handed, as a list of (name, tensor) pairs (a mapping, a state dict say,
-    gives its items); `ValueError` naming the first item that is not a pair of a str and a
+    gives its items); `EngineError` naming the first item that is not a pair of a str and a
     tensor of plain memory (`memory_problem`)."""
     pairs = list(named.items() if isinstance(named, Mapping) else named)
     for i, item in enumerate(pairs):
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise ValueError(f"item {i} is {_shown(item)}, not a (name, tensor) pair")
-        name, tensor = item
-        if not isinstance(name, str):
-            raise ValueError(f"item {i} is named by {_shown(name)}, not a str")
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"tensor {i} {_shown(name)} is a {type(tensor).__name__}, not a tensor")
-        problem = memory_problem(tensor)
-        if problem is not None:
-            raise ValueError(f"tensor {i} {_shown(name)} {problem}")
+            problem = f"item {i} is {_shown(item)}, not a (name, tensor) pair"
+        elif not isinstance(item[0], str):
+            problem = f"item {i} is named by {_shown(item[0])}, not a str"
+        elif not isinstance(item[1], torch.Tensor):
+            problem = f"tensor {i} {_shown(item[0])} is a {type(item[1]).__name__}, not a tensor"
+        elif (kind := memory_problem(item[1])) is not None:
+            problem = f"tensor {i} {_shown(item[0])} {kind}"
+        else:
+            continue
+        raise EngineError(f"{engine} engine: these weights cannot travel: {problem}")
     return pairs
+
+
+def metas_of(engine: str, pairs: list[tuple[str, torch.Tensor]], wire_dtype: Callable[[torch.Tensor], torch.dtype],
+             *, checked: bool) -> list[TensorMeta]:
+    """The plan's metadata of a sender's pairs (`checked`: `describe` read every one as plain
+    memory, else `sendable` checks them); `EngineError` naming a tensor whose dtype torch cannot
+    cast to its wire dtype (`engine.rollout_dtype`), before anything is posted."""
+    if not checked:
+        sendable(engine, pairs)
+    metas = [TensorMeta(name, wire_dtype(t), tuple(t.shape)) for name, t in pairs]
+    for i, ((name, tensor), meta) in enumerate(zip(pairs, metas)):
+        if meta.dtype != tensor.dtype and not casts(tensor.dtype, meta.dtype):
+            raise EngineError(f"{engine} engine: these weights cannot travel: tensor {i} {_shown(name)} of dtype "
+                              f"{tensor.dtype} cannot be cast to engine.rollout_dtype {meta.dtype}")
+    return metas
 
 
 def _shown(value: Any) -> str:
@@ -156,4 +173,4 @@ class Program:
     """Positions in the bucket of the pieces torch copies (`Layout._copy_piece`)."""
 
 
-__all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "sendable", "wire_bytes"]
+__all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "metas_of", "sendable", "wire_bytes"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from backends.engines import Rendezvous, SyncStats, WeightSync, receive_into
+from backends.engines import Rendezvous, SyncStats, TransportError, WeightSync, receive_into
 from backends.engines.buckets import HEADER_BYTES
 from backends.engines.gloo import GlooEngine
 from backends.engines.plan import align
@@ -317,7 +317,8 @@ def test_a_tensor_that_is_not_plain_memory_is_refused_by_the_sender_naming_it_an
                            [("w", torch.ones(4)), ("odd.weight", odd)], [rollout], deadline_s=HANG_GUARD_S)
         assert isinstance(run.error, EngineError), what
         assert re.search(f"gloo engine: these weights cannot travel: tensor 1 'odd.weight' {why}", str(run.error)), what
-        assert run.seconds < HANG_GUARD_S and "the sender gave up on sync 1" in str(run.errors[0]), what
+        assert run.seconds < HANG_GUARD_S and isinstance(run.errors[0], TransportError), what  # the sender gave up, or
+        # left the group it was forming: either way the receiver fails at once
         assert_kept_old_weights(rollout)
 
 
@@ -527,7 +528,7 @@ def test_a_version_that_is_not_an_int_in_range_is_refused_by_the_sender_and_its_
                        [rollout], version=version, deadline_s=HANG_GUARD_S)
     assert isinstance(run.error, EngineError) and "the version to send must be an int in 0..9999999999999999999" in str(
         run.error)
-    assert "the sender gave up on sync 1" in str(run.errors[0])
+    assert isinstance(run.errors[0], TransportError)  # at once: the sender gave up, or left the group it formed
     assert_kept_old_weights(rollout)
     with pytest.raises(EngineError, match="naive engine: the version to send must be an int"):
         WeightSync(new_engine("naive")).sync(iter([("w", torch.ones(4))]), MemoryRollout(), version)
