@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from backends.engines.options import (
-    DEFAULT_BUCKET_BYTES, ROLLOUT_DTYPES, EngineCapabilities, EngineOptions, EngineSource,
+    DEFAULT_BUCKET_BYTES, ROLLOUT_DTYPES, EngineCapabilities, EngineOptions, EngineSource, shown,
 )
 from lifecycle.errors import EngineError
 
@@ -48,20 +48,15 @@ class Rendezvous:
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
-            raise EngineError(f"rendezvous host must be a host name or address, got {_shown(self.host)}")
+            raise EngineError(f"rendezvous host must be a host name or address, got {shown(self.host)}")
         if not _whole(self.port) or not 0 < self.port < 65536:
-            raise EngineError(f"rendezvous port must be an int in 1..65535, got {_shown(self.port)}")
+            raise EngineError(f"rendezvous port must be an int in 1..65535, got {shown(self.port)}")
         if not _whole(self.receivers) or self.receivers < 1:
-            raise EngineError(f"a rendezvous needs an int of at least one receiver, got {_shown(self.receivers)}")
+            raise EngineError(f"a rendezvous needs an int of at least one receiver, got {shown(self.receivers)}")
 
 
 def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _shown(value: object) -> str:
-    """A caller's argument in a message: its repr, cut short, with its type unless it is an int."""
-    return repr(value)[:40] + ("" if _whole(value) else f" (a {type(value).__name__})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +179,7 @@ class CheckpointEngine:
         if options is not None and values:
             raise EngineError(f"{self.name} engine: give options= or keyword values, not both")
         if options is not None and not isinstance(options, EngineOptions):
-            raise EngineError(f"{self.name} engine: options= takes an EngineOptions, got {_shown(options)}")
+            raise EngineError(f"{self.name} engine: options= takes an EngineOptions, got {shown(options)}")
         options = self._options(values) if options is None else options
         if found := options.problem():
             raise EngineError(f"{self.name} engine: {found[0]} {found[1]}")
@@ -296,9 +291,8 @@ def check_version(engine: str, version: Any) -> int:
     in 0..`MAX_VERSION`: the sender checks before it posts anything, rather than each receiver
     refusing what it posted."""
     if isinstance(version, bool) or not isinstance(version, numbers.Integral) or not 0 <= version <= MAX_VERSION:
-        shown = repr(version) if isinstance(version, (int, float, str)) else f"a {type(version).__name__}"
         raise EngineError(f"{engine} engine: the version to send must be an int in 0..{MAX_VERSION}, got "
-                          f"{shown[:40]}")
+                          f"{shown(version, numbers.Integral)}")
     return int(version)
 
 

@@ -178,11 +178,7 @@ class Layout:
         moves: Copied = []
         rest: list[int] = []
         for i, p in enumerate(self.plan.buckets[k]):
-            src, meta = tensors[p.index], self.plan.tensors[p.index]
-            if tuple(src.shape) != meta.shape:  # the plan was made of it before: it changed since
-                raise EngineError(f"tensor {p.index} {meta.name[:80]!r} changed shape while it was being sent "
-                                  f"({list(meta.shape)} in the plan, {list(src.shape)} now): keep the weights as they "
-                                  "are until send_weights returns")
+            src, meta = self._source(p, tensors), self.plan.tensors[p.index]
             if src.device.type == "cpu" and wire_bytes(src, meta.dtype) and src.is_contiguous():
                 if not p.nbytes:
                     continue
@@ -227,10 +223,20 @@ class Layout:
         for i in rest:
             self._copy_piece(k, i, tensors)
 
+    def _source(self, p: Piece, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Piece p's tensor, refused (naming it) when its shape is not the plan's: it changed since
+        the plan was made of it, and torch would broadcast it, or read past it by address."""
+        src, meta = tensors[p.index], self.plan.tensors[p.index]
+        if src.shape != meta.shape:
+            raise EngineError(f"tensor {p.index} {meta.name[:80]!r} changed shape while it was being sent "
+                              f"({list(meta.shape)} in the plan, {list(src.shape)} now): keep the weights as they "
+                              "are until send_weights returns")
+        return src
+
     def _copy_piece(self, k: int, i: int, tensors: Sequence[torch.Tensor]) -> None:
         """Piece i of bucket k copied by torch: cast, gathered from strides, or from another device."""
         p, dst = self.plan.buckets[k][i], self.bucket_views(k)[i]
-        src = tensors[p.index].detach()
+        src = self._source(p, tensors).detach()
         if p.nbytes == self.plan.tensors[p.index].nbytes:
             dst.copy_(src)
         else:
@@ -246,7 +252,7 @@ class Layout:
             return
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for i, (p, dst) in enumerate(zip(self.plan.buckets[k], self.bucket_views(k))):
-            src = tensors[p.index].detach()
+            src = self._source(p, tensors).detach()
             whole = p.nbytes == self.plan.tensors[p.index].nbytes
             if src.device == data.device and wire_bytes(src, dst.dtype) and whole:
                 batch[0].append(dst)

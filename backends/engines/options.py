@@ -9,6 +9,7 @@ so it imports nothing but the standard library: no torch, no lifecycle module.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -61,9 +62,9 @@ class EngineOptions:
         if not _is_number(self.bucket_bytes, int) or not MIN_BUCKET_BYTES <= self.bucket_bytes <= MAX_BUCKET_BYTES:
             span = f"{_binary_size(MIN_BUCKET_BYTES)}..{_binary_size(MAX_BUCKET_BYTES)}"
             bounds = f"{MIN_BUCKET_BYTES}..{MAX_BUCKET_BYTES} ({span})"
-            return "bucket_bytes", f"must be in {bounds}, got {_got(self.bucket_bytes, int)}"
+            return "bucket_bytes", f"must be in {bounds}, got {shown(self.bucket_bytes)}"
         if not _is_number(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= MAX_TIMEOUT_S:
-            return "timeout_s", f"must be in (0, {MAX_TIMEOUT_S:g}], got {_got(self.timeout_s, (int, float))}"
+            return "timeout_s", f"must be in (0, {MAX_TIMEOUT_S:g}], got {shown(self.timeout_s, (int, float))}"
         for flag in ("verify", "profile"):
             if type(getattr(self, flag)) is not bool:  # a truthy "no" must not switch checksums on or off
                 return flag, f"must be true or false, got {getattr(self, flag)!r}"
@@ -97,14 +98,19 @@ def _is_number(value: object, kinds: type | tuple[type, ...]) -> bool:
     return isinstance(value, kinds) and not isinstance(value, bool)
 
 
-def _got(value: object, kinds: type | tuple[type, ...]) -> str:
-    """A refused value as a message shows it: with its type when that is what is wrong (the
-    string "4096", numpy's 4096 and True all print like numbers)."""
-    shown = repr(value)[:40]
+def shown(value: object, kinds: type | tuple[type, ...] = int) -> str:
+    """A caller's argument in a message: its repr cut short, with its type unless it is one of
+    `kinds` (the string "4096", numpy's 4096 and True all print like numbers)."""
+    text = repr(value)[:40]
     if _is_number(value, kinds):
-        return shown
+        return text
     kind = type(value)
-    return f"{shown} (a {kind.__name__ if kind.__module__ == 'builtins' else f'{kind.__module__}.{kind.__qualname__}'})"
+    return f"{text} (a {kind.__name__ if kind.__module__ == 'builtins' else f'{kind.__module__}.{kind.__qualname__}'})"
+
+
+def is_path(value: object) -> bool:
+    """Whether an argument can name a file or folder: a str or path, not empty, without a NUL."""
+    return isinstance(value, (str, os.PathLike)) and bool(str(value)) and "\0" not in str(value)
 
 
 def _binary_size(n: int) -> str:

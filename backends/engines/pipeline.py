@@ -173,7 +173,6 @@ class BucketEngine(CheckpointEngine):
             raise EngineError(f"{self.name} engine: weights v{self._sent} were sent in this session already; "
                               "a session carries one sync: open a new one for the next")
         version = check_version(self.name, version)
-        self._sent = version
         start = time.perf_counter()
         phases = self._phases = dict.fromkeys(("plan", "pack", "wire", "apply", "hash"), 0.0)
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
@@ -182,6 +181,7 @@ class BucketEngine(CheckpointEngine):
         tensors = [tensor for _, tensor in pairs]
         held = [tensor.untyped_storage() for tensor in tensors]  # noqa: F841 - read by address until the
         # last bucket is hashed: memory a tensor gives back meanwhile (set_) is not freed under a memmove
+        self._sent = version  # from here the sync's keys are this send's: a retry in the session is refused
         control.set("version", str(version))
         control.set("plan", layout.raw)
         control.await_answers(topology.receivers, "accepted", f"refused the plan of weights v{version}")

@@ -32,7 +32,7 @@ import torch
 
 from backends.engines.buckets import HEADER_BYTES, SLOTS
 from backends.engines.control import PARSE_ERRORS, clip
-from backends.engines.options import MIN_BUCKET_BYTES, EngineCapabilities
+from backends.engines.options import MIN_BUCKET_BYTES, EngineCapabilities, is_path
 from backends.engines.plan import ALIGN, PlanRefused
 from backends.engines.registry import CheckpointEngineRegistry
 from backends.engines.shared import SharedSlotEngine
@@ -48,8 +48,7 @@ class ShmEngine(SharedSlotEngine):
 
     def __init__(self, *, shm_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if shm_dir is not None and (not isinstance(shm_dir, (str, os.PathLike)) or not str(shm_dir)
-                                    or "\0" in str(shm_dir)):
+        if shm_dir is not None and not is_path(shm_dir):
             raise EngineError(f"shm engine: shm_dir must name a folder (a path, not empty), got {repr(shm_dir)[:60]}")
         self.shm_dir = Path(shm_dir) if shm_dir is not None else _default_dir()
         self._paths: list[str] = []

@@ -23,7 +23,7 @@ import torch
 
 from backends.engines.base import CheckpointEngine, Rendezvous, SyncStats
 from backends.engines.flat import Named
-from backends.engines.options import EngineSource
+from backends.engines.options import EngineSource, is_path, shown
 from backends.engines.registry import CheckpointEngineRegistry
 from lifecycle.errors import EngineError
 from lifecycle.types import RolloutTarget, updating
@@ -110,8 +110,7 @@ def receive_into(
         raise EngineError(f"{engine.name} engine: expected= takes a collection of weight names, not the one "
                           f"string {expected!r}")
     if not engine.capabilities.in_process and (type(rank) is not int or rank < 1):
-        shown = repr(rank) if isinstance(rank, (int, float, str)) else f"a {type(rank).__name__}"
-        raise EngineError(f"{engine.name} engine: a receiver's rank is an int from 1 (rank 0 sends), got {shown[:40]}")
+        raise EngineError(f"{engine.name} engine: a receiver's rank is an int from 1 (rank 0 sends), got {shown(rank)}")
     if expected is not None and not _takes(type(engine), "expected"):
         _refuse(engine, rendezvous, rank, "its receive_weights takes no `expected`, so it cannot refuse a "
                 "sync that leaves weights out; call receive_into without expected=")
@@ -176,7 +175,7 @@ def profiled(folder: str | os.PathLike[str] | None, label: str) -> Iterator[None
     if folder is None:
         yield
         return
-    if not isinstance(folder, (str, os.PathLike)) or not str(folder) or "\0" in str(folder):
+    if not is_path(folder):
         raise EngineError(f"profile_dir must name a folder, got {repr(folder)[:60]}")
     from torch.profiler import ProfilerActivity, profile
 

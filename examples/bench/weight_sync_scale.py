@@ -20,7 +20,8 @@ weight set on a receiver that applies atomically (it holds the whole sync until 
 bucket verified): as a rise, two buckets, or two buckets and the weights. Library code is
 shown apart ("code": the rise of RssFile, file-backed pages, shared with every process that
 maps the library and dropped under pressure) and the verdict does not count it; /dev/shm
-pages are not in RssFile, so the shared buckets count in full.
+pages are not in RssFile, so the shared buckets count in full (without /dev/shm, `shm` would
+keep its buckets in the temp folder, where they would count as code: --scale refuses to run).
 
     python examples/bench/weight_sync.py --scale --repeat 2 --plot scale.png     # minutes
     python examples/bench/weight_sync.py --scale --sizes 0.0625 0.25 --counts 256 4096 --gib 0.25 --repeat 1
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import multiprocessing as mp
+import os
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -243,6 +245,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--repeat {args.repeat}: --scale needs at least one timed round")
     if min(args.sizes) <= 0:
         parser.error(f"--sizes: {min(args.sizes)} GiB is not a size")
+    if not os.path.isdir("/dev/shm"):
+        parser.error("--scale needs /dev/shm: shm's buckets would be files elsewhere, and count as library code")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401 - drawn at the end; missing, say so before minutes of measuring

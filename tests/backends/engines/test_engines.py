@@ -604,6 +604,55 @@ def test_a_weight_given_new_memory_while_it_is_sent_is_sent_as_it_was_or_refused
         assert_kept_old_weights(rollout)
 
 
+@pytest.mark.parametrize("rollout_dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_on_a_later_sync_a_weight_given_new_memory_mid_sync_is_sent_from_its_held_memory_or_refused_if_cast(
+        name: str, rollout_dtype: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later sync reuses what packing each bucket takes (addresses included): a weight given new
+    memory of another shape meanwhile is memmoved from its old memory, which the sender holds
+    (fillers allocated after would otherwise take its place), and a piece torch casts is
+    refused naming the weight rather than broadcast from the new shape."""
+    from backends.engines.buckets import Layout
+
+    named = [("a", torch.arange(64.0)), ("b", torch.arange(64.0) + 100)]
+    before = named[1][1].clone()
+    sender, receiver = new_engine(name, rollout_dtype=rollout_dtype), new_engine(name, rollout_dtype=rollout_dtype)
+    rollout = MemoryRollout()
+    assert sync_threads(sender, [receiver], list(named), [rollout], version=1).error is None
+    pack, fillers = Layout.pack, []
+
+    def swapping(self: Layout, k: int, tensors: Any, copied: Any = None) -> None:
+        if not fillers:
+            named[1][1].set_(torch.full((1,), 5.0))
+            fillers.extend(torch.full((64,), 7.0) for _ in range(8))
+        pack(self, k, tensors, copied)
+
+    monkeypatch.setattr(Layout, "pack", swapping)
+    run = sync_threads(sender, [receiver], list(named), [rollout], version=2, deadline_s=HANG_GUARD_S)
+    if rollout_dtype is None:
+        assert run.error is None and rollout.weights_version == 2
+        assert torch.equal(rollout.serve()["b"], before)
+    else:
+        assert isinstance(run.error, EngineError) and "tensor 1 'b' changed shape while it was being sent" in str(
+            run.error)
+        assert rollout.weights_version == 1
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_send_refused_before_anything_was_posted_can_be_retried_in_the_same_session(name: str) -> None:
+    rdv, rollout = Rendezvous("127.0.0.1", free_port()), MemoryRollout()
+    receiver = threading.Thread(target=receive_into, args=(new_engine(name), rollout, rdv), daemon=True)
+    receiver.start()
+    sender = new_engine(name)
+    with sender.session(rdv, rank=0):
+        with pytest.raises(EngineError, match="these weights cannot travel"):
+            sender.send_weights(iter([("w", torch.eye(2).to_sparse())]), 1)
+        sender.send_weights(iter([("w", torch.ones(2))]), 1)
+    receiver.join(HANG_GUARD_S)
+    assert not receiver.is_alive()
+    _assert_delivered(rollout, [("w", torch.ones(2))], 1)
+
+
 def test_a_receiver_of_rank_0_or_not_an_int_is_refused_before_it_joins() -> None:
     for rank in (0, -1, "1", 1.0):
         start = time.monotonic()

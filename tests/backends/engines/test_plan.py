@@ -358,7 +358,7 @@ def test_a_plan_written_a_batch_at_a_time_is_the_json_of_its_fields_byte_for_byt
         assert parse_plan(raw) == plan
 
 
-def test_writing_a_plan_of_20000_tensors_peaks_under_three_times_its_bytes_and_reading_it_under_1_9_times_what_it_holds() -> None:
+def test_writing_a_plan_of_20000_tensors_peaks_under_three_times_its_bytes_and_reading_it_under_1_7_times_what_it_holds() -> None:
     """Writing built one nested list of the whole plan first (7.2 times its bytes at its peak,
     measured); reading held all of the parsed JSON and the plan read from it at once (2.2 times
     what the plan holds). Now each entry goes as soon as it is written or read (2.1 and 1.6)."""
@@ -378,4 +378,4 @@ def test_writing_a_plan_of_20000_tensors_peaks_under_three_times_its_bytes_and_r
         tracemalloc.stop()
     assert read == plan
     assert written < 3 * len(raw), f"writing {len(raw)} bytes of plan peaked at {written} bytes"
-    assert peak < 1.9 * held, f"reading a plan that holds {held} bytes peaked at {peak} bytes"
+    assert peak < 1.7 * held, f"reading a plan that holds {held} bytes peaked at {peak} bytes"
