@@ -35,7 +35,8 @@ from backends.engines.sources import Source, describe
 
 class Landing:
     """A receiver's landing layout, kept from one sync to the next while the plan and the
-    rollout's tensors (as `sources.describe` finds them: names, shapes, strides, addresses) stay as
+    rollout's tensors and a module's buffers beside them (as `sources.describe` finds them:
+    names, shapes, strides, addresses) stay as
     they were: working it out costs a few microseconds a tensor, as much as receiving their bytes.
     The kept ranges hold the rollout's storage alive until the next sync that lands elsewhere, or
     `close()` (a device engine lets it go after every sync)."""
@@ -47,7 +48,7 @@ class Landing:
     def layout_for(self, plan: Plan, raw: bytes, into: Named, device: torch.device) -> Layout:
         """The layout whose slots are `into`'s storage, for `plan` (`landing_slots`)."""
         named, beside = rollout_tensors(into)
-        sources = describe(list(named.items()), self._sources)
+        sources = describe([*named.items(), *beside], self._sources)  # a buffer moved into a range is seen too
         layout = self.layout
         if layout is None or layout.plan is not plan or sources is None or sources is not self._sources:
             self.layout = None

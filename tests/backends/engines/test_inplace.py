@@ -261,6 +261,23 @@ def test_a_modules_buffer_inside_a_bucket_range_is_refused() -> None:
         landing_slots(make_plan(metas, 4096, True), model, torch.device("cpu"))
 
 
+def test_a_buffer_moved_into_a_bucket_range_after_a_landing_was_kept_is_refused_on_the_next_sync() -> None:
+    """The kept landing layout is reused while the rollout's tensors stay put; a module's buffers
+    beside them are part of what must stay put, or a buffer moved into a landing range would
+    be written over by the next sync."""
+    from backends.engines.inplace import Landing
+
+    model = _BufferInPadding()
+    model.register_buffer("x", torch.ones(1))  # apart, for now
+    plan = make_plan([TensorMeta("a", torch.float32, (15,)), TensorMeta("b", torch.float32, (16,))], 4096, True)
+    landing = Landing()
+    kept = landing.layout_for(plan, plan.to_bytes(), model, torch.device("cpu"))
+    assert landing.layout_for(plan, plan.to_bytes(), model, torch.device("cpu")) is kept
+    model.register_buffer("x", model.a.data.new_empty(0).set_(model.a.untyped_storage(), 15, (1,)))
+    with pytest.raises(PlanRefused, match="would land on 'buffer x'"):
+        landing.layout_for(plan, plan.to_bytes(), model, torch.device("cpu"))
+
+
 @pytest.mark.parametrize(("into", "reason"), [
     ({"w": torch.eye(3).to_sparse()}, "into= holds 'w', which is not a strided tensor"),
     ([("w", torch.zeros(3)), ("w", torch.zeros(3))], "into= holds 'w', which is named twice"),
