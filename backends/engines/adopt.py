@@ -32,6 +32,10 @@ def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
     parameter's identity are untouched (only `.data` changes).
     """
     if isinstance(named_tensors, Incoming):
+        if not named_tensors.adoptable:  # views the engine writes over next (or the sender's own tensors)
+            raise EngineError("adopt_weights: this sync hands out tensors the engine reuses, which a rollout cannot "
+                              "keep as its weights; set engine.apply to 'flip' (on both sides for shm) or copy them "
+                              "in load_weights; nothing was adopted")
         named_tensors.adopted = False  # until every tensor is rebound: a flip engine then counts its set served
     owned: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     owned.update(module.named_buffers(remove_duplicate=False))

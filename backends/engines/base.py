@@ -132,6 +132,10 @@ class Incoming(Iterator[tuple[str, torch.Tensor]]):
         False); None: it did not say, and a flip receiver counts a sync read to the end without
         an abort as adopted."""
         self.held = False
+        self.adoptable = False
+        """Whether a rollout may keep the tensors as its weights (`adopt_weights`): views into a
+        flip weight set, or into the rollout's own storage (`into=`); never views of buffers the
+        engine reuses, or (naive) the sender's own tensors."""
         self._source: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def hold(self) -> Incoming:

@@ -212,6 +212,7 @@ class BucketEngine(CheckpointEngine):
         sent, accepted, staging = self._accept(topology.rank, version, expected, into)
         layout = self._bind(accepted)
         incoming = Incoming(sent)
+        incoming.adoptable = self.apply == "flip" or self._landed
         self._receiver = Receiver(self, topology, layout, layout if staging is accepted else staging, sent, incoming)
         return incoming.feed(self._receiver.run())
 
@@ -377,6 +378,12 @@ class BucketEngine(CheckpointEngine):
         gaps = missing(expected, (meta.name for meta in plan.tensors))
         if gaps is not None:
             raise PlanRefused(gaps)
+        wanted = self.rollout_dtype
+        odd = None if wanted is None else next((m for m in plan.tensors if m.dtype.is_floating_point and m.dtype != wanted),
+                                               None)
+        if odd is not None:
+            raise PlanRefused(f"it sends {odd.name[:80]!r} as {odd.dtype} and this receiver's engine.rollout_dtype is "
+                              f"{str(wanted).removeprefix('torch.')}: set the same rollout_dtype on both sides")
         return plan
 
     def _receive_slots(self, plan: Plan) -> None:

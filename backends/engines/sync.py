@@ -15,13 +15,13 @@ import inspect
 import os
 import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
-from backends.engines.base import CheckpointEngine, Rendezvous, SyncStats
+from backends.engines.base import MAX_VERSION, CheckpointEngine, Rendezvous, SyncStats
 from backends.engines.flat import Named
 from backends.engines.options import EngineSource, is_path, shown
 from backends.engines.registry import CheckpointEngineRegistry
@@ -106,18 +106,31 @@ def receive_into(
     bucket engine answers the plan, so the sender fails before a byte moves), and raises
     `EngineError`; the rollout is untouched.
     """
-    if isinstance(expected, str):
-        raise EngineError(f"{engine.name} engine: expected= takes a collection of weight names, not the one "
-                          f"string {expected!r}")
+    if not isinstance(engine, CheckpointEngine):
+        raise EngineError(f"receive_into takes an engine (CheckpointEngineRegistry.new(name, ...)), got {shown(engine)}")
+    if rendezvous is not None and not isinstance(rendezvous, Rendezvous):
+        raise EngineError(f"{engine.name} engine: receive_into takes a Rendezvous(host, port, receivers) or None, "
+                          f"got {shown(rendezvous)}")
     if not engine.capabilities.in_process and (type(rank) is not int or rank < 1):
         raise EngineError(f"{engine.name} engine: a receiver's rank is an int from 1 (rank 0 sends), got {shown(rank)}")
-    if expected is not None and not _takes(type(engine), "expected"):
-        _refuse(engine, rendezvous, rank, "its receive_weights takes no `expected`, so it cannot refuse a "
-                "sync that leaves weights out; call receive_into without expected=")
-    if into is not None and not _takes(type(engine), "into"):
-        _refuse(engine, rendezvous, rank, "its receive_weights takes no `into`, so it cannot land a sync in "
-                "the rollout's own storage; call receive_into without into=")
-    with updating(rollout) as landed:
+    expected, problem = _names(expected)
+    if problem is None and version is not None and (type(version) is not int or not 0 <= version <= MAX_VERSION):
+        problem = f"version= must be None or an int in 0..{MAX_VERSION}, got {shown(version)}"
+    if problem is None and not callable(getattr(rollout, "load_weights", None)):
+        problem = f"the rollout ({shown(rollout)}) has no load_weights to take the weights with"
+    if problem is None and expected is not None and not _takes(type(engine), "expected"):
+        problem = ("its receive_weights takes no `expected`, so it cannot refuse a sync that leaves weights out; "
+                   "call receive_into without expected=")
+    if problem is None and into is not None and not _takes(type(engine), "into"):
+        problem = ("its receive_weights takes no `into`, so it cannot land a sync in the rollout's own storage; "
+                   "call receive_into without into=")
+    if problem is not None:
+        _refuse(engine, rendezvous, rank, problem)
+    with ExitStack() as bracket:
+        try:
+            landed = bracket.enter_context(updating(rollout))
+        except Exception as exc:  # noqa: BLE001 - the rollout's own error, passed on as the reason the sender hears
+            _refuse(engine, rendezvous, rank, f"the rollout could not be paused for the sync: {type(exc).__name__}: {exc}")
         with profiled(profile_dir, f"weight_sync_{engine.name}_receive_rank{rank}"):
             if engine.capabilities.in_process:
                 received = _load(engine, rollout, version, expected, into)
@@ -126,6 +139,19 @@ def receive_into(
                     received = _load(engine, rollout, version, expected, into)
         landed(received)
     return received
+
+
+def _names(expected: Any) -> tuple[list[str] | None, str | None]:
+    """`expected=` as a list (a generator read once), or why it is not a collection of names."""
+    if expected is None:
+        return None, None
+    if isinstance(expected, (str, bytes)) or not isinstance(expected, Iterable):
+        return None, f"expected= takes a collection of weight names, got {shown(expected)}"
+    names = list(expected)
+    odd = next((name for name in names if not isinstance(name, str)), None)
+    if odd is not None:
+        return None, f"expected= takes weight names (str), and holds {shown(odd)}"
+    return names, None
 
 
 def _refuse(engine: CheckpointEngine, rendezvous: Rendezvous | None, rank: int, why: str) -> NoReturn:
@@ -154,6 +180,8 @@ def _load(engine: CheckpointEngine, rollout: RolloutTarget, version: int | None,
     except BaseException as exc:
         incoming.abort(f"the rollout's load_weights raised {type(exc).__name__}: {exc}")
         raise
+    if incoming.stop_reason is not None:  # it read on, then aborted: the sender hears a refusal, so no version
+        raise EngineError(f"{engine.name} engine: the rollout's load_weights aborted the sync: {incoming.stop_reason}")
     if not incoming.complete:
         incoming.abort(f"the rollout's load_weights returned after {incoming.tensors} tensors")
         raise EngineError(f"{engine.name} engine: the rollout's load_weights returned after {incoming.tensors} "

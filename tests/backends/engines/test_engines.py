@@ -679,3 +679,101 @@ def test_a_receiver_of_rank_0_or_not_an_int_is_refused_before_it_joins() -> None
 def test_an_argument_of_the_wrong_type_is_an_engine_error_naming_it_and_its_type(build: Any, why: str) -> None:
     with pytest.raises(EngineError, match=why):
         build()
+
+
+# -- what a receiver is handed, and what its rollout does --------------------------------------
+
+@pytest.mark.parametrize("apply", ["atomic", "streamed"])
+def test_adopting_tensors_the_engine_reuses_is_refused_and_the_rollout_keeps_its_weights(apply: str) -> None:
+    """Only a flip weight set (or the rollout's own storage, into=) may become a rollout's
+    weights: streamed views are written over by the bucket after next, atomic ones by the
+    next sync. Adopting them delivered wrong weights while both sides said v1."""
+    from backends.engines import adopt_weights
+
+    class Adopting(MemoryRollout):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def load_weights(self, named_tensors: Any) -> None:
+            adopt_weights(self.model, named_tensors)
+
+    torch.manual_seed(0)
+    trainer, rollout_model = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    before = {name: p.detach().clone() for name, p in rollout_model.named_parameters()}
+    rollout = Adopting(rollout_model)
+    run = sync_threads(new_engine("gloo"), [new_engine("gloo", apply=apply)], list(trainer.named_parameters()),
+                       [rollout], deadline_s=HANG_GUARD_S)
+    assert isinstance(run.errors[0], EngineError) and "adopt_weights: this sync hands out tensors the engine reuses" in str(
+        run.errors[0])
+    assert isinstance(run.error, EngineError) and "rejected weights v1" in str(run.error)
+    assert rollout.stale and rollout.weights_version == 0
+    assert all(torch.equal(p, before[name]) for name, p in rollout_model.named_parameters())
+
+
+def test_a_rollout_that_reads_every_tensor_then_aborts_takes_no_version_and_is_stale() -> None:
+    class Aborting(MemoryRollout):
+        def load_weights(self, named_tensors: Any) -> None:
+            super().load_weights(named_tensors)
+            named_tensors.abort("the rollout changed its mind")
+
+    rollout = Aborting()
+    run = sync_threads(new_engine("gloo"), [new_engine("gloo")], [("w", torch.ones(4))], [rollout],
+                       deadline_s=HANG_GUARD_S)
+    assert "rank 1: the rollout changed its mind" in str(run.error)
+    assert "the rollout's load_weights aborted the sync: the rollout changed its mind" in str(run.errors[0])
+    assert run.versions == [None] and rollout.stale and rollout.weights_version == 0
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_receiver_whose_rollout_dtype_differs_from_what_the_plan_sends_refuses_it_naming_the_option(name: str) -> None:
+    for sender_dtype, receiver_dtype in (("bfloat16", "float16"), (None, "bfloat16")):
+        rollout = old_rollout()
+        run = sync_threads(new_engine(name, rollout_dtype=sender_dtype), [new_engine(name, rollout_dtype=receiver_dtype)],
+                           [("w", torch.ones(4)), ("step", torch.zeros(1, dtype=torch.int64))], [rollout],
+                           deadline_s=HANG_GUARD_S)
+        assert isinstance(run.error, EngineError) and "refused the plan of weights v1" in str(run.error)
+        assert f"and this receiver's engine.rollout_dtype is {receiver_dtype}" in str(run.errors[0])
+        assert_kept_old_weights(rollout)
+
+
+@pytest.mark.parametrize("receive, why", [
+    (dict(expected=(n for n in ["w", "gone"])), "it leaves out 1 of the 2 weight\\(s\\) this rollout expects: 'gone'"),
+    (dict(expected=5), "expected= takes a collection of weight names, got 5"),
+    (dict(expected=[["w"]]), "expected= takes weight names \\(str\\), and holds \\['w'\\] \\(a list\\)"),
+    (dict(version="1"), "version= must be None or an int in 0..9999999999999999999, got '1' \\(a str\\)"),
+    (dict(version=True), "version= must be None or an int .*got True \\(a bool\\)"),
+    (dict(rollout=None), "the rollout \\(None \\(a NoneType\\)\\) has no load_weights"),
+    (dict(pause=ValueError("busy")), "the rollout could not be paused for the sync: ValueError: busy"),
+])
+def test_a_receive_that_cannot_be_done_as_asked_is_refused_and_the_sender_hears_at_once(receive: dict[str, Any],
+                                                                                        why: str) -> None:
+    raising = receive.pop("pause", None)
+
+    class Busy(MemoryRollout):
+        def pause(self) -> None:
+            raise raising
+
+    rollout = receive.pop("rollout", Busy() if raising is not None else MemoryRollout())
+    rdv, errors = Rendezvous("127.0.0.1", free_port()), []
+
+    def receiver() -> None:
+        try:
+            receive_into(new_engine("gloo", timeout_s=60), rollout, rdv, **receive)
+        except EngineError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=receiver, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(EngineError, match="refused the plan of weights v1"):
+        WeightSync(new_engine("gloo", timeout_s=60)).sync(iter([("w", torch.ones(2))]), rdv, 1)
+    thread.join(HANG_GUARD_S)
+    assert time.monotonic() - start < HANG_GUARD_S and len(errors) == 1 and re.search(why, str(errors[0])), errors
+
+
+def test_receive_into_refuses_what_is_not_an_engine_or_a_rendezvous_at_once() -> None:
+    with pytest.raises(EngineError, match="receive_into takes an engine .*got 'gloo' \\(a str\\)"):
+        receive_into("gloo", MemoryRollout(), Rendezvous("127.0.0.1", free_port()))  # type: ignore[arg-type]
+    with pytest.raises(EngineError, match="gloo engine: receive_into takes a Rendezvous.*got \\('127.0.0.1', 80\\)"):
+        receive_into(new_engine("gloo"), MemoryRollout(), ("127.0.0.1", 80))  # type: ignore[arg-type]
