@@ -40,6 +40,8 @@ class GroupEngine(BucketEngine):
     def _connect(self, topology: Topology) -> None:
         import torch.distributed as dist
 
+        if topology.is_sender:
+            self._control().check_worlds(topology)
         store = dist.PrefixStore("group", self._control().store)
         timeout = timedelta(seconds=self.remaining("forming the process group"))
         try:

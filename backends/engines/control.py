@@ -120,6 +120,15 @@ class ControlStore:
             raise EngineError(f"{self.engine.name} engine: {len(problems)} of {len(keys)} receiver(s) {what}: "
                               + "; ".join(problems))
 
+    def check_worlds(self, topology: Topology) -> None:
+        """The sender, before it forms a group: every receiver's Rendezvous has as many ranks as
+        its own (`StoreLink._agree`); a `TransportError` naming the first that does not, as soon
+        as its count arrives."""
+        for rank in topology.receivers:
+            theirs = digits(self.get(f"world/{rank}"))
+            if theirs != topology.world_size:
+                raise TransportError(f"{self.engine.name} engine: {_worlds(rank, theirs, topology.world_size)}")
+
     def _lost(self, what: str, exc: BaseException) -> TransportError:
         return TransportError(f"{self.engine.name} engine: lost the rendezvous of sync {self.number} while "
                               f"{what}: {exc}")
@@ -169,12 +178,20 @@ class ControlStore:
         try:
             self.store.set("closed", b"clean" if clean else b"1")
             if clean:
-                claims = [f"joined/{rank}" for rank in topology.receivers]
+                claims = [f"{key}/{rank}" for rank in topology.receivers for key in ("joined", "world")]
                 for key in dict.fromkeys([*self._written, *claims]):
                     self.store.delete_key(key)
         except _STORE_ERRORS as exc:
             structlog.get_logger().warning("engine.close_not_marked", engine=self.engine.name, sync=self.number,
                                            error=str(exc))
+
+
+def _worlds(rank: int, theirs: int | None, senders: int | None) -> str:
+    def count(world: int | None) -> str:
+        return "an unreadable count of" if world is None else str(world - 1)
+
+    return (f"rank {rank}'s Rendezvous has {count(theirs)} receiver(s) and the sender's has {count(senders)}: "
+            "give every side the same Rendezvous")
 
 
 def _listed(keys: list[str]) -> str:
@@ -198,15 +215,30 @@ class StoreLink:
         if self.address != (rdv.host, rdv.port):
             self.drop()
         if topology.is_sender:
-            return self._open(rdv)
+            return self._open(rdv, topology.world_size)
         while True:
             try:
-                return self._join(rdv, topology.rank)
+                control = self._join(rdv, topology.rank)
+                break
             except _STORE_ERRORS:
                 self.drop()
                 time.sleep(_RETRY_S)
+        self._agree(control, topology)
+        return control
 
-    def _open(self, rdv: Rendezvous) -> ControlStore:
+    def _agree(self, control: ControlStore, topology: Topology) -> None:
+        """A receiver posts how many ranks its Rendezvous has (`world/{rank}`: a sender forming a
+        group checks it first, `ControlStore.check_worlds`) and refuses a sync whose sender counts
+        otherwise, answering the plan's key so a sender without a group hears it too: ranks that
+        disagree never form a group (gloo overran its timeout several times over doing so)."""
+        sent = digits(control.get("world", watch_closed=True))
+        control.set(f"world/{topology.rank}", str(topology.world_size))
+        if sent != topology.world_size:
+            why = _worlds(topology.rank, topology.world_size, sent)
+            control.set(f"accepted/{topology.rank}", answer(why))
+            raise TransportError(f"{self.engine.name} engine: {why}")
+
+    def _open(self, rdv: Rendezvous, world: int) -> ControlStore:
         import torch.distributed as dist
 
         if self.base is None:
@@ -220,6 +252,7 @@ class StoreLink:
         self.number += 1
         control = ControlStore(self.engine, self.base, self.number)
         self.base.set("latest", str(self.number))
+        control.set("world", str(world))
         control.set("open", b"1")
         return control
 

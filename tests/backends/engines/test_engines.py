@@ -777,3 +777,32 @@ def test_receive_into_refuses_what_is_not_an_engine_or_a_rendezvous_at_once() ->
         receive_into("gloo", MemoryRollout(), Rendezvous("127.0.0.1", free_port()))  # type: ignore[arg-type]
     with pytest.raises(EngineError, match="gloo engine: receive_into takes a Rendezvous.*got \\('127.0.0.1', 80\\)"):
         receive_into(new_engine("gloo"), MemoryRollout(), ("127.0.0.1", 80))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name, senders, receivers", [("gloo", 2, 3), ("gloo", 2, 1), ("shm", 2, 3)])
+def test_sides_whose_rendezvous_count_different_receivers_both_fail_at_once_saying_so(
+        name: str, senders: int, receivers: int) -> None:
+    """gloo formed a group of ranks that disagreed on its size and overran its timeout several
+    times over; now no group forms and each side names both counts."""
+    port, errors = free_port(), []
+    ranks = range(1, min(senders, receivers) + 1)
+
+    def receive(rank: int) -> None:
+        try:
+            receive_into(new_engine(name, timeout_s=30), old_rollout(), Rendezvous("127.0.0.1", port, receivers),
+                         rank=rank)
+        except EngineError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=receive, args=(rank,), daemon=True) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=f"Rendezvous has {receivers} receiver\\(s\\) and the sender's has {senders}"):
+        WeightSync(new_engine(name, timeout_s=30)).sync(iter([("w", torch.ones(2))]),
+                                                         Rendezvous("127.0.0.1", port, senders), 1)
+    for thread in threads:
+        thread.join(HANG_GUARD_S)
+    assert time.monotonic() - start < HANG_GUARD_S
+    assert len(errors) == len(ranks) and all(f"has {receivers} receiver(s) and the sender's has {senders}" in str(e)
+                                             for e in errors), errors

@@ -63,8 +63,8 @@ def test_a_latest_key_that_is_no_sync_number_fails_the_receiver_at_once_naming_k
     overwritten, tried = threading.Event(), threading.Event()
 
     class BadLatest(StoreLink):
-        def _open(self, rdv: Rendezvous) -> Any:
-            control = super()._open(rdv)
+        def _open(self, rdv: Rendezvous, world: int) -> Any:
+            control = super()._open(rdv, world)
             self.base.set("latest", latest)
             overwritten.set()
             tried.wait(HANG_GUARD_S)
