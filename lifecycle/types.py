@@ -11,6 +11,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
 
+from lifecycle.errors import EngineError
+
 
 class Content(str, Enum):
     """One part of a checkpoint step folder. Named here, once, for the config (which parts to
@@ -181,8 +183,13 @@ def updating(rollout: RolloutTarget | ReceivingRollout) -> Iterator[Callable[[in
     target.pause()
     try:
         yield landed
-    except BaseException:
-        target.mark_stale()
+    except BaseException as failed:
+        try:
+            target.mark_stale()
+        except Exception as exc:  # its own bookkeeping failing must not hide why the update failed
+            raise EngineError(f"a weight update failed ({type(failed).__name__}: {failed}) and the rollout's "
+                                    f"mark_stale raised {type(exc).__name__}: {exc}; it may serve half-updated "
+                                    "weights") from failed
         raise
     finally:
         target.resume()

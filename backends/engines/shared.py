@@ -122,7 +122,7 @@ class SharedSlotEngine(BucketEngine):
         shares, raw = control.get_many(["shares", "slots"], watch_closed=True)
         if shares != kind.encode():
             mine = "flip" if kind == "sets" else self.apply
-            raise PlanRefused(f"the sender shares {clip(repr(shares), 40)} and this receiver (engine.apply={mine!r}) "
+            raise PlanRefused(f"the sender shares {clip(repr(shares.decode(errors='replace')), 40)} and this receiver (engine.apply={mine!r}) "
                               f"takes {kind}: set engine.apply to 'flip' on both sides or on neither")
         if raw != self._mapped_from:
             self._forget_shared()

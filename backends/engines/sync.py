@@ -113,6 +113,9 @@ def receive_into(
                           f"got {shown(rendezvous)}")
     if not engine.capabilities.in_process and (type(rank) is not int or rank < 1):
         raise EngineError(f"{engine.name} engine: a receiver's rank is an int from 1 (rank 0 sends), got {shown(rank)}")
+    if rendezvous is not None and not engine.capabilities.in_process and rank > rendezvous.receivers:
+        raise EngineError(f"{engine.name} engine: rank {rank} is not a receiver of a Rendezvous of "
+                          f"{rendezvous.receivers} (ranks 1..{rendezvous.receivers}); the rollout is untouched")
     expected, problem = _names(expected)
     if problem is None and version is not None and (type(version) is not int or not 0 <= version <= MAX_VERSION):
         problem = f"version= must be None or an int in 0..{MAX_VERSION}, got {shown(version)}"

@@ -336,6 +336,17 @@ def test_updating_brackets_a_stand_in_that_answers_every_attribute_as_a_rollout_
     failing.resume.assert_called_once_with()
 
 
+def test_a_rollout_whose_mark_stale_raises_after_a_failed_update_says_both_and_is_still_resumed() -> None:
+    broken = MagicMock(weights_version=0, stale=False)
+    broken.mark_stale.side_effect = AttributeError("read-only")
+    with pytest.raises(EngineError, match="a weight update failed \\(EngineError: peer lost\\) and the rollout's "
+                                          "mark_stale raised AttributeError: read-only") as caught:
+        with updating(broken):
+            raise EngineError("peer lost")
+    assert str(caught.value.__cause__) == "peer lost"
+    broken.resume.assert_called_once_with()
+
+
 def test_receive_into_drives_the_machine_and_a_plain_rollout_target_still_works() -> None:
     from backends.engines import CheckpointEngineRegistry, receive_into
 

@@ -806,3 +806,11 @@ def test_sides_whose_rendezvous_count_different_receivers_both_fail_at_once_sayi
     assert time.monotonic() - start < HANG_GUARD_S
     assert len(errors) == len(ranks) and all(f"has {receivers} receiver(s) and the sender's has {senders}" in str(e)
                                              for e in errors), errors
+
+
+def test_a_receiver_rank_beyond_its_rendezvous_is_refused_at_once_and_leaves_the_rollout_untouched() -> None:
+    rollout = old_rollout()
+    with pytest.raises(EngineError, match="gloo engine: rank 3 is not a receiver of a Rendezvous of 2 \\(ranks 1..2\\)"):
+        receive_into(new_engine("gloo", timeout_s=60), rollout, Rendezvous("127.0.0.1", free_port(), 2), rank=3)
+    assert rollout.weights_version == 7 and not rollout.stale and not rollout.paused
+    assert all(torch.equal(rollout.serve()[key], value) for key, value in mixed_tensors(seed=7))
