@@ -290,11 +290,15 @@ MAX_VERSION = 10**19 - 1
 """The largest version a sync carries: receivers read it as at most 19 decimal digits."""
 
 
+def is_version(value: Any) -> bool:
+    """An integer (not a bool; numpy's count) in 0..`MAX_VERSION`."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and 0 <= value <= MAX_VERSION
+
+
 def check_version(engine: str, version: Any) -> int:
-    """`version` as an int, or `EngineError` unless it is an integer (not a bool; numpy's count)
-    in 0..`MAX_VERSION`: the sender checks before it posts anything, rather than each receiver
-    refusing what it posted."""
-    if isinstance(version, bool) or not isinstance(version, numbers.Integral) or not 0 <= version <= MAX_VERSION:
+    """`version` as an int, or `EngineError` unless `is_version`: the sender checks before it
+    posts anything, rather than each receiver refusing what it posted."""
+    if not is_version(version):
         raise EngineError(f"{engine} engine: the version to send must be an int in 0..{MAX_VERSION}, got "
                           f"{shown(version, numbers.Integral)}")
     return int(version)

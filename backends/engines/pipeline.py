@@ -36,7 +36,7 @@ deadline; one that is not 16 lowercase hex digits is a rejection like a mismatch
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -47,7 +47,7 @@ from backends.engines.base import (
     CheckpointEngine, Incoming, SyncStats, Topology, TransportError, check_version, missing,
 )
 from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined_bytes, slot_bytes
-from backends.engines.sources import Source, describe, metas_of
+from backends.engines.sources import Source, describe, metas_of, pairs_of
 from backends.engines.digests import Checksums
 from backends.engines.flat import Named
 from backends.engines.inplace import Landing
@@ -175,7 +175,7 @@ class BucketEngine(CheckpointEngine):
         version = check_version(self.name, version)
         start = time.perf_counter()
         phases = self._phases = dict.fromkeys(("plan", "pack", "wire", "apply", "hash"), 0.0)
-        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        pairs = pairs_of(named_tensors)
         sources = describe(pairs, self._described[0])
         layout = self._send_layout(self._metas(pairs, sources))
         tensors = [tensor for _, tensor in pairs]
@@ -349,7 +349,7 @@ class BucketEngine(CheckpointEngine):
         receiver's own settings before allocating for it: its `verify` wins over the plan's."""
         layout = self._layout
         known = layout.plan if layout is not None and layout.raw == raw else self._flip.plan_of(raw)
-        plan = self._receivable(known or parse_plan(raw), expected)
+        plan = self._receivable(known or self._parse(raw), expected)
         if self.apply == "flip":  # the set the rollout does not serve, of two this receiver holds
             layout = private_sets(self._flip, plan, raw, lambda size: self._buffers([size], self.device)[0])
             self.slots = layout.slots
@@ -363,7 +363,7 @@ class BucketEngine(CheckpointEngine):
 
     def _land(self, raw: bytes, expected: Collection[str] | None, into: Named) -> Layout:
         """A streamed receive straight into the rollout's storage (`inplace`; `_accept` checked the mode)."""
-        plan = self._receivable(self._landing.plan_of(raw) or parse_plan(raw), expected)
+        plan = self._receivable(self._landing.plan_of(raw) or self._parse(raw), expected)
         layout = self._landing.layout_for(plan, raw, into, self.device)
         self.slots, self._layout, self._landed = layout.slots, None, True
         layout.reset()
@@ -378,7 +378,12 @@ class BucketEngine(CheckpointEngine):
         gaps = missing(expected, (meta.name for meta in plan.tensors))
         if gaps is not None:
             raise PlanRefused(gaps)
-        wanted = self.rollout_dtype
+        return plan
+
+    def _parse(self, raw: bytes) -> Plan:
+        """A plan this receiver has not read before (`parse_plan`), whose floating weights travel in
+        its `engine.rollout_dtype` when it sets one; a plan kept from an earlier sync passed this."""
+        plan, wanted = parse_plan(raw), self.rollout_dtype
         odd = None if wanted is None else next((m for m in plan.tensors if m.dtype.is_floating_point and m.dtype != wanted),
                                                None)
         if odd is not None:

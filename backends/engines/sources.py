@@ -94,11 +94,16 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
     return last if found == last else found
 
 
+def pairs_of(named: Iterable[Any] | Mapping[Any, Any]) -> list[Any]:
+    """What a sender was handed, as a list: a mapping (a state dict, say) gives its items."""
+    return list(named.items() if isinstance(named, Mapping) else named)
+
+
 def sendable(engine: str, named: Iterable[Any] | Mapping[Any, Any]) -> list[tuple[str, torch.Tensor]]:
-    """What a sender was handed, as a list of (name, tensor) pairs (a mapping, a state dict say,
-    gives its items); `EngineError` naming the first item that is not a pair of a str and a
-    tensor of plain memory (`memory_problem`)."""
-    pairs = list(named.items() if isinstance(named, Mapping) else named)
+    """What a sender was handed, as a list of (name, tensor) pairs (`pairs_of`); `EngineError`
+    naming the first item that is not a pair of a str and a tensor of plain memory
+    (`memory_problem`)."""
+    pairs = pairs_of(named)
     for i, item in enumerate(pairs):
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             problem = f"item {i} is {_shown(item)}, not a (name, tensor) pair"
@@ -173,4 +178,5 @@ class Program:
     """Positions in the bucket of the pieces torch copies (`Layout._copy_piece`)."""
 
 
-__all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "metas_of", "sendable", "wire_bytes"]
+__all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "metas_of", "pairs_of", "sendable",
+           "wire_bytes"]

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from backends.engines.base import MAX_VERSION, CheckpointEngine, Rendezvous, SyncStats
+from backends.engines.base import MAX_VERSION, CheckpointEngine, Rendezvous, SyncStats, is_version
 from backends.engines.flat import Named
 from backends.engines.options import EngineSource, is_path, shown
 from backends.engines.registry import CheckpointEngineRegistry
@@ -117,18 +117,10 @@ def receive_into(
         raise EngineError(f"{engine.name} engine: rank {rank} is not a receiver of a Rendezvous of "
                           f"{rendezvous.receivers} (ranks 1..{rendezvous.receivers}); the rollout is untouched")
     expected, problem = _names(expected)
-    if problem is None and version is not None and (type(version) is not int or not 0 <= version <= MAX_VERSION):
-        problem = f"version= must be None or an int in 0..{MAX_VERSION}, got {shown(version)}"
-    if problem is None and not callable(getattr(rollout, "load_weights", None)):
-        problem = f"the rollout ({shown(rollout)}) has no load_weights to take the weights with"
-    if problem is None and expected is not None and not _takes(type(engine), "expected"):
-        problem = ("its receive_weights takes no `expected`, so it cannot refuse a sync that leaves weights out; "
-                   "call receive_into without expected=")
-    if problem is None and into is not None and not _takes(type(engine), "into"):
-        problem = ("its receive_weights takes no `into`, so it cannot land a sync in the rollout's own storage; "
-                   "call receive_into without into=")
+    problem = problem or _receive_problem(engine, rollout, version, expected, into)
     if problem is not None:
         _refuse(engine, rendezvous, rank, problem)
+    version = None if version is None else int(version)
     with ExitStack() as bracket:
         try:
             landed = bracket.enter_context(updating(rollout))
@@ -142,6 +134,22 @@ def receive_into(
                     received = _load(engine, rollout, version, expected, into)
         landed(received)
     return received
+
+
+def _receive_problem(engine: CheckpointEngine, rollout: Any, version: Any, expected: list[str] | None,
+                     into: Named | None) -> str | None:
+    """Why this receive cannot be done as asked (the sender is told: `_refuse`), or None."""
+    if version is not None and not is_version(version):
+        return f"version= must be None or an int in 0..{MAX_VERSION}, got {shown(version)}"
+    if not callable(getattr(rollout, "load_weights", None)):
+        return f"the rollout ({shown(rollout)}) has no load_weights to take the weights with"
+    if expected is not None and not _takes(type(engine), "expected"):
+        return ("its receive_weights takes no `expected`, so it cannot refuse a sync that leaves weights out; "
+                "call receive_into without expected=")
+    if into is not None and not _takes(type(engine), "into"):
+        return ("its receive_weights takes no `into`, so it cannot land a sync in the rollout's own storage; "
+                "call receive_into without into=")
+    return None
 
 
 def _names(expected: Any) -> tuple[list[str] | None, str | None]:

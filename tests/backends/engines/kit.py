@@ -92,6 +92,15 @@ class ModelRollout(MemoryRollout):
         return greedy(self.model)
 
 
+class AdoptingRollout(ModelRollout):
+    """A rollout that takes the received tensors as its model's weights (`adopt_weights`), no copy."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from backends.engines import adopt_weights
+
+        adopt_weights(self.model, named_tensors)
+
+
 @dataclass
 class Run:
     """What one threaded sync did on each side: figures or the error, per side, and how long

@@ -26,7 +26,7 @@ from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryCheckpointer, MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
-    CLASSES, HANG_GUARD_S, TRANSPORTS, assert_kept_old_weights, corrupting, mixed_tensors, new_engine, old_rollout,
+    CLASSES, HANG_GUARD_S, TRANSPORTS, AdoptingRollout, assert_kept_old_weights, corrupting, mixed_tensors, new_engine, old_rollout,
     sync_threads,
 )
 
@@ -688,20 +688,10 @@ def test_adopting_tensors_the_engine_reuses_is_refused_and_the_rollout_keeps_its
     """Only a flip weight set (or the rollout's own storage, into=) may become a rollout's
     weights: streamed views are written over by the bucket after next, atomic ones by the
     next sync. Adopting them delivered wrong weights while both sides said v1."""
-    from backends.engines import adopt_weights
-
-    class Adopting(MemoryRollout):
-        def __init__(self, model: torch.nn.Module) -> None:
-            super().__init__()
-            self.model = model
-
-        def load_weights(self, named_tensors: Any) -> None:
-            adopt_weights(self.model, named_tensors)
-
     torch.manual_seed(0)
     trainer, rollout_model = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
     before = {name: p.detach().clone() for name, p in rollout_model.named_parameters()}
-    rollout = Adopting(rollout_model)
+    rollout = AdoptingRollout(rollout_model)
     run = sync_threads(new_engine("gloo"), [new_engine("gloo", apply=apply)], list(trainer.named_parameters()),
                        [rollout], deadline_s=HANG_GUARD_S)
     assert isinstance(run.errors[0], EngineError) and "adopt_weights: this sync hands out tensors the engine reuses" in str(

@@ -22,19 +22,12 @@ from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
-    CLASSES, HANG_GUARD_S, ModelRollout, corrupting, greedy, mixed_tensors, new_engine, read_case, sync_threads, tiny_qwen2,
-    train_step,
+    CLASSES, HANG_GUARD_S, AdoptingRollout, corrupting, greedy, mixed_tensors, new_engine, read_case, sync_threads,
+    tiny_qwen2, train_step,
 )
 
 BUCKET = 1 << 16
 REPO = Path(__file__).resolve().parents[3]
-
-
-class Adopting(ModelRollout):
-    """A rollout that takes the received tensors as its weights (no copy)."""
-
-    def load_weights(self, named_tensors: Any) -> None:
-        adopt_weights(self.model, named_tensors)
 
 
 FLIPPING = ["gloo", "shm"]
@@ -62,7 +55,7 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", FLIPPING)
 def test_each_sync_fills_the_other_set_and_the_rollout_adopts_it_without_a_private_copy(name: str) -> None:
-    trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
+    trainer, rollout = tiny_qwen2(0), AdoptingRollout(tiny_qwen2(1))
     sender, receiver = _flip(name), _flip(name)
     port = free_port()
     try:
@@ -87,7 +80,7 @@ def test_each_sync_fills_the_other_set_and_the_rollout_adopts_it_without_a_priva
 
 @pytest.mark.parametrize("name", FLIPPING)
 def test_tensors_larger_than_a_bucket_are_adopted_as_views_into_the_set_not_copies(name: str) -> None:
-    trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
+    trainer, rollout = tiny_qwen2(0), AdoptingRollout(tiny_qwen2(1))
     sender, receiver = _flip(name, bucket_bytes=8192), _flip(name, bucket_bytes=8192)
     big = [key for key, param in trainer.named_parameters() if param.nbytes > 8192]
     assert "model.embed_tokens.weight" in big and len(big) >= 4
@@ -111,7 +104,7 @@ def test_tensors_larger_than_a_bucket_are_adopted_as_views_into_the_set_not_copi
 def test_a_corrupted_last_bucket_leaves_the_rollout_on_its_old_set_bit_identical_and_generating_as_before(
     name: str,
 ) -> None:
-    trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
+    trainer, rollout = tiny_qwen2(0), AdoptingRollout(tiny_qwen2(1))
     sender, receiver = corrupting(name, apply="flip", bucket_bytes=BUCKET), _flip(name)
     port = free_port()
     try:
@@ -315,18 +308,9 @@ class _Three(torch.nn.Module):
         self.register_buffer("d", torch.zeros(32))
 
 
-class _AdoptingModule(MemoryRollout):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def load_weights(self, named_tensors: Any) -> None:
-        adopt_weights(self.model, named_tensors)
-
-
 def test_a_sync_that_leaves_a_parameter_out_adopts_nothing_and_the_rollout_keeps_its_set() -> None:
     sender, receiver, port = _flip(bucket_bytes=4096), _flip(bucket_bytes=4096), free_port()
-    rollout = _AdoptingModule(_Three())
+    rollout = AdoptingRollout(_Three())
     ones, twos = torch.ones(16), torch.full((16,), 2.0)
     try:
         named = [("a", ones), ("b", torch.ones(32)), ("c", ones)]
@@ -389,7 +373,7 @@ def test_a_sender_killed_mid_flip_leaves_the_rollout_generating_from_its_old_set
     case.write_text(json.dumps({"port": free_port()}), encoding="utf-8")
     sender = subprocess.Popen([sys.executable, "-c", "import sys; from tests.backends.engines.test_flip import "
                                "die_mid_flip; die_mid_flip(sys.argv[1])", str(case)], cwd=REPO)
-    rollout, receiver = Adopting(tiny_qwen2(1)), _flip(timeout_s=30)
+    rollout, receiver = AdoptingRollout(tiny_qwen2(1)), _flip(timeout_s=30)
     rdv = Rendezvous("127.0.0.1", read_case(case)["port"])
     try:
         assert receive_into(receiver, rollout, rdv) == 1
@@ -422,7 +406,7 @@ def test_a_flattened_model_goes_into_the_set_with_one_copy_a_bucket(monkeypatch:
     import backends.engines.sender as sender_module
     from backends.engines import flatten_parameters
 
-    trainer, rollout = tiny_qwen2(0), Adopting(tiny_qwen2(1))
+    trainer, rollout = tiny_qwen2(0), AdoptingRollout(tiny_qwen2(1))
     flatten_parameters(trainer)
     train_step(trainer, 1)
     hashed: list[int] = []
@@ -446,7 +430,7 @@ def test_a_flattened_model_goes_into_the_set_with_one_copy_a_bucket(monkeypatch:
         sender.close()
 
 
-class _AdoptsThenFails(_AdoptingModule):
+class _AdoptsThenFails(AdoptingRollout):
     fail = True
 
     def load_weights(self, named_tensors: Any) -> None:
