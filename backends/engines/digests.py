@@ -11,6 +11,7 @@ the pack (`word_sums`, read once the transfer started by `fold`).
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -47,31 +48,38 @@ def xxh3_packed(data: torch.Tensor, copied: Copied) -> int:
     return state.intdigest()
 
 
+READERS = max(1, min(4, os.cpu_count() or 1))
+"""Threads a receiver checks buckets on: buckets that land together (a shm flip sender writes
+several with one copy) are hashed side by side, on as many cores as there are, up to 4."""
+
+
 class Checksums:
-    """An engine's one checksum worker: a thread (xxh3 releases the GIL while it hashes), started
-    on first use and kept from one bucket and one sync to the next, until `close`."""
+    """An engine's checksum workers: threads (xxh3 releases the GIL while it hashes), started on
+    first use and kept from one bucket and one sync to the next, until `close`. A sender hashes
+    on one (`worker`), beside its packing; a receiver on up to `READERS` (`later`)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._pool: ThreadPoolExecutor | None = None
+        self._pools: dict[int, ThreadPoolExecutor] = {}
 
-    def worker(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-checksum")
-        return self._pool
+    def worker(self, threads: int = 1) -> ThreadPoolExecutor:
+        pool = self._pools.get(threads)
+        if pool is None:
+            pool = self._pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"{self.name}-checksum")
+        return pool
 
     def later(self, data: torch.Tensor) -> Future[int]:
-        """A receiver's checksum of a bucket's data region under way: xxh3 on the worker on a host,
+        """A receiver's checksum of a bucket's data region under way: xxh3 on a worker on a host,
         so the caller goes on receiving; a word sum at once on a device (no copy to the host),
         where it runs on the stream anyway."""
         if data.device.type == "cpu":
-            return self.worker().submit(xxh3_digest, data)
+            return self.worker(READERS).submit(xxh3_digest, data)
         return done(word_sum_digest(data))
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=True)
 
 
 def done(digest: int) -> Future[int]:

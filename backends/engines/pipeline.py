@@ -54,7 +54,7 @@ from backends.engines.inplace import Landing
 from backends.engines.control import ControlStore, StoreLink, answer
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
 from backends.engines.receiver import Receiver, receive_sizes, sent_version
-from backends.engines.sender import send_bucket, send_buckets
+from backends.engines.sender import Packed, send_bucket, send_buckets
 from backends.engines.sets import WeightSets, private_sets
 from lifecycle.errors import EngineError
 
@@ -403,10 +403,11 @@ class BucketEngine(CheckpointEngine):
         except EngineError as exc:
             structlog.get_logger().warning("engine.answer_not_sent", engine=self.name, key=key, error=str(exc))
 
-    def _send_bucket(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor],
-                     version: int) -> tuple[Any, Future[int] | None]:
-        """Pack bucket k and start its transfer; its checksum under way (`sender.send_bucket`)."""
-        return send_bucket(self, layout, k, tensors, version)
+    def _send_bucket(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor], version: int,
+                     packed: Packed | None = None) -> tuple[Any, Future[int] | None]:
+        """Pack bucket k (unless `packed`: see `sender.pack_together`) and start its transfer;
+        its checksum under way (`sender.send_bucket`)."""
+        return send_bucket(self, layout, k, tensors, version, packed)
 
     def _send_digest(self, k: int, digest: int) -> None:
         self._control().set(f"digest/{k}", f"{digest:016x}")

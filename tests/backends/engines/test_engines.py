@@ -181,12 +181,12 @@ def test_the_sender_checksums_every_bucket_on_one_worker_until_close() -> None:
     workers = []
     for version in (1, 2):
         assert sync_threads(sender, [new_engine("gloo")], mixed_tensors(version), version=version, port=port).error is None
-        workers.append(sender.checksums._pool)  # type: ignore[attr-defined]
-    assert workers[0] is not None and workers[0] is workers[1]
+        workers.append(dict(sender.checksums._pools))  # type: ignore[attr-defined]
+    assert list(workers[0]) == [1] and workers[0] == workers[1]  # one pool of one thread, kept
     sender.close()
-    assert sender.checksums._pool is None  # type: ignore[attr-defined]
+    assert not sender.checksums._pools  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="shutdown"):
-        workers[0].submit(int)
+        workers[0][1].submit(int)
 
 
 def test_packing_the_next_bucket_overlaps_the_transfer_of_this_one() -> None:
@@ -271,10 +271,10 @@ def test_streamed_a_corrupted_later_bucket_keeps_its_tensors_out_and_leaves_the_
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_a_sender_failing_mid_send_fails_its_receivers_quickly_and_leaves_them_stale(name: str) -> None:
     class Crashing(CLASSES[name]):  # type: ignore[valid-type,misc]
-        def _send_bucket(self, layout: Any, k: int, tensors: Any, version: int) -> Any:
+        def _send_bucket(self, layout: Any, k: int, tensors: Any, version: int, packed: Any = None) -> Any:
             if k == 3:
                 raise RuntimeError("trainer crashed while packing bucket 3")
-            return super()._send_bucket(layout, k, tensors, version)
+            return super()._send_bucket(layout, k, tensors, version, packed)
 
     rollouts = [MemoryRollout(), MemoryRollout()]
     start = time.monotonic()
