@@ -11,6 +11,7 @@ corrupted after the copy still fails its checksum and leaves the rollout on its 
 from __future__ import annotations
 
 import ctypes
+import time
 import types
 from typing import Any
 
@@ -24,7 +25,7 @@ from backends.engines.flat import flatten_parameters
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
-from tests.backends.engines.kit import AdoptingRollout, corrupting, greedy, new_engine, sync_threads, tiny_qwen2, train_step
+from tests.backends.engines.kit import CLASSES, AdoptingRollout, corrupting, greedy, new_engine, sync_threads, tiny_qwen2, train_step
 
 BUCKET = 1 << 16
 
@@ -152,6 +153,42 @@ def test_a_bucket_corrupted_after_the_one_copy_fails_its_checksum_and_the_rollou
         run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=2, port=port)
         assert run.error is None and run.versions == [2]
         assert greedy(rollout.model) == greedy(trainer)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_send_failing_after_the_one_copy_leaves_no_checksum_reading_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[Any] = []
+    real = sender_module.pack_together
+
+    def spy(*args: Any) -> Any:
+        packed = real(*args)
+        started.extend(p.digest for p in packed.values())
+        return packed
+
+    monkeypatch.setattr(sender_module, "pack_together", spy)
+    hash_sent = sender_module._hash_sent
+
+    def slow(*args: Any) -> int:  # checksums still queued when the send fails
+        time.sleep(0.1)
+        return hash_sent(*args)
+
+    monkeypatch.setattr(sender_module, "_hash_sent", slow)
+
+    class Crashing(CLASSES["shm"]):  # type: ignore[valid-type,misc]
+        def _send_bucket(self, layout: Any, k: int, tensors: Any, version: int, packed: Any = None) -> Any:
+            if k == 2:
+                raise RuntimeError("trainer crashed after the copy, at bucket 2")
+            return super()._send_bucket(layout, k, tensors, version, packed)
+
+    trainer = tiny_qwen2(0)
+    flatten_parameters(trainer)
+    sender, receiver = Crashing(apply="flip", bucket_bytes=BUCKET, timeout_s=20), _flip()
+    try:
+        run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [MemoryRollout()])
+        assert isinstance(run.error, RuntimeError) and "bucket 2" in str(run.error)
+        assert len(started) > 3 and all(digest.done() for digest in started)  # cancelled or finished, none running
     finally:
         receiver.close()
         sender.close()
