@@ -22,15 +22,13 @@ only once its hash matches `digest/{k}`. What it does next is its `apply` mode:
 - `flip`: as atomic, into the one of two weight sets (`sets`) its rollout does not serve,
   whose views the rollout adopts: no copy on the receiving side.
 
-The small messages (plan, answers, checksums, and for shm the per-bucket signals) go through
-a `ControlStore`; a subclass supplies only the data plane: slots, start send / receive, wait.
-The receiver decides: it checks the sender's plan (`plan.check_plan`) against its own
-settings (its `verify` wins), allocates for it, and answers `accepted/{rank}`; the sender
-waits for every answer before bucket 0 moves, so a refused plan fails both sides at once and
-applies nothing. A receiver that rejects a bucket, or whose rollout stops reading, drains
-the rest without applying it and reports why (`status/{rank}`), so the sender fails with
-the reason instead of a timeout. A checksum that never comes ends the receive at the sync's
-deadline; one that is not 16 lowercase hex digits is a rejection like a mismatch.
+The small messages (plan, answers, checksums, shm's per-bucket signals) go through a
+`ControlStore`; a subclass supplies only the data plane: slots, start send / receive, wait.
+The receiver decides (`receiver.receivable`): it checks the plan against its own settings,
+allocates for it, and answers `accepted/{rank}`; the sender waits for every answer before
+bucket 0 moves, so a refused plan fails both sides at once and applies nothing. A receiver
+that rejects a bucket, or whose rollout stops reading, drains the rest without applying it
+and reports why (`status/{rank}`), so the sender fails with the reason, not a timeout.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ import structlog
 import torch
 
 from backends.engines.base import (
-    CheckpointEngine, Incoming, SyncStats, Topology, TransportError, check_version, missing,
+    CheckpointEngine, Incoming, SyncStats, Topology, TransportError, check_version,
 )
 from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined_bytes, slot_bytes
 from backends.engines.sources import Source, describe, metas_of, pairs_of
@@ -52,8 +50,8 @@ from backends.engines.digests import Checksums
 from backends.engines.flat import Named
 from backends.engines.inplace import Landing
 from backends.engines.control import ControlStore, StoreLink, answer
-from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan, parse_plan
-from backends.engines.receiver import Receiver, receive_sizes, sent_version
+from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan
+from backends.engines.receiver import Receiver, receivable, receive_sizes, sent_version
 from backends.engines.sender import Packed, send_bucket, send_buckets
 from backends.engines.sets import WeightSets, private_sets
 from lifecycle.errors import EngineError
@@ -349,7 +347,7 @@ class BucketEngine(CheckpointEngine):
         receiver's own settings before allocating for it: its `verify` wins over the plan's."""
         layout = self._layout
         known = layout.plan if layout is not None and layout.raw == raw else self._flip.plan_of(raw)
-        plan = self._receivable(known or self._parse(raw), expected)
+        plan = receivable(self, raw, known, expected)
         if self.apply == "flip":  # the set the rollout does not serve, of two this receiver holds
             layout = private_sets(self._flip, plan, raw, lambda size: self._buffers([size], self.device)[0])
             self.slots = layout.slots
@@ -363,33 +361,11 @@ class BucketEngine(CheckpointEngine):
 
     def _land(self, raw: bytes, expected: Collection[str] | None, into: Named) -> Layout:
         """A streamed receive straight into the rollout's storage (`inplace`; `_accept` checked the mode)."""
-        plan = self._receivable(self._landing.plan_of(raw) or self._parse(raw), expected)
+        plan = receivable(self, raw, self._landing.plan_of(raw), expected)
         layout = self._landing.layout_for(plan, raw, into, self.device)
         self.slots, self._layout, self._landed = layout.slots, None, True
         layout.reset()
         return layout
-
-    def _receivable(self, plan: Plan, expected: Collection[str] | None) -> Plan:
-        """`plan`, once this receiver's own settings take it: its `verify` wins over the plan's,
-        and it must name every tensor in `expected`."""
-        if self.verify and not plan.verify:
-            raise PlanRefused("it sends no checksums (the sender's engine.verify is false) and this receiver "
-                              "verifies every bucket (its engine.verify is true)")
-        gaps = missing(expected, (meta.name for meta in plan.tensors))
-        if gaps is not None:
-            raise PlanRefused(gaps)
-        return plan
-
-    def _parse(self, raw: bytes) -> Plan:
-        """A plan this receiver has not read before (`parse_plan`), whose floating weights travel in
-        its `engine.rollout_dtype` when it sets one; a plan kept from an earlier sync passed this."""
-        plan, wanted = parse_plan(raw), self.rollout_dtype
-        odd = None if wanted is None else next((m for m in plan.tensors if m.dtype.is_floating_point and m.dtype != wanted),
-                                               None)
-        if odd is not None:
-            raise PlanRefused(f"it sends {odd.name[:80]!r} as {odd.dtype} and this receiver's engine.rollout_dtype is "
-                              f"{str(wanted).removeprefix('torch.')}: set the same rollout_dtype on both sides")
-        return plan
 
     def _receive_slots(self, plan: Plan) -> None:
         """Have the slots a receive of `plan` lands in; shm maps and checks the sender's instead.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -19,11 +19,11 @@ import structlog
 import torch
 from torch.profiler import record_function
 
-from backends.engines.base import Incoming, Topology, TransportError
+from backends.engines.base import Incoming, Topology, TransportError, missing
 from backends.engines.buckets import HEADER_BYTES, MAGIC, SLOTS, Layout, Slot, read_header
 from backends.engines.digests import settle
 from backends.engines.control import clip, digits
-from backends.engines.plan import Plan, PlanRefused
+from backends.engines.plan import Plan, PlanRefused, parse_plan
 from lifecycle.errors import EngineError
 
 if TYPE_CHECKING:
@@ -40,6 +40,28 @@ def sent_version(raw: bytes) -> int:
 
 _DIGEST = re.compile(rb"[0-9a-f]{16}")
 """A sender's checksum as it travels (`digest/{k}`): 16 lowercase hex digits, nothing else."""
+
+
+def receivable(engine: BucketEngine, raw: bytes, known: Plan | None, expected: Collection[str] | None) -> Plan:
+    """The sender's plan (its bytes `raw`) once this receiver's own settings take it: `known`, a
+    plan it parsed from these very bytes before and took then, or `raw` parsed now, whose
+    floating weights must travel in the receiver's `engine.rollout_dtype` when it sets one.
+    Its `verify` wins over the plan's, and the plan must name every tensor in `expected`."""
+    plan = known
+    if plan is None:
+        plan, wanted = parse_plan(raw), engine.rollout_dtype
+        odd = None if wanted is None else next((m for m in plan.tensors if m.dtype.is_floating_point and m.dtype != wanted),
+                                               None)
+        if odd is not None:
+            raise PlanRefused(f"it sends {odd.name[:80]!r} as {odd.dtype} and this receiver's engine.rollout_dtype is "
+                              f"{str(wanted).removeprefix('torch.')}: set the same rollout_dtype on both sides")
+    if engine.verify and not plan.verify:
+        raise PlanRefused("it sends no checksums (the sender's engine.verify is false) and this receiver "
+                          "verifies every bucket (its engine.verify is true)")
+    gaps = missing(expected, (meta.name for meta in plan.tensors))
+    if gaps is not None:
+        raise PlanRefused(gaps)
+    return plan
 
 
 def receive_sizes(plan: Plan, apply: str) -> list[int]:

@@ -34,8 +34,9 @@ import torch
 from backends.engines.base import Topology
 from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined_bytes, slot_bytes
 from backends.engines.pipeline import BucketEngine
+from backends.engines.receiver import receivable
 from backends.engines.control import answer, clip
-from backends.engines.plan import ALIGN, Plan, PlanRefused, TensorMeta, parse_plan
+from backends.engines.plan import ALIGN, Plan, PlanRefused, TensorMeta
 from lifecycle.errors import EngineError
 
 
@@ -189,7 +190,7 @@ class SharedSlotEngine(BucketEngine):
         set its rollout does not serve asked for (`target/{rank}`) before it accepts."""
         if self.apply != "flip":
             return super()._receive_layout(raw, expected)
-        plan = self._receivable(self._flip.plan_of(raw) or parse_plan(raw), expected)
+        plan = receivable(self, raw, self._flip.plan_of(raw), expected)
         self._open_regions(plan, set_bytes(plan), "sets")
         target = self._flip.ask()
         self._control().set(f"target/{self._topology().rank}", "any" if target is None else str(target))

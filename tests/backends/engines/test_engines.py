@@ -716,10 +716,13 @@ def test_a_rollout_that_reads_every_tensor_then_aborts_takes_no_version_and_is_s
 
 
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_a_receiver_whose_rollout_dtype_differs_from_what_the_plan_sends_refuses_it_naming_the_option(name: str) -> None:
+@pytest.mark.parametrize("apply", ["atomic", "flip"])
+def test_a_receiver_whose_rollout_dtype_differs_from_what_the_plan_sends_refuses_it_naming_the_option(name: str,
+                                                                                                     apply: str) -> None:
     for sender_dtype, receiver_dtype in (("bfloat16", "float16"), (None, "bfloat16")):
         rollout = old_rollout()
-        run = sync_threads(new_engine(name, rollout_dtype=sender_dtype), [new_engine(name, rollout_dtype=receiver_dtype)],
+        run = sync_threads(new_engine(name, rollout_dtype=sender_dtype, apply=apply),
+                           [new_engine(name, rollout_dtype=receiver_dtype, apply=apply)],
                            [("w", torch.ones(4)), ("step", torch.zeros(1, dtype=torch.int64))], [rollout],
                            deadline_s=HANG_GUARD_S)
         assert isinstance(run.error, EngineError) and "refused the plan of weights v1" in str(run.error)
