@@ -48,7 +48,10 @@ def send_buckets(engine: BucketEngine, layout: Layout, tensors: Sequence[torch.T
             _send_digests(engine, digests, upto=k - window)
             if together and k not in packed:
                 packed = pack_together(engine, layout, k, tensors)
-            in_flight[k % window], digest = engine._send_bucket(layout, k, tensors, version, packed.pop(k, None))
+            ready = packed.pop(k, None)
+            if ready is not None and ready.digest is not None:  # settled however the send of k ends
+                digests[k] = ready.digest
+            in_flight[k % window], digest = engine._send_bucket(layout, k, tensors, version, ready)
             if digest is not None:
                 digests[k] = digest
             _send_digests(engine, digests, upto=k - 1)
@@ -107,7 +110,13 @@ def pack_together(engine: BucketEngine, layout: Layout, k: int, tensors: Sequenc
     if len(runs) < 2:
         return {}
     packing, last = time.perf_counter(), max(runs)
-    packed = {b: Packed(_hash_later(engine, layout, b, [(0, address, layout.plan.used(b))])) for b, address in runs.items()}
+    packed: dict[int, Packed] = {}
+    try:
+        for b, address in runs.items():
+            packed[b] = Packed(_hash_later(engine, layout, b, [(0, address, layout.plan.used(b))]))
+    finally:
+        if len(packed) < len(runs):  # a checksum could not be started: none of them may outlive this call
+            settle([p.digest for p in packed.values() if p.digest is not None])
     with record_function(f"pack buckets {k}-{last}"):
         ctypes.memmove(target, source, runs[last] + layout.plan.used(last) - source)
     engine._phases["pack"] += time.perf_counter() - packing

@@ -116,15 +116,49 @@ def test_buckets_of_two_storages_never_share_a_memmove_and_a_mixed_bucket_is_pac
         sender.close()
 
 
-@pytest.mark.parametrize("apply", ["atomic", "flip"])
-def test_a_sender_that_reuses_its_slots_copies_no_buckets_together(apply: str, copies: dict[str, list[Any]]) -> None:
+@pytest.mark.parametrize("apply", ["atomic", "streamed"])
+def test_a_sender_that_reuses_its_two_slots_copies_no_buckets_together(apply: str, copies: dict[str, list[Any]]) -> None:
     trainer = tiny_qwen2(0)
     flatten_parameters(trainer)
-    name = "shm" if apply == "atomic" else "gloo"  # two slots: shm's buckets, gloo's sender
-    sender, receiver = new_engine(name, apply=apply, bucket_bytes=BUCKET), new_engine(name, apply=apply, bucket_bytes=BUCKET)
+    sender, receiver = new_engine("shm", apply=apply, bucket_bytes=BUCKET), new_engine("shm", apply=apply, bucket_bytes=BUCKET)
     try:
         run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [MemoryRollout()])
-        assert run.error is None and copies["memmoves"] == []
+        assert run.error is None and run.figures["buckets"] > 2  # type: ignore[index]
+        assert copies["memmoves"] == [] and copies["packed"] == list(range(run.figures["buckets"]))  # type: ignore[index]
+    finally:
+        receiver.close()
+        sender.close()
+
+
+class _Six(nn.Module):
+    """Six parameters of one bucket each: flattened, they lie in storage order p.0 ... p.5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.ParameterList([nn.Parameter(torch.randn(BUCKET // 4)) for _ in range(6)])
+
+
+@pytest.mark.parametrize("order", ["reversed", "one left out", "pairs swapped"])
+def test_buckets_sent_in_another_order_than_their_storage_are_never_copied_as_one_range(
+    order: str, copies: dict[str, list[Any]],
+) -> None:
+    torch.manual_seed(0)
+    trainer = _Six()
+    flatten_parameters(trainer)
+    [(base, size)] = _storages(trainer)
+    named = list(trainer.named_parameters())
+    pairs = {"reversed": named[::-1], "one left out": named[:2] + named[3:],
+             "pairs swapped": [named[1], named[0], named[3], named[2], named[5], named[4]]}[order]
+    rollout = MemoryRollout()
+    sender = new_engine("shm", apply="flip", bucket_bytes=BUCKET, verify=False)  # no checksum to catch a wrong copy
+    receiver = new_engine("shm", apply="flip", bucket_bytes=BUCKET, verify=False)
+    try:
+        run = sync_threads(sender, [receiver], pairs, [rollout])
+        assert run.error is None and run.versions == [1]
+        for source, nbytes in copies["memmoves"]:
+            assert nbytes > 0 and base <= source and source + nbytes <= base + size
+        for name, tensor in pairs:
+            assert torch.equal(rollout.weights[name], tensor), name
     finally:
         receiver.close()
         sender.close()
@@ -158,7 +192,10 @@ def test_a_bucket_corrupted_after_the_one_copy_fails_its_checksum_and_the_rollou
         sender.close()
 
 
-def test_a_send_failing_after_the_one_copy_leaves_no_checksum_reading_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("at", ["the middle", "the last bucket"])
+def test_a_send_failing_after_the_one_copy_leaves_no_checksum_reading_the_weights(
+    at: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     started: list[Any] = []
     real = sender_module.pack_together
 
@@ -170,25 +207,33 @@ def test_a_send_failing_after_the_one_copy_leaves_no_checksum_reading_the_weight
     monkeypatch.setattr(sender_module, "pack_together", spy)
     hash_sent = sender_module._hash_sent
 
-    def slow(*args: Any) -> int:  # checksums still queued when the send fails
+    def slow(*args: Any) -> int:  # checksums still queued or running when the send fails
         time.sleep(0.1)
         return hash_sent(*args)
 
     monkeypatch.setattr(sender_module, "_hash_sent", slow)
 
     class Crashing(CLASSES["shm"]):  # type: ignore[valid-type,misc]
-        def _send_bucket(self, layout: Any, k: int, tensors: Any, version: int, packed: Any = None) -> Any:
-            if k == 2:
-                raise RuntimeError("trainer crashed after the copy, at bucket 2")
-            return super()._send_bucket(layout, k, tensors, version, packed)
+        running: list[Any] | None = None
+
+        def send_weights(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().send_weights(*args, **kwargs)
+            finally:  # what still reads the weights once send_weights is over
+                self.running = [digest for digest in started if not digest.done()]
+
+        def _start_send(self, k: int, nbytes: int) -> Any:
+            if k == (2 if at == "the middle" else len(self.slots) - 1):  # a flip sender: one slot a bucket
+                raise RuntimeError(f"the store went away at bucket {k}")
+            return super()._start_send(k, nbytes)
 
     trainer = tiny_qwen2(0)
     flatten_parameters(trainer)
     sender, receiver = Crashing(apply="flip", bucket_bytes=BUCKET, timeout_s=20), _flip()
     try:
         run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [MemoryRollout()])
-        assert isinstance(run.error, RuntimeError) and "bucket 2" in str(run.error)
-        assert len(started) > 3 and all(digest.done() for digest in started)  # cancelled or finished, none running
+        assert isinstance(run.error, RuntimeError) and "the store went away" in str(run.error)
+        assert len(started) > 3 and sender.running == []  # each cancelled or finished as the send raised
     finally:
         receiver.close()
         sender.close()
