@@ -7,7 +7,8 @@ embedding-like tensors of 1/16 of the total each, the rest log-uniform over thre
 - gloo engine against (a) one broadcast of a single flat tensor of the same bytes over a
   gloo group (the transport's limit) and (b) one broadcast per tensor (the naive way);
 - shm engine against one memcpy of the same bytes (`ctypes.memmove` between two flat tensors,
-  this process).
+  this process); beside it, the same bytes in one memmove per bucket: glibc picks its copy
+  loop by the size of each call, so this is what copying one bucket at a time can reach.
 
 Engine times run from the first byte packed to the last receiver's verdict (every bucket
 verified against its checksum); the group's setup is timed apart, as the baselines' is not
@@ -184,7 +185,7 @@ def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[fl
     copy_dst = torch.empty_like(flat)
     _, group = _group(ports["group"], 0)
     engines = {key: _engine(name, args, verify) for key, (name, verify) in _variants(args).items()}
-    times: dict[str, list[float]] = {k: [] for k in ("flat", "per_tensor", *engines, "memcpy",
+    times: dict[str, list[float]] = {k: [] for k in ("flat", "per_tensor", *engines, "memcpy", "memcpy_buckets",
                                                    *(f"{key}_setup" for key in engines),
                                                    *(f"{key}_phase_{phase}" for key in engines for phase in PHASES))}
     for rep in range(args.repeat + warmup(args)):
@@ -201,10 +202,18 @@ def sender(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[fl
             got.update({f"{name}_phase_{phase}": seconds for phase, seconds in phases.items()})
             _barrier(group)
         got["memcpy"] = _timed(lambda: ctypes.memmove(copy_dst.data_ptr(), flat.data_ptr(), args.total))
+        got["memcpy_buckets"] = _timed(lambda: _memmove_in_calls(copy_dst, flat, args.bucket))
         if rep >= warmup(args):  # untimed rounds touch every buffer first; first touches are not transfers
             for key, seconds in got.items():
                 times[key].append(seconds)
     return times
+
+
+def _memmove_in_calls(dst: torch.Tensor, src: torch.Tensor, size: int) -> None:
+    """`src` into `dst` with one memmove per `size` bytes: what copying one bucket at a time can
+    reach here (glibc picks its copy loop by the size of each call)."""
+    for at in range(0, src.numel(), size):
+        ctypes.memmove(dst.data_ptr() + at, src.data_ptr() + at, min(size, src.numel() - at))
 
 
 _LANDS = " (gloo landing in the receiver's flattened tensors, into=)"
@@ -218,7 +227,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
           f"{_LANDS if args.into else ''}, median of {args.repeat}, torch threads {args.threads}")
     for key, label in (("gloo", "gloo engine"), ("flat", "(a) one flat broadcast"),
                        ("per_tensor", "(b) one broadcast per tensor"), ("shm", "shm engine"),
-                       ("memcpy", "one memcpy")):
+                       ("memcpy", "one memcpy"), ("memcpy_buckets", f"one memcpy in {args.bucket / 2**20:g} MiB calls")):
         spread = ", ".join(f"{args.total / s / 1e9:.2f}" for s in times[key])
         print(f"  {label:32s} {gbps[key]:7.2f} GB/s   (runs: {spread})")
     for name in ENGINES:
@@ -229,6 +238,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
             print(f"  {name} engine without checksums: {gbps[f'{name}_unverified']:.2f} GB/s: checksums take "
                   f"{share:.0%} of a verified sync")
         print(f"  {name} engine, where a sync's time goes (sender): {_shares(phase_shares(times, name))}")
+    print(f"  the same memcpy in bucket-sized calls: {gbps['memcpy_buckets'] / gbps['memcpy']:.2f}x of one call")
     checks = (("gloo / (a) flat broadcast", gbps["gloo"] / gbps["flat"], 0.9),
               ("gloo / (b) per-tensor broadcast", gbps["gloo"] / gbps["per_tensor"], 3.0),
               ("shm / memcpy", gbps["shm"] / gbps["memcpy"], 0.7))
@@ -249,6 +259,9 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
                                   f"{gbps[f'{name}_unverified']:.2f} GB/s unverified", "", ""))
         figures.append(Figure(f"`{name}` engine, where a sync's time goes (sender)",
                               _shares(phase_shares(times, name)), "", "", ""))
+    figures.append(Figure(f"one memcpy of the same bytes in {args.bucket / 2**20:g} MiB calls (what one copy a bucket "
+                          "can reach), against one call", f"{gbps['memcpy_buckets']:.2f} GB/s",
+                          f"{gbps['memcpy']:.2f} GB/s", f"{gbps['memcpy_buckets'] / gbps['memcpy']:.2f}x", ""))
     write_docs(args, "weight_sync.py", figures,
                f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors{' (flattened)' if args.flat else ''}, "
                f"{args.bucket / 2**20:g} MiB buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}"
