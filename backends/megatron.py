@@ -92,6 +92,18 @@ class MegatronModel:
         for chunk in self.chunks:
             yield from chunk.parameters()
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """Every chunk's, under `chunk{i}.` (the names `state_dict` gives without a bridge), so
+        `flatten_parameters` and the weight-sync engines take the model as they take a module."""
+        for i, chunk in enumerate(self.chunks):
+            yield from chunk.named_parameters(f"{prefix}chunk{i}", recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, chunk in enumerate(self.chunks):
+            yield from chunk.named_buffers(f"{prefix}chunk{i}", recurse, remove_duplicate)
+
     def train(self, mode: bool = True) -> MegatronModel:
         for chunk in self.chunks:
             chunk.train(mode)

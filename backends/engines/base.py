@@ -237,6 +237,8 @@ class CheckpointEngine:
         self.deadline = time.monotonic() + self.timeout_s
 
     def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
+        """Send weights `version`: `named_tensors` is (name, tensor) pairs, a state dict, or a model
+        (its `named_parameters()`); anything else is an `EngineError` before a byte moves."""
         raise NotImplementedError
 
     def receive_weights(self, version: int | None = None, *, expected: Collection[str] | None = None) -> Incoming:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -37,8 +37,28 @@ from backends.engines.sources import memory_problem
 from lifecycle.errors import EngineError
 
 GroupKey = tuple[torch.device, torch.dtype]
-Named = nn.Module | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
-"""A module (its parameters, tied names included), `named_parameters()` pairs, or a state dict."""
+
+
+class Parametrized(Protocol):
+    """A model that is not one `nn.Module` but names its parameters and buffers as one does
+    (this package's `MegatronModel`: its chunks' under `chunk{i}.`)."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+Model = nn.Module | Parametrized
+Named = Model | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+"""A model (its parameters, tied names included), `named_parameters()` pairs, or a state dict."""
+
+
+def is_model(value: object) -> bool:
+    """Whether `value` is an `nn.Module`, or names its parameters and buffers as one does."""
+    return isinstance(value, nn.Module) or all(callable(getattr(value, method, None))
+                                               for method in ("named_parameters", "named_buffers"))
 
 
 class FlattenRefused(EngineError):
@@ -150,7 +170,7 @@ class FlatLayout:
             seen.add(place)
         return len(seen) == sum(len(group.slots) for group in self.groups)
 
-def flatten_parameters(model: nn.Module) -> FlatLayout:
+def flatten_parameters(model: Model) -> FlatLayout:
     """Move every parameter of `model` into one zero-padded storage per (device, dtype), in place.
 
     Each parameter keeps its object, name(s), shape, dtype, device, values and requires_grad;
@@ -165,6 +185,9 @@ def flatten_parameters(model: nn.Module) -> FlatLayout:
     a parameter that shares its storage with another tensor (a larger tensor it is a view of, a
     buffer, another parameter object) when its group must move: moving it would cut it off.
     """
+    if not is_model(model):
+        raise FlattenRefused(f"flatten_parameters takes a model (an nn.Module, or one that names its parameters and "
+                             f"buffers as one does), not a {type(model).__name__}")
     entries = _entries(named_pairs(model), by_place=False)
     for entry in entries:
         _check_movable_kind(entry.name, entry.tensor)
@@ -218,10 +241,15 @@ class _Entry:
 
 
 def named_pairs(named: Named) -> Iterable[tuple[str, Any]]:
-    """(name, tensor) pairs of a module (every name of a tied parameter), a mapping, or pairs as given."""
-    if isinstance(named, nn.Module):
-        return named.named_parameters(remove_duplicate=False)
-    return named.items() if isinstance(named, Mapping) else named
+    """(name, tensor) pairs of a model (every name of a tied parameter), a mapping, or pairs as
+    given; `EngineError` naming the type of anything else."""
+    if is_model(named):
+        return named.named_parameters(remove_duplicate=False)  # type: ignore[union-attr]
+    if isinstance(named, Mapping):
+        return named.items()
+    if isinstance(named, (str, bytes)) or not isinstance(named, Iterable):
+        raise EngineError(f"expected a model, a state dict or (name, tensor) pairs, got a {type(named).__name__}")
+    return named
 
 
 def _entries(named: Iterable[tuple[str, Any]], *, by_place: bool) -> list[_Entry]:
@@ -274,7 +302,7 @@ def _storage_ptr(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def _storage_owners(entries: list[_Entry], model: nn.Module) -> dict[int, list[str]]:
+def _storage_owners(entries: list[_Entry], model: Model) -> dict[int, list[str]]:
     """Storage address -> the parameters and buffers in it (those with bytes only)."""
     owners: dict[int, list[str]] = {}
     for entry in entries:

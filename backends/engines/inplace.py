@@ -25,12 +25,12 @@ from __future__ import annotations
 import bisect
 
 import torch
-from torch import nn
 
 from backends.engines.buckets import HEADER_BYTES, Layout, Slot
-from backends.engines.flat import Named, kind_problem, named_pairs, place
+from backends.engines.flat import Named, is_model, kind_problem, named_pairs, place
 from backends.engines.plan import Plan, PlanRefused, align
 from backends.engines.sources import Source, describe
+from lifecycle.errors import EngineError
 
 
 class Landing:
@@ -66,7 +66,7 @@ def rollout_tensors(into: Named) -> tuple[dict[str, torch.Tensor], list[tuple[st
     `PlanRefused` for what cannot be landed in."""
     try:
         pairs = [(name, tensor) for name, tensor in named_pairs(into)]
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, EngineError) as exc:
         raise PlanRefused(f"into= is no module, state dict or (name, tensor) pairs: {exc}") from None
     named: dict[str, torch.Tensor] = {}
     for name, tensor in pairs:
@@ -77,7 +77,7 @@ def rollout_tensors(into: Named) -> tuple[dict[str, torch.Tensor], list[tuple[st
         named[name] = tensor.detach()
     beside = ([(f"buffer {name}", buffer.detach()) for name, buffer in into.named_buffers(remove_duplicate=False)
                if isinstance(buffer, torch.Tensor) and kind_problem(buffer) is None]
-              if isinstance(into, nn.Module) else [])
+              if is_model(into) else [])
     return named, beside
 
 

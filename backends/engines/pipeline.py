@@ -173,7 +173,7 @@ class BucketEngine(CheckpointEngine):
         version = check_version(self.name, version)
         start = time.perf_counter()
         phases = self._phases = dict.fromkeys(("plan", "pack", "wire", "apply", "hash"), 0.0)
-        pairs = pairs_of(named_tensors)
+        pairs = pairs_of(self.name, named_tensors)
         sources = describe(pairs, self._described[0])
         layout = self._send_layout(self._metas(pairs, sources))
         tensors = [tensor for _, tensor in pairs]

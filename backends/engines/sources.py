@@ -94,16 +94,25 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
     return last if found == last else found
 
 
-def pairs_of(named: Iterable[Any] | Mapping[Any, Any]) -> list[Any]:
-    """What a sender was handed, as a list: a mapping (a state dict, say) gives its items."""
-    return list(named.items() if isinstance(named, Mapping) else named)
+def pairs_of(engine: str, named: Any) -> list[Any]:
+    """What a sender was handed, as a list: a model (anything with `named_parameters()`: an
+    `nn.Module`, a `MegatronModel`) gives its parameters, a mapping (a state dict) its items;
+    `EngineError` naming the type of anything else."""
+    if callable(getattr(named, "named_parameters", None)):
+        return list(named.named_parameters())
+    if isinstance(named, Mapping):
+        return list(named.items())
+    if isinstance(named, (str, bytes)) or not isinstance(named, Iterable):
+        raise EngineError(f"{engine} engine: these weights cannot travel: expected a model, a state dict or "
+                          f"(name, tensor) pairs, got a {type(named).__name__}")
+    return list(named)
 
 
 def sendable(engine: str, named: Iterable[Any] | Mapping[Any, Any]) -> list[tuple[str, torch.Tensor]]:
     """What a sender was handed, as a list of (name, tensor) pairs (`pairs_of`); `EngineError`
     naming the first item that is not a pair of a str and a tensor of plain memory
     (`memory_problem`)."""
-    pairs = pairs_of(named)
+    pairs = pairs_of(engine, named)
     for i, item in enumerate(pairs):
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             problem = f"item {i} is {_shown(item)}, not a (name, tensor) pair"

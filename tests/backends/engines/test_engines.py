@@ -567,6 +567,42 @@ def test_a_state_dict_is_sent_as_its_items_and_naive_refuses_a_name_given_twice(
         WeightSync(new_engine("naive")).sync(iter([("a", torch.ones(1)), ("a", torch.zeros(1))]), MemoryRollout(), 1)
 
 
+def test_a_model_is_sent_as_its_named_parameters_on_every_engine() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    rollout, rdv = MemoryRollout(), Rendezvous("127.0.0.1", free_port())
+    receiver = threading.Thread(target=receive_into, args=(new_engine("gloo"), rollout, rdv), daemon=True)
+    receiver.start()
+    WeightSync(new_engine("gloo")).sync(model, rdv, 2)
+    receiver.join(HANG_GUARD_S)
+    _assert_delivered(rollout, list(model.named_parameters()), 2)
+    rollout = MemoryRollout()
+    WeightSync(new_engine("naive")).sync(model, rollout, 2)
+    _assert_delivered(rollout, list(model.named_parameters()), 2)
+
+
+@pytest.mark.parametrize("value", [5, None, "w", b"w"])
+def test_what_is_no_model_state_dict_or_pairs_is_refused_naming_its_type_before_a_byte_moves(value: Any) -> None:
+    why = f"these weights cannot travel: expected a model, a state dict or \\(name, tensor\\) pairs, got a {type(value).__name__}"
+    with pytest.raises(EngineError, match=f"naive engine: {why}"):
+        WeightSync(new_engine("naive")).sync(value, MemoryRollout(), 1)
+    rollout, rdv = old_rollout(), Rendezvous("127.0.0.1", free_port())
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            receive_into(new_engine("gloo", timeout_s=60), rollout, rdv)
+        except BaseException as exc:  # noqa: BLE001 - what the receiver heard
+            errors.append(exc)
+
+    receiver = threading.Thread(target=receive, daemon=True)
+    receiver.start()
+    with pytest.raises(EngineError, match=f"gloo engine: {why}"):
+        WeightSync(new_engine("gloo", timeout_s=60)).sync(value, rdv, 1)
+    receiver.join(HANG_GUARD_S)
+    assert not receiver.is_alive() and isinstance(errors[0], TransportError)  # at once: the sender left
+    assert_kept_old_weights(rollout)
+
+
 def test_a_dtype_the_rollout_dtype_cannot_be_cast_from_is_refused_naming_the_tensor() -> None:
     odd = torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
     run = sync_threads(new_engine("gloo", rollout_dtype="bfloat16", timeout_s=60),

@@ -332,3 +332,20 @@ def test_refusals_are_engine_errors_and_an_unknown_name_is_one_too() -> None:
     layout = flatten_parameters(nn.Linear(2, 2))
     with pytest.raises(EngineError, match="'nope'"):
         layout.find("nope")
+
+
+@pytest.mark.parametrize("value", [5, "weights", None, object()])
+def test_what_is_no_model_state_dict_or_pairs_is_refused_naming_its_type(value: Any) -> None:
+    for call in (contiguous_layout, FlatLayout(()).describes):
+        with pytest.raises(EngineError, match=f"expected a model, a state dict or \\(name, tensor\\) pairs, "
+                                              f"got a {type(value).__name__}"):
+            call(value)
+    with pytest.raises(FlattenRefused, match=f"flatten_parameters takes a model .* not a {type(value).__name__}"):
+        flatten_parameters(value)
+
+
+def test_flatten_parameters_refuses_pairs_and_state_dicts_naming_their_type() -> None:
+    weights = {"w": nn.Parameter(torch.ones(3))}
+    for value in (weights, list(weights.items())):
+        with pytest.raises(FlattenRefused, match=f"not a {type(value).__name__}"):
+            flatten_parameters(value)  # type: ignore[arg-type]
