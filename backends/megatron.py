@@ -71,6 +71,10 @@ def cpu_safe() -> Iterator[None]:
         yield
 
 
+def _chunk_prefix(prefix: str, index: int) -> str:
+    return f"{prefix}.chunk{index}" if prefix else f"chunk{index}"
+
+
 @dataclass(kw_only=True)
 class MegatronModel:
     """A Megatron-Core model as one lifecycle part: its chunks (one per virtual pipeline stage)
@@ -96,13 +100,21 @@ class MegatronModel:
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """Every chunk's, under `chunk{i}.` (the names `state_dict` gives without a bridge), so
         `flatten_parameters` and the weight-sync engines take the model as they take a module."""
+        seen: set[int] = set()
         for i, chunk in enumerate(self.chunks):
-            yield from chunk.named_parameters(f"{prefix}chunk{i}", recurse, remove_duplicate)
+            for name, param in chunk.named_parameters(_chunk_prefix(prefix, i), recurse, remove_duplicate):
+                if not remove_duplicate or id(param) not in seen:  # shared by two chunks: once, as a module does
+                    seen.add(id(param))
+                    yield name, param
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        seen: set[int] = set()
         for i, chunk in enumerate(self.chunks):
-            yield from chunk.named_buffers(f"{prefix}chunk{i}", recurse, remove_duplicate)
+            for name, buffer in chunk.named_buffers(_chunk_prefix(prefix, i), recurse, remove_duplicate):
+                if not remove_duplicate or id(buffer) not in seen:
+                    seen.add(id(buffer))
+                    yield name, buffer
 
     def train(self, mode: bool = True) -> MegatronModel:
         for chunk in self.chunks:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 from lifecycle.boundary import check_step
 from lifecycle.config import LifecycleConfig
@@ -106,7 +106,9 @@ class Lifecycle(Stateful[State]):
             if getattr(model, "training", False):
                 model.eval()
                 self.on_exit(model.train)
-            phase.figures.update(self.engine.sync(_named_tensors(model), target, version))
+            from backends.engines.sources import state_weights
+
+            phase.figures.update(self.engine.sync(state_weights(model), target, version))
             phase.figures["version"] = version
             self.progress.weights_version = version
         return version
@@ -159,17 +161,6 @@ def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     return rank, world_size
-
-
-def _named_tensors(model: Any) -> Iterator[tuple[str, Any]]:
-    """Weights to sync: the state dict, tied tensors once (the receiver re-ties by name)."""
-    seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
-        key = tensor.data_ptr() if hasattr(tensor, "data_ptr") else id(tensor)
-        if key in seen:
-            continue
-        seen.add(key)
-        yield name, tensor
 
 
 __all__ = ["Lifecycle"]

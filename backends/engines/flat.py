@@ -241,15 +241,22 @@ class _Entry:
 
 
 def named_pairs(named: Named) -> Iterable[tuple[str, Any]]:
-    """(name, tensor) pairs of a model (every name of a tied parameter), a mapping, or pairs as
-    given; `EngineError` naming the type of anything else."""
-    if is_model(named):
-        return named.named_parameters(remove_duplicate=False)  # type: ignore[union-attr]
+    """(name, tensor) pairs of a mapping, a model (every name of a tied parameter), or pairs as
+    given; `EngineError` naming the type of anything else, or the first item that is no pair."""
     if isinstance(named, Mapping):
         return named.items()
-    if isinstance(named, (str, bytes)) or not isinstance(named, Iterable):
+    if is_model(named):
+        return named.named_parameters(remove_duplicate=False)  # type: ignore[union-attr]
+    if isinstance(named, (str, bytes, torch.Tensor)) or not isinstance(named, Iterable):
         raise EngineError(f"expected a model, a state dict or (name, tensor) pairs, got a {type(named).__name__}")
-    return named
+    return _pairs(named)
+
+
+def _pairs(items: Iterable[Any]) -> Iterator[tuple[str, Any]]:
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise EngineError(f"item {i} is a {type(item).__name__}, not a (name, tensor) pair")
+        yield item[0], item[1]
 
 
 def _entries(named: Iterable[tuple[str, Any]], *, by_place: bool) -> list[_Entry]:

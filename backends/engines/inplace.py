@@ -66,6 +66,7 @@ def rollout_tensors(into: Named) -> tuple[dict[str, torch.Tensor], list[tuple[st
     `PlanRefused` for what cannot be landed in."""
     try:
         pairs = [(name, tensor) for name, tensor in named_pairs(into)]
+        buffers = list(into.named_buffers(remove_duplicate=False)) if is_model(into) else []  # type: ignore[union-attr]
     except (TypeError, ValueError, EngineError) as exc:
         raise PlanRefused(f"into= is no module, state dict or (name, tensor) pairs: {exc}") from None
     named: dict[str, torch.Tensor] = {}
@@ -75,9 +76,8 @@ def rollout_tensors(into: Named) -> tuple[dict[str, torch.Tensor], list[tuple[st
         if problem is not None:
             raise PlanRefused(f"into= holds {name!r}, which {problem}")
         named[name] = tensor.detach()
-    beside = ([(f"buffer {name}", buffer.detach()) for name, buffer in into.named_buffers(remove_duplicate=False)
-               if isinstance(buffer, torch.Tensor) and kind_problem(buffer) is None]
-              if is_model(into) else [])
+    beside = [(f"buffer {name}", buffer.detach()) for name, buffer in buffers
+              if isinstance(buffer, torch.Tensor) and kind_problem(buffer) is None]
     return named, beside
 
 

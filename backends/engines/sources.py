@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,17 +94,40 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
     return last if found == last else found
 
 
+def state_weights(model: Any) -> Iterator[tuple[str, Any]]:
+    """A model's weights as a sync sends them: its state dict (parameters and persistent
+    buffers), each tied tensor once, under its first name (a receiver ties them again by name).
+    Tied means the same memory seen the same way: a view of another shape, or an empty tensor,
+    is a weight of its own."""
+    seen: set[object] = set()
+    for name, tensor in model.state_dict().items():
+        key: object = id(tensor)
+        if type(tensor) in PLAIN and tensor.layout == torch.strided and tensor.numel():
+            key = (tensor.device, tensor.dtype, tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
+        if key not in seen:
+            seen.add(key)
+            yield name, tensor
+
+
 def pairs_of(engine: str, named: Any) -> list[Any]:
-    """What a sender was handed, as a list: a model (anything with `named_parameters()`: an
-    `nn.Module`, a `MegatronModel`) gives its parameters, a mapping (a state dict) its items;
-    `EngineError` naming the type of anything else."""
-    if callable(getattr(named, "named_parameters", None)):
-        return list(named.named_parameters())
+    """What a sender was handed, as a list: a mapping (a state dict) gives its items, an
+    `nn.Module` its `state_weights` (what `Lifecycle.sync_weights` sends), pairs themselves;
+    `EngineError` naming anything else, with what to send instead where it can tell."""
     if isinstance(named, Mapping):
         return list(named.items())
-    if isinstance(named, (str, bytes)) or not isinstance(named, Iterable):
+    if isinstance(named, torch.nn.Module):
+        return list(state_weights(named))
+    hint = None
+    if isinstance(named, torch.Tensor):
+        hint = "send [(name, tensor)]"
+    elif callable(getattr(named, "state_dict", None)) or callable(getattr(named, "named_parameters", None)):
+        hint = ("it is no nn.Module: send its state_dict() (a MegatronModel's gathers the HF-named weights, on "
+                "every rank) or (name, tensor) pairs")
+    elif isinstance(named, (str, bytes)) or not isinstance(named, Iterable):
+        hint = ""
+    if hint is not None:
         raise EngineError(f"{engine} engine: these weights cannot travel: expected a model, a state dict or "
-                          f"(name, tensor) pairs, got a {type(named).__name__}")
+                          f"(name, tensor) pairs, got a {type(named).__name__}" + (f": {hint}" if hint else ""))
     return list(named)
 
 
@@ -162,6 +185,8 @@ def memory_problem(tensor: torch.Tensor) -> str | None:
     """Why a tensor's values are not plain strided memory a sync can copy, or None: another layout
     (sparse, mkldnn), a nested or quantized tensor, the meta device (no data), or a dtype a plan
     cannot carry (sub-byte)."""
+    if type(tensor) not in PLAIN:
+        return f"is a {type(tensor).__name__}, a tensor subclass, not plain tensor memory: send its local tensors"
     if tensor.layout != torch.strided:
         return f"is not a strided tensor (layout {tensor.layout})"
     if tensor.is_nested or tensor.is_quantized:
@@ -187,5 +212,5 @@ class Program:
     """Positions in the bucket of the pieces torch copies (`Layout._copy_piece`)."""
 
 
-__all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "metas_of", "pairs_of", "sendable",
+__all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "metas_of", "pairs_of", "sendable", "state_weights",
            "wire_bytes"]

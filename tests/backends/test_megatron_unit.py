@@ -115,3 +115,15 @@ def test_dist_ckpt_refuses_param_groups_that_do_not_fit_before_reading_any_shard
         dist_ckpt.DistCkptBackend().load_optimizer(optimizer, None, tmp_path, model=megatron.MegatronModel(chunks=[]))
     assert str(caught.value).startswith(f"{tmp_path / 'optimizer.json'}: does not fit the optimizer: ")
     assert needle in str(caught.value) and optimizer.param_groups[0]["lr"] == 0.01
+
+
+def test_a_megatron_model_names_its_chunks_parameters_and_buffers_as_a_module_of_them_would() -> None:
+    first, second = nn.BatchNorm1d(2), nn.BatchNorm1d(2)
+    second.weight = first.weight  # shared by two chunks
+    model, module = megatron.MegatronModel(chunks=[first, second]), nn.ModuleDict({"chunk0": first, "chunk1": second})
+    for prefix in ("", "model"):
+        for remove_duplicate in (True, False):
+            assert ([n for n, _ in model.named_parameters(prefix, remove_duplicate=remove_duplicate)]
+                    == [n for n, _ in module.named_parameters(prefix, remove_duplicate=remove_duplicate)])
+            assert ([n for n, _ in model.named_buffers(prefix, remove_duplicate=remove_duplicate)]
+                    == [n for n, _ in module.named_buffers(prefix, remove_duplicate=remove_duplicate)])

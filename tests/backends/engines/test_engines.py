@@ -304,7 +304,14 @@ def _odd_tensors() -> list[tuple[str, Any, str]]:
             ("nested", torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "is a nested or quantized tensor"),
             ("meta", torch.empty(3, device="meta"), "is on the meta device, with no data"),
             ("not a tensor", [1.0, 2.0], "is a list, not a tensor"),
+            ("tensor subclass", torch.Tensor._make_subclass(_Wrapped, torch.ones(3)),
+             "is a _Wrapped, a tensor subclass, not plain tensor memory: send its local tensors"),
         ]
+
+
+class _Wrapped(torch.Tensor):
+    """A tensor subclass (a DTensor's kind): its memory need not be its values (a DTensor's
+    data pointer is 0), so a sender must never read it by address."""
 
 
 def test_a_tensor_that_is_not_plain_memory_is_refused_by_the_sender_naming_it_and_its_receiver_hears_at_once() -> None:
@@ -567,22 +574,54 @@ def test_a_state_dict_is_sent_as_its_items_and_naive_refuses_a_name_given_twice(
         WeightSync(new_engine("naive")).sync(iter([("a", torch.ones(1)), ("a", torch.zeros(1))]), MemoryRollout(), 1)
 
 
-def test_a_model_is_sent_as_its_named_parameters_on_every_engine() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+class _Tied(torch.nn.Module):
+    """Tied weights and a batch norm's buffers: what a module's state dict holds beside its parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm.running_mean.fill_(0.5)
+
+
+def test_a_module_is_sent_as_its_state_dict_buffers_included_tied_weights_once_on_every_engine() -> None:
+    model = _Tied()
+    sent = [(name, tensor) for name, tensor in model.state_dict().items() if name != "head.weight"]
+    assert {"norm.running_mean", "norm.num_batches_tracked"} <= {name for name, _ in sent}
     rollout, rdv = MemoryRollout(), Rendezvous("127.0.0.1", free_port())
     receiver = threading.Thread(target=receive_into, args=(new_engine("gloo"), rollout, rdv), daemon=True)
     receiver.start()
     WeightSync(new_engine("gloo")).sync(model, rdv, 2)
     receiver.join(HANG_GUARD_S)
-    _assert_delivered(rollout, list(model.named_parameters()), 2)
+    _assert_delivered(rollout, sent, 2)
+    assert set(rollout.serve()) == {name for name, _ in sent}  # the tied head once, under the first name
     rollout = MemoryRollout()
     WeightSync(new_engine("naive")).sync(model, rollout, 2)
-    _assert_delivered(rollout, list(model.named_parameters()), 2)
+    _assert_delivered(rollout, sent, 2)
+    assert set(rollout.serve()) == {name for name, _ in sent}
 
 
-@pytest.mark.parametrize("value", [5, None, "w", b"w"])
-def test_what_is_no_model_state_dict_or_pairs_is_refused_naming_its_type_before_a_byte_moves(value: Any) -> None:
-    why = f"these weights cannot travel: expected a model, a state dict or \\(name, tensor\\) pairs, got a {type(value).__name__}"
+class _Chunked:
+    """A model that is no nn.Module (a MegatronModel's kind): it has a state dict and parameters."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"w": torch.ones(2)}
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return [("w", torch.ones(2))]
+
+
+@pytest.mark.parametrize("value, hint", [
+    (5, ""), (None, ""), ("w", ""), (b"w", ""), (torch.tensor(1.0), ": send \\[\\(name, tensor\\)\\]"),
+    (torch.ones(3), ": send \\[\\(name, tensor\\)\\]"),
+    (_Chunked(), ": it is no nn.Module: send its state_dict\\(\\) .* or \\(name, tensor\\) pairs"),
+])
+def test_what_is_no_model_state_dict_or_pairs_is_refused_naming_its_type_before_a_byte_moves(value: Any,
+                                                                                            hint: str) -> None:
+    why = (f"these weights cannot travel: expected a model, a state dict or \\(name, tensor\\) pairs, "
+           f"got a {type(value).__name__}{hint}")
     with pytest.raises(EngineError, match=f"naive engine: {why}"):
         WeightSync(new_engine("naive")).sync(value, MemoryRollout(), 1)
     rollout, rdv = old_rollout(), Rendezvous("127.0.0.1", free_port())

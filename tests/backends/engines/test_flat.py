@@ -334,7 +334,7 @@ def test_refusals_are_engine_errors_and_an_unknown_name_is_one_too() -> None:
         layout.find("nope")
 
 
-@pytest.mark.parametrize("value", [5, "weights", None, object()])
+@pytest.mark.parametrize("value", [5, "weights", None, object(), torch.tensor(1.0), torch.ones(2, 2)])
 def test_what_is_no_model_state_dict_or_pairs_is_refused_naming_its_type(value: Any) -> None:
     for call in (contiguous_layout, FlatLayout(()).describes):
         with pytest.raises(EngineError, match=f"expected a model, a state dict or \\(name, tensor\\) pairs, "
@@ -349,3 +349,14 @@ def test_flatten_parameters_refuses_pairs_and_state_dicts_naming_their_type() ->
     for value in (weights, list(weights.items())):
         with pytest.raises(FlattenRefused, match=f"not a {type(value).__name__}"):
             flatten_parameters(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("items, why", [
+    ({"a": 1}.keys(), "item 0 is a str, not a \\(name, tensor\\) pair"),
+    ([("w", torch.ones(2), "extra")], "item 0 is a tuple, not a \\(name, tensor\\) pair"),
+    ([torch.ones(2)], "item 0 is a Tensor, not a \\(name, tensor\\) pair"),
+])
+def test_an_item_that_is_no_name_and_tensor_pair_is_refused_naming_it(items: Any, why: str) -> None:
+    for call in (contiguous_layout, FlatLayout(()).describes):
+        with pytest.raises(EngineError, match=why):
+            call(items)
