@@ -71,10 +71,6 @@ def cpu_safe() -> Iterator[None]:
         yield
 
 
-def _chunk_prefix(prefix: str, index: int) -> str:
-    return f"{prefix}.chunk{index}" if prefix else f"chunk{index}"
-
-
 @dataclass(kw_only=True)
 class MegatronModel:
     """A Megatron-Core model as one lifecycle part: its chunks (one per virtual pipeline stage)
@@ -98,23 +94,22 @@ class MegatronModel:
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """Every chunk's, under `chunk{i}.` (the names `state_dict` gives without a bridge), so
-        `flatten_parameters` and the weight-sync engines take the model as they take a module."""
-        seen: set[int] = set()
-        for i, chunk in enumerate(self.chunks):
-            for name, param in chunk.named_parameters(_chunk_prefix(prefix, i), recurse, remove_duplicate):
-                if not remove_duplicate or id(param) not in seen:  # shared by two chunks: once, as a module does
-                    seen.add(id(param))
-                    yield name, param
+        """Every chunk's, under `chunk{i}.` (the names `state_dict` gives without a bridge), as a
+        module holding the chunks names them, so `flatten_parameters` takes the model."""
+        return self._named("named_parameters", prefix, recurse, remove_duplicate)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._named("named_buffers", prefix, recurse, remove_duplicate)
+
+    def _named(self, method: str, prefix: str, recurse: bool, remove_duplicate: bool) -> Iterator[tuple[str, Any]]:
         seen: set[int] = set()
         for i, chunk in enumerate(self.chunks):
-            for name, buffer in chunk.named_buffers(_chunk_prefix(prefix, i), recurse, remove_duplicate):
-                if not remove_duplicate or id(buffer) not in seen:
-                    seen.add(id(buffer))
-                    yield name, buffer
+            for name, tensor in getattr(chunk, method)(f"{prefix}.chunk{i}" if prefix else f"chunk{i}", recurse,
+                                                       remove_duplicate):
+                if not remove_duplicate or id(tensor) not in seen:  # shared by two chunks: once, as a module does
+                    seen.add(id(tensor))
+                    yield name, tensor
 
     def train(self, mode: bool = True) -> MegatronModel:
         for chunk in self.chunks:

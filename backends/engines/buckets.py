@@ -2,21 +2,16 @@
 
 A bucket is a 64-byte header (magic, version, bucket index, bytes used) and a data region
 holding the tensors, each at a 64-byte aligned offset; a `Slot` holds one bucket, its header
-and data adjacent (a buffer of `slot_bytes`) or apart (`join`). A tensor that fits in a
-bucket travels whole; one larger than a bucket is split into chunks across consecutive
-buckets: a receiver that keeps every bucket in `join`ed slots hands it out as one view of
-where its chunks landed, back to back; one with two slots (streamed) rejoins it in a copy.
-The plan (names, dtypes, shapes, where every piece sits;
-`plan.py`) is computed from tensor metadata alone, before any byte is packed, so the sender
-can pack bucket k+1 while bucket k is on the wire.
-
-A bucket's checksum is not in its header: it covers the data region and travels after the
-bucket (`digests`, `pipeline`).
+and data adjacent (a buffer of `slot_bytes`) or apart (`join`). A tensor larger than a bucket
+is split into chunks across consecutive buckets: a receiver that keeps every bucket in
+`join`ed slots hands it out as one view of its chunks, back to back; one with two slots
+(streamed) rejoins it in a copy. The plan (`plan.py`) comes from tensor metadata alone, so the
+sender can pack bucket k+1 while bucket k is on the wire; a bucket's checksum covers its data
+region and travels after it (`digests`, `pipeline`).
 
 A bucket whose pieces already sit in one storage at the plan's offsets (a model flattened by
 `flat.flatten_parameters`) need not be packed at all: its data region is a byte range of that
-storage (`Layout.region`), which an engine that sends header and data separately (the group
-engines) broadcasts as it stands, and whose checksum reads that range in place.
+storage (`Layout.region`), which the group engines broadcast as it stands.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ stands (`buckets.Layout.region`), and a streamed receiver lands one straight in 
 Flattening rehomes each parameter's `.data` and nothing else: every `nn.Parameter` stays the
 same object, so `named_parameters()`, optimizers built before or after, tied weights and
 autograd are untouched, and optimizers that step in place (AdamW: single-tensor, foreach and
-fused) keep writing into the flat storage. Gradients are not flattened, nor are buffers: they
-do not travel in a weight sync, and a buffer that shares storage with a parameter stops the
-parameter from moving (it would be cut off from it).
+fused) keep writing into the flat storage. Gradients and buffers stay where they are (a sync
+packs a buffer as any tensor outside the storage); a buffer that shares storage with a
+parameter stops the parameter from moving (it would be cut off from it).
 
 A layout holds only while nothing gives a parameter new `.data`: `load_state_dict(...,
 assign=True)`, `model.to(...)` to another dtype or device, `share_memory()`, FSDP wrapping.
@@ -40,8 +40,7 @@ GroupKey = tuple[torch.device, torch.dtype]
 
 
 class Parametrized(Protocol):
-    """A model that is not one `nn.Module` but names its parameters and buffers as one does
-    (this package's `MegatronModel`: its chunks' under `chunk{i}.`)."""
+    """A model that names its parameters and buffers as an `nn.Module` does (`MegatronModel`)."""
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]: ...
