@@ -182,10 +182,11 @@ def casts(source: torch.dtype, wire: torch.dtype) -> bool:
 
 
 def memory_problem(tensor: torch.Tensor) -> str | None:
-    """Why a tensor's values are not plain strided memory a sync can copy, or None: another layout
-    (sparse, mkldnn), a nested or quantized tensor, the meta device (no data), or a dtype a plan
-    cannot carry (sub-byte)."""
-    if type(tensor) not in PLAIN:
+    """Why a tensor's values are not plain strided memory a sync can copy, or None: a subclass
+    that dispatches its own ops, another layout (sparse, mkldnn), a nested or quantized tensor,
+    the meta device (no data), or a dtype a plan cannot carry (sub-byte)."""
+    if type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:  # DTensor, a fake tensor: its
+        # storage is not its values (a DTensor's data pointer is 0); a Parameter subclass's is
         return f"is a {type(tensor).__name__}, a tensor subclass, not plain tensor memory: send its local tensors"
     if tensor.layout != torch.strided:
         return f"is not a strided tensor (layout {tensor.layout})"

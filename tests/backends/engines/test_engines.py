@@ -304,14 +304,37 @@ def _odd_tensors() -> list[tuple[str, Any, str]]:
             ("nested", torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "is a nested or quantized tensor"),
             ("meta", torch.empty(3, device="meta"), "is on the meta device, with no data"),
             ("not a tensor", [1.0, 2.0], "is a list, not a tensor"),
-            ("tensor subclass", torch.Tensor._make_subclass(_Wrapped, torch.ones(3)),
+            ("tensor subclass", _Wrapped(torch.ones(3)),
              "is a _Wrapped, a tensor subclass, not plain tensor memory: send its local tensors"),
         ]
 
 
 class _Wrapped(torch.Tensor):
-    """A tensor subclass (a DTensor's kind): its memory need not be its values (a DTensor's
-    data pointer is 0), so a sender must never read it by address."""
+    """A wrapper subclass that dispatches its own ops, as a DTensor does: it has no memory of its
+    own (its data pointer is 0), so a sender must never read it by address."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapped:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise RuntimeError(f"{func} reached the wrapper")
+
+
+class _VendorParameter(torch.nn.Parameter):
+    """A Parameter subclass (vLLM's weight parameters are): plain memory, sent as any parameter."""
+
+
+def test_a_parameter_subclass_is_plain_memory_and_arrives() -> None:
+    weights = [("w", _VendorParameter(torch.arange(6.0))), ("b", torch.ones(2))]
+    rollout = MemoryRollout()
+    run = sync_threads(new_engine("gloo"), [new_engine("gloo")], weights, [rollout], deadline_s=HANG_GUARD_S)
+    assert run.error is None
+    _assert_delivered(rollout, [(name, tensor.detach()) for name, tensor in weights], 1)
 
 
 def test_a_tensor_that_is_not_plain_memory_is_refused_by_the_sender_naming_it_and_its_receiver_hears_at_once() -> None:
