@@ -237,8 +237,9 @@ class CheckpointEngine:
         self.deadline = time.monotonic() + self.timeout_s
 
     def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
-        """Send weights `version`: `named_tensors` is (name, tensor) pairs, a state dict, or a model
-        (its `named_parameters()`); anything else is an `EngineError` before a byte moves."""
+        """Send weights `version`: `named_tensors` is (name, tensor) pairs, a state dict, or an
+        `nn.Module` (its state dict, each tied tensor once: `sources.state_weights`); anything
+        else is an `EngineError` before a byte moves (`sources.pairs_of`)."""
         raise NotImplementedError
 
     def receive_weights(self, version: int | None = None, *, expected: Collection[str] | None = None) -> Incoming:

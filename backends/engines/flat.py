@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from backends.engines.plan import ALIGN, align
-from backends.engines.sources import memory_problem
+from backends.engines.sources import memory_problem, place
 from lifecycle.errors import EngineError
 
 GroupKey = tuple[torch.device, torch.dtype]
@@ -281,13 +281,6 @@ def _grouped(entries: list[_Entry]) -> dict[GroupKey, list[_Entry]]:
     for entry in entries:
         groups.setdefault((entry.tensor.device, entry.tensor.dtype), []).append(entry)
     return groups
-
-
-def place(tensor: torch.Tensor) -> tuple[object, ...]:
-    """Where a tensor's values lie: two tensors of one place are one (tied weights, or a state
-    dict's detached views of one parameter)."""
-    return (tensor.device, tensor.dtype, _storage_ptr(tensor), tensor.storage_offset(), tuple(tensor.shape),
-            tensor.stride())
 
 
 def kind_problem(tensor: torch.Tensor) -> str | None:

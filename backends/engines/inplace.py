@@ -27,9 +27,9 @@ import bisect
 import torch
 
 from backends.engines.buckets import HEADER_BYTES, Layout, Slot
-from backends.engines.flat import Named, is_model, kind_problem, named_pairs, place
+from backends.engines.flat import Named, is_model, kind_problem, named_pairs
 from backends.engines.plan import Plan, PlanRefused, align
-from backends.engines.sources import Source, describe
+from backends.engines.sources import Source, describe, place
 from lifecycle.errors import EngineError
 
 

@@ -97,13 +97,11 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
 def state_weights(model: Any) -> Iterator[tuple[str, Any]]:
     """A model's weights as a sync sends them: its state dict (parameters and persistent
     buffers), each tied tensor once, under its first name (a receiver ties them again by name).
-    Tied means the same memory seen the same way: a view of another shape, or an empty tensor,
-    is a weight of its own."""
+    Tied means one `place`: a view of another shape, or an empty tensor, is a weight of its own."""
     seen: set[object] = set()
     for name, tensor in model.state_dict().items():
-        key: object = id(tensor)
-        if type(tensor) in PLAIN and tensor.layout == torch.strided and tensor.numel():
-            key = (tensor.device, tensor.dtype, tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
+        plain = isinstance(tensor, torch.Tensor) and memory_problem(tensor) is None and tensor.numel()
+        key = place(tensor) if plain else id(tensor)
         if key not in seen:
             seen.add(key)
             yield name, tensor
@@ -181,6 +179,13 @@ def casts(source: torch.dtype, wire: torch.dtype) -> bool:
     return True
 
 
+def place(tensor: torch.Tensor) -> tuple[object, ...]:
+    """Where a tensor's values lie: two tensors of one place are one (tied weights, or a state
+    dict's detached views of one parameter)."""
+    return (tensor.device, tensor.dtype, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+            tuple(tensor.shape), tensor.stride())
+
+
 def memory_problem(tensor: torch.Tensor) -> str | None:
     """Why a tensor's values are not plain strided memory a sync can copy, or None: a subclass
     that dispatches its own ops, another layout (sparse, mkldnn), a nested or quantized tensor,
@@ -213,5 +218,5 @@ class Program:
     """Positions in the bucket of the pieces torch copies (`Layout._copy_piece`)."""
 
 
-__all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "metas_of", "pairs_of", "sendable", "state_weights",
-           "wire_bytes"]
+__all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "metas_of", "pairs_of", "place",
+           "sendable", "state_weights", "wire_bytes"]

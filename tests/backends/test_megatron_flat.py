@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.backends.dist_util import run_ranks
-from tests.backends.megatron_util import make_hf_checkpoint
+from tests.backends.megatron_util import make_hf_checkpoint, train_steps, weights_and_moments
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
@@ -28,13 +28,6 @@ def _lifecycle(model: Any, optimizer: Any, tmp: Path, **checkpoint: Any) -> Any:
     return Lifecycle(cfg, role="actor", model=model, optimizer=optimizer)
 
 
-def _state(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
-    named = dict(model.chunks[0].named_parameters())
-    state = {f"param/{n}": p.detach().clone() for n, p in named.items()}
-    state.update({f"{k}/{n}": optimizer.state[p][k].clone() for n, p in named.items() for k in ("exp_avg", "exp_avg_sq")})
-    return state
-
-
 def _flat_train_save_resume(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     from megatron.core import parallel_state
 
@@ -46,14 +39,10 @@ def _flat_train_save_resume(rank: int, world_size: int, tmp: Path) -> dict[str, 
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=0.01)
     lc = _lifecycle(model, optimizer, tmp, pre_load={"path": str(tmp / "hf")})
     lc.init_load()
-    for step in (1, 2):
-        with lc.train_step(step):
-            for i, p in enumerate(model.parameters()):
-                p.grad = torch.full_like(p, 0.01 * (i + 1)) + p.detach() * 0.1
-            optimizer.step()
+    train_steps(lc, model, optimizer)
     lc.save(2)
     lc.close()
-    saved = _state(model, optimizer)
+    saved = weights_and_moments(model, optimizer)
     parallel_state.destroy_model_parallel()
 
     torch.manual_seed(99 + rank)
@@ -61,7 +50,7 @@ def _flat_train_save_resume(rank: int, world_size: int, tmp: Path) -> dict[str, 
     layout = flatten_parameters(fresh)
     fresh_opt = torch.optim.AdamW(list(fresh.parameters()), lr=0.01)
     step = _lifecycle(fresh, fresh_opt, tmp).resume()
-    resumed = _state(fresh, fresh_opt)
+    resumed = weights_and_moments(fresh, fresh_opt)
     return {"step": step, "differ": [key for key, want in saved.items() if not torch.equal(want, resumed[key])],
             "flat": layout.describes(fresh) and contiguous_layout(fresh) == layout,
             "storages": len({p.untyped_storage().data_ptr() for p in fresh.parameters()})}

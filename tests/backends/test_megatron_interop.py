@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.backends.dist_util import run_ranks
-from tests.backends.megatron_util import hf_tensors, make_hf_checkpoint, same_tensors
+from tests.backends.megatron_util import hf_tensors, make_hf_checkpoint, same_tensors, train_steps, weights_and_moments
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("mbridge")
@@ -167,17 +167,10 @@ def _train_and_save_then_die(rank: int, world_size: int, tmp: Path) -> None:
                           "pre_load": {"path": str(tmp / "hf")}}}
     lc = Lifecycle(cfg, role="actor", model=model, optimizer=optimizer, lr_scheduler=scheduler)
     lc.init_load()
-    for step in (1, 2):
-        with lc.train_step(step):
-            for i, p in enumerate(model.parameters()):
-                p.grad = torch.full_like(p, 0.01 * (i + 1)) + p.detach() * 0.1
-            optimizer.step()
-            scheduler.step()
+    train_steps(lc, model, optimizer, scheduler)
     lc.save(2)
+    save_file(weights_and_moments(model, optimizer), str(tmp / f"saved_rank{rank}.safetensors"))
     named = dict(model.chunks[0].named_parameters())
-    ref = {f"param/{n}": p.detach().clone() for n, p in named.items()}
-    ref.update({f"{k}/{n}": optimizer.state[p][k].clone() for n, p in named.items() for k in ("exp_avg", "exp_avg_sq")})
-    save_file(ref, str(tmp / f"saved_rank{rank}.safetensors"))
     dims = {n: getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
             for n, p in named.items()}
     (tmp / f"dims_rank{rank}.json").write_text(json.dumps(dims))

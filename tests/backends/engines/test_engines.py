@@ -571,7 +571,7 @@ def test_a_version_that_is_not_an_int_in_range_is_refused_by_the_sender_and_its_
     (["ab"], "item 0 is 'ab', not a \\(name, tensor\\) pair"),
     ([("w", [1.0])], "tensor 0 'w' is a list, not a tensor"),
 ])
-def test_what_is_not_a_name_and_tensor_pair_is_refused_naming_the_item_on_every_engine(items: list[Any], why: str) -> None:
+def test_what_is_not_a_name_and_tensor_pair_is_refused_naming_the_item_by_a_transport_and_in_process(items: list[Any], why: str) -> None:
     for name in ("gloo", "naive"):
         engine = new_engine(name, timeout_s=60)
         if name == "naive":
@@ -609,7 +609,7 @@ class _Tied(torch.nn.Module):
         self.norm.running_mean.fill_(0.5)
 
 
-def test_a_module_is_sent_as_its_state_dict_buffers_included_tied_weights_once_on_every_engine() -> None:
+def test_a_module_is_sent_as_its_state_dict_buffers_included_tied_weights_once_by_a_transport_and_in_process() -> None:
     model = _Tied()
     sent = [(name, tensor) for name, tensor in model.state_dict().items() if name != "head.weight"]
     assert {"norm.running_mean", "norm.num_batches_tracked"} <= {name for name, _ in sent}
