@@ -5,8 +5,10 @@ are where they were last sync, and a `Program` is what packing one bucket from t
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
+import operator
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,13 +35,15 @@ def wire_bytes(src: torch.Tensor, dtype: torch.dtype) -> bool:
 Source = bytes
 """A fingerprint of the sender's tensors (`describe`): 16 bytes, whatever their count."""
 
-_WORDS = 8192
-"""Integers `describe` gathers before it hashes them (64 KiB, with the names of their tensors),
-so it never holds a list as long as the tensors."""
+_CHUNK = 512
+"""Tensors `describe` reads at a time: it holds their attributes (some 250 bytes a tensor) while
+it hashes them, never a list as long as the tensors."""
+_PLAIN = frozenset(PLAIN)
 _CODES: dict[object, int] = {}
 """Small integers standing for the dtypes and devices `describe` has met, in this process."""
 _NUMBERS = itertools.count()
 """Where `_CODES` takes a new number: two threads meeting two new keys at once take two."""
+_dtype, _device, _shape = operator.attrgetter("dtype"), operator.attrgetter("device"), operator.attrgetter("shape")
 
 
 def _code(key: object) -> int:
@@ -55,40 +59,42 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
     None when a tensor is not plain strided memory (then nothing is reused, and the sender
     checks each tensor: `memory_problem`).
 
-    The integers (and the names, their lengths among the integers) are hashed with xxh3-128 a
-    few thousand at a time, the hash each bucket's bytes are checked with already, so a sender
-    keeps 16 bytes however many tensors it sends, and describing them holds 64 KiB or so more
-    while it runs. About 2-4 us a tensor: the torch attribute reads are most of it, so a tensor
-    of another layout is told by torch refusing its address or its sizes (sparse and mkldnn
-    tensors have no data pointer, a nested tensor no sizes), not by reading its layout, and a
-    meta tensor by its device, which never gets a code."""
-    hasher, words, names, codes = xxhash.xxh3_128(), array("Q"), [], _CODES
-    extend, append = words.extend, names.append
-
-    def flush() -> None:
-        hasher.update(words)
-        hasher.update("".join(names).encode(errors="surrogatepass"))
-        del words[:], names[:]
-
+    Read by column, `_CHUNK` tensors at a time: each attribute of every tensor in the chunk by
+    one `map` (the loop runs in C, so a tensor costs its torch attribute reads, about 1 us
+    in all), hashed with xxh3-128, the hash each bucket's bytes are checked with already, so a
+    sender keeps 16 bytes however many tensors it sends. Every column has a length the chunk's
+    count or an earlier column fixes (names by their lengths, shapes and strides by the dims),
+    so two different chunks never hash the same bytes. A tensor of another layout is told by
+    torch refusing its address or its sizes (sparse and mkldnn tensors have no data pointer, a
+    nested tensor no sizes), not by reading its layout, and a meta tensor by its device, which
+    never gets a code."""
+    hasher, codes, items = xxhash.xxh3_128(), _CODES, iter(named)
+    update = hasher.update
     try:
-        for name, t in named:
-            if type(t) not in PLAIN:
+        while chunk := list(itertools.islice(items, _CHUNK)):
+            names, tensors = zip(*chunk)
+            if not set(map(type, tensors)) <= _PLAIN:
                 return None
-            dtype, device, shape = t.dtype, t.device, t.shape
-            kind, where = codes.get(dtype), codes.get(device)
-            if kind is None or where is None:  # a dtype or device met first: a meta tensor's never is
-                if device.type == "meta":
+            dtypes, devices, shapes = list(map(_dtype, tensors)), list(map(_device, tensors)), list(map(_shape, tensors))
+            try:
+                kinds, wheres = array("Q", map(codes.__getitem__, dtypes)), array("Q", map(codes.__getitem__, devices))
+            except KeyError:  # a dtype or device met first: a meta tensor's never gets a code
+                if any(device.type == "meta" for device in set(devices)):
                     return None
-                kind, where = _code(dtype), _code(device)
-            bits = 2 * t.is_neg() + (t.is_conj() if dtype.is_complex else 0)  # only a complex tensor is a lazy conjugate
-            extend((len(name), where, kind, bits, t.data_ptr(), t.storage_offset(), len(shape), *shape, *t.stride()))
-            append(name)
-            if len(words) >= _WORDS:
-                flush()
-        flush()
+                kinds, wheres = array("Q", map(_code, dtypes)), array("Q", map(_code, devices))
+            update(array("Q", map(len, names)))
+            update("".join(names).encode(errors="surrogatepass"))
+            for column in (kinds, wheres, array("Q", map(torch.Tensor.data_ptr, tensors)),
+                           array("Q", map(torch.Tensor.storage_offset, tensors)), array("Q", map(len, shapes)),
+                           array("Q", itertools.chain.from_iterable(shapes)),
+                           array("q", itertools.chain.from_iterable(map(torch.Tensor.stride, tensors))),
+                           bytes(map(torch.Tensor.is_neg, tensors))):
+                update(column)
+            if any(dtype.is_complex for dtype in set(dtypes)):  # only a complex tensor is a lazy conjugate
+                update(bytes(map(torch.Tensor.is_conj, tensors)))
     except RuntimeError:  # no address (sparse, mkldnn) or no sizes (nested): not plain memory
         return None
-    except (TypeError, ValueError):  # not (str, tensor) pairs: `sendable` says which
+    except (TypeError, ValueError, AttributeError):  # not (str, tensor) pairs: `sendable` says which
         return None
     found = hasher.digest()
     return last if found == last else found
@@ -97,14 +103,32 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
 def state_weights(model: Any) -> Iterator[tuple[str, Any]]:
     """A model's weights as a sync sends them: its state dict (parameters and persistent
     buffers), each tied tensor once, under its first name (a receiver ties them again by name).
-    Tied means one `place`: a view of another shape, or an empty tensor, is a weight of its own."""
+    Tied means one place: device, dtype, address, shape and strides (a view of another shape,
+    or an empty tensor, is a weight of its own). Only tensors that share an address with
+    another have their place read: the rest cost their address, a small part of what the
+    state dict itself costs. What is not plain memory goes as it is, for the sender to refuse."""
+    items = list(model.state_dict().items())
+    addresses = _addresses([tensor for _, tensor in items])
+    shared = {address for address, count in collections.Counter(addresses).items() if count > 1 and address}
     seen: set[object] = set()
-    for name, tensor in model.state_dict().items():
-        plain = isinstance(tensor, torch.Tensor) and memory_problem(tensor) is None and tensor.numel()
-        key = place(tensor) if plain else id(tensor)
-        if key not in seen:
+    for (name, tensor), address in zip(items, addresses):
+        if address in shared and tensor.numel():
+            key = (address, tensor.dtype, tensor.shape, tensor.stride(), tensor.device)
+            if key in seen:
+                continue
             seen.add(key)
-            yield name, tensor
+        yield name, tensor
+
+
+def _addresses(tensors: list[Any]) -> list[int]:
+    """Each tensor's data pointer; 0 for what is not plain memory (it is never taken for another)."""
+    if set(map(type, tensors)) <= _PLAIN:
+        try:
+            return list(map(torch.Tensor.data_ptr, tensors))
+        except RuntimeError:  # a sparse or mkldnn tensor: read them one by one
+            pass
+    return [tensor.data_ptr() if isinstance(tensor, torch.Tensor) and memory_problem(tensor) is None else 0
+            for tensor in tensors]
 
 
 def pairs_of(engine: str, named: Any) -> list[Any]:
