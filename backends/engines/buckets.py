@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from backends.engines.plan import ALIGN, Piece, Plan, align, collector_held
+from backends.engines.plan import ALIGN, Piece, Plan, align, collector_held, untracked_views
 from backends.engines.sources import PLAIN, Copied, Program, Source, wire_bytes
 from lifecycle.errors import EngineError
 
@@ -121,7 +121,7 @@ class Layout:
             if self.plan.used(k) > data.numel():  # as_strided is bounded by the storage, not by the region
                 raise EngineError(f"bucket {k} takes {self.plan.used(k)} bytes and its slot's data region holds "
                                   f"{data.numel()}")
-            with collector_held():  # thousands of tensors kept: see `plan.collector_held`
+            with collector_held(), untracked_views():  # thousands of tensors kept: see `plan.collector_held`
                 views = self._views[k] = [self._view(data, typed, p) for p in self.plan.buckets[k]]
         return views
 

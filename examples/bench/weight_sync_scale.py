@@ -16,8 +16,10 @@ before and untouched during, so the rise is what the sync itself holds: the engi
 and staging, a tensor larger than a bucket rejoined on the receiver, bookkeeping per tensor,
 and the few MiB of library code a first sync pages in. Shared memory counts on every side
 that touches it. The bound (the issue's) is the model plus two buckets per side, plus one
-weight set on a receiver that applies atomically (it holds the whole sync until the last
-bucket verified): as a rise, two buckets, or two buckets and the weights. Library code is
+weight set on a receiver that holds a second one (atomic: the whole sync until the last
+bucket verified; flip: the set its rollout does not serve): as a rise, two buckets, or two
+buckets and the weights; a flip receiver's rollout weights are one of its two sets, so it
+may rise by both sets and two buckets. Library code is
 shown apart ("code": the rise of RssFile, file-backed pages, shared with every process that
 maps the library and dropped under pressure) and the verdict does not count it; /dev/shm
 pages are not in RssFile, so the shared buckets count in full (without /dev/shm, `shm` would
@@ -267,12 +269,22 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def bound(args: argparse.Namespace, point: Point, side: int, name: str) -> int:
-    """The rise side 0 (sender) or 1 (receiver) may show: two buckets, plus the weights on an
-    atomic receiver; with flip, two weight sets on the receiver (one of them is the rollout's
-    weights, which it no longer holds apart), and with shm on the sender too (the same pages)."""
-    if args.apply == "flip":  # two weight sets: on both sides with shm (the same pages), on the receiver with gloo
-        return 2 * point.total if side == 1 or name == "shm" else 2 * args.bucket
+    """The rise side 0 (sender) or 1 (receiver) may show, as the issue words it: the model, two
+    buckets a side, and one weight set for a receiver that holds a second (atomic: the whole
+    sync until the last bucket verified; flip: the set its rollout does not serve). The model
+    is resident before the first sync, except a flip receiver's: its rollout's weights are one
+    of the two sets, so its rise may be two sets and two buckets; with shm the sender touches
+    the same pages, which count on its side too."""
+    if args.apply == "flip" and (side == 1 or name == "shm"):
+        return 2 * point.total + 2 * args.bucket
     return 2 * args.bucket + (point.total if side == 1 and args.apply == "atomic" else 0)
+
+
+def bound_text(args: argparse.Namespace) -> str:
+    """`bound` in words."""
+    if args.apply == "flip":
+        return "two buckets a side, plus two weight sets on the receiver (and with shm on the sender: the same pages)"
+    return "two buckets a side, plus the weights on an atomic receiver"
 
 
 def _bytes(n: float) -> str:
@@ -312,7 +324,7 @@ def print_rows(args: argparse.Namespace, rows: Sequence[Row]) -> None:
         for name in BASELINES:
             print(f"  {row.point.label:27s} {name:5s} {_shares(phase_shares(row.seconds, name))}")
     print("peak resident memory: the rise over the RSS before the engine's first sync, of the bound "
-          "(two buckets a side, plus the weights on an atomic receiver); the verdict leaves out library code")
+          f"({bound_text(args)}); the verdict leaves out library code")
     for row in rows:
         for name in BASELINES:
             (sender, receiver), verdict = memory(args, row, name)
@@ -332,8 +344,7 @@ def row_figures(args: argparse.Namespace, rows: dict[Point, Row]) -> list[Figure
                                       f"{row.gbps(name) / row.gbps(base):.2f}x", target))
             (sender, receiver), verdict = memory(args, row, name)
             figures.append(Figure(f"`{name}` peak memory rise, sender / receiver, {point.label}",
-                                  f"{sender} / {receiver}", "bound: two buckets a side, + the weights on an atomic "
-                                  "receiver", verdict, "holds"))
+                                  f"{sender} / {receiver}", f"bound: {bound_text(args)}", verdict, "holds"))
     return figures
 
 
@@ -420,7 +431,7 @@ def note(args: argparse.Namespace, rows: Sequence[Row]) -> str:
         f"sender and receiver process, median of {args.repeat} syncs after {warmup(args)} untimed round(s). Peak memory: the "
         "rise of each side's peak RSS (VmHWM, reset through /proc/self/clear_refs before each sync) over its RSS "
         "before the engine's first sync, with the library code the syncs paged in (RssFile's rise) in brackets; the "
-        "bound is two buckets a side, plus the weights on an atomic receiver, and the verdict leaves the code out."
+        f"bound is {bound_text(args)}, and the verdict leaves the code out."
         + (f" Plot: `{args.plot}`." if args.plot is not None else ""),
         "",
         ("| weights | tensors | gloo GB/s | (a) flat | (b) per tensor | shm GB/s | memcpy "

@@ -79,6 +79,21 @@ def test_layout_views_live_inside_the_two_slots() -> None:
     assert layout.fits(slots) and not layout.fits(_slots(256))
 
 
+
+def test_layout_views_are_the_slots_bytes_without_autograd_view_tracking() -> None:
+    """A receiver keeps a tensor per piece in every set it holds: tensors of the slot's storage
+    that autograd does not track as views (half the memory of a tracked view), which see
+    every byte later written into the slot."""
+    named = [("w", torch.randn(3, 4)), ("b", torch.randn(4, dtype=torch.bfloat16))]
+    plan = make_plan(_metas(named), 4096, verify=True)
+    layout = Layout(plan, _slots(4096))
+    views = layout.bucket_views(0)
+    assert not any(v._is_view() or v._base is not None for v in views)
+    layout.pack(0, [t for _, t in named])
+    assert all(torch.equal(v, t) for v, (_, t) in zip(views, named))
+    layout.slots[0].data.zero_()
+    assert all(not v.any() for v in views)
+
 def test_header_round_trips_unsigned_64_bit_words() -> None:
     slot = torch.zeros(HEADER_BYTES + 64, dtype=torch.uint8)
     write_header(slot[:HEADER_BYTES], (1 << 64) - 5, 3, 64)
