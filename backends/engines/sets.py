@@ -52,9 +52,11 @@ class WeightSets:
 
     def layout(self, index: int, plan: Plan, raw: bytes, carve: Carve) -> Layout:
         """Set `index` laid out for `plan`: bucket k in slot k of `carve(index, plan)`, built
-        once per plan and set."""
+        once per plan and set; two sets of one plan keep one copy of its bytes (megabytes at
+        tens of thousands of tensors)."""
         layout = self.layouts[index]
         if layout is None or layout.plan is not plan:
+            raw = next((other.raw for other in self.layouts if other is not None and other.plan is plan), raw)
             layout = self.layouts[index] = Layout(plan, carve(index, plan), raw=raw)
         return layout
 

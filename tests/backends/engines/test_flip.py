@@ -79,6 +79,24 @@ def test_each_sync_fills_the_other_set_and_the_rollout_adopts_it_without_a_priva
 
 
 @pytest.mark.parametrize("name", FLIPPING)
+def test_two_sets_laid_out_for_one_plan_keep_one_copy_of_its_bytes(name: str) -> None:
+    trainer, rollout = tiny_qwen2(0), AdoptingRollout(tiny_qwen2(1))
+    sender, receiver = _flip(name), _flip(name)
+    port = free_port()
+    try:
+        for version in (1, 2):
+            run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=version,
+                               port=port)
+            assert run.error is None and run.versions == [version], (run.error, run.errors)
+        first, second = receiver._flip.layouts
+        assert first is not None and second is not None and first.plan is second.plan
+        assert first.raw is second.raw
+    finally:
+        receiver.close()
+        sender.close()
+
+
+@pytest.mark.parametrize("name", FLIPPING)
 def test_tensors_larger_than_a_bucket_are_adopted_as_views_into_the_set_not_copies(name: str) -> None:
     trainer, rollout = tiny_qwen2(0), AdoptingRollout(tiny_qwen2(1))
     sender, receiver = _flip(name, bucket_bytes=8192), _flip(name, bucket_bytes=8192)
