@@ -62,24 +62,27 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
     Read by column, `_CHUNK` tensors at a time: each attribute of every tensor in the chunk by
     one `map` (the loop runs in C, so a tensor costs its torch attribute reads, about 1 us
     in all), hashed with xxh3-128, the hash each bucket's bytes are checked with already, so a
-    sender keeps 16 bytes however many tensors it sends. Every column has a length the chunk's
-    count or an earlier column fixes (names by their lengths, shapes and strides by the dims),
-    so two different chunks never hash the same bytes. A tensor of another layout is told by
+    sender keeps 16 bytes however many tensors it sends. Each chunk's count goes first, and
+    every column has a length that count or an earlier column fixes (names by their lengths,
+    shapes and strides by the dims), so two different chunks never hash the same bytes. A tensor of another layout is told by
     torch refusing its address or its sizes (sparse and mkldnn tensors have no data pointer, a
-    nested tensor no sizes), not by reading its layout, and a meta tensor by its device, which
-    never gets a code."""
-    hasher, codes, items = xxhash.xxh3_128(), _CODES, iter(named)
+    nested tensor no sizes), not by reading its layout; a meta tensor by its device and a
+    quantized or sub-byte one by its dtype, which never get a code."""
+    hasher, codes = xxhash.xxh3_128(), _CODES
     update = hasher.update
     try:
+        items = iter(named)
         while chunk := list(itertools.islice(items, _CHUNK)):
-            names, tensors = zip(*chunk)
+            names, tensors = zip(*chunk, strict=True)  # every item a pair: `sendable` names one that is not
+            update(len(chunk).to_bytes(8, "little"))
             if not set(map(type, tensors)) <= _PLAIN:
                 return None
             dtypes, devices, shapes = list(map(_dtype, tensors)), list(map(_device, tensors)), list(map(_shape, tensors))
             try:
                 kinds, wheres = array("Q", map(codes.__getitem__, dtypes)), array("Q", map(codes.__getitem__, devices))
-            except KeyError:  # a dtype or device met first: a meta tensor's never gets a code
-                if any(device.type == "meta" for device in set(devices)):
+            except KeyError:  # a dtype or device met first: a meta tensor's, or a dtype a plan cannot carry
+                # (quantized, sub-byte), never gets a code
+                if any(device.type == "meta" for device in set(devices)) or not all(map(travels, set(dtypes))):
                     return None
                 kinds, wheres = array("Q", map(_code, dtypes)), array("Q", map(_code, devices))
             update(array("Q", map(len, names)))
@@ -112,7 +115,7 @@ def state_weights(model: Any) -> Iterator[tuple[str, Any]]:
     shared = {address for address, count in collections.Counter(addresses).items() if count > 1 and address}
     seen: set[object] = set()
     for (name, tensor), address in zip(items, addresses):
-        if address in shared and tensor.numel():
+        if address in shared and memory_problem(tensor) is None and tensor.numel():
             key = (address, tensor.dtype, tensor.shape, tensor.stride(), tensor.device)
             if key in seen:
                 continue

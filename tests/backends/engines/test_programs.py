@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.engines.buckets import HEADER_BYTES, Layout, as_slots
-from backends.engines.sources import Copied, Program, describe
+from backends.engines.sources import _CODES, Copied, Program, describe
 from backends.engines.digests import xxh3_digest, xxh3_packed
 from backends.engines.flat import flatten_parameters
 from backends.engines.plan import TensorMeta, align, make_plan
@@ -119,6 +119,35 @@ def test_describe_tells_apart_tensors_that_differ_in_any_one_fact_packing_depend
     before, after = _changed(change)
     first = describe(before)
     assert first is not None and describe(after, first) != first and describe(before, first) is first
+
+
+def test_describe_tells_apart_chunks_whose_columns_line_up_but_whose_tensor_counts_differ() -> None:
+    """Nine 0-dim tensors against one empty tensor of 27 dimensions whose sizes and strides are
+    the nine's other columns, word for word (found by a review: the count was not hashed)."""
+    import struct
+
+    describe([("warm", torch.zeros(1))])
+    k, w = _CODES[torch.float32], _CODES[torch.device("cpu")]
+    base = torch.arange(100.0)
+    nine = [base[10 * i] for i in range(9)]
+    lengths = [0, k, w, 0, 0, 27]
+    lengths += [40 - sum(lengths), 0, 0]
+    blob, names, at = struct.pack("<5Q", *[1] * 5).decode("latin-1"), [], 0
+    for n in lengths:
+        names.append(blob[at:at + n])
+        at += n
+    sizes = lengths[6:] + [1] * 5 + [k] * 9 + [w] * 9 + [nine[0].data_ptr()]
+    strides = [t.data_ptr() for t in nine[1:]] + [t.storage_offset() for t in nine] + [0] * 10
+    one = torch.empty(0).as_strided(sizes, strides, 0)
+    first = describe(list(zip(names, nine)))
+    assert first is not None and describe([("", one)], first) != first
+
+
+@pytest.mark.parametrize("named", [5, None, [("a", torch.ones(1)), ("b", torch.ones(1), "extra")],
+                                   [("a", torch.ones(1), "x"), ("b", torch.ones(1), "y")], [("a",)]],
+                         ids=["an int", "None", "a pair then a triple", "triples", "a single"])
+def test_describe_reads_what_is_no_list_of_pairs_as_none_without_raising(named: Any) -> None:
+    assert describe(named) is None
 
 
 def test_describe_keeps_sixteen_bytes_and_holds_under_256_kib_while_describing_20000_tensors() -> None:
@@ -225,7 +254,7 @@ def test_tensors_describe_cannot_read_reuse_nothing() -> None:
     assert found == [0, 0]
 
 
-@pytest.mark.parametrize("odd", ["sparse", "mkldnn", "nested", "meta"])
+@pytest.mark.parametrize("odd", ["sparse", "mkldnn", "nested", "meta", "quantized", "sub-byte"])
 def test_describe_reads_a_tensor_that_is_not_plain_memory_as_none_without_raising(odd: str) -> None:
     """It reads no layout: torch refusing the tensor's address or sizes tells, and a meta tensor's
     device never gets a code, however often one is described."""
@@ -233,7 +262,9 @@ def test_describe_reads_a_tensor_that_is_not_plain_memory_as_none_without_raisin
         warnings.simplefilter("ignore")
         tensor = {"sparse": lambda: torch.eye(3).to_sparse(), "mkldnn": lambda: torch.eye(3).to_mkldnn(),
                   "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
-                  "meta": lambda: torch.empty(3, device="meta")}[odd]()
+                  "meta": lambda: torch.empty(3, device="meta"),
+                  "quantized": lambda: torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8),
+                  "sub-byte": lambda: torch.zeros(4, dtype=torch.uint8).view(torch.uint4)}[odd]()
     for _ in range(2):
         assert describe([("plain", torch.randn(8)), ("odd", tensor)]) is None
 

@@ -63,9 +63,22 @@ def test_tensors_that_are_not_plain_memory_each_go_as_they_are_for_the_sender_to
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sparse = torch.eye(3).to_sparse()
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     meta = torch.empty(3, device="meta")
     model = _Holder(a=sparse, b=meta, c=torch.ones(2))
     model.register_buffer("d", meta)
+    model.register_buffer("e", nested)
+    model.register_buffer("f", nested)  # one address twice, but no place to compare: each goes
     got = list(state_weights(model))
-    assert [name for name, _ in got] == ["a", "b", "c", "d"]
+    assert [name for name, _ in got] == ["a", "b", "c", "d", "e", "f"]
     assert got[0][1] is not None and got[1][1].device.type == "meta"
+
+
+def test_a_nested_tensor_registered_twice_goes_twice_without_raising() -> None:
+    """Its address can be read, so it shares one with itself, but it has no place to compare."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    model = _Holder(a=nested, b=torch.ones(2))
+    model.register_buffer("c", nested)
+    assert _names(model) == ["a", "b", "c"]
