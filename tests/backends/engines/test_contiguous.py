@@ -195,13 +195,13 @@ def test_a_region_bucket_corrupted_on_arrival_fails_its_checksum_applies_nothing
         assert _bits(rollout.weights[name]) == _bits(tensor), name
 
 
-def test_a_region_buckets_header_travels_from_the_slot_and_is_checked() -> None:
+def test_a_group_engines_header_table_is_checked_bucket_by_bucket_against_the_plan() -> None:
+    """Every header goes before bucket 0 in one broadcast; a receiver checks bucket k's as k lands."""
     class BadIndex(GlooEngine):
-        def _start_send(self, k: int, nbytes: int) -> Any:
-            if k == 2:
-                assert self._regions[0] is not None  # bucket 2 goes unpacked
-                self.slots[0].head[16] ^= 0x01  # the header's bucket index
-            return super()._start_send(k, nbytes)
+        def header_table(self, version: int) -> torch.Tensor:
+            table = super().header_table(version)
+            table[2 * HEADER_BYTES + 16] ^= 0x01  # bucket 2's index
+            return table
 
     rollout = old_rollout()
     run = sync_threads(BadIndex(bucket_bytes=4096, timeout_s=TIMEOUT_S), [new_engine("gloo", timeout_s=TIMEOUT_S)],
@@ -210,6 +210,25 @@ def test_a_region_buckets_header_travels_from_the_slot_and_is_checked() -> None:
     assert "arrived with a bad header" in str(run.errors[0]) and "bucket 3, " in str(run.errors[0])
     assert isinstance(run.error, EngineError)
     assert_kept_old_weights(rollout)
+
+
+def test_a_group_engine_broadcasts_the_header_table_once_and_each_bucket_once() -> None:
+    sent: list[int] = []
+
+    class Counted(GlooEngine):
+        def _start_send(self, k: int, nbytes: int) -> Any:
+            handle = super()._start_send(k, nbytes)
+            sent.append(len(handle[1]))
+            return handle
+
+    named = list(_flat_qwen2(seed=7).named_parameters())
+    rollout = old_rollout()
+    run = sync_threads(Counted(bucket_bytes=4096, timeout_s=TIMEOUT_S), [new_engine("gloo", timeout_s=TIMEOUT_S)],
+                       named, [rollout])
+    assert run.error is None and run.errors == [None]
+    assert len(sent) > 2 and sent == [2] + [1] * (len(sent) - 1)  # the table with bucket 0, then data alone
+    for name, tensor in named:
+        assert _bits(rollout.weights[name]) == _bits(tensor), name
 
 
 # -- Layout.region -----------------------------------------------------------------------------
