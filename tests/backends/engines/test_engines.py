@@ -134,6 +134,18 @@ def test_an_empty_sync_delivers_the_version_and_nothing_else(name: str, apply: s
     assert rollout.weights == {} and rollout.weights_version == 4 and not rollout.stale
 
 
+@pytest.mark.parametrize("apply", ["atomic", "streamed"])
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_sync_of_empty_tensors_only_travels_as_headers_and_delivers_them(name: str, apply: str) -> None:
+    """Its one bucket has no data bytes: a group engine sends the header table alone."""
+    rollout = MemoryRollout()
+    named = [("e", torch.empty(0, 3)), ("f", torch.empty(2, 0, dtype=torch.int64))]
+    run = sync_threads(new_engine(name), [new_engine(name, apply=apply)], named, [rollout], version=5)
+    assert run.error is None and run.errors == [None] and run.versions == [5]
+    assert {k: (tuple(v.shape), v.dtype) for k, v in rollout.weights.items()} == {
+        "e": ((0, 3), torch.float32), "f": ((2, 0), torch.int64)}
+
+
 @pytest.mark.parametrize("bucket", [4096, 4000])
 @pytest.mark.parametrize("apply", ["atomic", "streamed"])
 @pytest.mark.parametrize("name", TRANSPORTS)
