@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from backends.engines.base import Topology, TransportError
-from backends.engines.buckets import HEADER_BYTES, Layout, write_header
+from backends.engines.buckets import HEADER_BYTES, Layout, read_header, write_header
 from backends.engines.pipeline import BucketEngine
 from backends.engines.plan import Plan
 from lifecycle.errors import EngineError
@@ -102,9 +102,9 @@ class GroupEngine(BucketEngine):
         return tuple(works)
 
     def _start_send(self, k: int, nbytes: int) -> Any:
-        if k == 0:
-            self._table = self.header_table(self._sent if self._sent is not None else 0)
         slot, region = self.slots[k % len(self.slots)], self._regions[k % len(self._regions)]
+        if k == 0:  # the version as bucket 0's header carries it (`sender.send_bucket` wrote it)
+            self._table = self.header_table(read_header(slot.head)[1])
         return k, self._broadcast(k, slot.data[:nbytes - HEADER_BYTES] if region is None else region)
 
     def _start_recv(self, k: int, nbytes: int) -> Any:
@@ -125,8 +125,9 @@ class GroupEngine(BucketEngine):
                 raise TransportError(f"{self.name} engine: {what} failed: {exc}") from exc
             if done is False:
                 raise TransportError(f"{self.name} engine: {what} did not finish within timeout_s={self.timeout_s:g}")
-        if self.topology is not None and not self.topology.is_sender:
-            self.slots[k % len(self.slots)].head.copy_(self._table[k * HEADER_BYTES:(k + 1) * HEADER_BYTES])
+        table = self._table
+        if table is not None and self.topology is not None and not self.topology.is_sender:
+            self.slots[k % len(self.slots)].head.copy_(table[k * HEADER_BYTES:(k + 1) * HEADER_BYTES])
 
 
 class DeviceGroupEngine(GroupEngine):
