@@ -109,7 +109,8 @@ class GroupEngine(BucketEngine):
 
     def _start_recv(self, k: int, nbytes: int) -> Any:
         if k == 0:
-            self._table = torch.empty(len(self._bound().buckets) * HEADER_BYTES, dtype=torch.uint8, device=self.device)
+            # zeros: a row a short table leaves out reads as no header, never as last sync's
+            self._table = torch.zeros(len(self._bound().buckets) * HEADER_BYTES, dtype=torch.uint8, device=self.device)
         return k, self._broadcast(k, self.slots[k % len(self.slots)].data[:nbytes - HEADER_BYTES])
 
     def _wait(self, handle: Any, what: str) -> None:
