@@ -17,13 +17,16 @@ shows at most `SHOWN_CHARS` of a peer's string.
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import structlog
+import xxhash
 
 from backends.engines.base import Rendezvous, Topology, TransportError
+from backends.engines.plan import FORMAT, PlanRefused
 from lifecycle.errors import EngineError
 
 if TYPE_CHECKING:
@@ -38,6 +41,9 @@ and JSON nested deeper than the interpreter's stack is a RecursionError."""
 SHOWN_CHARS = 500
 """The most characters of a peer's string a message shows: a message never grows with a peer's."""
 _MAX_SYNC = (1 << 63) - 1
+_PLAN_ID = re.compile(r"[0-9a-f]{32}")
+_KEPT_PLANS = 2
+"""Plans a receiver keeps by id (`ControlStore.resolve_plan`), the newest ones."""
 
 
 def clip(text: str, limit: int = SHOWN_CHARS) -> str:
@@ -77,6 +83,34 @@ def sync_number(raw: bytes) -> int | None:
     return number if number is not None and 0 < number <= _MAX_SYNC else None
 
 
+def plan_id(raw: bytes) -> str:
+    """A plan's id: the xxh3-128 of its bytes, in 32 lowercase hex digits."""
+    return xxhash.xxh3_128_hexdigest(raw)
+
+
+def reference(ident: str) -> bytes:
+    """What a sync's `plan` key holds: the plan's id, the plan itself posted once (`StoreLink.publish`)."""
+    return json.dumps({"format": FORMAT, "id": ident}).encode()
+
+
+def referenced(posted: bytes) -> str | None:
+    """The id a sync's `plan` key names its plan by; None when it holds anything else, which is
+    then read as a whole plan (`plan.parse_plan` refuses another format or shape, naming it)."""
+    if len(posted) > 128:
+        return None
+    try:
+        data = json.loads(posted)
+    except PARSE_ERRORS:
+        return None
+    if not (isinstance(data, dict) and sorted(data) == ["format", "id"] and type(data["format"]) is int
+            and data["format"] == FORMAT):
+        return None
+    ident = data["id"]
+    if not (isinstance(ident, str) and _PLAN_ID.fullmatch(ident)):
+        raise PlanRefused(f"it names its plan by {clip(repr(ident), 80)}, not by 32 lowercase hex digits")
+    return ident
+
+
 class ControlStore:
     """One sync's keys: every wait ends by the sync's deadline, every failure is a `TransportError`."""
 
@@ -86,6 +120,8 @@ class ControlStore:
         self.engine = engine
         self.number = number
         self.store = dist.PrefixStore(f"sync{number}", base)
+        self.plans = dist.PrefixStore("plan", base)
+        """Plans by id, outside every sync's keys: a plan is posted once while it stays the same."""
         self._written: list[str] = []
 
     def set(self, key: str, value: bytes | str) -> None:
@@ -133,7 +169,7 @@ class ControlStore:
         return TransportError(f"{self.engine.name} engine: lost the rendezvous of sync {self.number} while "
                               f"{what}: {exc}")
 
-    def wait(self, keys: list[str], *, watch_closed: bool = False) -> None:
+    def wait(self, keys: list[str], *, watch_closed: bool = False, store: Any = None) -> None:
         """Block until every key is set, at most until the sync's deadline.
 
         With `watch_closed` (a receiver waiting on the sender), also stop, within a fraction of
@@ -143,7 +179,8 @@ class ControlStore:
         while True:
             left = self.engine.remaining(what)
             try:
-                self.store.wait(keys, timedelta(seconds=min(left, _POLL_S) if watch_closed else left))
+                (self.store if store is None else store).wait(
+                    keys, timedelta(seconds=min(left, _POLL_S) if watch_closed else left))
                 break
             except _STORE_ERRORS as exc:
                 self.engine.remaining(what)
@@ -152,7 +189,29 @@ class ControlStore:
             if self.is_set("closed"):
                 raise TransportError(f"{self.engine.name} engine: the sender gave up on sync {self.number} "
                                      f"while this receiver was {what}")
-        self._written.extend(keys)
+        if store is None:
+            self._written.extend(keys)
+
+    def resolve_plan(self, posted: bytes, kept: dict[str, bytes]) -> bytes:
+        """The plan a receiver's sync names (`referenced`): from `kept` (the bytes of the plans
+        it read before, by id), or read from the store and checked against its id, and kept;
+        `posted` itself when it is no reference."""
+        ident = referenced(posted)
+        if ident is None:
+            return posted
+        raw = kept.get(ident)
+        if raw is None:
+            self.wait([ident], watch_closed=True, store=self.plans)
+            try:
+                raw = bytes(self.plans.get(ident))
+            except _STORE_ERRORS as exc:
+                raise self._lost(f"reading the plan {ident}", exc) from exc
+            if plan_id(raw) != ident:
+                raise PlanRefused(f"the plan stored under its id {ident} has another id ({plan_id(raw)})")
+            kept[ident] = raw
+            for old in list(kept)[:-_KEPT_PLANS]:
+                del kept[old]
+        return raw
 
     def closed_clean(self) -> bool:
         """Whether the sender closed this sync after every receiver answered that it took it."""
@@ -206,6 +265,8 @@ class StoreLink:
         self.base: Any = None
         self.address: tuple[str, int] | None = None
         self.number = 0
+        self.posted: str | None = None
+        """The id of the plan this sender's store holds (`publish`)."""
 
     def begin(self, topology: Topology) -> ControlStore:
         """The control store of this process's next sync; opens it when this is the sender."""
@@ -293,7 +354,23 @@ class StoreLink:
                                  f"(1..{_MAX_SYNC})")
         return number
 
+    def publish(self, control: ControlStore, raw: bytes) -> str:
+        """The sender's plan, posted under its id unless the store holds it already (the last
+        sync's, unchanged: a sync then sends 16 bytes of plan, not the whole); a plan it replaces
+        is dropped. Its id, for the sync's `plan` key (`reference`)."""
+        ident = plan_id(raw)
+        if ident != self.posted:
+            try:
+                control.plans.set(ident, raw)
+                if self.posted is not None:
+                    control.plans.delete_key(self.posted)
+            except _STORE_ERRORS as exc:
+                raise control._lost(f"posting the plan {ident}", exc) from exc
+            self.posted = ident
+        return ident
+
     def drop(self) -> None:
         self.base = None
         self.address = None
         self.number = 0
+        self.posted = None

@@ -49,7 +49,7 @@ from backends.engines.sources import Source, describe, metas_of, pairs_of
 from backends.engines.digests import Checksums
 from backends.engines.flat import Named
 from backends.engines.inplace import Landing
-from backends.engines.control import ControlStore, StoreLink, answer
+from backends.engines.control import ControlStore, StoreLink, answer, reference
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan
 from backends.engines.receiver import Receiver, receivable, receive_sizes, sent_version
 from backends.engines.sender import Packed, send_bucket, send_buckets
@@ -95,6 +95,8 @@ class BucketEngine(CheckpointEngine):
         self._landed = False
         """Whether `slots` are ranges of a rollout's storage (`into`), which no later receive may land in."""
         self._landing = Landing()
+        self._plans: dict[str, bytes] = {}
+        """A receiver's last plans by id (`ControlStore.resolve_plan`)."""
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 
@@ -180,8 +182,9 @@ class BucketEngine(CheckpointEngine):
         held = [tensor.untyped_storage() for tensor in tensors]  # noqa: F841 - read by address until the
         # last bucket is hashed: memory a tensor gives back meanwhile (set_) is not freed under a memmove
         self._sent = version  # from here the sync's keys are this send's: a retry in the session is refused
+        ident = self._link.publish(control, layout.raw)
         control.set("version", str(version))
-        control.set("plan", layout.raw)
+        control.set("plan", reference(ident))
         control.await_answers(topology.receivers, "accepted", f"refused the plan of weights v{version}")
         layout = self._bind(layout)
         layout.bind_sources(sources)
@@ -321,7 +324,7 @@ class BucketEngine(CheckpointEngine):
         Returns the version, the layout, and where an atomic receive stages (`_staging`)."""
         control, sent = self._control(), None
         try:
-            raw_version, raw_plan = control.get_many(["version", "plan"], watch_closed=True)
+            raw_version, posted = control.get_many(["version", "plan"], watch_closed=True)
             sent = sent_version(raw_version)
             if version is not None and version != sent:
                 raise PlanRefused(f"expected weights v{version}, the sender sends v{sent}")
@@ -329,6 +332,7 @@ class BucketEngine(CheckpointEngine):
                 raise PlanRefused(f"into= lands every bucket in the rollout's weights as it arrives: that takes "
                                   f"engine.apply 'streamed' (this receiver: {self.apply!r}) on an engine whose "
                                   f"capabilities say lands_in_place (this package's gloo, nccl and hccl; this is {self.name})")
+            raw_plan = control.resolve_plan(posted, self._plans)
             layout = self._receive_layout(raw_plan, expected) if into is None else self._land(raw_plan, expected, into)
             staging = self._staging(layout) if self.apply == "atomic" else layout
         except TransportError:

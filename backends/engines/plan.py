@@ -33,13 +33,14 @@ ALIGN = 64
 _MAX_INT = (1 << 63) - 1
 """Offsets, sizes and element counts must fit torch's int64 arithmetic."""
 _KEYS = ("format", "bucket_bytes", "verify", "tensors", "buckets")
-FORMAT = 5
+FORMAT = 6
 """The wire format both sides must speak, sent in every plan: 3 sent a group engine's bucket as
 two broadcasts (header, then data), which a receiver of another format would post as one; 4
 lays a shared flip weight set out as every bucket's data back to back, then the headers
 (`buckets.join`), where 3 had each header before its bucket's data; 5 sends a group engine's
-headers all before bucket 0, in one broadcast, and each bucket's data alone
-(`collective`)."""
+headers all before bucket 0, in one broadcast, and each bucket's data alone (`collective`);
+6 names the plan in a sync's `plan` key by its id, the plan posted once under that id while
+it stays the same (`control.reference`)."""
 
 
 class PlanRefused(EngineError):

@@ -370,3 +370,82 @@ def test_an_shm_receiver_refuses_shared_buckets_smaller_than_the_plan_needs(tmp_
     _assert_refused(run, "shm", rf"its bucket_bytes=4096 needs shared buckets of {wanted} bytes; the "
                                 rf"sender's hold \[{HEADER_BYTES + 128}, {HEADER_BYTES + 128}\]", [rollout])
     assert all(Path(path).read_bytes() == bytes(HEADER_BYTES + 128) for path in small)
+
+
+# -- plans by id: posted once, named in every sync ------------------------------------------------
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_an_unchanged_plan_is_posted_once_and_each_sync_names_it_by_its_id(name: str) -> None:
+    from backends.engines.control import ControlStore, plan_id
+
+    posted: list[int] = []
+    named: list[bytes] = []
+    sets = ControlStore.set
+
+    def setting(self: ControlStore, key: str, value: bytes | str) -> None:
+        if key == "plan":
+            named.append(value if isinstance(value, bytes) else value.encode())
+        sets(self, key, value)
+
+    sender, receivers = new_engine(name), [new_engine(name), new_engine(name)]
+    port = free_port()
+    original = sender._link.publish  # type: ignore[attr-defined]
+
+    def publish(control: ControlStore, raw: bytes) -> str:
+        if sender._link.posted != plan_id(raw):  # type: ignore[attr-defined]
+            posted.append(len(raw))
+        return original(control, raw)
+
+    sender._link.publish = publish  # type: ignore[attr-defined]
+    ControlStore.set = setting  # type: ignore[method-assign]
+    try:
+        for version in (1, 2, 3):
+            run = sync_threads(sender, receivers[:1 + (version > 1)], mixed_tensors(version), port=port,
+                               version=version)
+            assert run.error is None and run.errors == [None] * len(run.errors), (run.error, run.errors)
+        run = sync_threads(sender, receivers, [*mixed_tensors(4), ("extra", torch.ones(3))], port=port, version=4)
+        assert run.error is None and run.versions == [4, 4]
+    finally:
+        ControlStore.set = sets  # type: ignore[method-assign]
+        for engine in (sender, *receivers):
+            engine.close()
+    assert len(posted) == 2  # once, and once more when it changed
+    assert len(named) == 4 and all(len(value) < 100 < min(posted) for value in named)
+    assert len(set(named)) == 2  # syncs 1-3 name one plan (the second receiver, new at 2, read it from the
+    # store), sync 4 another
+
+
+def _storing(name: str, stored: bytes) -> CheckpointEngine:
+    """A sender that names its plan by its id but stores `stored` under that id."""
+    from backends.engines.control import ControlStore, plan_id
+
+    sender = new_engine(name, timeout_s=TIMEOUT_S)
+
+    def publish(control: ControlStore, raw: bytes) -> str:
+        control.plans.set(plan_id(raw), stored)
+        return plan_id(raw)
+
+    sender._link.publish = publish  # type: ignore[attr-defined]
+    return sender
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+@pytest.mark.parametrize(("how", "reason"), [
+    ("other bytes under its id", r"the plan stored under its id [0-9a-f]{32} has another id \([0-9a-f]{32}\)"),
+    ("an id that is no id", r"it names its plan by 'ZZ', not by 32 lowercase hex digits"),
+    ("an older format", r"it is in wire format 5 and this receiver reads format 6"),
+])
+def test_a_plan_named_by_an_id_it_does_not_hash_to_or_by_no_id_is_refused_before_a_byte_moves(
+    name: str, how: str, reason: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import backends.engines.pipeline as pipeline
+
+    other = json.dumps({"format": 6, "bucket_bytes": 4096, "verify": True, "tensors": [], "buckets": []}).encode()
+    sender = _storing(name, other) if how == "other bytes under its id" else new_engine(name, timeout_s=TIMEOUT_S)
+    if how == "an id that is no id":
+        monkeypatch.setattr(pipeline, "reference", lambda ident: b'{"format": 6, "id": "ZZ"}')
+    elif how == "an older format":
+        monkeypatch.setattr(pipeline, "reference", lambda ident: json.dumps({"format": 5, "id": ident}).encode())
+    rollouts = [old_rollout(), old_rollout()]
+    run = sync_threads(sender, _engines(name), mixed_tensors(), rollouts)
+    _assert_refused(run, name, reason, rollouts)

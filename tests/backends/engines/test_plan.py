@@ -105,12 +105,12 @@ def test_each_kind_of_bad_plan_is_refused_naming_what_is_wrong(edit: Any, match:
     (DEEP, r"it is not JSON \(RecursionError"),
     (b"[]", r"exactly the keys .* got 'list'"),
     (b'{"bucket_bytes": 1' + b"0" * 5000 + b"}", r"it is not JSON \(ValueError"),
-    (b'{"format": 5, "bucket_bytes": NaN, "verify": true, "tensors": [], "buckets": []}', r"bucket_bytes .* got nan"),
+    (b'{"format": 6, "bucket_bytes": NaN, "verify": true, "tensors": [], "buckets": []}', r"bucket_bytes .* got nan"),
     (b'{"bucket_bytes": 4096, "verify": true, "tensors": [], "buckets": []}',
-     r"wire format older than 3 \(it has no 'format' key\) and this receiver reads format 5: run the same version"),
+     r"wire format older than 3 \(it has no 'format' key\) and this receiver reads format 6: run the same version"),
     (b'{"format": 2, "bucket_bytes": 4096, "verify": true, "tensors": [], "buckets": []}', r"wire format 2 and"),
-    (b'{"format": 4, "bucket_bytes": 4096, "verify": true, "tensors": [], "buckets": []}', r"wire format 4 and"),
-    (b'{"format": 5.0, "bucket_bytes": 4096, "verify": true, "tensors": [], "buckets": []}', r"wire format 5.0 and"),
+    (b'{"format": 5, "bucket_bytes": 4096, "verify": true, "tensors": [], "buckets": []}', r"wire format 5 and"),
+    (b'{"format": 6.0, "bucket_bytes": 4096, "verify": true, "tensors": [], "buckets": []}', r"wire format 6.0 and"),
     (b'{"format": true, "bucket_bytes": 4096, "verify": true, "tensors": [], "buckets": []}', r"wire format True and"),
 ])
 def test_what_is_not_a_plan_at_all_is_refused(raw: bytes, match: str) -> None:
