@@ -7,7 +7,10 @@ joins the next one; a receiver that is new (or whose sender restarted) joins the
 that is not closed. Joining claims the receiver's rank in that sync atomically: a process
 that replaces a dead rollout finds the rank claimed by its predecessor and waits for the next
 sync instead of walking into the middle of one. Keeping the store avoids reconnecting, and
-with it racing a closing store, on every sync.
+with it racing a closing store, on every sync. The plan is posted once under its id
+(`plan/<id>`, outside every sync's prefix) while it stays the same, and each sync's `plan`
+key names that id (`reference`); a receiver reads a plan it has not seen from there and
+checks it against its id.
 
 Anyone who reaches the store can write to it, so every value is read strictly: one that is
 unreadable fails the sync as an `EngineError` naming the key (and the rank), and a message
@@ -356,8 +359,8 @@ class StoreLink:
 
     def publish(self, control: ControlStore, raw: bytes) -> str:
         """The sender's plan, posted under its id unless the store holds it already (the last
-        sync's, unchanged: a sync then sends 16 bytes of plan, not the whole); a plan it replaces
-        is dropped. Its id, for the sync's `plan` key (`reference`)."""
+        sync's, unchanged: a sync then names it in some 60 bytes instead of sending it whole); a
+        plan it replaces is dropped. Its id, for the sync's `plan` key (`reference`)."""
         ident = plan_id(raw)
         if ident != self.posted:
             try:
