@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from backends.engines.base import Topology, TransportError
-from backends.engines.buckets import HEADER_BYTES, Layout, read_header, write_header
+from backends.engines.buckets import HEADER_BYTES, Layout, write_header
 from backends.engines.pipeline import BucketEngine
 from backends.engines.plan import Plan
 from lifecycle.errors import EngineError
@@ -39,9 +39,8 @@ class GroupEngine(BucketEngine):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.group: Any = None
-        self._plan: Plan | None = None
         self._table: torch.Tensor | None = None
-        """This sync's header table: the sender's, or where a receiver's lands (`_broadcast`)."""
+        """This sync's header table (`_bind`): the sender's, or where a receiver's lands."""
 
     def _make_group(self, store: Any, topology: Topology, timeout: timedelta) -> Any:
         """A backend object (ProcessGroupGloo, ProcessGroupNCCL, ...) with `broadcast`."""
@@ -69,26 +68,27 @@ class GroupEngine(BucketEngine):
             group.abort()
 
     def _bind(self, layout: Layout) -> Layout:
+        """The sync's header table, once its plan is bound on this side: the sender's, or zeros
+        where a receiver's lands (a row a short table leaves out reads as no header)."""
         layout = super()._bind(layout)
-        self._plan, self._table = layout.plan, None
+        plan, topology = layout.plan, self._topology()
+        if topology.is_sender:
+            if self._sent is None:
+                raise EngineError(f"{self.name} engine: a plan was bound before its version was sent")
+            self._table = self.header_table(plan, self._sent)
+        else:
+            self._table = torch.zeros(len(plan.buckets) * HEADER_BYTES, dtype=torch.uint8, device=self.device)
         return layout
 
-    def _bound(self) -> Plan:
-        if self._plan is None:
-            raise EngineError(f"{self.name} engine: a bucket moved before the sync's plan was bound")
-        return self._plan
-
-    def header_table(self, version: int) -> torch.Tensor:
-        """The sender's headers of every bucket of this sync, back to back (`write_header`)."""
-        plan = self._bound()
+    def header_table(self, plan: Plan, version: int) -> torch.Tensor:
+        """The sender's headers of every bucket of `plan`, back to back (`write_header`)."""
         table = torch.empty(len(plan.buckets) * HEADER_BYTES, dtype=torch.uint8)
         for k in range(len(plan.buckets)):
             write_header(table[k * HEADER_BYTES:(k + 1) * HEADER_BYTES], version, k, plan.used(k))
         return table.to(self.device)
 
-    def _broadcast(self, k: int, data: torch.Tensor) -> tuple[Any, ...]:
-        """Bucket k's data, after the header table when k is 0 (the sender's `_table`, or
-        where a receiver's lands): the works, in that order."""
+    def _broadcast(self, k: int, data: torch.Tensor) -> tuple[int, tuple[Any, ...]]:
+        """Bucket k's data, after the header table when k is 0: k and the works, in that order."""
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()
@@ -99,19 +99,14 @@ class GroupEngine(BucketEngine):
                 works.append(self.group.broadcast([data], options))
         except RuntimeError as exc:
             raise TransportError(f"{self.name} engine: bucket {k} could not start: {exc}") from exc
-        return tuple(works)
+        return k, tuple(works)
 
     def _start_send(self, k: int, nbytes: int) -> Any:
         slot, region = self.slots[k % len(self.slots)], self._regions[k % len(self._regions)]
-        if k == 0:  # the version as bucket 0's header carries it (`sender.send_bucket` wrote it)
-            self._table = self.header_table(read_header(slot.head)[1])
-        return k, self._broadcast(k, slot.data[:nbytes - HEADER_BYTES] if region is None else region)
+        return self._broadcast(k, slot.data[:nbytes - HEADER_BYTES] if region is None else region)
 
     def _start_recv(self, k: int, nbytes: int) -> Any:
-        if k == 0:
-            # zeros: a row a short table leaves out reads as no header, never as last sync's
-            self._table = torch.zeros(len(self._bound().buckets) * HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        return k, self._broadcast(k, self.slots[k % len(self.slots)].data[:nbytes - HEADER_BYTES])
+        return self._broadcast(k, self.slots[k % len(self.slots)].data[:nbytes - HEADER_BYTES])
 
     def _wait(self, handle: Any, what: str) -> None:
         """Wait for each of a bucket's works in turn, all within what is left of the sync's time;
@@ -127,7 +122,7 @@ class GroupEngine(BucketEngine):
             if done is False:
                 raise TransportError(f"{self.name} engine: {what} did not finish within timeout_s={self.timeout_s:g}")
         table = self._table
-        if table is not None and self.topology is not None and not self.topology.is_sender:
+        if table is not None and not self._topology().is_sender:
             self.slots[k % len(self.slots)].head.copy_(table[k * HEADER_BYTES:(k + 1) * HEADER_BYTES])
 
 

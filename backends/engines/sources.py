@@ -97,7 +97,7 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
                 update(bytes(map(torch.Tensor.is_conj, tensors)))
     except RuntimeError:  # no address (sparse, mkldnn) or no sizes (nested): not plain memory
         return None
-    except (TypeError, ValueError, AttributeError):  # not (str, tensor) pairs: `sendable` says which
+    except (TypeError, ValueError):  # not (str, tensor) pairs: `sendable` says which
         return None
     found = hasher.digest()
     return last if found == last else found
@@ -106,9 +106,8 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
 def state_weights(model: Any) -> Iterator[tuple[str, Any]]:
     """A model's weights as a sync sends them: its state dict (parameters and persistent
     buffers), each tied tensor once, under its first name (a receiver ties them again by name).
-    Tied means one place: device, dtype, address, shape and strides (a view of another shape,
-    or an empty tensor, is a weight of its own). Only tensors that share an address with
-    another have their place read: the rest cost their address, a small part of what the
+    Tied means one `place` (a view of another shape, or an empty tensor, is a weight of its
+    own). Only tensors that share an address with another have their place read: the rest cost their address, a small part of what the
     state dict itself costs. What is not plain memory goes as it is, for the sender to refuse."""
     items = list(model.state_dict().items())
     addresses = _addresses([tensor for _, tensor in items])
@@ -116,7 +115,7 @@ def state_weights(model: Any) -> Iterator[tuple[str, Any]]:
     seen: set[object] = set()
     for (name, tensor), address in zip(items, addresses):
         if address in shared and memory_problem(tensor) is None and tensor.numel():
-            key = (address, tensor.dtype, tensor.shape, tensor.stride(), tensor.device)
+            key = place(tensor)
             if key in seen:
                 continue
             seen.add(key)

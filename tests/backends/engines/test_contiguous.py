@@ -198,8 +198,8 @@ def test_a_region_bucket_corrupted_on_arrival_fails_its_checksum_applies_nothing
 def test_a_group_engines_header_table_is_checked_bucket_by_bucket_against_the_plan() -> None:
     """Every header goes before bucket 0 in one broadcast; a receiver checks bucket k's as k lands."""
     class BadIndex(GlooEngine):
-        def header_table(self, version: int) -> torch.Tensor:
-            table = super().header_table(version)
+        def header_table(self, plan: Any, version: int) -> torch.Tensor:
+            table = super().header_table(plan, version)
             table[2 * HEADER_BYTES + 16] ^= 0x01  # bucket 2's index
             return table
 

@@ -136,7 +136,7 @@ def test_an_empty_sync_delivers_the_version_and_nothing_else(name: str, apply: s
 
 @pytest.mark.parametrize("apply", ["atomic", "streamed"])
 @pytest.mark.parametrize("name", TRANSPORTS)
-def test_a_sync_of_empty_tensors_only_travels_as_headers_and_delivers_them(name: str, apply: str) -> None:
+def test_a_sync_of_empty_tensors_only_delivers_them(name: str, apply: str) -> None:
     """Its one bucket has no data bytes: a group engine sends the header table alone."""
     rollout = MemoryRollout()
     named = [("e", torch.empty(0, 3)), ("f", torch.empty(2, 0, dtype=torch.int64))]
