@@ -275,18 +275,22 @@ class Layout:
         if program.region is None:
             return None
         used = self.plan.used(k)
-        index, start = program.region
-        if start + used > tensors[index].untyped_storage().nbytes():  # another storage at the same addresses
+        index, address = program.region
+        storage = tensors[index].untyped_storage()
+        start = address - storage.data_ptr()
+        if start < 0 or start + used > storage.nbytes():  # another storage at the same addresses
             self._programs.pop(k, None)
             program = self.program(k, tensors)  # found again, its bounds checked
             if program.region is None:
                 return None
-            index, start = program.region
-        storage = tensors[index].untyped_storage()
+            index, address = program.region
+            storage = tensors[index].untyped_storage()
+            start = address - storage.data_ptr()
         return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start, (used,))
 
     def _find_region(self, k: int, tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
-        """(index of a tensor in it, byte offset in that tensor's storage) of bucket k's region, if it has one."""
+        """(index of a tensor in it, address) of bucket k's region, if it has one: by address, not
+        by offset in the storage, which `describe` does not read."""
         used = self.plan.used(k)
         device = self.slots[k % len(self.slots)].data.device
         base, storage, index = -1, None, -1
@@ -307,7 +311,7 @@ class Layout:
         start = base - storage.data_ptr()
         if start < 0 or start + used > storage.nbytes():
             return None
-        return index, start
+        return index, base
 
     def reset(self) -> None:
         """Forget chunks of a tensor an aborted receive left half-joined."""

@@ -36,7 +36,7 @@ from lifecycle.errors import EngineError
 class Landing:
     """A receiver's landing layout, kept from one sync to the next while the plan and the
     rollout's tensors and a module's buffers beside them (as `sources.describe` finds them:
-    names, shapes, strides, addresses) stay as
+    names, shapes, addresses, contiguity) stay as
     they were: working it out costs a few microseconds a tensor, as much as receiving their bytes.
     The kept ranges hold the rollout's storage alive until the next sync that lands elsewhere, or
     `close()` (a device engine lets it go after every sync)."""

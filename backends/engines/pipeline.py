@@ -179,7 +179,7 @@ class BucketEngine(CheckpointEngine):
         sources = describe(pairs, self._described[0])
         layout = self._send_layout(self._metas(pairs, sources))
         tensors = [tensor for _, tensor in pairs]
-        held = [tensor.untyped_storage() for tensor in tensors]  # noqa: F841 - read by address until the
+        held = list(map(torch.Tensor.untyped_storage, tensors))  # noqa: F841 - read by address until the
         # last bucket is hashed: memory a tensor gives back meanwhile (set_) is not freed under a memmove
         self._sent = version  # from here the sync's keys are this send's: a retry in the session is refused
         ident = self._link.publish(control, layout.raw)

@@ -53,22 +53,26 @@ def _code(key: object) -> int:
 
 def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = None) -> Source | None:
     """A fingerprint of all that packing the tensors' pieces depends on: per tensor its name,
-    device, dtype, shape, strides, storage offset, address and lazy conjugate and negation bits.
-    Equal fingerprints mean the same plan and the same copies from the same addresses. `last`
-    itself when the tensors are as `last` describes them (so a sender can tell by identity);
-    None when a tensor is not plain strided memory (then nothing is reused, and the sender
-    checks each tensor: `memory_problem`).
+    device, dtype, shape, address, whether it is contiguous, and its lazy conjugate and negation
+    bits. Equal fingerprints mean the same plan and the same copies from the same addresses:
+    a contiguous tensor is read as its bytes from its address, whatever its strides on size-1
+    dimensions or its offset in its storage (`Layout.region` places a region by address too);
+    any other tensor is copied by torch from the tensor as it is at the time. `last` itself when
+    the tensors are as `last` describes them (so a sender can tell by identity); None when a
+    tensor is not plain strided memory (then nothing is reused, and the sender checks each
+    tensor: `memory_problem`).
 
     Read by column, `_CHUNK` tensors at a time: each attribute of every tensor in the chunk by
-    one `map` (the loop runs in C, so a tensor costs its torch attribute reads, about 1 us
-    in all), hashed with xxh3-128, the hash each bucket's bytes are checked with already, so a
+    one `map` (the loop runs in C, so a tensor costs its torch attribute reads, under 1 us in
+    all), hashed with xxh3-128, the hash each bucket's bytes are checked with already, so a
     sender keeps 16 bytes however many tensors it sends. Each chunk's count goes first, and
     every column has a length that count or an earlier column fixes (names by their lengths,
-    shapes and strides by the dims), so two different chunks never hash the same bytes. A tensor of another layout is told by
+    shapes by the dims; one dtype and device for the whole chunk, marked as such, or one each),
+    so two different chunks never hash the same bytes. A tensor of another layout is told by
     torch refusing its address or its sizes (sparse and mkldnn tensors have no data pointer, a
     nested tensor no sizes), not by reading its layout; a meta tensor by its device and a
-    quantized or sub-byte one by its dtype, which never get a code."""
-    hasher, codes = xxhash.xxh3_128(), _CODES
+    quantized or sub-byte one by its dtype."""
+    hasher = xxhash.xxh3_128()
     update = hasher.update
     try:
         items = iter(named)
@@ -78,22 +82,20 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
             if not set(map(type, tensors)) <= _PLAIN:
                 return None
             dtypes, devices, shapes = list(map(_dtype, tensors)), list(map(_device, tensors)), list(map(_shape, tensors))
-            try:
-                kinds, wheres = array("Q", map(codes.__getitem__, dtypes)), array("Q", map(codes.__getitem__, devices))
-            except KeyError:  # a dtype or device met first: a meta tensor's, or a dtype a plan cannot carry
-                # (quantized, sub-byte), never gets a code
-                if any(device.type == "meta" for device in set(devices)) or not all(map(travels, set(dtypes))):
-                    return None
-                kinds, wheres = array("Q", map(_code, dtypes)), array("Q", map(_code, devices))
+            kinds, wheres = set(dtypes), set(devices)
+            if any(device.type == "meta" for device in wheres) or not all(map(travels, kinds)):
+                return None
+            if len(kinds) == 1 and len(wheres) == 1:  # the common case: one code each for the chunk
+                update(array("Q", (1, _code(*kinds), _code(*wheres))))
+            else:
+                update(array("Q", (2, *map(_code, dtypes), *map(_code, devices))))
             update(array("Q", map(len, names)))
             update("".join(names).encode(errors="surrogatepass"))
-            for column in (kinds, wheres, array("Q", map(torch.Tensor.data_ptr, tensors)),
-                           array("Q", map(torch.Tensor.storage_offset, tensors)), array("Q", map(len, shapes)),
+            for column in (array("Q", map(torch.Tensor.data_ptr, tensors)), array("Q", map(len, shapes)),
                            array("Q", itertools.chain.from_iterable(shapes)),
-                           array("q", itertools.chain.from_iterable(map(torch.Tensor.stride, tensors))),
-                           bytes(map(torch.Tensor.is_neg, tensors))):
+                           bytes(map(torch.Tensor.is_contiguous, tensors)), bytes(map(torch.Tensor.is_neg, tensors))):
                 update(column)
-            if any(dtype.is_complex for dtype in set(dtypes)):  # only a complex tensor is a lazy conjugate
+            if any(dtype.is_complex for dtype in kinds):  # only a complex tensor is a lazy conjugate
                 update(bytes(map(torch.Tensor.is_conj, tensors)))
     except RuntimeError:  # no address (sparse, mkldnn) or no sizes (nested): not plain memory
         return None
@@ -235,8 +237,8 @@ class Program:
     """What packing one bucket takes, worked out from its tensors (`Layout.program`)."""
 
     region: tuple[int, int] | None
-    """(index of a tensor, byte offset in its storage) where the bucket's data region sits in
-    one storage as it would be packed (`Layout.region`); None when it must be packed."""
+    """(index of a tensor, address) where the bucket's data region starts, in that tensor's
+    storage, as it would be packed (`Layout.region`); None when it must be packed."""
     moves: Copied
     """Host memmoves into a host slot: (offset in the data region, address, nbytes), adjacent
     pieces merged into one run."""

@@ -1,7 +1,7 @@
 """A sender works out what packing each bucket takes once, and reuses it while its tensors stay put.
 
-`describe` records, per tensor, all that packing depends on (name, dtype, shape, strides,
-address, lazy bits); a layout bound to an equal description reuses each bucket's `Program`
+`describe` records, per tensor, all that packing depends on (name, device, dtype, shape,
+address, contiguity, lazy bits); a layout bound to an equal description reuses each bucket's `Program`
 (its region, its merged memmoves, the pieces torch copies). These tests prove the reuse
 happens, that anything that moves a tensor (a rebound `.data`, a new dtype, a new storage)
 makes the sender look again, and that whatever happens between syncs, a reused program
@@ -22,7 +22,7 @@ from backends.engines.buckets import HEADER_BYTES, Layout, as_slots
 from backends.engines.sources import _CODES, Copied, Program, describe
 from backends.engines.digests import xxh3_digest, xxh3_packed
 from backends.engines.flat import flatten_parameters
-from backends.engines.plan import TensorMeta, align, make_plan
+from backends.engines.plan import ALIGN, TensorMeta, align, make_plan
 from lifecycle.testing import MemoryRollout
 from tests.backends.engines.kit import TRANSPORTS, new_engine, sync_threads, tiny_qwen2
 
@@ -93,16 +93,12 @@ def _changed(change: str) -> tuple[Named, Named]:
         "address": (base[:8], base[8:16]),
         "dtype": (base[:8], base[:8].view(torch.int32)),
         "shape, same bytes": (base[:8], base[:8].view(2, 4)),
-        "strides": (base[:16].view(4, 4), base[:16].view(4, 4).t()),
-        # the same address, in a storage that starts where the tensor does
-        "storage offset": (base[8:16], torch.from_numpy(base.numpy()[8:16])),
+        "contiguity": (base[:16].view(4, 4), base[:16].view(4, 4).t()),
         "lazy negation": (z.imag, z.conj().imag),
         "lazy conjugate": (z, z.conj()),
     }
     if change in pairs:
         a, b = pairs[change]
-        if change == "storage offset":  # nothing else differs, the address included
-            assert a.data_ptr() == b.data_ptr() and a.storage_offset() != b.storage_offset()
         return [("x", a)], [("x", b)]
     if change == "name":
         return [("x", base)], [("y", base)]
@@ -112,13 +108,59 @@ def _changed(change: str) -> tuple[Named, Named]:
     return [("x", base)], [("x", base), ("y", base[:0])]
 
 
-@pytest.mark.parametrize("change", ["address", "dtype", "shape, same bytes", "strides", "storage offset",
+@pytest.mark.parametrize("change", ["address", "dtype", "shape, same bytes", "contiguity",
                                     "lazy negation", "lazy conjugate", "name",
                                     "where one name ends and the next begins", "count"])
 def test_describe_tells_apart_tensors_that_differ_in_any_one_fact_packing_depends_on(change: str) -> None:
     before, after = _changed(change)
     first = describe(before)
     assert first is not None and describe(after, first) != first and describe(before, first) is first
+
+
+def test_describe_tells_apart_chunks_of_one_dtype_from_chunks_of_several() -> None:
+    """One code for a chunk all of one dtype and device, one code a tensor otherwise: the two
+    never hash alike, whatever the codes."""
+    one = [("x", torch.zeros(1)), ("y", torch.zeros(1))]
+    two = [("x", torch.zeros(1)), ("y", torch.zeros(1, dtype=torch.float64))]
+    assert describe(one) != describe(two) and describe(two) is not None
+
+
+def _moved_unseen(change: str) -> tuple[Named, Named]:
+    """Two lists of the same bytes at the same addresses, differing only in `change`: one packing
+    does not depend on (`describe` does not read it)."""
+    base = torch.arange(64, dtype=torch.float32)  # a fresh storage: its start is aligned, and so is base[16]
+    before: Named = [("a", base[16:32]), ("b", base[32:48].view(1, 16))]
+    if change == "strides of a size-1 dimension":
+        after = [("a", base[16:32]), ("b", base[32:48].as_strided((1, 16), (1, 1)))]
+    elif change == "another storage at the same addresses":  # numpy's, starting where "a" does: the region,
+        # 64 bytes into base's storage, sits at 0 in this one (and 64 bytes in, it would hold the wrong bytes)
+        after = [("a", torch.from_numpy(base.numpy()[16:])[:16]), before[1]]
+    else:
+        assert change == "a storage too short for the region"  # a region from "a"'s storage is refound
+        after = [("a", torch.from_numpy(base.numpy()[16:32])), before[1]]
+    for (_, x), (_, y) in zip(before, after):
+        assert x.data_ptr() == y.data_ptr() and x.shape == y.shape and y.is_contiguous()
+    return before, after
+
+
+@pytest.mark.parametrize("change", ["strides of a size-1 dimension", "another storage at the same addresses",
+                                    "a storage too short for the region"])
+def test_what_describe_does_not_read_leaves_the_fingerprint_and_reused_programs_still_deliver_the_bytes(
+        change: str) -> None:
+    """Strides of size-1 dimensions and offsets in a storage change nothing packing does: a
+    contiguous tensor is its bytes at its address, and a region is placed by address, inside the
+    storage it is read from or looked for again."""
+    before, after = _moved_unseen(change)
+    layout = _layout(before, 4096)
+    first = describe(before)
+    layout.bind_sources(first)
+    assert layout.region(0, [t for _, t in before]) is not None  # bucket 0 goes as a region of the storage
+    _assert_delivers(layout, before)
+    with torch.no_grad():
+        before[0][1].add_(100)  # new values, through either list: the same memory
+    assert describe(after, first) is first
+    layout.bind_sources(first)
+    _assert_delivers(layout, after)
 
 
 def test_describe_tells_apart_chunks_whose_columns_line_up_but_whose_tensor_counts_differ() -> None:
@@ -222,9 +264,10 @@ def test_a_region_whose_storage_no_longer_holds_it_is_looked_for_again_not_viewe
     found = layout.region(0, tensors)
     assert found is not None
     storage = tensors[0].untyped_storage()
-    layout._programs[0] = Program((0, storage.nbytes()), [], [])  # a stale region past the storage's end
-    again = layout.region(0, tensors)
-    assert again is not None and again.data_ptr() == found.data_ptr() and again.numel() == found.numel()
+    for address in (storage.data_ptr() + storage.nbytes(), storage.data_ptr() - ALIGN):  # past its end, before it
+        layout._programs[0] = Program((0, address), [], [])  # a stale region
+        again = layout.region(0, tensors)
+        assert again is not None and again.data_ptr() == found.data_ptr() and again.numel() == found.numel()
     _assert_delivers(layout, named)
 
 
