@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from backends.engines.plan import ALIGN, Piece, Plan, align, collector_held, untracked_views
-from backends.engines.sources import PLAIN, Copied, Program, Source, wire_bytes
+from backends.engines.sources import PLAIN, Copied, Program, Source, outside_storage, wire_bytes
 from lifecycle.errors import EngineError
 
 HEADER_BYTES = 64
@@ -159,12 +159,24 @@ class Layout:
         ones `bind_sources` was given, worked out again otherwise."""
         program = self._programs.get(k)
         if program is None:
-            region = self._find_region(k, tensors)
+            region = self._find_region(k, tensors)  # bounded by its storage
+            if region is None:
+                self._check_held(k, tensors)
             host = self.slots[k % len(self.slots)].data.device.type == "cpu"
             program = Program(region, *(self._classify(k, tensors) if host and region is None else ([], [])))
             if self._bound:  # kept for this sync at least; beyond it only while `bind_sources` finds the same tensors
                 self._programs[k] = program
         return program
+
+    def _check_held(self, k: int, tensors: Sequence[torch.Tensor]) -> None:
+        """`EngineError` naming a piece's tensor that reads bytes its storage no longer holds
+        (`outside_storage`): copying it would read freed memory. Checked as a program is worked
+        out, so again whenever a tensor moved (a freed storage moves its data pointer)."""
+        for p in self.plan.buckets[k]:
+            if p.nbytes and (held := outside_storage(tensors[p.index])) is not None:
+                raise EngineError(f"tensor {p.index} {self.plan.tensors[p.index].name[:80]!r} reads bytes outside its "
+                                  f"storage, which holds {held}: its memory was freed or shrunk (resize_), as FSDP "
+                                  "frees unsharded parameters; send it while it holds its values")
 
     def _classify(self, k: int, tensors: Sequence[torch.Tensor]) -> tuple[Copied, list[int]]:
         """Bucket k's pieces that host memory holds as their wire bytes, as memmoves (runs that are

@@ -52,12 +52,14 @@ def _code(key: object) -> int:
 
 
 def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = None) -> Source | None:
-    """A fingerprint of all that packing the tensors' pieces depends on: per tensor its name,
-    device, dtype, shape, address, whether it is contiguous, and its lazy conjugate and negation
-    bits. Equal fingerprints mean the same plan and the same copies from the same addresses:
-    a contiguous tensor is read as its bytes from its address, whatever its strides on size-1
-    dimensions or its offset in its storage (`Layout.region` places a region by address too);
-    any other tensor is copied by torch from the tensor as it is at the time. `last` itself when
+    """A fingerprint of all that packing the tensors' pieces depends on, and of every byte they
+    reach: per tensor its name, device, dtype, shape, address, whether it is contiguous (and if
+    not, its strides), and its lazy conjugate and negation bits. Equal fingerprints mean the
+    same plan, the same copies from the same addresses and the same bytes reached: a contiguous
+    tensor is its bytes at its address, whatever its strides on size-1 dimensions or its offset
+    in its storage (`Layout.region` places a region by address too); any other tensor is copied
+    by torch from the tensor as it is at the time, and reaches what its strides say (which a
+    receiver's kept landing relies on: `inplace.Landing`). `last` itself when
     the tensors are as `last` describes them (so a sender can tell by identity); None when a
     tensor is not plain strided memory (then nothing is reused, and the sender checks each
     tensor: `memory_problem`).
@@ -67,7 +69,8 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
     all), hashed with xxh3-128, the hash each bucket's bytes are checked with already, so a
     sender keeps 16 bytes however many tensors it sends. Each chunk's count goes first, and
     every column has a length that count or an earlier column fixes (names by their lengths,
-    shapes by the dims; one dtype and device for the whole chunk, marked as such, or one each),
+    shapes by the dims, strides by the dims of the tensors marked not contiguous; one dtype and
+    device for the whole chunk, marked as such, or one each),
     so two different chunks never hash the same bytes. A tensor of another layout is told by
     torch refusing its address or its sizes (sparse and mkldnn tensors have no data pointer, a
     nested tensor no sizes), not by reading its layout; a meta tensor by its device and a
@@ -91,10 +94,14 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
                 update(array("Q", (2, *map(_code, dtypes), *map(_code, devices))))
             update(array("Q", map(len, names)))
             update("".join(names).encode(errors="surrogatepass"))
+            contiguous = bytes(map(torch.Tensor.is_contiguous, tensors))
             for column in (array("Q", map(torch.Tensor.data_ptr, tensors)), array("Q", map(len, shapes)),
-                           array("Q", itertools.chain.from_iterable(shapes)),
-                           bytes(map(torch.Tensor.is_contiguous, tensors)), bytes(map(torch.Tensor.is_neg, tensors))):
+                           array("Q", itertools.chain.from_iterable(shapes)), contiguous,
+                           bytes(map(torch.Tensor.is_neg, tensors))):
                 update(column)
+            if 0 in contiguous:  # the strides of those that are not: what they reach (a landing checks it)
+                strided = itertools.compress(tensors, map(operator.not_, contiguous))
+                update(array("q", itertools.chain.from_iterable(map(torch.Tensor.stride, strided))))
             if any(dtype.is_complex for dtype in kinds):  # only a complex tensor is a lazy conjugate
                 update(bytes(map(torch.Tensor.is_conj, tensors)))
     except RuntimeError:  # no address (sparse, mkldnn) or no sizes (nested): not plain memory
@@ -214,6 +221,19 @@ def place(tensor: torch.Tensor) -> tuple[object, ...]:
             tuple(tensor.shape), tensor.stride())
 
 
+def outside_storage(tensor: torch.Tensor) -> int | None:
+    """The bytes its storage holds when a strided tensor reads past them (or before them), else
+    None: a storage freed or shrunk under it (`untyped_storage().resize_`, as FSDP frees unsharded
+    parameters), where copying it would read memory no longer its own."""
+    if not tensor.numel():
+        return None
+    storage = tensor.untyped_storage()
+    start = tensor.data_ptr() - storage.data_ptr()
+    reach = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+    held = storage.nbytes()
+    return held if start < 0 or start + reach * tensor.element_size() > held else None
+
+
 def memory_problem(tensor: torch.Tensor) -> str | None:
     """Why a tensor's values are not plain strided memory a sync can copy, or None: a subclass
     that dispatches its own ops, another layout (sparse, mkldnn), a nested or quantized tensor,
@@ -246,5 +266,6 @@ class Program:
     """Positions in the bucket of the pieces torch copies (`Layout._copy_piece`)."""
 
 
-__all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "metas_of", "pairs_of", "place",
+__all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "metas_of", "outside_storage",
+           "pairs_of", "place",
            "sendable", "state_weights", "wire_bytes"]

@@ -278,6 +278,33 @@ def test_a_buffer_moved_into_a_bucket_range_after_a_landing_was_kept_is_refused_
         landing.layout_for(plan, plan.to_bytes(), model, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("unsent", ["buffer", "state dict entry"])
+def test_a_strided_tensor_whose_new_strides_reach_into_a_kept_landing_is_refused_on_the_next_sync(
+        unsent: str) -> None:
+    """Its address, shape and contiguity stay as they were: only its strides say it now reads
+    bytes a bucket lands on, so they are part of what the kept landing checks."""
+    from backends.engines.inplace import Landing
+
+    store = torch.zeros(64)
+    x = store.as_strided((2,), (2,), 0)  # store[0] and store[2]: before a's range
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Parameter(store[16:31]), torch.nn.Parameter(store[32:48])
+    into: Any = model
+    if unsent == "buffer":
+        model.register_buffer("x", x)
+    else:
+        into = {"a": model.a, "b": model.b, "x": x}
+    assert model.a.data_ptr() % 64 == 0
+    plan = make_plan([TensorMeta("a", torch.float32, (15,)), TensorMeta("b", torch.float32, (16,))], 4096, True)
+    landing = Landing()
+    kept = landing.layout_for(plan, plan.to_bytes(), into, torch.device("cpu"))
+    assert landing.layout_for(plan, plan.to_bytes(), into, torch.device("cpu")) is kept
+    x.as_strided_((2,), (20,), 0)  # x[1] is now store[20], a[4]: same address, shape, not contiguous either way
+    with pytest.raises(PlanRefused, match="would land on '(buffer )?x'"):
+        landing.layout_for(plan, plan.to_bytes(), into, torch.device("cpu"))
+    assert x.tolist() == [0.0, 0.0]
+
+
 @pytest.mark.parametrize(("into", "reason"), [
     ({"w": torch.eye(3).to_sparse()}, "into= holds 'w', which is not a strided tensor"),
     ([("w", torch.zeros(3)), ("w", torch.zeros(3))], "into= holds 'w', which is named twice"),

@@ -1,7 +1,7 @@
 """A sender works out what packing each bucket takes once, and reuses it while its tensors stay put.
 
 `describe` records, per tensor, all that packing depends on (name, device, dtype, shape,
-address, contiguity, lazy bits); a layout bound to an equal description reuses each bucket's `Program`
+address, contiguity and a strided tensor's strides, lazy bits); a layout bound to an equal description reuses each bucket's `Program`
 (its region, its merged memmoves, the pieces torch copies). These tests prove the reuse
 happens, that anything that moves a tensor (a rebound `.data`, a new dtype, a new storage)
 makes the sender look again, and that whatever happens between syncs, a reused program
@@ -23,6 +23,7 @@ from backends.engines.sources import _CODES, Copied, Program, describe
 from backends.engines.digests import xxh3_digest, xxh3_packed
 from backends.engines.flat import flatten_parameters
 from backends.engines.plan import ALIGN, TensorMeta, align, make_plan
+from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.engines.kit import TRANSPORTS, new_engine, sync_threads, tiny_qwen2
 
@@ -94,6 +95,7 @@ def _changed(change: str) -> tuple[Named, Named]:
         "dtype": (base[:8], base[:8].view(torch.int32)),
         "shape, same bytes": (base[:8], base[:8].view(2, 4)),
         "contiguity": (base[:16].view(4, 4), base[:16].view(4, 4).t()),
+        "strides of a tensor that is not contiguous": (base.as_strided((2,), (2,)), base.as_strided((2,), (20,))),
         "lazy negation": (z.imag, z.conj().imag),
         "lazy conjugate": (z, z.conj()),
     }
@@ -109,6 +111,7 @@ def _changed(change: str) -> tuple[Named, Named]:
 
 
 @pytest.mark.parametrize("change", ["address", "dtype", "shape, same bytes", "contiguity",
+                                    "strides of a tensor that is not contiguous",
                                     "lazy negation", "lazy conjugate", "name",
                                     "where one name ends and the next begins", "count"])
 def test_describe_tells_apart_tensors_that_differ_in_any_one_fact_packing_depends_on(change: str) -> None:
@@ -271,6 +274,22 @@ def test_a_region_whose_storage_no_longer_holds_it_is_looked_for_again_not_viewe
     _assert_delivers(layout, named)
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "strided", "in a region"])
+def test_a_tensor_whose_storage_was_freed_is_refused_naming_it_not_read(kind: str) -> None:
+    """FSDP frees an unsharded parameter's memory with `untyped_storage().resize_(0)`; the tensor
+    keeps its shape and points at what is no longer its own: copying it reads freed memory."""
+    base = torch.arange(64, dtype=torch.float32)
+    tensor = {"contiguous": base[16:32], "strided": base.as_strided((8,), (2,), 16), "in a region": base[:16]}[kind]
+    named: Named = [("before", torch.randn(8)), ("freed", tensor)] if kind != "in a region" else [("freed", tensor)]
+    layout = _layout(named, 4096)
+    layout.bind_sources(describe(named))
+    _assert_delivers(layout, named)
+    base.untyped_storage().resize_(0)
+    layout.bind_sources(describe(named))
+    with pytest.raises(EngineError, match="'freed' reads bytes outside its storage, which holds 0"):
+        layout.pack(0, [t for _, t in named])
+
+
 def test_tensors_describe_cannot_read_reuse_nothing() -> None:
     class Marked(torch.Tensor):
         pass
@@ -387,7 +406,6 @@ def test_syncs_of_a_model_whose_parameters_get_new_memory_between_them_deliver_t
 
 def test_a_view_is_refused_where_a_slot_is_shorter_than_its_bucket_and_long_shapes_are_not_kept() -> None:
     from backends.engines.buckets import _contiguous
-    from lifecycle.errors import EngineError
 
     named = [("long", torch.arange(6, dtype=torch.float32).view((1,) * 10 + (2, 3))), ("flat", torch.randn(5))]
     layout = _layout(named, 4096)
