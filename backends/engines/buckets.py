@@ -1,8 +1,8 @@
-"""Flat transfer buckets: where they live (`Slot`), packing by the plan both sides agree on, and unpacking.
+"""Flat transfer buckets: packing by the plan both sides agree on, and unpacking.
 
 A bucket is a 64-byte header (magic, version, bucket index, bytes used) and a data region
-holding the tensors, each at a 64-byte aligned offset; a `Slot` holds one bucket, its header
-and data adjacent (a buffer of `slot_bytes`) or apart (`join`). A tensor larger than a bucket
+holding the tensors, each at a 64-byte aligned offset; a `slots.Slot` holds one bucket, its
+header and data adjacent or apart. A tensor larger than a bucket
 is split into chunks across consecutive buckets: a receiver that keeps every bucket in
 `join`ed slots hands it out as one view of its chunks, back to back; one with two slots
 (streamed) rejoins it in a copy. The plan (`plan.py`) comes from tensor metadata alone, so the
@@ -18,62 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from backends.engines.plan import ALIGN, Piece, Plan, align, collector_held, untracked_views
+from backends.engines.plan import ALIGN, Piece, Plan, collector_held, untracked_views
+from backends.engines.slots import Slot
 from backends.engines.sources import PLAIN, Copied, Program, Source, outside_storage, wire_bytes
 from lifecycle.errors import EngineError
-
-HEADER_BYTES = 64
-SLOTS = 2
-"""The sender's bucket slots, and a streamed receiver's: bucket k lives in slot k % 2."""
-MAGIC = 0x4C43_5753_0000_0002
-"""Format 2: the checksum travels after the bucket, not in its header (format 1)."""
-_MASK = (1 << 64) - 1
-
-
-def slot_bytes(data_bytes: int) -> int:
-    """A slot's size for `data_bytes` of bucket data: the header, then the data aligned."""
-    return HEADER_BYTES + align(data_bytes)
-
-
-class Slot(NamedTuple):
-    """Where one bucket lives: its header and its data region, adjacent or apart."""
-
-    head: torch.Tensor
-    """`HEADER_BYTES` bytes."""
-    data: torch.Tensor
-    """The data region, at least as long as the bucket's data."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.head.numel() + self.data.numel()
-
-
-def as_slots(buffers: Iterable[torch.Tensor]) -> list[Slot]:
-    """Each buffer one slot: its header, then its data (`slot_bytes`)."""
-    return [Slot(buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]) for buffer in buffers]
-
-
-def joined_bytes(sizes: Sequence[int]) -> int:
-    """The bytes `join` carves buckets of `sizes` data bytes from."""
-    return sum(align(size) for size in sizes) + HEADER_BYTES * len(sizes)
-
-
-def join(sizes: Sequence[int], buffer: torch.Tensor) -> list[Slot]:
-    """One slot per bucket of `sizes` data bytes, carved from one buffer (`joined_bytes`): every
-    bucket's data back to back, then the headers. A tensor split across buckets then lies whole
-    in the buffer, so a receiver that keeps every bucket hands it out as one view
-    (`Layout.unpack`)."""
-    slots, at, heads = [], 0, sum(align(size) for size in sizes)
-    for k, size in enumerate(sizes):
-        head = buffer[heads + k * HEADER_BYTES:heads + (k + 1) * HEADER_BYTES]
-        slots.append(Slot(head, buffer[at:at + align(size)]))
-        at += align(size)
-    return slots
 
 
 class Layout:
@@ -403,20 +355,4 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def write_header(head: torch.Tensor, version: int, k: int, used: int) -> None:
-    """Fill a slot's header (`Slot.head`)."""
-    words = [MAGIC, version, k, used, 0, 0, 0, 0]
-    signed = [w - (1 << 64) if w >= 1 << 63 else w for w in words]
-    head.copy_(torch.tensor(signed, dtype=torch.int64).view(torch.uint8))
-
-
-def read_header(head: torch.Tensor) -> tuple[int, int, int, int]:
-    """(magic, version, bucket index, bytes used) of a slot's header, as unsigned integers."""
-    words = [w & _MASK for w in head.view(torch.int64).tolist()]
-    return words[0], words[1], words[2], words[3]
-
-
-__all__ = [
-    "HEADER_BYTES", "MAGIC", "SLOTS", "Layout", "Slot", "as_slots", "join", "joined_bytes", "read_header", "slot_bytes",
-    "write_header",
-]
+__all__ = ["Layout"]

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from backends.engines.base import Topology, TransportError
-from backends.engines.buckets import HEADER_BYTES, Layout, write_header
+from backends.engines.buckets import Layout
+from backends.engines.slots import HEADER_BYTES, write_header
 from backends.engines.pipeline import BucketEngine
 from backends.engines.plan import Plan
 from lifecycle.errors import EngineError

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from backends.engines.buckets import HEADER_BYTES, SLOTS
+from backends.engines.slots import HEADER_BYTES, SLOTS
 from backends.engines.control import PARSE_ERRORS, clip
 from backends.engines.options import MIN_BUCKET_BYTES, EngineCapabilities
 from backends.engines.plan import ALIGN, PlanRefused

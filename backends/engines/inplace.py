@@ -26,7 +26,8 @@ import bisect
 
 import torch
 
-from backends.engines.buckets import HEADER_BYTES, Layout, Slot
+from backends.engines.buckets import Layout
+from backends.engines.slots import HEADER_BYTES, Slot
 from backends.engines.flat import Named, is_model, kind_problem, named_pairs
 from backends.engines.plan import Plan, PlanRefused, align
 from backends.engines.sources import Source, describe, place

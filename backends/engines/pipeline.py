@@ -44,7 +44,8 @@ import torch
 from backends.engines.base import (
     CheckpointEngine, Incoming, SyncStats, Topology, TransportError, check_version,
 )
-from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined_bytes, slot_bytes
+from backends.engines.buckets import Layout
+from backends.engines.slots import SLOTS, Slot, as_slots, join, joined_bytes, slot_bytes
 from backends.engines.sources import Source, describe, metas_of, pairs_of
 from backends.engines.digests import Checksums
 from backends.engines.flat import Named
@@ -102,14 +103,14 @@ class BucketEngine(CheckpointEngine):
 
     def _ensure_slots(self, sizes: Sequence[int], *, joined: bool = False) -> None:
         """One slot per entry of `sizes`, each holding a header and that many data bytes, carved
-        from one buffer when `joined` (`buckets.join`); kept when they already are so."""
+        from one buffer when `joined` (`slots.join`); kept when they already are so."""
         if [slot.data.numel() for slot in self.slots] != [align(size) for size in sizes]:
             self.slots = []
             self.slots = self._allocate(sizes, self.device, joined=joined)
 
     def _allocate(self, sizes: Sequence[int], device: torch.device, *, joined: bool = False) -> list[Slot]:
         """Slots of a header plus `sizes` data bytes each: one buffer each, or, `joined`, carved
-        from one buffer with the data back to back (`buckets.join`)."""
+        from one buffer with the data back to back (`slots.join`)."""
         if joined:
             return join(sizes, self._buffers([joined_bytes(sizes)], device)[0])
         return as_slots(self._buffers([slot_bytes(size) for size in sizes], device))

@@ -37,7 +37,7 @@ FORMAT = 6
 """The wire format both sides must speak, sent in every plan: 3 sent a group engine's bucket as
 two broadcasts (header, then data), which a receiver of another format would post as one; 4
 lays a shared flip weight set out as every bucket's data back to back, then the headers
-(`buckets.join`), where 3 had each header before its bucket's data; 5 sends a group engine's
+(`slots.join`), where 3 had each header before its bucket's data; 5 sends a group engine's
 headers all before bucket 0, in one broadcast, and each bucket's data alone (`collective`);
 6 names the plan in a sync's `plan` key by its id, the plan posted once under that id while
 it stays the same (`control.reference`)."""
@@ -167,7 +167,7 @@ def _write_entries(out: io.BytesIO, entries: Iterator[list[Any]]) -> None:
 def make_plan(metas: Sequence[TensorMeta], bucket_bytes: int, verify: bool) -> Plan:
     """Lay tensors out in order: whole when they fit a bucket, else in chunks filling buckets,
     each chunk but the last a whole number of `ALIGN` bytes, so a receiver that keeps the
-    buckets' data back to back holds the chunks back to back (`buckets.join`) whatever
+    buckets' data back to back holds the chunks back to back (`slots.join`) whatever
     `bucket_bytes` is."""
     buckets: list[list[Piece]] = [[]]
     used = 0

@@ -20,7 +20,8 @@ import torch
 from torch.profiler import record_function
 
 from backends.engines.base import Incoming, Topology, TransportError, missing
-from backends.engines.buckets import HEADER_BYTES, MAGIC, SLOTS, Layout, Slot, read_header
+from backends.engines.buckets import Layout
+from backends.engines.slots import HEADER_BYTES, MAGIC, SLOTS, Slot, read_header
 from backends.engines.digests import settle
 from backends.engines.control import clip, digits
 from backends.engines.plan import Plan, PlanRefused, parse_plan

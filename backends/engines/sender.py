@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.profiler import record_function
 
-from backends.engines.buckets import HEADER_BYTES, SLOTS, Layout, write_header
+from backends.engines.buckets import Layout
+from backends.engines.slots import HEADER_BYTES, SLOTS, write_header
 from backends.engines.sources import Copied
 from backends.engines.digests import done, fold, settle, word_sums, xxh3_packed
 

@@ -18,11 +18,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from backends.engines.buckets import SLOTS, Layout, Slot, join, joined_bytes
+from backends.engines.buckets import Layout
+from backends.engines.slots import SLOTS, Slot, join, joined_bytes
 from backends.engines.plan import Plan
 
 Carve = Callable[[int, Plan], list[Slot]]
-"""Set `index`'s slots for `plan`, one per bucket (`buckets.join`)."""
+"""Set `index`'s slots for `plan`, one per bucket (`slots.join`)."""
 
 
 class WeightSets:

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from backends.engines.base import Topology
-from backends.engines.buckets import SLOTS, Layout, Slot, as_slots, join, joined_bytes, slot_bytes
+from backends.engines.buckets import Layout
+from backends.engines.slots import SLOTS, Slot, as_slots, join, joined_bytes, slot_bytes
 from backends.engines.pipeline import BucketEngine
 from backends.engines.receiver import receivable
 from backends.engines.control import answer, clip

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.engines.buckets import HEADER_BYTES, MAGIC, Layout, as_slots, read_header, write_header
+from backends.engines.buckets import Layout
+from backends.engines.slots import HEADER_BYTES, MAGIC, as_slots, read_header, write_header
 from backends.engines.sources import Copied
 from backends.engines.digests import fold, word_sum_digest, word_sums, xxh3_digest, xxh3_packed
 from backends.engines.plan import ALIGN, Plan, TensorMeta, align, make_plan

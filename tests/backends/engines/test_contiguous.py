@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from backends.engines.buckets import HEADER_BYTES, Layout, as_slots
+from backends.engines.buckets import Layout
+from backends.engines.slots import HEADER_BYTES, as_slots
 from backends.engines.flat import flatten_parameters
 from backends.engines.gloo import GlooEngine
 from backends.engines.plan import TensorMeta, make_plan

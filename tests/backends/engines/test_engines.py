@@ -18,7 +18,7 @@ import torch
 from structlog.testing import capture_logs
 
 from backends.engines import Rendezvous, SyncStats, TransportError, WeightSync, receive_into
-from backends.engines.buckets import HEADER_BYTES
+from backends.engines.slots import HEADER_BYTES
 from backends.engines.gloo import GlooEngine
 from backends.engines.plan import align
 from lifecycle import Lifecycle, State

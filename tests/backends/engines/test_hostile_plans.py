@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from backends.engines import CheckpointEngine, Incoming, receive_into
-from backends.engines.buckets import HEADER_BYTES
+from backends.engines.slots import HEADER_BYTES
 from backends.engines.digests import Checksums
 from backends.engines.gloo import GlooEngine
 from backends.engines.plan import align

@@ -17,7 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.engines.buckets import HEADER_BYTES, Layout
+from backends.engines.buckets import Layout
+from backends.engines.slots import HEADER_BYTES
 from backends.engines.plan import (
     ALIGN, FORMAT, Piece, Plan, PlanRefused, TensorMeta, check_plan, make_plan, parse_plan, travels,
 )

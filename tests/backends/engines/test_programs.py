@@ -18,7 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.engines.buckets import HEADER_BYTES, Layout, as_slots
+from backends.engines.buckets import Layout
+from backends.engines.slots import HEADER_BYTES, as_slots
 from backends.engines.sources import _CODES, Copied, Program, describe
 from backends.engines.digests import xxh3_digest, xxh3_packed
 from backends.engines.flat import flatten_parameters
