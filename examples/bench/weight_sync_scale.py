@@ -4,7 +4,9 @@ Two sweeps, every point a row with its own ratios measured in the same run: size
 (`--sizes`, default 256 MiB, 1 GiB and 2 GiB) at `--tensors` tensors (4096), and tensor
 counts (`--counts`, default 256, 4096 and 65536) at `--gib` GiB (1). A row times what the
 default bench times: gloo against (a) one flat broadcast and (b) one broadcast per tensor,
-shm against one memcpy; the median of `--repeat` rounds after an untimed first one.
+shm against one memcpy; the median of `--repeat` rounds after an untimed first one, and of
+more at a size under `--gib` (`rounds`): every row times about as many bytes, so a small row's
+median is not left to two short syncs on a noisy machine.
 
 Each engine of each row runs in a fresh pair of processes (sender and receiver), so what one
 engine keeps mapped never counts against another, nor a row against the next. A side's
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -143,6 +146,11 @@ class _Meter:
         return Peak(self.start or 0, self.rise if self.resets else None, min(self.code, self.rise))
 
 
+def rounds(args: argparse.Namespace, point: Point) -> int:
+    """Timed rounds at `point`: `--repeat`, or as many as move `--repeat` times `--gib` bytes."""
+    return max(args.repeat, math.ceil(args.repeat * args.total / point.total))
+
+
 def _sender(args: argparse.Namespace, point: Point, name: str, ports: dict[str, int], out: Connection) -> None:
     torch.set_num_threads(args.threads)
     tensors = make_tensors(point.total, point.count, args.flat)
@@ -156,7 +164,7 @@ def _sender(args: argparse.Namespace, point: Point, name: str, ports: dict[str, 
         "memcpy": lambda: ctypes.memmove(copy_dst.data_ptr(), flat.data_ptr(), point.total),
     }
     seconds: dict[str, list[float]] = {key: [] for key in (*BASELINES[name], name)}
-    for rep in range(args.repeat + warmup(args)):
+    for rep in range(rounds(args, point) + warmup(args)):
         got: dict[str, float] = {}
         for key in BASELINES[name]:
             if key != "memcpy":
@@ -180,7 +188,7 @@ def _receiver(args: argparse.Namespace, point: Point, name: str, ports: dict[str
     _, group = _group(ports["group"], 1)
     engine, meter = _engine(name, args), _Meter()
     into = dict(make_tensors(point.total, point.count, flat=True)) if args.into and name == "gloo" else None
-    for _ in range(args.repeat + warmup(args)):
+    for _ in range(rounds(args, point) + warmup(args)):
         for key in BASELINES[name]:
             if key != "memcpy":
                 _barrier(group)
@@ -310,7 +318,7 @@ def memory(args: argparse.Namespace, row: Row, name: str) -> tuple[list[str], st
 
 def print_rows(args: argparse.Namespace, rows: Sequence[Row]) -> None:
     print(f"{args.bucket / 2**20:g} MiB buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}"
-          f"{_LANDS if args.into else ''}, median of {args.repeat}, torch threads {args.threads}; "
+          f"{_LANDS if args.into else ''}, median of {args.repeat} (more below {args.gib:g} GiB), torch threads {args.threads}; "
           "GB/s, and the engine's over its baseline's")
     print(f"  {'weights':>11s} {'tensors':>7s} {'gloo':>7s} {'(a)flat':>7s} {'(b)each':>7s} {'/(a)':>6s} "
           f"{'/(b)':>6s}   {'shm':>7s} {'memcpy':>7s} {'/memcpy':>7s}")
@@ -415,7 +423,7 @@ def plot(args: argparse.Namespace, size_rows: Sequence[Row], count_rows: Sequenc
     figure.legend(*panels[0].get_legend_handles_labels(), loc="lower center", ncol=len(STYLES), fontsize=9)
     figure.suptitle(f"weight sync, one sender and one receiver process: {args.bucket / 2**20:g} MiB buckets, "
                     f"checksums {'on' if args.verify else 'off'}, apply {args.apply}{_LANDS if args.into else ''}, "
-                    f"median of {args.repeat}")
+                    f"median of {args.repeat} (more below {args.gib:g} GiB)")
     figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(args.plot, dpi=120)
     plt.close(figure)
@@ -428,7 +436,8 @@ def note(args: argparse.Namespace, rows: Sequence[Row]) -> str:
         f"Sizes at {args.tensors} tensors and tensor counts at {args.gib:g} GiB, float32; {args.bucket / 2**20:g} MiB "
         f"buckets, checksums {'on' if args.verify else 'off'}, apply {args.apply}{_LANDS if args.into else ''}"
         f"{' (the sender flattened)' if args.flat else ''}; each engine of each row in a fresh "
-        f"sender and receiver process, median of {args.repeat} syncs after {warmup(args)} untimed round(s). Peak memory: the "
+        f"sender and receiver process, median of {args.repeat} syncs (of as many as move {args.repeat} x {args.gib:g} GiB at "
+        f"a smaller size) after {warmup(args)} untimed round(s). Peak memory: the "
         "rise of each side's peak RSS (VmHWM, reset through /proc/self/clear_refs before each sync) over its RSS "
         "before the engine's first sync, with the library code the syncs paged in (RssFile's rise) in brackets; the "
         f"bound is {bound_text(args)}, and the verdict leaves the code out."
