@@ -2,8 +2,8 @@
 of `slot_bytes`) or apart (`join`), and the header's format.
 
 The header holds the magic of the bucket format, the sync's version, the bucket's index and
-the bytes it uses, so a receiver can tell a bucket of another sync or another place from the
-one it waits for before it reads a byte of data (`receiver`). `join` carves one slot per
+the bytes it uses, so a receiver tells a bucket of another sync or another place from the
+one it waits for before it hashes or hands out any of it (`receiver`). `join` carves one slot per
 bucket from one buffer, every bucket's data back to back and the headers after them, so a
 tensor split across buckets lies whole in the buffer (`buckets.Layout.unpack`).
 """
