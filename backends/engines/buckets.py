@@ -123,7 +123,7 @@ class Layout:
     def _check_held(self, k: int, tensors: Sequence[torch.Tensor]) -> None:
         """`EngineError` naming a piece's tensor that reads bytes its storage no longer holds
         (`outside_storage`): copying it would read freed memory. Checked as a program is worked
-        out, so again whenever a tensor moved (a freed storage moves its data pointer)."""
+        out, so again whenever `describe` finds a tensor moved or its storage of another size."""
         for p in self.plan.buckets[k]:
             if p.nbytes and (held := outside_storage(tensors[p.index])) is not None:
                 raise EngineError(f"tensor {p.index} {self.plan.tensors[p.index].name[:80]!r} reads bytes outside its "

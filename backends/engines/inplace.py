@@ -30,7 +30,7 @@ from backends.engines.buckets import Layout
 from backends.engines.slots import HEADER_BYTES, Slot
 from backends.engines.flat import Named, is_model, kind_problem, named_pairs
 from backends.engines.plan import Plan, PlanRefused, align
-from backends.engines.sources import Source, describe, place
+from backends.engines.sources import Source, describe, outside_storage, place
 from lifecycle.errors import EngineError
 
 
@@ -99,6 +99,9 @@ def _slots(plan: Plan, tensors: dict[str, torch.Tensor], beside: list[tuple[str,
         if tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape:
             raise PlanRefused(f"it sends {meta.name!r} as {meta.dtype} {list(meta.shape)}; the rollout holds "
                               f"{tensor.dtype} {list(tensor.shape)}")
+        if (held := outside_storage(tensor)) is not None:
+            raise PlanRefused(f"into= holds {meta.name!r}, whose storage holds {held} bytes, fewer than it reads: "
+                              "freed or shrunk (untyped_storage().resize_)")
         other = places.setdefault(place(tensor), meta.name) if tensor.numel() else meta.name
         if other != meta.name:
             raise PlanRefused(f"it sends {other!r} and {meta.name!r}, which the rollout ties (one tensor under two "

@@ -177,11 +177,13 @@ class BucketEngine(CheckpointEngine):
         start = time.perf_counter()
         phases = self._phases = dict.fromkeys(("plan", "pack", "wire", "apply", "hash"), 0.0)
         pairs = pairs_of(self.name, named_tensors)
-        sources = describe(pairs, self._described[0])
+        held: list[torch.UntypedStorage] = []  # read by address until the last bucket is hashed: memory a
+        # tensor gives back meanwhile (set_) is not freed under a memmove
+        sources = describe(pairs, self._described[0], held)
         layout = self._send_layout(self._metas(pairs, sources))
         tensors = [tensor for _, tensor in pairs]
-        held = list(map(torch.Tensor.untyped_storage, tensors))  # noqa: F841 - read by address until the
-        # last bucket is hashed: memory a tensor gives back meanwhile (set_) is not freed under a memmove
+        if sources is None:  # describe stopped early; `_metas` checked every tensor is plain memory since
+            held = list(map(torch.Tensor.untyped_storage, tensors))
         self._sent = version  # from here the sync's keys are this send's: a retry in the session is refused
         ident = self._link.publish(control, layout.raw)
         control.set("version", str(version))

@@ -51,18 +51,22 @@ def _code(key: object) -> int:
     return _CODES.setdefault(key, next(_NUMBERS)) if code is None else code
 
 
-def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = None) -> Source | None:
+def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = None,
+             held: list[torch.UntypedStorage] | None = None) -> Source | None:
     """A fingerprint of all that packing the tensors' pieces depends on, and of every byte they
     reach: per tensor its name, device, dtype, shape, address, whether it is contiguous (and if
-    not, its strides), and its lazy conjugate and negation bits. Equal fingerprints mean the
-    same plan, the same copies from the same addresses and the same bytes reached: a contiguous
+    not, its strides), how many bytes its storage holds, and its lazy conjugate and negation
+    bits. Equal fingerprints mean the same plan, the same copies from the same addresses and the
+    same bytes reached, each inside its storage (a storage shrunk or freed and given memory again
+    at the same address tells by its size: `Layout.program` checks the bounds again): a contiguous
     tensor is its bytes at its address, whatever its strides on size-1 dimensions or its offset
     in its storage (`Layout.region` places a region by address too); any other tensor is copied
     by torch from the tensor as it is at the time, and reaches what its strides say (which a
     receiver's kept landing relies on: `inplace.Landing`). `last` itself when
     the tensors are as `last` describes them (so a sender can tell by identity); None when a
     tensor is not plain strided memory (then nothing is reused, and the sender checks each
-    tensor: `memory_problem`).
+    tensor: `memory_problem`). `held`, when given, gets every tensor's storage (a sender holds
+    them until its last bucket is hashed): read here anyway, so not read twice.
 
     Read by column, `_CHUNK` tensors at a time: each attribute of every tensor in the chunk by
     one `map` (the loop runs in C, so a tensor costs its torch attribute reads, under 1 us in
@@ -95,10 +99,14 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
             update(array("Q", map(len, names)))
             update("".join(names).encode(errors="surrogatepass"))
             contiguous = bytes(map(torch.Tensor.is_contiguous, tensors))
-            for column in (array("Q", map(torch.Tensor.data_ptr, tensors)), array("Q", map(len, shapes)),
+            update(array("Q", map(torch.Tensor.data_ptr, tensors)))  # raises first for what has no storage
+            storages = list(map(torch.Tensor.untyped_storage, tensors))
+            for column in (array("Q", map(torch.UntypedStorage.nbytes, storages)), array("Q", map(len, shapes)),
                            array("Q", itertools.chain.from_iterable(shapes)), contiguous,
                            bytes(map(torch.Tensor.is_neg, tensors))):
                 update(column)
+            if held is not None:
+                held.extend(storages)
             if 0 in contiguous:  # the strides of those that are not: what they reach (a landing checks it)
                 strided = itertools.compress(tensors, map(operator.not_, contiguous))
                 update(array("q", itertools.chain.from_iterable(map(torch.Tensor.stride, strided))))
@@ -216,9 +224,11 @@ def casts(source: torch.dtype, wire: torch.dtype) -> bool:
 
 def place(tensor: torch.Tensor) -> tuple[object, ...]:
     """Where a tensor's values lie: two tensors of one place are one (tied weights, or a state
-    dict's detached views of one parameter)."""
-    return (tensor.device, tensor.dtype, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-            tuple(tensor.shape), tensor.stride())
+    dict's detached views of one parameter). By address and, for a tensor that is not
+    contiguous, strides: a contiguous tensor is its bytes at its address, whatever its storage
+    or the strides of its size-1 dimensions, as `describe` reads it."""
+    return (tensor.device, tensor.dtype, tensor.data_ptr(), tuple(tensor.shape),
+            None if tensor.is_contiguous() else tensor.stride())
 
 
 def outside_storage(tensor: torch.Tensor) -> int | None:

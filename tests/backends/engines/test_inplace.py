@@ -305,6 +305,35 @@ def test_a_strided_tensor_whose_new_strides_reach_into_a_kept_landing_is_refused
     assert x.tolist() == [0.0, 0.0]
 
 
+def test_an_unsent_name_tied_to_a_sent_weight_through_other_size_1_strides_is_landed_as_a_kept_landing_would() -> None:
+    """The same bytes at the same address, viewed with another stride on a size-1 dimension, are
+    the same weight (`sources.place`): a fresh landing takes it as the kept one does."""
+    from backends.engines.inplace import Landing
+
+    w = torch.zeros(64)[:16].view(1, 16)
+    odd = w.as_strided((1, 16), (999, 1))
+    plan = make_plan([TensorMeta("w", torch.float32, (1, 16))], 4096, True)
+    for tied in (w.view(1, 16), odd):
+        layout = Landing().layout_for(plan, plan.to_bytes(), [("w", w), ("tied", tied)], torch.device("cpu"))
+        assert layout.slots[0].data.data_ptr() == w.data_ptr()
+
+
+def test_a_rollout_tensor_whose_storage_was_freed_after_a_landing_was_kept_is_refused_naming_it() -> None:
+    """The landing would write into memory the rollout gave back (FSDP frees unsharded
+    parameters with `untyped_storage().resize_(0)`): a receiver refuses the plan, naming it."""
+    from backends.engines.inplace import Landing
+
+    model = _BufferInPadding()
+    model.register_buffer("x", torch.ones(1))  # apart
+    plan = make_plan([TensorMeta("a", torch.float32, (15,)), TensorMeta("b", torch.float32, (16,))], 4096, True)
+    landing = Landing()
+    kept = landing.layout_for(plan, plan.to_bytes(), model, torch.device("cpu"))
+    assert landing.layout_for(plan, plan.to_bytes(), model, torch.device("cpu")) is kept
+    model.a.untyped_storage().resize_(0)
+    with pytest.raises(PlanRefused, match="into= holds 'a', whose storage holds 0 bytes, fewer than it reads"):
+        landing.layout_for(plan, plan.to_bytes(), model, torch.device("cpu"))
+
+
 @pytest.mark.parametrize(("into", "reason"), [
     ({"w": torch.eye(3).to_sparse()}, "into= holds 'w', which is not a strided tensor"),
     ([("w", torch.zeros(3)), ("w", torch.zeros(3))], "into= holds 'w', which is named twice"),

@@ -97,6 +97,8 @@ def _changed(change: str) -> tuple[Named, Named]:
         "shape, same bytes": (base[:8], base[:8].view(2, 4)),
         "contiguity": (base[:16].view(4, 4), base[:16].view(4, 4).t()),
         "strides of a tensor that is not contiguous": (base.as_strided((2,), (2,)), base.as_strided((2,), (20,))),
+        # the same address and bytes, in a storage that holds fewer (one shrunk and given memory again there)
+        "how much its storage holds": (torch.from_numpy(base.numpy())[:8], torch.from_numpy(base.numpy()[:8])),
         "lazy negation": (z.imag, z.conj().imag),
         "lazy conjugate": (z, z.conj()),
     }
@@ -112,7 +114,7 @@ def _changed(change: str) -> tuple[Named, Named]:
 
 
 @pytest.mark.parametrize("change", ["address", "dtype", "shape, same bytes", "contiguity",
-                                    "strides of a tensor that is not contiguous",
+                                    "strides of a tensor that is not contiguous", "how much its storage holds",
                                     "lazy negation", "lazy conjugate", "name",
                                     "where one name ends and the next begins", "count"])
 def test_describe_tells_apart_tensors_that_differ_in_any_one_fact_packing_depends_on(change: str) -> None:
@@ -132,23 +134,23 @@ def test_describe_tells_apart_chunks_of_one_dtype_from_chunks_of_several() -> No
 def _moved_unseen(change: str) -> tuple[Named, Named]:
     """Two lists of the same bytes at the same addresses, differing only in `change`: one packing
     does not depend on (`describe` does not read it)."""
-    base = torch.arange(64, dtype=torch.float32)  # a fresh storage: its start is aligned, and so is base[16]
+    memory = torch.arange(80, dtype=torch.float32).numpy()  # torch's: its start is aligned, and so is [16]
+    base = torch.from_numpy(memory[:64])
     before: Named = [("a", base[16:32]), ("b", base[32:48].view(1, 16))]
     if change == "strides of a size-1 dimension":
         after = [("a", base[16:32]), ("b", base[32:48].as_strided((1, 16), (1, 1)))]
-    elif change == "another storage at the same addresses":  # numpy's, starting where "a" does: the region,
-        # 64 bytes into base's storage, sits at 0 in this one (and 64 bytes in, it would hold the wrong bytes)
-        after = [("a", torch.from_numpy(base.numpy()[16:])[:16]), before[1]]
-    else:
-        assert change == "a storage too short for the region"  # a region from "a"'s storage is refound
-        after = [("a", torch.from_numpy(base.numpy()[16:32])), before[1]]
+    else:  # a storage as large, starting where "a" does: the region, 64 bytes into base's storage, sits at
+        # 0 in this one (and 64 bytes in, it would hold the wrong bytes)
+        assert change == "another storage of the same size at the same addresses"
+        after = [("a", torch.from_numpy(memory[16:])[:16]), before[1]]
+        assert after[0][1].untyped_storage().nbytes() == base.untyped_storage().nbytes()
     for (_, x), (_, y) in zip(before, after):
         assert x.data_ptr() == y.data_ptr() and x.shape == y.shape and y.is_contiguous()
     return before, after
 
 
-@pytest.mark.parametrize("change", ["strides of a size-1 dimension", "another storage at the same addresses",
-                                    "a storage too short for the region"])
+@pytest.mark.parametrize("change", ["strides of a size-1 dimension",
+                                    "another storage of the same size at the same addresses"])
 def test_what_describe_does_not_read_leaves_the_fingerprint_and_reused_programs_still_deliver_the_bytes(
         change: str) -> None:
     """Strides of size-1 dimensions and offsets in a storage change nothing packing does: a
@@ -275,10 +277,13 @@ def test_a_region_whose_storage_no_longer_holds_it_is_looked_for_again_not_viewe
     _assert_delivers(layout, named)
 
 
+@pytest.mark.parametrize("how", ["freed", "shrunk"])
 @pytest.mark.parametrize("kind", ["contiguous", "strided", "in a region"])
-def test_a_tensor_whose_storage_was_freed_is_refused_naming_it_not_read(kind: str) -> None:
+def test_a_tensor_whose_storage_was_freed_is_refused_naming_it_not_read(kind: str, how: str) -> None:
     """FSDP frees an unsharded parameter's memory with `untyped_storage().resize_(0)`; the tensor
-    keeps its shape and points at what is no longer its own: copying it reads freed memory."""
+    keeps its shape and points at what is no longer its own: copying it reads freed memory.
+    Shrunk: given 32 bytes again, often at the same address (so the same data pointer, and
+    only the storage's size tells), fewer than each of these reads."""
     base = torch.arange(64, dtype=torch.float32)
     tensor = {"contiguous": base[16:32], "strided": base.as_strided((8,), (2,), 16), "in a region": base[:16]}[kind]
     named: Named = [("before", torch.randn(8)), ("freed", tensor)] if kind != "in a region" else [("freed", tensor)]
@@ -286,8 +291,11 @@ def test_a_tensor_whose_storage_was_freed_is_refused_naming_it_not_read(kind: st
     layout.bind_sources(describe(named))
     _assert_delivers(layout, named)
     base.untyped_storage().resize_(0)
+    if how == "shrunk":
+        base.untyped_storage().resize_(32)
     layout.bind_sources(describe(named))
-    with pytest.raises(EngineError, match="'freed' reads bytes outside its storage, which holds 0"):
+    held = 0 if how == "freed" else 32
+    with pytest.raises(EngineError, match=f"'freed' reads bytes outside its storage, which holds {held}:"):
         layout.pack(0, [t for _, t in named])
 
 
