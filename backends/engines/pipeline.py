@@ -182,8 +182,8 @@ class BucketEngine(CheckpointEngine):
         sources = describe(pairs, self._described[0], held)
         layout = self._send_layout(self._metas(pairs, sources))
         tensors = [tensor for _, tensor in pairs]
-        if sources is None:  # describe stopped early; `_metas` checked every tensor is plain memory since
-            held = list(map(torch.Tensor.untyped_storage, tensors))
+        if sources is None:  # describe stopped early; `_metas` has refused any tensor that is not plain
+            held = list(map(torch.Tensor.untyped_storage, tensors))  # memory, so each has a storage
         self._sent = version  # from here the sync's keys are this send's: a retry in the session is refused
         ident = self._link.publish(control, layout.raw)
         control.set("version", str(version))
