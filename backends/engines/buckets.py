@@ -241,15 +241,10 @@ class Layout:
         used = self.plan.used(k)
         index, address = program.region
         storage = tensors[index].untyped_storage()
-        start = address - storage.data_ptr()
-        if start < 0 or start + used > storage.nbytes():  # another storage at the same addresses
-            self._programs.pop(k, None)
-            program = self.program(k, tensors)  # found again, its bounds checked
-            if program.region is None:
-                return None
-            index, address = program.region
-            storage = tensors[index].untyped_storage()
-            start = address - storage.data_ptr()
+        start = _inside(storage, address, used)
+        if start is None:  # another storage at the same addresses: looked for again, and a region
+            self._programs.pop(k, None)  # found is inside its storage, so this goes one call deep
+            return self.region(k, tensors)
         return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start, (used,))
 
     def _find_region(self, k: int, tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
@@ -270,10 +265,7 @@ class Layout:
                 base, storage, index = at, src.untyped_storage(), p.index
             elif at != base or src.untyped_storage().data_ptr() != storage.data_ptr():
                 return None
-        if storage is None or base % ALIGN:
-            return None
-        start = base - storage.data_ptr()
-        if start < 0 or start + used > storage.nbytes():
+        if storage is None or base % ALIGN or _inside(storage, base, used) is None:
             return None
         return index, base
 
@@ -341,6 +333,12 @@ class Layout:
 
     def names(self, k: int) -> list[str]:
         return [self.plan.tensors[p.index].name for p in self.plan.buckets[k]]
+
+
+def _inside(storage: torch.UntypedStorage, address: int, nbytes: int) -> int | None:
+    """Where `nbytes` from `address` start in `storage`, None when it does not hold them all."""
+    start = address - storage.data_ptr()
+    return start if start >= 0 and start + nbytes <= storage.nbytes() else None
 
 
 @functools.lru_cache(maxsize=1024)

@@ -30,7 +30,7 @@ from backends.engines.buckets import Layout
 from backends.engines.slots import HEADER_BYTES, Slot
 from backends.engines.flat import Named, is_model, kind_problem, named_pairs
 from backends.engines.plan import Plan, PlanRefused, align
-from backends.engines.sources import Source, describe, outside_storage, place
+from backends.engines.sources import Source, describe, outside_storage, place, span
 from lifecycle.errors import EngineError
 
 
@@ -142,20 +142,11 @@ def _check_apart(slots: list[Slot], unsent: list[tuple[str, torch.Tensor]]) -> N
     for name, tensor in unsent:
         if not tensor.numel():
             continue
-        low, high = _span(tensor)
+        low, high = span(tensor)
         i = bisect.bisect_right(starts, high - 1) - 1
         if i >= 0 and ranges[i][1] > low:
             raise PlanRefused(f"bucket {ranges[i][2]} would land on {name!r}, a tensor of the rollout's the plan "
                               "does not send")
-
-
-def _span(tensor: torch.Tensor) -> tuple[int, int]:
-    """The addresses [low, high) of every byte a (strided) tensor reads."""
-    low = high = tensor.data_ptr()
-    for size, stride in zip(tensor.shape, tensor.stride()):
-        reach = (size - 1) * stride * tensor.element_size()
-        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
-    return low, high + tensor.element_size()
 
 
 __all__ = ["Landing", "landing_slots", "rollout_tensors"]

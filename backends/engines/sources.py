@@ -69,7 +69,7 @@ def describe(named: Sequence[tuple[str, torch.Tensor]], last: Source | None = No
     them until its last bucket is hashed): read here anyway, so not read twice.
 
     Read by column, `_CHUNK` tensors at a time: each attribute of every tensor in the chunk by
-    one `map` (the loop runs in C, so a tensor costs its torch attribute reads, under 1 us in
+    one `map` (the loop runs in C, so a tensor costs its torch attribute reads, about 1 us in
     all), hashed with xxh3-128, the hash each bucket's bytes are checked with already, so a
     sender keeps 16 bytes however many tensors it sends. Each chunk's count goes first, and
     every column has a length that count or an earlier column fixes (names by their lengths,
@@ -124,8 +124,8 @@ def state_weights(model: Any) -> Iterator[tuple[str, Any]]:
     """A model's weights as a sync sends them: its state dict (parameters and persistent
     buffers), each tied tensor once, under its first name (a receiver ties them again by name).
     Tied means one `place` (a view of another shape, or an empty tensor, is a weight of its
-    own). Only tensors that share an address with another have their place read: the rest cost their address, a small part of what the
-    state dict itself costs. What is not plain memory goes as it is, for the sender to refuse."""
+    own). Only tensors that share an address with another have their place read: the rest cost
+    their address, a small part of what the state dict itself costs. What is not plain memory goes as it is, for the sender to refuse."""
     items = list(model.state_dict().items())
     addresses = _addresses([tensor for _, tensor in items])
     shared = {address for address, count in collections.Counter(addresses).items() if count > 1 and address}
@@ -231,6 +231,15 @@ def place(tensor: torch.Tensor) -> tuple[object, ...]:
             None if tensor.is_contiguous() else tensor.stride())
 
 
+def span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses [low, high) of every byte a (strided, non-empty) tensor reads."""
+    low = high = tensor.data_ptr()
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        reach = (size - 1) * stride * tensor.element_size()
+        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
+    return low, high + tensor.element_size()
+
+
 def outside_storage(tensor: torch.Tensor) -> int | None:
     """The bytes its storage holds when a strided tensor reads past them (or before them), else
     None: a storage freed or shrunk under it (`untyped_storage().resize_`, as FSDP frees unsharded
@@ -238,10 +247,9 @@ def outside_storage(tensor: torch.Tensor) -> int | None:
     if not tensor.numel():
         return None
     storage = tensor.untyped_storage()
-    start = tensor.data_ptr() - storage.data_ptr()
-    reach = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+    low, high = span(tensor)
     held = storage.nbytes()
-    return held if start < 0 or start + reach * tensor.element_size() > held else None
+    return held if low < storage.data_ptr() or high > storage.data_ptr() + held else None
 
 
 def memory_problem(tensor: torch.Tensor) -> str | None:
@@ -277,5 +285,5 @@ class Program:
 
 
 __all__ = ["PLAIN", "Copied", "Program", "Source", "casts", "describe", "memory_problem", "metas_of", "outside_storage",
-           "pairs_of", "place",
+           "pairs_of", "place", "span",
            "sendable", "state_weights", "wire_bytes"]

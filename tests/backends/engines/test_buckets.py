@@ -80,7 +80,6 @@ def test_layout_views_live_inside_the_two_slots() -> None:
     assert layout.fits(slots) and not layout.fits(_slots(256))
 
 
-
 def test_layout_views_are_the_slots_bytes_without_autograd_view_tracking() -> None:
     """A receiver keeps a tensor per piece in every set it holds: tensors of the slot's storage
     that autograd does not track as views (half the memory of a tracked view), which see
@@ -94,6 +93,7 @@ def test_layout_views_are_the_slots_bytes_without_autograd_view_tracking() -> No
     assert all(torch.equal(v, t) for v, (_, t) in zip(views, named))
     layout.slots[0].data.zero_()
     assert all(not v.any() for v in views)
+
 
 def test_header_round_trips_unsigned_64_bit_words() -> None:
     slot = torch.zeros(HEADER_BYTES + 64, dtype=torch.uint8)
