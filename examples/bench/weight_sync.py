@@ -58,10 +58,10 @@ def numels(total: int, count: int) -> list[int]:
     return [embed, embed, *sizes.tolist()]
 
 
-def make_tensors(total: int, count: int, flat: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """`count` float32 tensors of mixed sizes adding up to `total` bytes (a multiple of 4);
-    `flat`: moved into one storage by `flatten_parameters`, as a flattened model's are."""
-    named = [(f"layer.{i}.weight", torch.rand(n)) for i, n in enumerate(numels(total, count))]
+def make_tensors(total: int, count: int, flat: bool = False, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """`count` float32 tensors of mixed sizes adding up to `total` bytes (a multiple of 4), on
+    `device`; `flat`: moved into one storage by `flatten_parameters`, as a flattened model's are."""
+    named = [(f"layer.{i}.weight", torch.rand(n, device=device)) for i, n in enumerate(numels(total, count))]
     if not flat:
         return named
     module = torch.nn.Module()
@@ -290,14 +290,14 @@ def main() -> None:
                              "streamed")
     parser.add_argument("--flat", action="store_true",
                         help="the sender's tensors in one flattened storage (flatten_parameters): gloo sends "
-                             "its buckets from it without packing")
+                             "its buckets from it without packing, shm and cuda_ipc copy each with one copy")
     parser.add_argument("--into", action="store_true",
                         help="the receiver's tensors flattened too, and gloo lands each bucket straight in them "
                              "(receive_into(into=...); implies --flat and --apply streamed)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the cuda_ipc engine against one device-to-device copy, on one GPU "
-                             "(weight_sync_cuda.py)")
+                             "(weight_sync_cuda.py; atomic and streamed, or --apply flip)")
     parser.add_argument("--scale", action="store_true",
                         help="gloo and shm against their baselines over sizes (at --tensors tensors) and tensor "
                              "counts (at --gib GiB), with each side's peak memory (weight_sync_scale.py)")
@@ -344,11 +344,13 @@ def main() -> None:
 def cuda_main(args: argparse.Namespace) -> None:
     import weight_sync_cuda
 
-    rows = weight_sync_cuda.report(args, weight_sync_cuda.run(args, make_tensors(args.total, args.tensors)))
-    figures = [Figure(f"`{label}` against one device-to-device copy", f"{gbps:.1f} GB/s", f"{gbps / ratio:.1f} GB/s",
-                      f"{ratio:.2f}x", ">= 0.8x") for label, gbps, ratio in rows]
+    tensors = make_tensors(args.total, args.tensors, args.flat, device="cuda")
+    rows = weight_sync_cuda.report(args, weight_sync_cuda.run(args, tensors))
+    figures = [Figure(f"`{label}` against one device-to-device copy; sender's phases: {spent}", f"{gbps:.1f} GB/s",
+                      f"{gbps / ratio:.1f} GB/s", f"{ratio:.2f}x", ">= 0.8x") for label, gbps, ratio, spent in rows]
     write_docs(args, "weight_sync.py --device cuda", figures,
-               f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors on {torch.cuda.get_device_name()}, "
+               f"{args.total / 2**30:.3g} GiB in {args.tensors} float32 tensors"
+               f"{' (flattened)' if args.flat else ''} on {torch.cuda.get_device_name()}, "
                f"{args.bucket / 2**20:g} MiB buckets, sender and receiver processes on one GPU, median of "
                f"{args.repeat} syncs after an untimed first round.")
 

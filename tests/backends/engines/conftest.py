@@ -5,17 +5,36 @@ tracebacks of failed syncs hold engines in reference cycles. Freed by a collecti
 happened to run inside the next test's rendezvous, such a store stalled that rendezvous for
 about 5 s (seen only in this test module's back-to-back syncs; engines that are closed free
 their store at once).
+
+`packed` is the fixture of the tests that a sync packs no bucket (test_contiguous, test_nccl).
 """
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+
+from backends.engines.buckets import Layout
 
 
 @pytest.fixture(autouse=True)
 def _collect_engines_between_tests() -> Iterator[None]:
     yield
     gc.collect()
+
+
+@pytest.fixture
+def packed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The buckets `Layout.pack` packs, in order, on either side of every sync of the test."""
+    calls: list[int] = []
+    pack = Layout.pack
+
+    def counted(self: Layout, k: int, tensors: Any, copied: Any = None) -> None:
+        calls.append(k)
+        pack(self, k, tensors, copied)
+
+    monkeypatch.setattr(Layout, "pack", counted)
+    return calls

@@ -38,20 +38,6 @@ from tests.backends.engines.kit import (
 )
 
 
-@pytest.fixture
-def packed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The buckets `Layout.pack` packs, in order, on either side of every sync of the test."""
-    calls: list[int] = []
-    pack = Layout.pack
-
-    def counted(self: Layout, k: int, tensors: Any, copied: Any = None) -> None:
-        calls.append(k)
-        pack(self, k, tensors, copied)
-
-    monkeypatch.setattr(Layout, "pack", counted)
-    return calls
-
-
 class Packing(GlooEngine):
     """The packing path, for reference: every bucket packed into a slot, whatever its sources."""
 
