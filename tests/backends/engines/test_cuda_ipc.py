@@ -242,7 +242,8 @@ def test_a_corrupted_bucket_applies_nothing_and_the_next_sync_delivers_every_dty
 
 def _flip_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any] | None:
     """The trainer: syncs 1, 2 (its last bucket corrupted after its checksum) and 3, then
-    SIGKILLs itself. The rollout adopts each set and generates, before and after that death."""
+    SIGKILLs itself. The rollout adopts each set and generates, before and after that death;
+    its engine is closed after sync 1, so sync 2 finds the set it serves by opening it again."""
     from backends.engines import WeightSync
     from backends.engines.cuda_ipc import CudaIpcEngine
 
@@ -282,6 +283,7 @@ def _flip_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any] | N
     tokens, state = greedy_cuda(model), _state(model)
     where = {name: param.data_ptr() for name, param in model.named_parameters()}
     out["in the set"] = _in_sets(model, engine)
+    engine.close()  # drops the sets it opened; opened again, the set the rollout serves is told by its address
     try:
         receive_into(engine, rollout, rdv[1], rank=1)
         out["error"] = None
@@ -316,7 +318,7 @@ def _alive(pid: int) -> bool:
 def test_a_flip_rollout_keeps_its_set_through_a_corrupted_sync_and_generates_on_after_the_trainer_dies(
         tmp_path: Path) -> None:
     """A corrupted last bucket leaves the rollout on its old set (same addresses, bit-identical,
-    generating as before); once the trainer process is gone (SIGKILL) the set it wrote last,
+    generating as before), also after its engine was closed and opened the sets again; once the trainer process is gone (SIGKILL) the set it wrote last,
     which the rollout serves, is still there: CUDA keeps memory another process opened."""
     _case(tmp_path, ports=[free_port() for _ in range(3)])
     trainer, rollout = run_ranks(_flip_rank, tmp_path, world_size=2, timeout_s=240, killed_ok=True)
