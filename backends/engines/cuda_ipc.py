@@ -22,17 +22,16 @@ so a receiver re-opens them. A mapping opens the whole allocator segment the buc
 (torch's handles are per segment, with an offset), which may hold other tensors of the
 trainer; a receiver only ever reads the bucket's range.
 
-`apply: flip` (on both sides) shares two weight sets in place of the two slots, as `shm` does
-(see `shared`): the sender writes each sync into the set the rollout does not serve, and the
-rollout adopts views into it (`adopt_weights`), so the rollout's weights live in the trainer's
-GPU memory and no byte is copied on the receiving side.
-
 Memory: the sender keeps two buckets of `bucket_bytes` on the GPU between syncs (until
 `close()`); an atomic receiver holds one more copy of the whole sync, a streamed one nothing.
-With `flip` the sender holds two weight sets instead, which the rollout serves from in place
-of weights of its own. CUDA keeps memory that another process opened until that process lets
-go of it, so a set the rollout serves outlives the trainer's `close()`, a new plan's sets, and
-the trainer process itself (the GPU tests kill it and the rollout generates on).
+
+No `apply: flip`: a rollout would serve views into the trainer's memory, kept from reuse only
+by torch's IPC reference counting, which counts one use per export (`_share_cuda_`), not one
+per process or per opening. Tried on an H100: a receiver closed and opened the sets again, the
+trainer closed its engine and allocated new memory, and the weights the rollout served had
+changed (each opening releases the count when it is dropped, so the likely cause is a count
+released twice; not traced further). A flip on one GPU needs sets that the rollout allocates
+and exports and the trainer writes into; that is not built.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ _MAX_OFFSET = 1 << 48
 class CudaIpcEngine(SharedSlotEngine):
     """Sender and receivers on one GPU; `device` defaults to the current CUDA device."""
 
-    capabilities = EngineCapabilities(devices=frozenset({"cuda"}), flips=True)
+    capabilities = EngineCapabilities(devices=frozenset({"cuda"}))
 
     def __init__(self, *, device: int | str | torch.device | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -88,11 +87,6 @@ class CudaIpcEngine(SharedSlotEngine):
             raise EngineError(f"cuda_ipc engine: device {self._requested!r} is not a CUDA device")
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         return {**super().prepare(), "gpu": _uuid(self.device)}
-
-    def _identity(self, index: int) -> object:
-        """Where the set is mapped in this process: torch opens one handle once per process (a
-        second open of the same handle gets the same address while the first lives)."""
-        return self._flip.memory[index].data_ptr() if index < len(self._flip.memory) else None
 
     def _fence(self) -> None:
         """The whole device: a rollout's `load_weights` may copy on a stream of its own."""
