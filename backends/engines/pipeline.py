@@ -1,9 +1,9 @@
 """The double-buffered bucket pipeline every transport engine shares (gloo, nccl, hccl, shm, cuda_ipc).
 
 The sender has two bucket slots: it packs bucket k into slot k % 2 while bucket k - 1 is on
-the wire, and waits for bucket k - 2's transfer before it overwrites that slot (a flip sender
-of shm or cuda_ipc writes each bucket to its own place in the weight set, so it waits for none
-until the last is written). Bucket k starts as soon as it is packed; its checksum is computed while it
+the wire, and waits for bucket k - 2's transfer before it overwrites that slot (a shm flip
+sender writes each bucket to its own place in the weight set, so it waits for none until the
+last is written). Bucket k starts as soon as it is packed; its checksum is computed while it
 is on the wire (on a host by the engine's checksum worker, `digests.Checksums`) and sent after
 it as `digest/{k}` (16 lowercase hex digits), as soon as it is ready and at the latest once
 bucket k + 1 has started. A receiver has buckets k and k + 1 posted; it checks bucket k's
@@ -86,7 +86,7 @@ class BucketEngine(CheckpointEngine):
         self._regions: list[torch.Tensor | None] = [None] * SLOTS
         """The sender's data region of the bucket in each slot, None where it was packed into the slot."""
         self._flip = WeightSets()
-        """A flip receiver's two weight sets (`sets`); a shared-slot sender (shm, cuda_ipc) keeps the shared ones here too."""
+        """A flip receiver's two weight sets (`sets`); shm's sender keeps the shared ones here too."""
         self._phases: dict[str, float] = {}
         """The current send's phase timings (`SyncStats.phases`)."""
         self._described: tuple[Source | None, torch.dtype | None, list[TensorMeta]] = (None, None, [])
@@ -310,7 +310,7 @@ class BucketEngine(CheckpointEngine):
 
     def _bind(self, layout: Layout) -> Layout:
         """Once every receiver accepted the plan (a receiver: once it did), the layout the buckets
-        travel in: `layout` itself, but for a shared-slot flip, which picks a weight set here."""
+        travel in: `layout` itself, but for shm's flip, which picks a weight set here."""
         return layout
 
     def _handed_out(self) -> None:

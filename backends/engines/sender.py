@@ -32,7 +32,7 @@ def send_buckets(engine: BucketEngine, layout: Layout, tensors: Sequence[torch.T
 
     With two slots, bucket k waits for bucket k - 2's transfer (its slot) and for its checksum's
     being sent, so digest k - 2 goes out at the latest before bucket k is packed; later digests
-    go as soon as they are ready. A sender with a slot per bucket (a shared flip: each bucket has
+    go as soon as they are ready. A sender with a slot per bucket (shm's flip: each bucket has
     its own place in the weight set) waits for no receiver until the last bucket is written,
     and on a host copies buckets that lie in its weights' storage as they lie in the set
     together, with one memmove (`pack_together`)."""
