@@ -25,13 +25,16 @@ trainer; a receiver only ever reads the bucket's range.
 Memory: the sender keeps two buckets of `bucket_bytes` on the GPU between syncs (until
 `close()`); an atomic receiver holds one more copy of the whole sync, a streamed one nothing.
 
-No `apply: flip`: a rollout would serve views into the trainer's memory, kept from reuse only
-by torch's IPC reference counting, which counts one use per export (`_share_cuda_`), not one
-per process or per opening. Tried on an H100: a receiver closed and opened the sets again, the
-trainer closed its engine and allocated new memory, and the weights the rollout served had
-changed (each opening releases the count when it is dropped, so the likely cause is a count
-released twice; not traced further). A flip on one GPU needs sets that the rollout allocates
-and exports and the trainer writes into; that is not built.
+`apply: flip` (on both sides) lands each sync in one of two weight sets that the rollout's
+process allocates and exports (`rollout_owns_sets`, see `shared`): the sender opens them and
+writes the sync into the set the rollout does not serve, and the rollout adopts views into it.
+One copy a byte, no private copy, and one receiver a sync. The sets are the rollout's memory,
+so nothing the trainer does with its own (closing the engine, freeing, dying) reaches them.
+Sets the trainer allocated and shared would not be safe: torch's IPC reference counting,
+which keeps shared memory from reuse, counts one use per export, not per opening, and on an
+H100 a rollout serving such a set saw its weights change once the trainer had closed its
+engine and allocated new memory. A receiver's old sets (after new shapes) stay allocated
+until the sender lets go of them, at its next sync or `close()`.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ _MAX_OFFSET = 1 << 48
 class CudaIpcEngine(SharedSlotEngine):
     """Sender and receivers on one GPU; `device` defaults to the current CUDA device."""
 
-    capabilities = EngineCapabilities(devices=frozenset({"cuda"}))
+    capabilities = EngineCapabilities(devices=frozenset({"cuda"}), flips=True)
+    rollout_owns_sets = True
 
     def __init__(self, *, device: int | str | torch.device | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)

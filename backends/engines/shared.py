@@ -22,6 +22,13 @@ have verified: one copy per byte end to end, and a bad bucket leaves the rollout
 it serves. The set a rollout serves becomes writable again only once a later sync completed
 into the other one. The cost is memory: two weight sets, shared by the sender and every
 receiver of the host, in place of the rollout's own weights.
+
+An engine whose `rollout_owns_sets` (cuda_ipc) has each receiver create its two sets instead
+and publish them (`sets/{rank}`, with the set it asks for in `target/{rank}`); the sender
+opens them and writes the sync into the one asked for, once the receiver has confirmed which
+set, of which publication, the sender names. Memory the rollout serves is then its own: what
+the sender does with its memory, or whether it lives, cannot change it. It takes one receiver
+a sync (each would need the bytes written into its own sets).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from backends.engines.buckets import Layout
 from backends.engines.slots import SLOTS, Slot, as_slots, join, joined_bytes, slot_bytes
 from backends.engines.pipeline import BucketEngine
 from backends.engines.receiver import receivable
-from backends.engines.control import answer, clip
+from backends.engines.control import answer, clip, plan_id
 from backends.engines.plan import ALIGN, Plan, PlanRefused, TensorMeta
 from lifecycle.errors import EngineError
 
@@ -62,6 +69,10 @@ def set_bytes(plan: Plan) -> int:
 class SharedSlotEngine(BucketEngine):
     """A `BucketEngine` whose slots the sender shares; see the module docstring."""
 
+    rollout_owns_sets: bool = False
+    """Flip: each receiver creates and publishes its two weight sets, and the sender writes
+    into them (one receiver a sync); otherwise the sender creates and shares them."""
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._staged: Layout | None = None
@@ -70,7 +81,10 @@ class SharedSlotEngine(BucketEngine):
         kept through `close()` and new publications, so opening the same files again does not
         forget which one is served."""
         self._mapped_from: bytes | None = None
-        """A receiver's: the published value its open slots came from; the same bytes open nothing again."""
+        """A receiver's: the published value its open slots came from; the same bytes open nothing again
+        (with `rollout_owns_sets`, the sender's: the receiver's sets it opened)."""
+        self._own_sets: bytes = b""
+        """With `rollout_owns_sets`, a receiver's publication of the sets it created."""
 
     # -- what a subclass supplies -------------------------------------------------------------
 
@@ -106,7 +120,7 @@ class SharedSlotEngine(BucketEngine):
         """The sender publishes its slots (created once, kept while bucket_bytes stays); a flip
         sender its weight sets, once it knows the plan (`_send_layout`)."""
         if topology.is_sender:
-            self._control().set("shares", b"sets" if self.apply == "flip" else b"buckets")
+            self._control().set("shares", self._shares() if self.apply == "flip" else b"buckets")
         if topology.is_sender and self.apply != "flip":
             if not self.slots or self.slots[0].nbytes != slot_bytes(self.bucket_bytes):
                 self.slots = as_slots(self._create(slot_bytes(self.bucket_bytes)))
@@ -120,12 +134,8 @@ class SharedSlotEngine(BucketEngine):
     def _open_regions(self, plan: Plan, wanted: int, kind: str) -> None:
         """The sender's two shared regions (slots or weight sets), opened unless they are the ones
         opened last; `PlanRefused` unless they are `kind` and of `wanted` bytes each."""
-        control = self._control()
-        shares, raw = control.get_many(["shares", "slots"], watch_closed=True)
-        if shares != kind.encode():
-            mine = "flip" if kind == "sets" else self.apply
-            raise PlanRefused(f"the sender shares {clip(repr(shares.decode(errors='replace')), 40)} and this receiver (engine.apply={mine!r}) "
-                              f"takes {kind}: set engine.apply to 'flip' on both sides or on neither")
+        self._check_shares(kind)
+        raw = self._control().get("slots", watch_closed=True)
         if raw != self._mapped_from:
             self._forget_shared()
             opened = self._open(raw)
@@ -141,6 +151,24 @@ class SharedSlotEngine(BucketEngine):
             raise PlanRefused(f"its bucket_bytes={plan.bucket_bytes} needs shared {kind} of {wanted} bytes; "
                               f"the sender's hold {held}")
 
+    def _shares(self) -> bytes:
+        """What a flip sender shares (`shares`): weight sets of its own, or the rollout's."""
+        return b"rollout-sets" if self.rollout_owns_sets else b"sets"
+
+    def _check_shares(self, kind: str) -> None:
+        """`PlanRefused` unless the sender shares `kind` (slots, weight sets, or the rollout's
+        sets), as this receiver takes."""
+        shares = self._control().get("shares", watch_closed=True)
+        if {shares, kind.encode()} == {b"sets", b"rollout-sets"}:
+            how = ("the sender writes into weight sets of the rollout's and this receiver takes the sender's"
+                   if shares == b"rollout-sets" else
+                   "the sender shares weight sets of its own and this receiver keeps its own")
+            raise PlanRefused(f"{how}: sender and receivers must be the same engine")
+        if shares != kind.encode():
+            mine = "flip" if kind != "buckets" else self.apply
+            raise PlanRefused(f"the sender shares {clip(repr(shares.decode(errors='replace')), 40)} and this receiver (engine.apply={mine!r}) "
+                              f"takes {kind}: set engine.apply to 'flip' on both sides or on neither")
+
     # -- flip: two weight sets ----------------------------------------------------------------
 
     def _send_layout(self, metas: list[TensorMeta]) -> Layout:
@@ -149,12 +177,14 @@ class SharedSlotEngine(BucketEngine):
             return super()._send_layout(metas)
         cached = self._flip.layouts[0] or self._flip.layouts[1]
         plan = cached.plan if cached is not None and self._same_plan(cached.plan, metas) else self._make_plan(metas)
+        raw = cached.raw if cached is not None and cached.plan is plan else plan.to_bytes()
+        if self.rollout_owns_sets:  # the sets are the receiver's: bound once it names them (`_bind`)
+            return Layout(plan, [], raw=raw)
         size = set_bytes(plan)
         if not self._flip.memory or self._flip.memory[0].numel() != size:
             self._flip.hold(self._create(size))
         self._control().set("slots", self._publish())
-        return self._flip.layout(0, plan, cached.raw if cached is not None and cached.plan is plan else plan.to_bytes(),
-                                 self._carve)
+        return self._flip.layout(0, plan, raw, self._carve)
 
     def _bind(self, layout: Layout) -> Layout:
         """Flip: the layout in the set this sync writes. The sender picks it from what every
@@ -166,14 +196,23 @@ class SharedSlotEngine(BucketEngine):
             return layout
         topology, control = self._topology(), self._control()
         if topology.is_sender:
-            target = _pick(dict(zip(topology.receivers, control.get_many([f"target/{r}" for r in topology.receivers]))))
-            if isinstance(target, str):
-                raise EngineError(f"{self.name} engine: {target}")
-            control.set("target", str(target))
+            if self.rollout_owns_sets:
+                target = self._open_rollout_sets(layout.plan)
+                named = f"{target} {plan_id(self._mapped_from or b'')}"
+            else:
+                target = _pick(dict(zip(topology.receivers,
+                                        control.get_many([f"target/{r}" for r in topology.receivers]))))
+                if isinstance(target, str):
+                    raise EngineError(f"{self.name} engine: {target}")
+                named = str(target)
+            control.set("target", named)
             control.await_answers(topology.receivers, "bound", f"refused to take weight set {target}")
         else:
             raw = control.get("target", watch_closed=True)
-            target = int(raw) if raw in (b"0", b"1") else None
+            if self.rollout_owns_sets:  # the very set, of the very publication, it asked for
+                target = self._flip.target if raw == f"{self._flip.target} {plan_id(self._own_sets)}".encode() else None
+            else:
+                target = int(raw) if raw in (b"0", b"1") else None
             if target is None or self._flip.target not in (None, target):
                 reason = (f"the sender writes weight set {clip(repr(raw), 40)}, not the set {self._flip.target} this "
                           f"receiver asked for (its rollout serves the other); nothing was received")
@@ -192,10 +231,48 @@ class SharedSlotEngine(BucketEngine):
         if self.apply != "flip":
             return super()._receive_layout(raw, expected)
         plan = receivable(self, raw, self._flip.plan_of(raw), expected)
+        rank, control = self._topology().rank, self._control()
+        if self.rollout_owns_sets:
+            self._check_shares("rollout-sets")
+            size = set_bytes(plan)
+            if len(self._flip.memory) != SLOTS or any(memory.numel() != size for memory in self._flip.memory):
+                sets = self._create(size)
+                self._flip.hold(sets)
+                self._own_sets = self._publish()
+            target = self._flip.ask()
+            self._flip.target = target = 0 if target is None else target
+            control.set(f"sets/{rank}", self._own_sets)
+            control.set(f"target/{rank}", str(target))
+            return self._flip.layout(target, plan, raw, self._carve)
         self._open_regions(plan, set_bytes(plan), "sets")
         target = self._flip.ask()
-        self._control().set(f"target/{self._topology().rank}", "any" if target is None else str(target))
+        control.set(f"target/{rank}", "any" if target is None else str(target))
         return self._flip.layout(target or 0, plan, raw, self._carve)
+
+    def _open_rollout_sets(self, plan: Plan) -> int:
+        """The sender, `rollout_owns_sets`: the one receiver's two sets opened (unless opened
+        last sync) and checked against the plan; the set it asked for."""
+        topology, control = self._topology(), self._control()
+        if len(topology.receivers) != 1:
+            raise EngineError(f"{self.name} engine: apply 'flip' writes into the rollout's own weight sets, for one "
+                              f"receiver a sync; this sync has {len(topology.receivers)}")
+        rank = topology.receivers[0]
+        raw, asked = control.get_many([f"sets/{rank}", f"target/{rank}"])
+        if asked not in (b"0", b"1"):
+            raise EngineError(f"{self.name} engine: rank {rank} asked for no weight set: {clip(repr(asked), 20)}")
+        if raw != self._mapped_from:
+            self._forget_shared()
+            try:
+                opened = self._open(raw)
+            except PlanRefused as exc:
+                raise EngineError(f"{self.name} engine: rank {rank}'s weight sets: {exc}") from None
+            self._flip.hold(opened)
+            self._mapped_from = raw
+        held, wanted = [memory.numel() for memory in self._flip.memory], set_bytes(plan)
+        if held != [wanted] * SLOTS:
+            raise EngineError(f"{self.name} engine: rank {rank} published weight sets of {held} bytes; the plan "
+                              f"needs {wanted} each")
+        return int(asked)
 
     def _handed_out(self) -> None:
         super()._handed_out()

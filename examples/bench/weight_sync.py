@@ -296,8 +296,8 @@ def main() -> None:
                              "(receive_into(into=...); implies --flat and --apply streamed)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: the cuda_ipc engine against one device-to-device copy, on one GPU, "
-                             "atomic and streamed (weight_sync_cuda.py)")
+                        help="cuda: the cuda_ipc engine against one device-to-device copy, on one GPU "
+                             "(weight_sync_cuda.py; atomic and streamed, or --apply flip)")
     parser.add_argument("--scale", action="store_true",
                         help="gloo and shm against their baselines over sizes (at --tensors tensors) and tensor "
                              "counts (at --gib GiB), with each side's peak memory (weight_sync_scale.py)")
@@ -322,8 +322,6 @@ def main() -> None:
     if args.device == "cuda":
         if args.scale:
             parser.error("--scale measures the host engines (gloo, shm); --device cuda is a bench of its own")
-        if args.apply == "flip":
-            parser.error("--device cuda times cuda_ipc, which does not flip (see backends/engines/cuda_ipc.py)")
         return cuda_main(args)
     if args.scale:
         import weight_sync_scale

@@ -8,8 +8,10 @@ engine's time runs from the first byte packed to the receiver's verdict on every
 receiver takes each tensor (a view of a verified bucket) without copying it into a model,
 as in the host bench. The sync is also timed with checksums off and, receiver side, with
 `apply: streamed` (no private copy), so where the time goes can be read off the figures.
-`--flat` puts the sender's tensors in one storage first (`flatten_parameters`), so each
-bucket is packed with one copy. Each variant's line also gives the sender's phases.
+`--apply flip` times the flip instead (two weight sets in the receiver's GPU memory, which the
+sender writes into and the receiver hands out as views: one copy a byte), with checksums on
+and off. `--flat` puts the sender's tensors in one storage first (`flatten_parameters`), so
+each bucket is packed with one copy. Each variant's line also gives the sender's phases.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from weight_sync import PHASES, _Reader  # the host bench's reader: takes every 
 
 HOST = "127.0.0.1"
 VARIANTS = (("atomic", True), ("atomic", False), ("streamed", True), ("streamed", False))
+FLIP_VARIANTS = (("flip", True), ("flip", False))
+
+
+def variants(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:
+    """(apply, verify) of each timed sync: the flip's, or the copying receivers'."""
+    return FLIP_VARIANTS if args.apply == "flip" else VARIANTS
 
 
 def _engine(args: argparse.Namespace, apply: str, verify: bool) -> Any:
@@ -38,9 +46,9 @@ def _engine(args: argparse.Namespace, apply: str, verify: bool) -> Any:
 
 def receiver(args: argparse.Namespace, ports: dict[str, int]) -> None:
     torch.cuda.set_device(0)
-    engines = {variant: _engine(args, *variant) for variant in VARIANTS}
+    engines = {variant: _engine(args, *variant) for variant in variants(args)}
     for _ in range(args.repeat + 1):
-        for variant in VARIANTS:
+        for variant in variants(args):
             receive_into(engines[variant], _Reader(), Rendezvous(HOST, ports[f"{variant}"]), rank=1)
     for engine in engines.values():
         engine.close()
@@ -61,15 +69,15 @@ def run(args: argparse.Namespace, tensors: list[tuple[str, torch.Tensor]]) -> di
     named = tensors
     flat = torch.empty(args.total, dtype=torch.uint8, device="cuda").fill_(7)
     dst = torch.empty_like(flat)
-    ports = {f"{variant}": free_port(HOST) for variant in VARIANTS}
+    ports = {f"{variant}": free_port(HOST) for variant in variants(args)}
     child = mp.get_context("spawn").Process(target=receiver, args=(args, ports), daemon=True)
     child.start()
-    engines = {variant: _engine(args, *variant) for variant in VARIANTS}
+    engines = {variant: _engine(args, *variant) for variant in variants(args)}
     times: dict[str, list[float]] = defaultdict(list)
     try:
         for rep in range(args.repeat + 1):
             got = {"copy": _copy_seconds(flat, dst)}
-            for variant in VARIANTS:
+            for variant in variants(args):
                 engine = engines[variant]
                 with engine.session(Rendezvous(HOST, ports[f"{variant}"]), rank=0):
                     torch.cuda.synchronize()
@@ -96,7 +104,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> list[tupl
           f"buckets of {args.bucket / 2**20:g} MiB, median of {args.repeat}")
     print(f"  {'one device-to-device copy':40s} {gbps['copy']:8.1f} GB/s")
     rows = []
-    for apply, verify in VARIANTS:
+    for apply, verify in variants(args):
         key = f"{(apply, verify)}"
         label = f"cuda_ipc, apply {apply}, checksums {'on' if verify else 'off'}"
         ratio = gbps[key] / gbps["copy"]

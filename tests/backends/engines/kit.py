@@ -31,7 +31,17 @@ from tests.backends.megatron_util import TINY_QWEN2
 PROMPT = [[3, 14, 15, 92, 65, 35]]
 TRANSPORTS = ["gloo", "shm"]
 """The engines that cross processes and run on any host."""
-CLASSES: dict[str, type[CheckpointEngine]] = {"gloo": GlooEngine, "shm": ShmEngine}
+
+
+class RolloutSetsShm(ShmEngine):
+    """shm whose flip sets the receiver creates and the sender writes into, as cuda_ipc's are
+    (`SharedSlotEngine.rollout_owns_sets`): the protocol cuda_ipc flips with, run on a host."""
+
+    rollout_owns_sets = True
+
+
+CLASSES: dict[str, type[CheckpointEngine]] = {"gloo": GlooEngine, "shm": ShmEngine, "shm-rollout-sets": RolloutSetsShm}
+"""Engines by the names tests give them: the registry's, and test-only ones (`new_engine` builds those too)."""
 TIMEOUT_S = 30.0
 """The timeout_s of the engines whose failures must not wait it out."""
 HANG_GUARD_S = 10.0
@@ -116,6 +126,8 @@ class Run:
 def new_engine(name: str, **kwargs: Any) -> CheckpointEngine:
     kwargs.setdefault("bucket_bytes", 4096)
     kwargs.setdefault("timeout_s", 10.0)
+    if name not in CheckpointEngineRegistry.names():
+        return CLASSES[name](**kwargs)
     return CheckpointEngineRegistry.new(name, **kwargs)
 
 

@@ -8,6 +8,8 @@ checked without a GPU: it is plain JSON, parsed and checked before anything is o
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryCheckpointer, MemoryRollout
 from tests.backends.dist_util import free_port, run_ranks
 from tests.backends.engines.kit import (
-    ModelRollout, die_at_release, digest, greedy, mixed_tensors, read_case, tiny_qwen2,
+    AdoptingRollout, ModelRollout, die_at_release, digest, greedy, mixed_tensors, read_case, tiny_qwen2,
 )
 
 TIMEOUT_S = 30.0
@@ -40,14 +42,12 @@ def test_auto_never_picks_cuda_ipc() -> None:
     assert "cuda_ipc" in CheckpointEngineRegistry.names()
 
 
-def test_cuda_ipc_refuses_flip_when_built() -> None:
-    """A flip rollout would serve the trainer's memory, which torch's IPC counting (one use per
-    export) does not keep from reuse: see the engine's docstring."""
+def test_cuda_ipc_flips_into_sets_the_rollout_owns() -> None:
+    """The trainer's memory is not safe to serve from (see the engine's docstring): a flip
+    receiver creates the sets, the sender writes into them."""
     from backends.engines.cuda_ipc import CudaIpcEngine
 
-    assert not CudaIpcEngine.capabilities.flips
-    with pytest.raises(EngineError, match="cuda_ipc engine: does not take apply='flip'"):
-        CudaIpcEngine(apply="flip")
+    assert CudaIpcEngine.capabilities.flips and CudaIpcEngine.rollout_owns_sets
 
 
 def test_well_formed_handles_parse() -> None:
@@ -142,14 +142,25 @@ def _generation_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, An
             out[str(step)] = {"version": version, "tokens": greedy_cuda(model), "state": _state(model)}
         lc.close()
         return out
-    rollout = ModelRollout(model)
+    flip = case["options"]["apply"] == "flip"
+    rollout = AdoptingRollout(model) if flip else ModelRollout(model)
     engine = CheckpointEngineRegistry.new("cuda_ipc", **case["options"])
     for step, port in enumerate(case["ports"], start=1):
         version = receive_into(engine, rollout, Rendezvous("127.0.0.1", port), rank=1)
         rollout.serve()
         out[str(step)] = {"version": version, "tokens": greedy_cuda(model), "state": _state(model)}
+        if flip:
+            out[f"in the trainer's set {step}"] = _in_sets(model, engine)
     engine.close()
     return out
+
+
+def _in_sets(model: torch.nn.Module, engine: Any) -> bool:
+    """Every parameter of `model` a view into one of the weight sets `engine` opened (flip)."""
+    sets = [(memory.data_ptr(), memory.data_ptr() + memory.numel()) for memory in engine._flip.memory]
+    return len(sets) == 2 and all(
+        any(start <= param.data_ptr() and param.data_ptr() + param.numel() * param.element_size() <= end
+            for start, end in sets) for param in model.parameters())
 
 
 def greedy_cuda(model: torch.nn.Module) -> list[int]:
@@ -173,12 +184,14 @@ def _state(model: torch.nn.Module) -> str:
 
 @pytest.mark.gpu
 @pytest.mark.transformers
-@pytest.mark.parametrize("apply", ["atomic", "streamed"])
+@pytest.mark.parametrize("apply", ["atomic", "streamed", "flip"])
 def test_a_rollout_on_the_trainers_gpu_generates_as_the_trainer_after_each_sync(apply: str, tmp_path: Path) -> None:
     _case(tmp_path, ports=[free_port(), free_port()],
           options={"bucket_bytes": 256 * 1024, "timeout_s": TIMEOUT_S, "apply": apply})
     trainer, rollout = run_ranks(_generation_rank, tmp_path, world_size=2, timeout_s=180)
     assert trainer["1"]["state"] != trainer["2"]["state"]
+    if apply == "flip":  # the rollout's weights are views into the sets the trainer wrote, no copy of its own
+        assert rollout.pop("in the trainer's set 1") and rollout.pop("in the trainer's set 2")
     assert rollout == trainer
     assert [trainer[s]["version"] for s in ("1", "2")] == [1, 2]
 
@@ -233,6 +246,103 @@ def test_a_corrupted_bucket_applies_nothing_and_the_next_sync_delivers_every_dty
     assert "failed its checksum" in sender["corrupted"] and "failed its checksum" in receiver["first"]
     assert receiver["kept"] and receiver["version"] == 4 and receiver["same"]
     assert sender["figures"]["backend"] == "cuda_ipc" and sender["figures"]["version"] == 4
+
+
+def _flip_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any] | None:
+    """The trainer: syncs 1, 2 (its last bucket corrupted after its checksum) and 3, then
+    closes its engine, fills new GPU memory of the sets' sizes and SIGKILLs itself. The rollout
+    adopts each set and generates, before and after all that;
+    its engine is closed after sync 1, so sync 2 lands in new sets of its own."""
+    from backends.engines import WeightSync
+    from backends.engines.cuda_ipc import CudaIpcEngine
+
+    case = read_case(tmp_path / "case.json")
+    rdv = [Rendezvous("127.0.0.1", port) for port in case["ports"]]
+    options = {"bucket_bytes": 64 * 1024, "timeout_s": TIMEOUT_S, "apply": "flip"}
+    model = tiny_qwen2(seed=rank).cuda()
+    if rank == 0:
+        class Corrupting(CudaIpcEngine):
+            corrupt = False
+
+            def _start_send(self, k: int, nbytes: int) -> Any:
+                if self.corrupt and k == len(self.slots) - 1:  # flip: a slot per bucket
+                    self.slots[k].data[5] ^= 0xFF
+                return super()._start_send(k, nbytes)
+
+        engine = Corrupting(**options)
+        sync, seen = WeightSync(engine), {}
+        sync.sync(iter(list(model.named_parameters())), rdv[0], 1)
+        _cuda_step(model, seed=2)
+        engine.corrupt = True
+        try:
+            sync.sync(iter(list(model.named_parameters())), rdv[1], 2)
+            seen["error"] = None
+        except EngineError as exc:
+            seen["error"] = str(exc)
+        engine.corrupt = False
+        _cuda_step(model, seed=3)
+        sync.sync(iter(list(model.named_parameters())), rdv[2], 3)
+        seen.update(tokens=greedy_cuda(model), state=_state(model), buckets=len(engine.slots), pid=os.getpid())
+        sizes = [memory.numel() for memory in engine._flip.memory]
+        engine.close()  # lets go of the rollout's sets it opened
+        filler = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in sizes * 2]  # what would
+        torch.cuda.synchronize()  # take their blocks, were they the trainer's to hand out
+        seen["filled"] = sum(int(f.numel()) for f in filler)
+        (tmp_path / "trainer.part").write_text(json.dumps(seen), encoding="utf-8")
+        (tmp_path / "trainer.part").rename(tmp_path / "trainer.json")
+        os.kill(os.getpid(), signal.SIGKILL)
+    rollout = AdoptingRollout(model)
+    engine = CheckpointEngineRegistry.new("cuda_ipc", **options)
+    out: dict[str, Any] = {"version 1": receive_into(engine, rollout, rdv[0], rank=1)}
+    tokens, state = greedy_cuda(model), _state(model)
+    where = {name: param.data_ptr() for name, param in model.named_parameters()}
+    out["in the set"] = _in_sets(model, engine)
+    engine.close()  # drops its sets (the rollout keeps the one it serves): sync 2 gets two new ones
+    try:
+        receive_into(engine, rollout, rdv[1], rank=1)
+        out["error"] = None
+    except EngineError as exc:
+        out["error"] = str(exc)
+    out["kept"] = (rollout.stale and rollout.weights_version == 1 and _state(model) == state
+                   and greedy_cuda(model) == tokens
+                   and {name: param.data_ptr() for name, param in model.named_parameters()} == where)
+    out["version 3"] = receive_into(engine, rollout, rdv[2], rank=1)
+    out["tokens"], out["state"] = greedy_cuda(model), _state(model)
+    engine.close()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "trainer.json").is_file() or _alive(read_case(tmp_path / "trainer.json")["pid"]):
+        assert time.monotonic() < deadline, "the trainer did not end"
+        time.sleep(0.1)
+    torch.cuda.synchronize()
+    out["after the trainer's death"] = {"tokens": greedy_cuda(model), "state": _state(model)}
+    return out
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.transformers
+def test_a_flip_rollout_keeps_its_set_through_a_corrupted_sync_and_generates_on_after_the_trainer_dies(
+        tmp_path: Path) -> None:
+    """A corrupted last bucket leaves the rollout on its old set (same addresses, bit-identical,
+    generating as before), also after its engine was closed and opened the sets again. Once the
+    trainer closed its engine, took new GPU memory and was SIGKILLed, the set it wrote last,
+    which the rollout serves, is unchanged: the sets are the rollout's own memory."""
+    _case(tmp_path, ports=[free_port() for _ in range(3)])
+    trainer, rollout = run_ranks(_flip_rank, tmp_path, world_size=2, timeout_s=240, killed_ok=True)
+    assert trainer is None  # it killed itself
+    seen = read_case(tmp_path / "trainer.json")
+    assert seen["buckets"] > 1 and "failed its checksum" in seen["error"] and "failed its checksum" in rollout["error"]
+    assert rollout["version 1"] == 1 and rollout["in the set"] and rollout["kept"] and rollout["version 3"] == 3
+    assert (rollout["tokens"], rollout["state"]) == (seen["tokens"], seen["state"])
+    assert rollout["after the trainer's death"] == {"tokens": seen["tokens"], "state": seen["state"]}
 
 
 def _killed_rank(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any] | None:
