@@ -54,9 +54,20 @@ def clip(text: str, limit: int = SHOWN_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... [{len(text)} characters in all]"
 
 
-def answer(error: str | None) -> bytes:
-    """A receiver's answer to the sender (`accepted/{rank}`, `status/{rank}`): ok, or the reason it is not."""
-    return json.dumps({"ok": error is None, "error": None if error is None else clip(error)}).encode()
+def answer(error: str | None, **said: str) -> bytes:
+    """A receiver's answer to the sender (`accepted/{rank}`, `status/{rank}`): ok, or the reason
+    it is not; `said`: what it answers about, echoed for the sender to check (`echoed`)."""
+    return json.dumps({"ok": error is None, "error": None if error is None else clip(error), **said}).encode()
+
+
+def echoed(raw: bytes, key: str) -> str | None:
+    """What an answer (`answer`) echoes under `key`; None when it echoes no string there."""
+    try:
+        data = json.loads(raw)
+    except PARSE_ERRORS:
+        return None
+    value = data.get(key) if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def read_answer(raw: bytes) -> str | None:
@@ -145,10 +156,10 @@ class ControlStore:
         except _STORE_ERRORS as exc:
             raise self._lost(f"reading {_listed(keys)}", exc) from exc
 
-    def await_answers(self, receivers: range, key: str, what: str, *, acknowledge: bool = False) -> None:
+    def await_answers(self, receivers: range, key: str, what: str, *, acknowledge: bool = False) -> list[bytes]:
         """The sender: wait for every receiver's `{key}/{rank}`; an `EngineError` naming each that
-        said no. `acknowledge`: once every answer is read, say so (`heard`), which a receiver that
-        holds its answer waits for (`Receiver.finish`)."""
+        said no, else the answers as read. `acknowledge`: once every answer is read, say so
+        (`heard`), which a receiver that holds its answer waits for (`Receiver.finish`)."""
         keys = [f"{key}/{rank}" for rank in receivers]
         answers = self.get_many(keys)
         if acknowledge:
@@ -158,6 +169,7 @@ class ControlStore:
         if problems:
             raise EngineError(f"{self.engine.name} engine: {len(problems)} of {len(keys)} receiver(s) {what}: "
                               + "; ".join(problems))
+        return answers
 
     def check_worlds(self, topology: Topology) -> None:
         """The sender, before it forms a group: every receiver's Rendezvous has as many ranks as

@@ -43,7 +43,7 @@ from backends.engines.buckets import Layout
 from backends.engines.slots import SLOTS, Slot, as_slots, join, joined_bytes, slot_bytes
 from backends.engines.pipeline import BucketEngine
 from backends.engines.receiver import receivable
-from backends.engines.control import answer, clip, plan_id
+from backends.engines.control import answer, clip, echoed, plan_id
 from backends.engines.plan import ALIGN, Plan, PlanRefused, TensorMeta
 from lifecycle.errors import EngineError
 
@@ -206,7 +206,11 @@ class SharedSlotEngine(BucketEngine):
                     raise EngineError(f"{self.name} engine: {target}")
                 named = str(target)
             control.set("target", named)
-            control.await_answers(topology.receivers, "bound", f"refused to take weight set {target}")
+            confirmed = control.await_answers(topology.receivers, "bound", f"refused to take weight set {target}")
+            if others := [rank for rank, raw in zip(topology.receivers, confirmed) if echoed(raw, "target") != named]:
+                raise EngineError(f"{self.name} engine: receiver(s) {others} confirmed another weight set than the "
+                                  f"{named!r} this sender named (another writer of the store set 'target'); "
+                                  "nothing was written")
         else:
             raw = control.get("target", watch_closed=True)
             if self.rollout_owns_sets:  # the very set, of the very publication, it asked for
@@ -218,7 +222,7 @@ class SharedSlotEngine(BucketEngine):
                           f"receiver asked for (its rollout serves the other); nothing was received")
                 self._answer(f"bound/{topology.rank}", reason)
                 raise EngineError(f"{self.name} engine: rank {topology.rank}: {reason}")
-            control.set(f"bound/{topology.rank}", answer(None))
+            control.set(f"bound/{topology.rank}", answer(None, target=raw.decode()))
         self._flip.target = target
         bound = self._flip.layout(target, layout.plan, layout.raw, self._carve)
         self.slots = bound.slots

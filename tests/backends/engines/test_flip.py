@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from backends.engines import Rendezvous, WeightSync, adopt_weights, receive_into
+from backends.engines.control import plan_id
 from backends.engines.shared import _pick, set_bytes
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
@@ -608,3 +609,50 @@ def test_flip_with_the_senders_sets_on_one_side_and_the_rollouts_on_the_other_is
     assert time.monotonic() - start < HANG_GUARD_S
     assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
     assert "sender and receivers must be the same engine" in str(run.errors[0])
+
+
+def _late_forger(name: str, receiver: Any) -> Any:
+    class LateForger(CLASSES[name]):  # type: ignore[valid-type,misc]
+        """An honest sender beside a store writer who forges two keys: `target` before the
+        receiver reads it, naming the set the receiver asks for (so it confirms), then
+        `target/1`, once it confirmed, naming the set its rollout serves."""
+
+        forge = False
+
+        def _send_layout(self, metas: Any) -> Any:
+            layout = super()._send_layout(metas)
+            if self.forge:
+                asked = 1 - receiver._flip.serving
+                self._control().set("target", f"{asked} {plan_id(receiver._own_sets)}" if self.rollout_owns_sets
+                                    else str(asked))
+            return layout
+
+        def _bind(self, layout: Any) -> Any:
+            if self.forge:
+                self._control().wait(["bound/1"])
+                self._control().set("target/1", str(receiver._flip.serving))
+            return super()._bind(layout)
+
+    return LateForger(apply="flip", bucket_bytes=4096, timeout_s=10)
+
+
+@pytest.mark.parametrize("name", ["shm", "shm-rollout-sets"])
+def test_a_confirmation_of_a_target_the_sender_did_not_write_is_refused_before_a_byte_is_written(name: str) -> None:
+    """helper-60's race made deterministic: without the echo of what the receiver confirmed, the
+    sender wrote the sync into the set the rollout serves."""
+    receiver, rollout, port = _flip(name, bucket_bytes=4096), _Viewing(), free_port()
+    sender = _late_forger(name, receiver)
+    try:
+        assert sync_threads(sender, [receiver], mixed_tensors(0), [rollout], version=1, port=port).versions == [1]
+        before = _served(rollout)
+        sender.forge = True
+        run = sync_threads(sender, [receiver], mixed_tensors(1), [rollout], version=2, port=port)
+        assert isinstance(run.error, EngineError) and "confirmed another weight set" in str(run.error)
+        assert isinstance(run.errors[0], EngineError)
+        assert _unchanged(rollout, before) and rollout.weights_version == 1 and receiver._flip.serving == 0
+        sender.forge = False
+        assert sync_threads(sender, [receiver], mixed_tensors(1), [rollout], version=2, port=port).versions == [2]
+        assert _unchanged(rollout, dict(mixed_tensors(1)))
+    finally:
+        receiver.close()
+        sender.close()

@@ -323,6 +323,9 @@ HOSTILE_SLOTS: dict[str, tuple[Callable[[Path, Path, list[str]], object], str]] 
                       r"its 0 bytes are no bucket's size"),
     "one path": (lambda shm, target, real: [real[0]], r"not 2 distinct paths"),
     "the same path twice": (lambda shm, target, real: [real[0], real[0]], r"not 2 distinct paths"),
+    "the same path twice, spelled apart": (lambda shm, target, real: [real[0], str(Path(real[0]).parent / "."
+                                                                            / Path(real[0]).name)],
+                                           r"not 2 distinct paths"),
     "not a list": (lambda shm, target, real: "nope", r"not 2 distinct paths"),
     "a NUL in its folder": (lambda shm, target, real: [f"{shm}\x00/{_bucket_name('f')}", real[1]],
                             r"is not a bucket of this engine directly inside"),
