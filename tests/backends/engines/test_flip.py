@@ -1,6 +1,7 @@
-"""shm's `apply: flip`: the sender writes a sync into the shared weight set the rollout does not
-serve, the receiver verifies it in place, and the rollout adopts views into it; a bad bucket
-leaves the rollout on the set it serves."""
+"""`apply: flip`: a sync lands in the weight set the rollout does not serve (gloo's own sets, the
+ones shm's sender shares, or the rollout's own ones the sender writes into), the receiver
+verifies it in place, and the rollout adopts views into it; a bad bucket leaves the rollout on
+the set it serves. What only the rollout's own sets do is in test_rollout_sets.py."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
-    CLASSES, HANG_GUARD_S, AdoptingRollout, assert_kept_old_weights, corrupting, greedy, mixed_tensors, new_engine,
-    old_rollout, read_case, sync_threads, tiny_qwen2, train_step,
+    CLASSES, HANG_GUARD_S, AdoptingRollout, corrupting, greedy, mixed_tensors, new_engine, read_case, sync_threads,
+    tiny_qwen2, train_step,
 )
 
 BUCKET = 1 << 16
@@ -509,106 +510,6 @@ def test_a_shm_flip_sender_writes_every_bucket_before_it_waits_for_a_receiver() 
     finally:
         receiver.close()
         sender.close()
-
-
-# -- the rollout's own sets (cuda_ipc's way), on a host ------------------------------------------
-
-
-def test_with_the_rollouts_sets_the_sender_writes_into_what_the_receiver_created_and_a_new_sender_finds_them() -> None:
-    """The receiver creates and publishes its sets; a sender closed after sync 1 (its mappings
-    gone) and a fresh one in its place write syncs 2 and 3 into them, the set not served each time."""
-    trainer, rollout = tiny_qwen2(0), AdoptingRollout(tiny_qwen2(1))
-    receiver, port = _flip("shm-rollout-sets"), free_port()
-    senders = [_flip("shm-rollout-sets"), _flip("shm-rollout-sets")]
-    try:
-        for version, sender, target in ((1, senders[0], 0), (2, senders[1], 1), (3, senders[1], 0)):
-            train_step(trainer, version)
-            run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [rollout], version=version,
-                               port=port)
-            assert run.error is None and run.versions == [version], (run.error, run.errors)
-            assert sender._mapped_from == receiver._own_sets != b"" and not sender._paths
-            assert receiver._flip.serving == target
-            for key, param in rollout.model.named_parameters():
-                assert _inside(param, _set(receiver, target)), key
-            assert greedy(rollout.model) == greedy(trainer)
-            if version == 1:
-                sender.close()
-    finally:
-        receiver.close()
-        for sender in senders:
-            sender.close()
-
-
-class _Forging(CLASSES["shm-rollout-sets"]):  # type: ignore[valid-type,misc]
-    """A sender led astray as a store writer could lead it: to the set the rollout serves (a
-    forged `target/{rank}`), or to other sets than the receiver's (a forged `sets/{rank}`)."""
-
-    served = False
-    decoy: bytes | None = None
-
-    def _open_rollout_sets(self, plan: Any) -> int:
-        if self.decoy is not None:
-            self._control().set(f"sets/{self._topology().receivers[0]}", self.decoy)
-        asked = super()._open_rollout_sets(plan)
-        return 1 - asked if self.served else asked
-
-
-@pytest.mark.parametrize("forged", ["the served set", "another rollout's sets"])
-def test_with_the_rollouts_sets_a_sender_led_to_other_memory_is_refused_before_a_byte_is_written(forged: str) -> None:
-    sender = _Forging(apply="flip", bucket_bytes=4096, timeout_s=10)
-    receiver, rollout, port = _flip("shm-rollout-sets", bucket_bytes=4096), _Viewing(), free_port()
-    other = _flip("shm-rollout-sets", bucket_bytes=4096)
-    try:
-        assert sync_threads(sender, [receiver], mixed_tensors(0), [rollout], version=1, port=port).versions == [1]
-        before = _served(rollout)
-        decoys = other._create(set_bytes(receiver._flip.layouts[0].plan))
-        for decoy in decoys:
-            decoy.fill_(0x5A)
-        if forged == "the served set":
-            sender.served = True
-        else:
-            sender.decoy = other._publish()
-        run = sync_threads(sender, [receiver], mixed_tensors(1), [rollout], version=2, port=port)
-        assert isinstance(run.errors[0], EngineError) and "this receiver asked for" in str(run.errors[0])
-        assert isinstance(run.error, EngineError) and "refused to take weight set" in str(run.error)
-        assert _unchanged(rollout, before) and rollout.weights_version == 1 and receiver._flip.serving == 0
-        assert all(bool((decoy == 0x5A).all()) for decoy in decoys)
-        sender.served, sender.decoy = False, None
-        assert sync_threads(sender, [receiver], mixed_tensors(1), [rollout], version=2, port=port).versions == [2]
-        assert _unchanged(rollout, dict(mixed_tensors(1)))
-    finally:
-        receiver.close()
-        sender.close()
-        other.close()
-
-
-def test_with_the_rollouts_sets_a_second_receiver_is_refused_and_both_keep_their_weights() -> None:
-    sender = _flip("shm-rollout-sets", bucket_bytes=4096)
-    receivers = [_flip("shm-rollout-sets", bucket_bytes=4096) for _ in range(2)]
-    rollouts = [old_rollout(), old_rollout()]
-    try:
-        run = sync_threads(sender, receivers, mixed_tensors(), rollouts)
-        assert isinstance(run.error, EngineError) and "for one receiver a sync; this sync has 2" in str(run.error)
-        assert all(isinstance(error, EngineError) for error in run.errors)
-        for rollout in rollouts:
-            assert_kept_old_weights(rollout)
-    finally:
-        sender.close()
-        for receiver in receivers:
-            receiver.close()
-
-
-@pytest.mark.parametrize(("sender_name", "receiver_name"), [("shm", "shm-rollout-sets"), ("shm-rollout-sets", "shm")])
-def test_flip_with_the_senders_sets_on_one_side_and_the_rollouts_on_the_other_is_refused(
-        sender_name: str, receiver_name: str) -> None:
-    sender, receiver = _flip(sender_name, bucket_bytes=4096), _flip(receiver_name, bucket_bytes=4096)
-    start = time.monotonic()
-    run = sync_threads(sender, [receiver], mixed_tensors())
-    sender.close()
-    receiver.close()
-    assert time.monotonic() - start < HANG_GUARD_S
-    assert isinstance(run.error, EngineError) and isinstance(run.errors[0], EngineError)
-    assert "sender and receivers must be the same engine" in str(run.errors[0])
 
 
 def _late_forger(name: str, receiver: Any) -> Any:
