@@ -60,6 +60,12 @@ def _pick(asked: dict[int, bytes]) -> int | str:
     return wanted.pop() if wanted else 0
 
 
+def _naming(target: int, sets: bytes) -> str:
+    """How a sender writing into the rollout's sets names them (`target`): the set, and the
+    publication of both it opened (`sets/{rank}`), so a receiver confirms the very memory."""
+    return f"{target} {plan_id(sets)}"
+
+
 def set_bytes(plan: Plan) -> int:
     """The bytes of one flip weight set: every bucket of `plan` `join`ed (data back to back, then
     the headers); never less than a slot of `ALIGN` data bytes (what a shared file may be)."""
@@ -118,9 +124,12 @@ class SharedSlotEngine(BucketEngine):
 
     def _connect(self, topology: Topology) -> None:
         """The sender publishes its slots (created once, kept while bucket_bytes stays); a flip
-        sender its weight sets, once it knows the plan (`_send_layout`)."""
+        sender its weight sets, once it knows the plan (`_send_layout`); one that writes into the
+        rollout's sets publishes none (`slots` empty: a receiver reads both keys at once)."""
         if topology.is_sender:
             self._control().set("shares", self._shares() if self.apply == "flip" else b"buckets")
+        if topology.is_sender and self.apply == "flip" and self.rollout_owns_sets:
+            self._control().set("slots", b"")
         if topology.is_sender and self.apply != "flip":
             if not self.slots or self.slots[0].nbytes != slot_bytes(self.bucket_bytes):
                 self.slots = as_slots(self._create(slot_bytes(self.bucket_bytes)))
@@ -134,8 +143,8 @@ class SharedSlotEngine(BucketEngine):
     def _open_regions(self, plan: Plan, wanted: int, kind: str) -> None:
         """The sender's two shared regions (slots or weight sets), opened unless they are the ones
         opened last; `PlanRefused` unless they are `kind` and of `wanted` bytes each."""
-        self._check_shares(kind)
-        raw = self._control().get("slots", watch_closed=True)
+        shares, raw = self._control().get_many(["shares", "slots"], watch_closed=True)
+        self._check_shares(kind, shares)
         if raw != self._mapped_from:
             self._forget_shared()
             opened = self._open(raw)
@@ -155,10 +164,9 @@ class SharedSlotEngine(BucketEngine):
         """What a flip sender shares (`shares`): weight sets of its own, or the rollout's."""
         return b"rollout-sets" if self.rollout_owns_sets else b"sets"
 
-    def _check_shares(self, kind: str) -> None:
-        """`PlanRefused` unless the sender shares `kind` (slots, weight sets, or the rollout's
-        sets), as this receiver takes."""
-        shares = self._control().get("shares", watch_closed=True)
+    def _check_shares(self, kind: str, shares: bytes) -> None:
+        """`PlanRefused` unless what the sender shares (`shares`, as read) is `kind` (slots,
+        weight sets, or the rollout's sets), as this receiver takes."""
         if {shares, kind.encode()} == {b"sets", b"rollout-sets"}:
             how = ("the sender writes into weight sets of the rollout's and this receiver takes the sender's"
                    if shares == b"rollout-sets" else
@@ -198,7 +206,7 @@ class SharedSlotEngine(BucketEngine):
         if topology.is_sender:
             if self.rollout_owns_sets:
                 target = self._open_rollout_sets(layout.plan)
-                named = f"{target} {plan_id(self._mapped_from or b'')}"
+                named = _naming(target, self._mapped_from or b"")
             else:
                 target = _pick(dict(zip(topology.receivers,
                                         control.get_many([f"target/{r}" for r in topology.receivers]))))
@@ -214,7 +222,8 @@ class SharedSlotEngine(BucketEngine):
         else:
             raw = control.get("target", watch_closed=True)
             if self.rollout_owns_sets:  # the very set, of the very publication, it asked for
-                target = self._flip.target if raw == f"{self._flip.target} {plan_id(self._own_sets)}".encode() else None
+                asked = self._flip.target
+                target = asked if asked is not None and raw == _naming(asked, self._own_sets).encode() else None
             else:
                 target = int(raw) if raw in (b"0", b"1") else None
             if target is None or self._flip.target not in (None, target):
@@ -237,7 +246,7 @@ class SharedSlotEngine(BucketEngine):
         plan = receivable(self, raw, self._flip.plan_of(raw), expected)
         rank, control = self._topology().rank, self._control()
         if self.rollout_owns_sets:
-            self._check_shares("rollout-sets")
+            self._check_shares("rollout-sets", control.get("shares", watch_closed=True))
             size = set_bytes(plan)
             if len(self._flip.memory) != SLOTS or any(memory.numel() != size for memory in self._flip.memory):
                 sets = self._create(size)

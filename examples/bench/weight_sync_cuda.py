@@ -66,7 +66,6 @@ def run(args: argparse.Namespace, tensors: list[tuple[str, torch.Tensor]]) -> di
     """Figures per key: 'copy' and one per variant, in seconds, after an untimed first round.
     `tensors` are on the GPU already."""
     torch.cuda.set_device(0)
-    named = tensors
     flat = torch.empty(args.total, dtype=torch.uint8, device="cuda").fill_(7)
     dst = torch.empty_like(flat)
     ports = {f"{variant}": free_port(HOST) for variant in variants(args)}
@@ -82,7 +81,7 @@ def run(args: argparse.Namespace, tensors: list[tuple[str, torch.Tensor]]) -> di
                 with engine.session(Rendezvous(HOST, ports[f"{variant}"]), rank=0):
                     torch.cuda.synchronize()
                     start = time.perf_counter()
-                    stats = engine.send_weights(named, rep + 1)
+                    stats = engine.send_weights(tensors, rep + 1)
                     got[f"{variant}"] = time.perf_counter() - start
                 for phase in PHASES:
                     got[f"{variant}_phase_{phase}"] = stats.phases[phase]

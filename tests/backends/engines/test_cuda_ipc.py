@@ -42,7 +42,7 @@ def test_auto_never_picks_cuda_ipc() -> None:
     assert "cuda_ipc" in CheckpointEngineRegistry.names()
 
 
-def test_cuda_ipc_flips_into_sets_the_rollout_owns() -> None:
+def test_cuda_ipc_declares_flip_into_sets_the_rollout_owns() -> None:
     """The trainer's memory is not safe to serve from (see the engine's docstring): a flip
     receiver creates the sets, the sender writes into them."""
     from backends.engines.cuda_ipc import CudaIpcEngine
