@@ -145,6 +145,14 @@ class ControlStore:
             raise self._lost(f"setting {key!r}", exc) from exc
         self._written.append(key)
 
+    def set_many(self, pairs: dict[str, bytes | str]) -> None:
+        """Every key at once (one store command): a peer reads all of them or none."""
+        try:
+            self.store.multi_set(list(pairs), list(pairs.values()))
+        except _STORE_ERRORS as exc:
+            raise self._lost(f"setting {_listed(list(pairs))}", exc) from exc
+        self._written.extend(pairs)
+
     def get(self, key: str, *, watch_closed: bool = False) -> bytes:
         return self.get_many([key], watch_closed=watch_closed)[0]
 
@@ -172,13 +180,14 @@ class ControlStore:
         return answers
 
     def check_worlds(self, topology: Topology) -> None:
-        """The sender, before it forms a group: every receiver's Rendezvous has as many ranks as
-        its own (`StoreLink._agree`); a `TransportError` naming the first that does not, as soon
-        as its count arrives."""
+        """The sender, before it forms a group: every receiver is the same engine and its
+        Rendezvous has as many ranks as the sender's (`StoreLink._agree`); a `TransportError`
+        naming the first that is not, as soon as it has said."""
         for rank in topology.receivers:
-            theirs = digits(self.get(f"world/{rank}"))
-            if theirs != topology.world_size:
-                raise TransportError(f"{self.engine.name} engine: {_worlds(rank, theirs, topology.world_size)}")
+            engine, world = self.get_many([f"engine/{rank}", f"world/{rank}"])
+            why = _disagree(rank, self.engine.name, engine, topology.world_size, digits(world))
+            if why is not None:
+                raise TransportError(f"{self.engine.name} engine: {why}")
 
     def _lost(self, what: str, exc: BaseException) -> TransportError:
         return TransportError(f"{self.engine.name} engine: lost the rendezvous of sync {self.number} while "
@@ -252,12 +261,25 @@ class ControlStore:
         try:
             self.store.set("closed", b"clean" if clean else b"1")
             if clean:
-                claims = [f"{key}/{rank}" for rank in topology.receivers for key in ("joined", "world")]
+                claims = [f"{key}/{rank}" for rank in topology.receivers for key in ("joined", "engine", "world")]
                 for key in dict.fromkeys([*self._written, *claims]):
                     self.store.delete_key(key)
         except _STORE_ERRORS as exc:
             structlog.get_logger().warning("engine.close_not_marked", engine=self.engine.name, sync=self.number,
                                            error=str(exc))
+
+
+def _disagree(rank: int, senders_engine: bytes | str, receivers_engine: bytes | str, senders_world: int | None,
+              receivers_world: int | None) -> str | None:
+    """Why sender and receiver `rank` cannot sync (`StoreLink._agree`): another engine, or another
+    count of ranks in their Rendezvous; None when they agree."""
+    engines = [e if isinstance(e, str) else e.decode(errors="replace") for e in (senders_engine, receivers_engine)]
+    if engines[0] != engines[1]:
+        sender, receiver = (clip(repr(e), 60) for e in engines)
+        return f"the sender is a {sender} engine and rank {rank} a {receiver} one: sender and receivers must be the same engine"
+    if senders_world != receivers_world:
+        return _worlds(rank, receivers_world, senders_world)
+    return None
 
 
 def _worlds(rank: int, theirs: int | None, senders: int | None) -> str:
@@ -304,14 +326,16 @@ class StoreLink:
         return control
 
     def _agree(self, control: ControlStore, topology: Topology) -> None:
-        """A receiver posts how many ranks its Rendezvous has (`world/{rank}`: a sender forming a
-        group checks it first, `ControlStore.check_worlds`) and refuses a sync whose sender counts
-        otherwise, answering the plan's key so a sender without a group hears it too: ranks that
-        disagree never form a group (gloo overran its timeout several times over doing so)."""
-        sent = digits(control.get("world", watch_closed=True))
-        control.set(f"world/{topology.rank}", str(topology.world_size))
-        if sent != topology.world_size:
-            why = _worlds(topology.rank, topology.world_size, sent)
+        """A receiver posts its engine and how many ranks its Rendezvous has (`engine/{rank}`,
+        `world/{rank}`: a sender forming a group checks them first, `ControlStore.check_worlds`)
+        and refuses a sync whose sender is another engine or counts otherwise, answering the
+        plan's key so a sender without a group hears it too: sides that disagree never form a
+        group, nor wait for keys the other never writes (gloo overran its timeout several times
+        over on another count; another engine waited out timeout_s on both sides)."""
+        engine, world = control.get_many(["engine", "world"], watch_closed=True)
+        control.set_many({f"engine/{topology.rank}": self.engine.name, f"world/{topology.rank}": str(topology.world_size)})
+        why = _disagree(topology.rank, engine, self.engine.name, digits(world), topology.world_size)
+        if why is not None:
             control.set(f"accepted/{topology.rank}", answer(why))
             raise TransportError(f"{self.engine.name} engine: {why}")
 
@@ -329,7 +353,7 @@ class StoreLink:
         self.number += 1
         control = ControlStore(self.engine, self.base, self.number)
         self.base.set("latest", str(self.number))
-        control.set("world", str(world))
+        control.set_many({"engine": self.engine.name, "world": str(world)})
         control.set("open", b"1")
         return control
 

@@ -42,7 +42,7 @@ import structlog
 import torch
 
 from backends.engines.base import (
-    CheckpointEngine, Incoming, SyncStats, Topology, TransportError, check_version,
+    CheckpointEngine, Incoming, SyncStats, Topology, check_version,
 )
 from backends.engines.buckets import Layout
 from backends.engines.slots import SLOTS, Slot, as_slots, join, joined_bytes, slot_bytes
@@ -52,7 +52,7 @@ from backends.engines.flat import Named
 from backends.engines.inplace import Landing
 from backends.engines.control import ControlStore, StoreLink, answer, reference
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan
-from backends.engines.receiver import Receiver, receivable, receive_sizes, sent_version
+from backends.engines.receiver import Receiver, accept, receivable, receive_sizes
 from backends.engines.sender import Packed, send_bucket, send_buckets
 from backends.engines.sets import WeightSets, private_sets
 from lifecycle.errors import EngineError
@@ -321,33 +321,8 @@ class BucketEngine(CheckpointEngine):
 
     def _accept(self, rank: int, version: int | None, expected: Collection[str] | None,
                 into: Named | None = None) -> tuple[int, Layout, Layout]:
-        """Take the sender's version and plan, or refuse them, and answer `accepted/{rank}` either
-        way before any bucket moves: the sender waits for every answer (`ControlStore.await_answers`).
-
-        Returns the version, the layout, and where an atomic receive stages (`_staging`)."""
-        control, sent = self._control(), None
-        try:
-            raw_version, posted = control.get_many(["version", "plan"], watch_closed=True)
-            sent = sent_version(raw_version)
-            if version is not None and version != sent:
-                raise PlanRefused(f"expected weights v{version}, the sender sends v{sent}")
-            if into is not None and not (self.capabilities.lands_in_place and self.apply == "streamed"):
-                raise PlanRefused(f"into= lands every bucket in the rollout's weights as it arrives: that takes "
-                                  f"engine.apply 'streamed' (this receiver: {self.apply!r}) on an engine whose "
-                                  f"capabilities say lands_in_place (this package's gloo, nccl and hccl; this is {self.name})")
-            raw_plan = control.resolve_plan(posted, self._plans)
-            layout = self._receive_layout(raw_plan, expected) if into is None else self._land(raw_plan, expected, into)
-            staging = self._staging(layout) if self.apply == "atomic" else layout
-        except TransportError:
-            raise
-        except Exception as exc:
-            self._answer(f"accepted/{rank}", str(exc))
-            if isinstance(exc, PlanRefused):
-                what = "the sender's plan" if sent is None else f"the plan of weights v{sent}"
-                raise EngineError(f"{self.name} engine: rank {rank} refuses {what}: {exc}") from None
-            raise
-        control.set(f"accepted/{rank}", answer(None))
-        return sent, layout, staging
+        """Take the sender's version and plan, or refuse them (`receiver.accept`)."""
+        return accept(self, rank, version, expected, into)
 
     def _receive_layout(self, raw: bytes, expected: Collection[str] | None) -> Layout:
         """Check the plan (a plan of the very bytes of the last one was checked then) against this

@@ -7,7 +7,7 @@ says, so it trusts none of it: `parse_plan` reads the wire form strictly (an int
 not a bool, float or string) and `check_plan` proves that every tensor is covered exactly
 once, byte for byte and in order, by aligned pieces that stay inside their buckets, before
 any buffer is allocated. A plan that fails is refused with the reason; the receiver names
-itself and tells the sender (see `pipeline.BucketEngine._accept`).
+itself and tells the sender (see `receiver.accept`).
 """
 
 from __future__ import annotations

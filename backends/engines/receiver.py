@@ -21,9 +21,10 @@ from torch.profiler import record_function
 
 from backends.engines.base import Incoming, Topology, TransportError, missing
 from backends.engines.buckets import Layout
+from backends.engines.flat import Named
 from backends.engines.slots import HEADER_BYTES, MAGIC, SLOTS, Slot, read_header
 from backends.engines.digests import settle
-from backends.engines.control import clip, digits
+from backends.engines.control import answer, clip, digits
 from backends.engines.plan import Plan, PlanRefused, parse_plan
 from lifecycle.errors import EngineError
 
@@ -37,6 +38,37 @@ def sent_version(raw: bytes) -> int:
     if version is None:
         raise PlanRefused(f"the sender's version {raw[:40]!r} is not a non-negative integer")
     return version
+
+
+def accept(engine: BucketEngine, rank: int, version: int | None, expected: Collection[str] | None,
+           into: Named | None = None) -> tuple[int, Layout, Layout]:
+    """Take the sender's version and plan, or refuse them, and answer `accepted/{rank}` either
+    way before any bucket moves: the sender waits for every answer (`ControlStore.await_answers`).
+
+    Returns the version, the layout, and where an atomic receive stages (`BucketEngine._staging`)."""
+    control, sent = engine._control(), None
+    try:
+        raw_version, posted = control.get_many(["version", "plan"], watch_closed=True)
+        sent = sent_version(raw_version)
+        if version is not None and version != sent:
+            raise PlanRefused(f"expected weights v{version}, the sender sends v{sent}")
+        if into is not None and not (engine.capabilities.lands_in_place and engine.apply == "streamed"):
+            raise PlanRefused(f"into= lands every bucket in the rollout's weights as it arrives: that takes "
+                              f"engine.apply 'streamed' (this receiver: {engine.apply!r}) on an engine whose "
+                              f"capabilities say lands_in_place (this package's gloo, nccl and hccl; this is {engine.name})")
+        raw_plan = control.resolve_plan(posted, engine._plans)
+        layout = engine._receive_layout(raw_plan, expected) if into is None else engine._land(raw_plan, expected, into)
+        staging = engine._staging(layout) if engine.apply == "atomic" else layout
+    except TransportError:
+        raise
+    except Exception as exc:
+        engine._answer(f"accepted/{rank}", str(exc))
+        if isinstance(exc, PlanRefused):
+            what = "the sender's plan" if sent is None else f"the plan of weights v{sent}"
+            raise EngineError(f"{engine.name} engine: rank {rank} refuses {what}: {exc}") from None
+        raise
+    control.set(f"accepted/{rank}", answer(None))
+    return sent, layout, staging
 
 
 _DIGEST = re.compile(rb"[0-9a-f]{16}")

@@ -26,7 +26,7 @@ from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryCheckpointer, MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
-    CLASSES, HANG_GUARD_S, TRANSPORTS, AdoptingRollout, assert_kept_old_weights, corrupting, mixed_tensors, new_engine, old_rollout,
+    CLASSES, HANG_GUARD_S, TIMEOUT_S, TRANSPORTS, AdoptingRollout, assert_kept_old_weights, corrupting, mixed_tensors, new_engine, old_rollout,
     sync_threads,
 )
 
@@ -924,3 +924,25 @@ def test_a_receiver_rank_beyond_its_rendezvous_is_refused_at_once_and_leaves_the
         receive_into(new_engine("gloo", timeout_s=60), rollout, Rendezvous("127.0.0.1", free_port(), 2), rank=3)
     assert rollout.weights_version == 7 and not rollout.stale and not rollout.paused
     assert all(torch.equal(rollout.serve()[key], value) for key, value in mixed_tensors(seed=7))
+
+
+@pytest.mark.parametrize("apply", ["atomic", "flip"])
+@pytest.mark.parametrize(("sender_name", "receiver_name"), [("gloo", "shm"), ("shm", "gloo")])
+def test_a_sender_and_a_receiver_of_different_engines_both_fail_at_once_naming_both(
+        sender_name: str, receiver_name: str, apply: str) -> None:
+    """Before, neither side looked at what the other was: each waited for keys or a group the
+    other never made, until timeout_s. Now the receiver compares the sender's engine with its
+    own as it joins, and the sender hears the refusal (a group-forming one before it forms it)."""
+    sender = new_engine(sender_name, timeout_s=TIMEOUT_S, apply=apply)
+    receiver = new_engine(receiver_name, timeout_s=TIMEOUT_S, apply=apply)
+    rollout = old_rollout()
+    try:
+        run = sync_threads(sender, [receiver], mixed_tensors(), [rollout])
+    finally:
+        sender.close()
+        receiver.close()
+    assert run.seconds < HANG_GUARD_S
+    said = f"the sender is a '{sender_name}' engine and rank 1 a '{receiver_name}' one"
+    assert isinstance(run.errors[0], EngineError) and said in str(run.errors[0])
+    assert isinstance(run.error, EngineError) and said in str(run.error)
+    assert_kept_old_weights(rollout)

@@ -23,7 +23,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from backends.engines import Rendezvous, TransportError
-from backends.engines import pipeline as pipeline_module
+from backends.engines import receiver as receiver_module
 from backends.engines import shm as shm_module
 from backends.engines.control import SHOWN_CHARS, StoreLink
 from backends.engines.shm import _PREFIX, ShmEngine
@@ -111,7 +111,7 @@ def test_a_hostile_answer_fails_the_sender_at_once_naming_the_rank_in_a_bounded_
     """The receiver accepts, but says so in bytes no honest receiver writes: the sender must
     name it, show at most SHOWN_CHARS of what it said, and close the sync so it ends too."""
     payload, reason = HOSTILE_ANSWERS[case]
-    monkeypatch.setattr(pipeline_module, "answer", lambda error: payload)
+    monkeypatch.setattr(receiver_module, "answer", lambda error: payload)  # what `receiver.accept` answers the plan with
     rollout = old_rollout()
     run = sync_threads(new_engine(name, timeout_s=TIMEOUT_S), [new_engine(name, timeout_s=TIMEOUT_S)],
                        mixed_tensors(), [rollout])

@@ -119,7 +119,7 @@ def test_what_is_not_a_plan_at_all_is_refused(raw: bytes, match: str) -> None:
 
 
 def test_a_refusal_is_an_engine_error_carrying_the_bare_reason() -> None:
-    """The engine adds who refuses (`BucketEngine._accept`); the sender is sent the reason alone."""
+    """The engine adds who refuses (`receiver.accept`); the sender is sent the reason alone."""
     data = _base()
     data["buckets"].insert(1, [])
     assert issubclass(PlanRefused, EngineError)
