@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 _RETRY_S = 0.05
 _POLL_S = 0.25
+_BLOCK_S = 1.0
 _STORE_ERRORS = (RuntimeError, OSError)
 PARSE_ERRORS = (ValueError, TypeError, RecursionError)
 """What reading a peer's bytes can raise: JSONDecodeError and UnicodeDecodeError are ValueErrors,
@@ -196,25 +197,43 @@ class ControlStore:
     def wait(self, keys: list[str], *, watch_closed: bool = False, store: Any = None) -> None:
         """Block until every key is set, at most until the sync's deadline.
 
-        With `watch_closed` (a receiver waiting on the sender), also stop, within a fraction of
-        a second, once the sender has closed this sync: it gave up and will set nothing more.
+        With `watch_closed` (a receiver waiting on the sender), also stop once the sender has
+        closed this sync (it gave up and will set nothing more): a blocking wait of up to
+        `_BLOCK_S` (the store wakes it the moment the keys are set), then, for a longer wait,
+        `_poll`. Blocking waits cut into short slices made torch log two warnings each time one
+        ran out (eight lines a second while a receiver waited on a slow sender).
         """
         what = f"waiting for {_listed(keys)}"
+        store = self.store if store is None else store
+        left = self.engine.remaining(what)
+        try:
+            store.wait(keys, timedelta(seconds=min(left, _BLOCK_S) if watch_closed else left))
+        except _STORE_ERRORS as exc:
+            self.engine.remaining(what)
+            if not watch_closed:
+                raise self._lost(what, exc) from exc
+            self._poll(store, keys, what)
+        if store is self.store:
+            self._written.extend(keys)
+
+    def _poll(self, store: Any, keys: list[str], what: str) -> None:
+        """`wait` past its first `_BLOCK_S`: whether the sender closed the sync, every `_POLL_S`,
+        and whether every key is set (`check`, which never blocks, so nothing is logged) after
+        pauses of a fiftieth of the time waited, so a key is seen at most 2% late."""
+        start = time.monotonic() - _BLOCK_S
         while True:
-            left = self.engine.remaining(what)
-            try:
-                (self.store if store is None else store).wait(
-                    keys, timedelta(seconds=min(left, _POLL_S) if watch_closed else left))
-                break
-            except _STORE_ERRORS as exc:
-                self.engine.remaining(what)
-                if not watch_closed:
-                    raise self._lost(what, exc) from exc
             if self.is_set("closed"):
                 raise TransportError(f"{self.engine.name} engine: the sender gave up on sync {self.number} "
                                      f"while this receiver was {what}")
-        if store is None:
-            self._written.extend(keys)
+            polled = time.monotonic()
+            while time.monotonic() - polled < _POLL_S:
+                try:
+                    if store.check(keys):
+                        return
+                except _STORE_ERRORS as exc:
+                    raise self._lost(what, exc) from exc
+                self.engine.remaining(what)
+                time.sleep(min((time.monotonic() - start) / 50, _POLL_S / 5))
 
     def resolve_plan(self, posted: bytes, kept: dict[str, bytes]) -> bytes:
         """The plan a receiver's sync names (`referenced`): from `kept` (the bytes of the plans

@@ -6,6 +6,8 @@ They still meet through a real rendezvous store and real gloo groups or shared m
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -29,6 +31,8 @@ from tests.backends.engines.kit import (
     CLASSES, HANG_GUARD_S, TIMEOUT_S, TRANSPORTS, AdoptingRollout, assert_kept_old_weights, corrupting, mixed_tensors, new_engine, old_rollout,
     sync_threads,
 )
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _assert_delivered(rollout: MemoryRollout, named: list[tuple[str, torch.Tensor]], version: int) -> None:
@@ -946,3 +950,37 @@ def test_a_sender_and_a_receiver_of_different_engines_both_fail_at_once_naming_b
     assert isinstance(run.errors[0], EngineError) and said in str(run.errors[0])
     assert isinstance(run.error, EngineError) and said in str(run.error)
     assert_kept_old_weights(rollout)
+
+
+_SLOW_SENDER = """
+import sys, threading, time
+from backends.engines import Rendezvous, WeightSync, receive_into
+from tests.backends.dist_util import free_port
+from tests.backends.engines.kit import CLASSES, mixed_tensors, new_engine, old_rollout
+
+class Slow(CLASSES[sys.argv[1]]):
+    def _metas(self, *args, **kwargs):
+        time.sleep(3)
+        return super()._metas(*args, **kwargs)
+
+rdv = Rendezvous("127.0.0.1", free_port(), receivers=1)
+receiver = new_engine(sys.argv[1], timeout_s=30)
+thread = threading.Thread(target=receive_into, args=(receiver, old_rollout(), rdv), kwargs={"rank": 1})
+thread.start()
+sender = Slow(bucket_bytes=4096, timeout_s=30)
+WeightSync(sender).sync(iter(mixed_tensors()), rdv, 1)
+thread.join()
+sender.close()
+receiver.close()
+print("synced")
+"""
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_receiver_waiting_seconds_on_its_sender_logs_one_store_timeout_not_one_a_quarter_second(name: str) -> None:
+    """The receiver waits about 3 s for the plan while the sender describes its weights. It used
+    to wait in 0.25 s slices, and torch logged two lines at each that ran out (24 here)."""
+    done = subprocess.run([sys.executable, "-c", _SLOW_SENDER, name], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "synced", done.stderr[-2000:]
+    assert done.stderr.count("waitForInput") <= 2, done.stderr[-2000:]
