@@ -28,23 +28,23 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import xxhash
 
-from backends.engines.base import Rendezvous, Topology, TransportError
+from backends.engines.base import Topology, TransportError
+from backends.engines.liveness import Watch, rank_of
 from backends.engines.plan import FORMAT, PlanRefused
 from lifecycle.errors import EngineError
 
 if TYPE_CHECKING:
     from backends.engines.base import CheckpointEngine
 
-_RETRY_S = 0.05
 _POLL_S = 0.25
 _BLOCK_S = 1.0
-_STORE_ERRORS = (RuntimeError, OSError)
+STORE_ERRORS = (RuntimeError, OSError)
 PARSE_ERRORS = (ValueError, TypeError, RecursionError)
 """What reading a peer's bytes can raise: JSONDecodeError and UnicodeDecodeError are ValueErrors,
 and JSON nested deeper than the interpreter's stack is a RecursionError."""
 SHOWN_CHARS = 500
 """The most characters of a peer's string a message shows: a message never grows with a peer's."""
-_MAX_SYNC = (1 << 63) - 1
+MAX_SYNC = (1 << 63) - 1
 _PLAN_ID = re.compile(r"[0-9a-f]{32}")
 _KEPT_PLANS = 2
 """Plans a receiver keeps by id (`ControlStore.resolve_plan`), the newest ones."""
@@ -95,7 +95,7 @@ def digits(raw: bytes) -> int | None:
 def sync_number(raw: bytes) -> int | None:
     """A sync's number as the store holds it (1 or more); None for anything else."""
     number = digits(raw)
-    return number if number is not None and 0 < number <= _MAX_SYNC else None
+    return number if number is not None and 0 < number <= MAX_SYNC else None
 
 
 def plan_id(raw: bytes) -> str:
@@ -129,11 +129,13 @@ def referenced(posted: bytes) -> str | None:
 class ControlStore:
     """One sync's keys: every wait ends by the sync's deadline, every failure is a `TransportError`."""
 
-    def __init__(self, engine: CheckpointEngine, base: Any, number: int) -> None:
+    def __init__(self, engine: CheckpointEngine, base: Any, number: int, watch: Watch | None = None) -> None:
         import torch.distributed as dist
 
         self.engine = engine
         self.number = number
+        self.watch = watch
+        """The sender's: its receivers on this host, whose death fails a wait for their keys (`liveness`)."""
         self.store = dist.PrefixStore(f"sync{number}", base)
         self.plans = dist.PrefixStore("plan", base)
         """Plans by id, outside every sync's keys: a plan is posted once while it stays the same."""
@@ -142,7 +144,7 @@ class ControlStore:
     def set(self, key: str, value: bytes | str) -> None:
         try:
             self.store.set(key, value)
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             raise self._lost(f"setting {key!r}", exc) from exc
         self._written.append(key)
 
@@ -150,7 +152,7 @@ class ControlStore:
         """Every key at once (one store command): a peer reads all of them or none."""
         try:
             self.store.multi_set(list(pairs), list(pairs.values()))
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             raise self._lost(f"setting {_listed(list(pairs))}", exc) from exc
         self._written.extend(pairs)
 
@@ -162,7 +164,7 @@ class ControlStore:
         self.wait(keys, watch_closed=watch_closed)
         try:
             return [bytes(value) for value in self.store.multi_get(keys)]
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             raise self._lost(f"reading {_listed(keys)}", exc) from exc
 
     def await_answers(self, receivers: range, key: str, what: str, *, acknowledge: bool = False) -> list[bytes]:
@@ -186,7 +188,7 @@ class ControlStore:
         naming the first that is not, as soon as it has said."""
         for rank in topology.receivers:
             engine, world = self.get_many([f"engine/{rank}", f"world/{rank}"])
-            why = _disagree(rank, self.engine.name, engine, topology.world_size, digits(world))
+            why = disagree(rank, self.engine.name, engine, topology.world_size, digits(world))
             if why is not None:
                 raise TransportError(f"{self.engine.name} engine: {why}")
 
@@ -201,18 +203,24 @@ class ControlStore:
         closed this sync (it gave up and will set nothing more): a blocking wait of up to
         `_BLOCK_S` (the store wakes it the moment the keys are set), then, for a longer wait,
         `_poll`. Blocking waits cut into short slices made torch log two warnings each time one
-        ran out (eight lines a second while a receiver waited on a slow sender).
+        ran out (eight lines a second while a receiver waited on a slow sender). A sender that
+        watches receivers on its host (`watch`) waits in the same way, and stops once one of
+        them ended without setting its keys (`_outlive`).
         """
         what = f"waiting for {_listed(keys)}"
         store = self.store if store is None else store
         left = self.engine.remaining(what)
+        watching = not watch_closed and self.watch is not None and self.watch.watching
         try:
-            store.wait(keys, timedelta(seconds=min(left, _BLOCK_S) if watch_closed else left))
-        except _STORE_ERRORS as exc:
+            store.wait(keys, timedelta(seconds=min(left, _BLOCK_S) if watch_closed or watching else left))
+        except STORE_ERRORS as exc:
             self.engine.remaining(what)
-            if not watch_closed:
+            if watch_closed:
+                self._poll(store, keys, what)
+            elif watching:
+                self._outlive(store, keys, what)
+            else:
                 raise self._lost(what, exc) from exc
-            self._poll(store, keys, what)
         if store is self.store:
             self._written.extend(keys)
 
@@ -230,10 +238,33 @@ class ControlStore:
                 try:
                     if store.check(keys):
                         return
-                except _STORE_ERRORS as exc:
+                except STORE_ERRORS as exc:
                     raise self._lost(what, exc) from exc
                 self.engine.remaining(what)
                 time.sleep(min((time.monotonic() - start) / 50, _POLL_S / 5))
+
+    def _outlive(self, store: Any, keys: list[str], what: str) -> None:
+        """The sender's `wait` past its first `_BLOCK_S`, while it watches receivers on its host:
+        as `_poll`, but instead of the sender's closing, a watched receiver that ended and has
+        not set its keys fails the wait, naming it."""
+        assert self.watch is not None
+        start = time.monotonic() - _BLOCK_S
+        while True:
+            try:
+                if store.check(keys):
+                    return
+                if unread := self.watch.unread:
+                    self.watch.learn({rank: bytes(self.store.get(f"pid/{rank}")) for rank in unread
+                                      if self.store.check([f"pid/{rank}"])})
+                for rank, pid in self.watch.dead(keys).items():
+                    if owed := [key for key in keys if rank_of(key) == rank and not store.check([key])]:
+                        raise TransportError(f"{self.engine.name} engine: rank {rank} (pid {pid}, on this host) ended "
+                                             f"while the sender was {what}, without setting {_listed(owed)}: its "
+                                             "process exited or was killed")
+            except STORE_ERRORS as exc:
+                raise self._lost(what, exc) from exc
+            self.engine.remaining(what)
+            time.sleep(min((time.monotonic() - start) / 50, _POLL_S / 5))
 
     def resolve_plan(self, posted: bytes, kept: dict[str, bytes]) -> bytes:
         """The plan a receiver's sync names (`referenced`): from `kept` (the bytes of the plans
@@ -247,7 +278,7 @@ class ControlStore:
             self.wait([ident], watch_closed=True, store=self.plans)
             try:
                 raw = bytes(self.plans.get(ident))
-            except _STORE_ERRORS as exc:
+            except STORE_ERRORS as exc:
                 raise self._lost(f"reading the plan {ident}", exc) from exc
             if plan_id(raw) != ident:
                 raise PlanRefused(f"the plan stored under its id {ident} has another id ({plan_id(raw)})")
@@ -260,13 +291,13 @@ class ControlStore:
         """Whether the sender closed this sync after every receiver answered that it took it."""
         try:
             return bool(self.store.check(["closed"])) and bytes(self.store.get("closed")) == b"clean"
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             raise self._lost("checking 'closed'", exc) from exc
 
     def is_set(self, key: str) -> bool:
         try:
             return bool(self.store.check([key]))
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             raise self._lost(f"checking {key!r}", exc) from exc
 
     def close(self, topology: Topology, *, clean: bool) -> None:
@@ -275,20 +306,22 @@ class ControlStore:
 
         A failed sync keeps its keys: a receiver still reading one must fail by itself, not wait.
         """
+        if self.watch is not None:
+            self.watch.close()
         if not topology.is_sender:
             return
         try:
             self.store.set("closed", b"clean" if clean else b"1")
             if clean:
-                claims = [f"{key}/{rank}" for rank in topology.receivers for key in ("joined", "engine", "world")]
+                claims = [f"{key}/{rank}" for rank in topology.receivers for key in ("joined", "engine", "world", "pid")]
                 for key in dict.fromkeys([*self._written, *claims]):
                     self.store.delete_key(key)
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             structlog.get_logger().warning("engine.close_not_marked", engine=self.engine.name, sync=self.number,
                                            error=str(exc))
 
 
-def _disagree(rank: int, senders_engine: bytes | str, receivers_engine: bytes | str, senders_world: int | None,
+def disagree(rank: int, senders_engine: bytes | str, receivers_engine: bytes | str, senders_world: int | None,
               receivers_world: int | None) -> str | None:
     """Why sender and receiver `rank` cannot sync (`StoreLink._agree`): another engine, or another
     count of ranks in their Rendezvous; None when they agree."""
@@ -311,128 +344,3 @@ def _worlds(rank: int, theirs: int | None, senders: int | None) -> str:
 
 def _listed(keys: list[str]) -> str:
     return repr(keys[0]) + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
-
-
-class StoreLink:
-    """An engine's connection to the rendezvous store, kept from one sync to the next."""
-
-    def __init__(self, engine: CheckpointEngine) -> None:
-        self.engine = engine
-        self.base: Any = None
-        self.address: tuple[str, int] | None = None
-        self.number = 0
-        self.posted: str | None = None
-        """The id of the plan this sender's store holds (`publish`)."""
-        self._raw: bytes | None = None
-
-    def begin(self, topology: Topology) -> ControlStore:
-        """The control store of this process's next sync; opens it when this is the sender."""
-        rdv = topology.rendezvous
-        if rdv is None:
-            raise TransportError(f"{self.engine.name} engine: a sync across processes needs a Rendezvous")
-        if self.address != (rdv.host, rdv.port):
-            self.drop()
-        if topology.is_sender:
-            return self._open(rdv, topology.world_size)
-        while True:
-            try:
-                control = self._join(rdv, topology.rank)
-                break
-            except _STORE_ERRORS:
-                self.drop()
-                time.sleep(_RETRY_S)
-        self._agree(control, topology)
-        return control
-
-    def _agree(self, control: ControlStore, topology: Topology) -> None:
-        """A receiver posts its engine and how many ranks its Rendezvous has (`engine/{rank}`,
-        `world/{rank}`: a sender forming a group checks them first, `ControlStore.check_worlds`)
-        and refuses a sync whose sender is another engine or counts otherwise, answering the
-        plan's key so a sender without a group hears it too: sides that disagree never form a
-        group, nor wait for keys the other never writes (gloo overran its timeout several times
-        over on another count; another engine waited out timeout_s on both sides)."""
-        engine, world = control.get_many(["engine", "world"], watch_closed=True)
-        control.set_many({f"engine/{topology.rank}": self.engine.name, f"world/{topology.rank}": str(topology.world_size)})
-        why = _disagree(topology.rank, engine, self.engine.name, digits(world), topology.world_size)
-        if why is not None:
-            control.set(f"accepted/{topology.rank}", answer(why))
-            raise TransportError(f"{self.engine.name} engine: {why}")
-
-    def _open(self, rdv: Rendezvous, world: int) -> ControlStore:
-        import torch.distributed as dist
-
-        if self.base is None:
-            timeout = timedelta(seconds=self.engine.remaining("opening the rendezvous"))
-            try:
-                self.base = dist.TCPStore(rdv.host, rdv.port, None, True, timeout, wait_for_workers=False)
-            except _STORE_ERRORS as exc:
-                raise TransportError(f"{self.engine.name} engine: cannot host the rendezvous on "
-                                     f"{rdv.host}:{rdv.port}: {exc}") from exc
-            self.address = (rdv.host, rdv.port)
-        self.number += 1
-        control = ControlStore(self.engine, self.base, self.number)
-        self.base.set("latest", str(self.number))
-        control.set_many({"engine": self.engine.name, "world": str(world)})
-        control.set("open", b"1")
-        return control
-
-    def _join(self, rdv: Rendezvous, rank: int) -> ControlStore:
-        """Raises the store's own errors, so `begin` reconnects (the sender may have restarted);
-        a `TransportError` once the sync's deadline passed, or when `latest` names no sync."""
-        import torch.distributed as dist
-
-        what = f"joining a sync at {rdv.host}:{rdv.port}"
-        if self.base is None:
-            timeout = timedelta(seconds=self.engine.remaining(what))
-            self.base = dist.TCPStore(rdv.host, rdv.port, None, False, timeout, wait_for_workers=False)
-            self.address = (rdv.host, rdv.port)
-            self.number = 0
-        if self.number:
-            number = self.number + 1
-        else:
-            self.base.wait(["latest"], timedelta(seconds=self.engine.remaining(what)))
-            number = self._latest(rdv)
-        while True:
-            self.engine.remaining(what)
-            control = ControlStore(self.engine, self.base, number)
-            if not control.store.check(["closed"]):
-                control.store.wait(["open"], timedelta(seconds=self.engine.remaining(what)))
-                if control.store.add(f"joined/{rank}", 1) == 1:
-                    self.number = number
-                    return control
-            number += 1
-
-    def _latest(self, rdv: Rendezvous) -> int:
-        """The newest sync's number; a `TransportError` naming the key when it is none, since no
-        retry can make sense of it (only the sender, or whoever else reaches its store, writes it)."""
-        raw = bytes(self.base.get("latest"))
-        number = sync_number(raw)
-        if number is None:
-            raise TransportError(f"{self.engine.name} engine: the rendezvous at {rdv.host}:{rdv.port} holds "
-                                 f"{raw[:40]!r} ({len(raw)} bytes) under 'latest', not the number of a sync "
-                                 f"(1..{_MAX_SYNC})")
-        return number
-
-    def publish(self, control: ControlStore, raw: bytes) -> str:
-        """The sender's plan, posted under its id unless the store holds it already (the last
-        sync's, unchanged: a sync then names it in 55 bytes instead of sending it whole); a
-        plan it replaces is dropped. Its id, for the sync's `plan` key (`reference`)."""
-        if raw is self._raw and self.posted is not None:  # an unchanged layout's bytes: not hashed again
-            return self.posted
-        ident = plan_id(raw)
-        if ident != self.posted:
-            try:
-                control.plans.set(ident, raw)
-                if self.posted is not None:
-                    control.plans.delete_key(self.posted)
-            except _STORE_ERRORS as exc:
-                raise control._lost(f"posting the plan {ident}", exc) from exc
-            self.posted = ident
-        self._raw = raw
-        return ident
-
-    def drop(self) -> None:
-        self.base = None
-        self.address = None
-        self.number = 0
-        self.posted = self._raw = None

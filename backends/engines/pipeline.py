@@ -50,7 +50,8 @@ from backends.engines.sources import Source, describe, metas_of, pairs_of
 from backends.engines.digests import Checksums
 from backends.engines.flat import Named
 from backends.engines.inplace import Landing
-from backends.engines.control import ControlStore, StoreLink, answer, reference
+from backends.engines.control import ControlStore, answer, reference
+from backends.engines.link import StoreLink
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan
 from backends.engines.receiver import Receiver, accept, receivable, receive_sizes
 from backends.engines.sender import Packed, send_bucket, send_buckets

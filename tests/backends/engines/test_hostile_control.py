@@ -25,7 +25,8 @@ from structlog.testing import capture_logs
 from backends.engines import Rendezvous, TransportError
 from backends.engines import receiver as receiver_module
 from backends.engines import shm as shm_module
-from backends.engines.control import SHOWN_CHARS, StoreLink
+from backends.engines.control import SHOWN_CHARS
+from backends.engines.link import StoreLink
 from backends.engines.shm import _PREFIX, ShmEngine
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout

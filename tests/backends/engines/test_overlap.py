@@ -145,7 +145,8 @@ def test_an_atomic_receiver_hashes_on_its_worker_lets_the_next_bucket_land_and_h
     run = sync_threads(new_engine(name), [new_engine(name, timeout_s=TIMEOUT_S)], mixed_tensors(), [rollout])
     assert run.error is None and run.errors == [None]
     count = run.figures["buckets"]  # type: ignore[index]
-    assert hashed_on == [f"{name}-checksum_0"] * count
+    # on the engine's checksum workers (up to digests.READERS of them: two hashes may overlap), never the receiving thread
+    assert len(hashed_on) == count and all(thread.startswith(f"{name}-checksum_") for thread in hashed_on), hashed_on
     for k in range(count - 1):
         assert _at(events, "landed", k + 1) < _at(events, "verified", k), k
     assert [k for kind, k, _ in events if kind == "verified"] == list(range(count))

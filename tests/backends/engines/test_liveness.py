@@ -1,0 +1,160 @@
+"""A receiver on the sender's host that dies fails the sync within seconds, naming it, not at
+`timeout_s` (`backends.engines.liveness`).
+
+The receivers are real processes, SIGKILLed at the point each test names: before they answer
+the plan, mid-transfer, or after they read every tensor (in the rollout's `load_weights`). The
+sender's timeout is a minute; each test's hang guard is a few seconds. A receiver that ends
+after setting every key it owes fails nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.engines import Rendezvous, WeightSync, receive_into
+from backends.engines.liveness import Watch, rank_of, whoami
+from lifecycle.errors import EngineError
+from lifecycle.testing import MemoryRollout
+from tests.backends.dist_util import free_port
+from tests.backends.engines.kit import HANG_GUARD_S, TRANSPORTS, mixed_tensors, new_engine
+
+REPO = Path(__file__).resolve().parents[3]
+SENDER_TIMEOUT_S = 60.0
+"""The sender's timeout_s: a failure that waited it out would overrun every hang guard here."""
+
+_RECEIVER = """
+import os, signal, sys
+from pathlib import Path
+from backends.engines import Rendezvous, receive_into
+from lifecycle.testing import MemoryRollout
+from tests.backends.engines.kit import die_at_release, new_engine
+
+name, port, receivers, rank, when, ready = sys.argv[1:]
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+class Rollout(MemoryRollout):
+    def load_weights(self, named_tensors):
+        list(named_tensors)
+        if when == "loading":
+            die()
+
+engine = new_engine(name, timeout_s=60)
+if when == "planning":
+    engine._receive_layout = die
+if when == "receiving":
+    die_at_release(engine, 1)
+Path(ready).touch()
+receive_into(engine, Rollout(), Rendezvous("127.0.0.1", int(port), receivers=int(receivers)), rank=int(rank))
+print("received")
+"""
+
+
+def _receiver(tmp_path: Path, name: str, port: int, receivers: int, rank: int, when: str) -> subprocess.Popen[str]:
+    ready = tmp_path / f"ready{rank}"
+    process = subprocess.Popen([sys.executable, "-c", _RECEIVER, name, str(port), str(receivers), str(rank), when,
+                                str(ready)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not ready.exists() and process.poll() is None:
+        time.sleep(0.02)
+    return process
+
+
+@pytest.mark.parametrize(("name", "when"), [("gloo", "loading"), ("shm", "loading"), ("gloo", "planning"),
+                                            ("shm", "planning"), ("shm", "receiving")])
+def test_a_receiver_killed_on_the_senders_host_fails_the_sync_within_seconds_naming_it(
+        tmp_path: Path, name: str, when: str) -> None:
+    port = free_port()
+    victim = _receiver(tmp_path, name, port, 1, 1, when)
+    sender = new_engine(name, timeout_s=SENDER_TIMEOUT_S, bucket_bytes=4096)
+    start = time.monotonic()
+    try:
+        with pytest.raises(EngineError) as raised:
+            WeightSync(sender).sync(iter(mixed_tensors()), Rendezvous("127.0.0.1", port, receivers=1), 1)
+    finally:
+        sender.close()
+        victim.kill()
+        victim.communicate(timeout=HANG_GUARD_S)
+    assert time.monotonic() - start < HANG_GUARD_S
+    assert victim.returncode == -9
+    assert re.search(rf"rank 1 \(pid {victim.pid}, on this host\) ended while the sender was waiting for '\S+/1'",
+                     str(raised.value)), str(raised.value)
+
+
+class _SlowRollout(MemoryRollout):
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        time.sleep(2.5)
+        super().load_weights(named_tensors)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_receiver_that_exits_after_answering_fails_nothing_while_another_is_still_loading(
+        tmp_path: Path, name: str) -> None:
+    port = free_port()
+    rdv = Rendezvous("127.0.0.1", port, receivers=2)
+    quick = _receiver(tmp_path, name, port, 2, 2, "never")
+    slow, errors = _SlowRollout(), []
+
+    def receive() -> None:
+        try:
+            receive_into(new_engine(name, timeout_s=SENDER_TIMEOUT_S), slow, rdv, rank=1)
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    sender = new_engine(name, timeout_s=SENDER_TIMEOUT_S, bucket_bytes=4096)
+    try:
+        WeightSync(sender).sync(iter(mixed_tensors()), rdv, 1)
+    finally:
+        sender.close()
+        out, err = quick.communicate(timeout=HANG_GUARD_S)
+        thread.join(HANG_GUARD_S)
+    assert quick.returncode == 0 and out.strip() == "received", err[-2000:]
+    assert not errors and slow.weights_version == 1
+
+
+def test_a_watch_opens_pidfds_only_for_live_processes_posted_from_its_own_pid_space() -> None:
+    """What a store writer may post as `pid/{rank}`: nothing else is watched, nothing raises."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    space = whoami().rpartition(" ")[0]
+    try:
+        watch = Watch(range(1, 9))
+        watch.learn({1: f"{space} {child.pid}".encode(), 2: f"other-boot/1 {child.pid}".encode(), 3: b"garbage",
+                     4: f"{space} {os.getpid()}".encode(), 5: f"{space} 0".encode(), 6: f"{space} 99999999999".encode(),
+                     7: f"{space} -{child.pid}".encode(), 8: b"\xff\xfe " + str(child.pid).encode()})
+        keys = [f"status/{rank}" for rank in range(1, 9)]
+        assert watch.unread == [] and watch.watching and watch.dead(keys) == {}
+        child.kill()
+        child.wait(timeout=HANG_GUARD_S)
+        assert watch.dead(keys) == {1: child.pid}
+        assert watch.dead(["status/2", "heard"]) == {}
+        watch.close()
+        assert not watch.watching and watch.dead(keys) == {}
+    finally:
+        child.kill()
+        child.wait(timeout=HANG_GUARD_S)
+
+
+def test_a_pid_that_no_process_holds_any_more_is_dead_at_once() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=HANG_GUARD_S)
+    watch = Watch(range(1, 2))
+    watch.learn({1: f"{whoami().rpartition(' ')[0]} {child.pid}".encode()})
+    assert watch.dead(["accepted/1"]) == {1: child.pid}
+    watch.close()
+
+
+def test_rank_of_reads_the_last_part_of_a_receivers_key_and_nothing_else() -> None:
+    assert [rank_of(key) for key in ("accepted/2", "done/3/12", "heard", "/5", "status/-1", "status/1x",
+                                     "status/" + "9" * 12)] == [2, 12, None, None, None, None, None]
