@@ -205,7 +205,7 @@ class ControlStore:
         `_poll`. Blocking waits cut into short slices made torch log two warnings each time one
         ran out (eight lines a second while a receiver waited on a slow sender). A sender that
         watches receivers on its host (`watch`) waits in the same way, and stops once one of
-        them ended without setting its keys (`_outlive`).
+        them ended without setting its keys (`_ended`).
         """
         what = f"waiting for {_listed(keys)}"
         store = self.store if store is None else store
@@ -215,56 +215,47 @@ class ControlStore:
             store.wait(keys, timedelta(seconds=min(left, _BLOCK_S) if watch_closed or watching else left))
         except STORE_ERRORS as exc:
             self.engine.remaining(what)
-            if watch_closed:
-                self._poll(store, keys, what)
-            elif watching:
-                self._outlive(store, keys, what)
-            else:
+            if not (watch_closed or watching):
                 raise self._lost(what, exc) from exc
+            self._poll(store, keys, what, sender=watching)
         if store is self.store:
             self._written.extend(keys)
 
-    def _poll(self, store: Any, keys: list[str], what: str) -> None:
-        """`wait` past its first `_BLOCK_S`: whether the sender closed the sync, every `_POLL_S`,
-        and whether every key is set (`check`, which never blocks, so nothing is logged) after
-        pauses of a fiftieth of the time waited, so a key is seen at most 2% late."""
-        start = time.monotonic() - _BLOCK_S
-        while True:
-            if self.is_set("closed"):
-                raise TransportError(f"{self.engine.name} engine: the sender gave up on sync {self.number} "
-                                     f"while this receiver was {what}")
-            polled = time.monotonic()
-            while time.monotonic() - polled < _POLL_S:
-                try:
-                    if store.check(keys):
-                        return
-                except STORE_ERRORS as exc:
-                    raise self._lost(what, exc) from exc
-                self.engine.remaining(what)
-                time.sleep(min((time.monotonic() - start) / 50, _POLL_S / 5))
-
-    def _outlive(self, store: Any, keys: list[str], what: str) -> None:
-        """The sender's `wait` past its first `_BLOCK_S`, while it watches receivers on its host:
-        as `_poll`, but instead of the sender's closing, a watched receiver that ended and has
-        not set its keys fails the wait, naming it."""
-        assert self.watch is not None
-        start = time.monotonic() - _BLOCK_S
+    def _poll(self, store: Any, keys: list[str], what: str, *, sender: bool = False) -> None:
+        """`wait` past its first `_BLOCK_S`: whether every key is set (`check`, which never blocks,
+        so nothing is logged) after pauses of a fiftieth of the time waited, so a key is seen at
+        most 2% late; and every `_POLL_S`, for a receiver, whether the sender closed the sync,
+        for a sender, whether a receiver it watches ended without setting its keys (`_ended`)."""
+        start, looked = time.monotonic() - _BLOCK_S, 0.0
         while True:
             try:
                 if store.check(keys):
                     return
-                if unread := self.watch.unread:
-                    self.watch.learn({rank: bytes(self.store.get(f"pid/{rank}")) for rank in unread
-                                      if self.store.check([f"pid/{rank}"])})
-                for rank, pid in self.watch.dead(keys).items():
-                    if owed := [key for key in keys if rank_of(key) == rank and not store.check([key])]:
-                        raise TransportError(f"{self.engine.name} engine: rank {rank} (pid {pid}, on this host) ended "
-                                             f"while the sender was {what}, without setting {_listed(owed)}: its "
-                                             "process exited or was killed")
+                if time.monotonic() - looked >= _POLL_S:
+                    looked = time.monotonic()
+                    why = self._ended(store, keys) if sender else self._closed()
+                    if why is not None:
+                        raise TransportError(f"{self.engine.name} engine: {why} while "
+                                             f"{'the sender' if sender else 'this receiver'} was {what}")
             except STORE_ERRORS as exc:
                 raise self._lost(what, exc) from exc
             self.engine.remaining(what)
             time.sleep(min((time.monotonic() - start) / 50, _POLL_S / 5))
+
+    def _closed(self) -> str | None:
+        return f"the sender gave up on sync {self.number}" if self.is_set("closed") else None
+
+    def _ended(self, store: Any, keys: list[str]) -> str | None:
+        """Why a wait for `keys` cannot end: a receiver on this host (`watch`) whose process
+        ended without setting the keys it owes; None while there is none."""
+        assert self.watch is not None
+        if unread := self.watch.unread:
+            self.watch.learn({rank: bytes(self.store.get(f"pid/{rank}")) for rank in unread
+                              if self.store.check([f"pid/{rank}"])})
+        for rank, pid in self.watch.dead(keys).items():
+            if owed := [key for key in keys if rank_of(key) == rank and not store.check([key])]:
+                return f"rank {rank} (pid {pid}, on this host) exited or was killed without setting {_listed(owed)}"
+        return None
 
     def resolve_plan(self, posted: bytes, kept: dict[str, bytes]) -> bytes:
         """The plan a receiver's sync names (`referenced`): from `kept` (the bytes of the plans
