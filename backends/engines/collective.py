@@ -52,6 +52,8 @@ class GroupEngine(BucketEngine):
 
         if topology.is_sender:
             self._control().check_worlds(topology)
+        else:
+            self._control().group_formed(topology.rank)
         store = dist.PrefixStore("group", self._control().store)
         timeout = timedelta(seconds=self.remaining("forming the process group"))
         try:

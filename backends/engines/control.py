@@ -183,14 +183,27 @@ class ControlStore:
         return answers
 
     def check_worlds(self, topology: Topology) -> None:
-        """The sender, before it forms a group: every receiver is the same engine and its
-        Rendezvous has as many ranks as the sender's (`StoreLink._agree`); a `TransportError`
-        naming the first that is not, as soon as it has said."""
+        """The sender, before it forms a group: every receiver is the same engine, its Rendezvous
+        has as many ranks as the sender's, and it did not refuse the sync (`StoreLink._agree`
+        posts all three at once). Then it tells the receivers to form the group, or why not
+        (`forming`), and raises a `TransportError` naming the first receiver that disagreed, as
+        soon as it has said: receivers wait for that word before they form the group
+        (`group_formed`), so none waits out its timeout in a group that never forms."""
         for rank in topology.receivers:
             engine, world = self.get_many([f"engine/{rank}", f"world/{rank}"])
             why = disagree(rank, self.engine.name, engine, topology.world_size, digits(world))
+            if why is None and self.is_set(f"accepted/{rank}") and (said := read_answer(self.get(f"accepted/{rank}"))):
+                why = f"rank {rank} refused the sync: {said}"
             if why is not None:
+                self.set("forming", answer(why))
                 raise TransportError(f"{self.engine.name} engine: {why}")
+        self.set("forming", answer(None))
+
+    def group_formed(self, rank: int) -> None:
+        """A receiver, before it forms the group: the sender's word that it forms it (`check_worlds`)."""
+        why = read_answer(self.get("forming", watch_closed=True))
+        if why is not None:
+            raise TransportError(f"{self.engine.name} engine: rank {rank}: the sender formed no group: {why}")
 
     def _lost(self, what: str, exc: BaseException) -> TransportError:
         return TransportError(f"{self.engine.name} engine: lost the rendezvous of sync {self.number} while "
@@ -211,6 +224,8 @@ class ControlStore:
         store = self.store if store is None else store
         left = self.engine.remaining(what)
         watching = not watch_closed and self.watch is not None and self.watch.watching
+        if watching:
+            self._learn()
         try:
             store.wait(keys, timedelta(seconds=min(left, _BLOCK_S) if watch_closed or watching else left))
         except STORE_ERRORS as exc:
@@ -245,13 +260,21 @@ class ControlStore:
     def _closed(self) -> str | None:
         return f"the sender gave up on sync {self.number}" if self.is_set("closed") else None
 
+    def _learn(self) -> None:
+        """The sender: read the `pid/{rank}` of receivers that posted theirs since it last looked."""
+        assert self.watch is not None
+        try:
+            if unread := self.watch.unread:
+                self.watch.learn({rank: bytes(self.store.get(f"pid/{rank}")) for rank in unread
+                                  if self.store.check([f"pid/{rank}"])})
+        except STORE_ERRORS as exc:
+            raise self._lost("reading the receivers' pid", exc) from exc
+
     def _ended(self, store: Any, keys: list[str]) -> str | None:
         """Why a wait for `keys` cannot end: a receiver on this host (`watch`) whose process
         ended without setting the keys it owes; None while there is none."""
         assert self.watch is not None
-        if unread := self.watch.unread:
-            self.watch.learn({rank: bytes(self.store.get(f"pid/{rank}")) for rank in unread
-                              if self.store.check([f"pid/{rank}"])})
+        self._learn()
         for rank, pid in self.watch.dead(keys).items():
             if owed := [key for key in keys if rank_of(key) == rank and not store.check([key])]:
                 return f"rank {rank} (pid {pid}, on this host) exited or was killed without setting {_listed(owed)}"
@@ -327,9 +350,9 @@ def disagree(rank: int, senders_engine: bytes | str, receivers_engine: bytes | s
 
 def _worlds(rank: int, theirs: int | None, senders: int | None) -> str:
     def count(world: int | None) -> str:
-        return "an unreadable count of" if world is None else str(world - 1)
+        return "an unreadable count of ranks" if world is None or world < 1 else f"{world - 1} receiver(s)"
 
-    return (f"rank {rank}'s Rendezvous has {count(theirs)} receiver(s) and the sender's has {count(senders)}: "
+    return (f"rank {rank}'s Rendezvous has {count(theirs)} and the sender's has {count(senders)}: "
             "give every side the same Rendezvous")
 
 

@@ -58,16 +58,18 @@ class StoreLink:
     def _agree(self, control: ControlStore, topology: Topology) -> None:
         """A receiver posts its engine and how many ranks its Rendezvous has (`engine/{rank}`,
         `world/{rank}`: a sender forming a group checks them first, `ControlStore.check_worlds`),
-        and its process (`pid/{rank}`, which a sender on its host watches: `liveness`), and refuses a sync whose sender is another engine or counts otherwise, answering the
-        plan's key so a sender without a group hears it too: sides that disagree never form a
-        group, nor wait for keys the other never writes (gloo overran its timeout several times
-        over on another count; another engine waited out timeout_s on both sides)."""
+        and its process (`pid/{rank}`, which a sender on its host watches: `liveness`), and refuses
+        a sync whose sender is another engine or counts otherwise, answering the plan's key in
+        the same store command, so a sender without a group hears it too and one forming a group
+        sees it before it does: sides that disagree never form a group, nor wait for keys the
+        other never writes (gloo overran its timeout several times over on another count;
+        another engine waited out timeout_s on both sides)."""
         engine, world = control.get_many(["engine", "world"], watch_closed=True)
-        control.set_many({f"engine/{topology.rank}": self.engine.name, f"world/{topology.rank}": str(topology.world_size),
-                          f"pid/{topology.rank}": whoami()})
         why = disagree(topology.rank, engine, self.engine.name, digits(world), topology.world_size)
+        said: dict[str, bytes | str] = {f"engine/{topology.rank}": self.engine.name, f"pid/{topology.rank}": whoami(),
+                                        f"world/{topology.rank}": str(topology.world_size)}
+        control.set_many(said if why is None else {**said, f"accepted/{topology.rank}": answer(why)})
         if why is not None:
-            control.set(f"accepted/{topology.rank}", answer(why))
             raise TransportError(f"{self.engine.name} engine: {why}")
 
     def _open(self, rdv: Rendezvous, world: int) -> ControlStore:

@@ -3,17 +3,21 @@
 A receiver that dies leaves its keys unset, and the sender waiting for them used to find out
 only at `timeout_s` (five minutes by default), on every engine whose waits are on the store
 (shm and cuda_ipc throughout, every engine while a rollout loads the weights). Each receiver
-posts, as it joins, its process id and what that id is read in (`pid/{rank}`: the boot and the
-pid namespace); the sender opens a pidfd (`os.pidfd_open`) for each receiver that shares its
-own, which polls readable the moment that process ends, and a wait for a key of that rank
-fails then, naming it. A receiver on another host, in another pid namespace, or on a system
-without pidfds is not watched: it fails the sync at `timeout_s`, as before.
+posts, as it joins, who it is (`pid/{rank}`: the boot and pid namespace its process id is
+read in, the id, and the process's start time); the sender opens a pidfd (`os.pidfd_open`) for
+each receiver that shares its boot and namespace and whose id names a process that started at
+that time, which polls readable the moment that process ends, and a wait for a key of that
+rank fails then, naming it. A receiver on another host, in another pid namespace, or on a
+system without pidfds is not watched: it fails the sync at `timeout_s`, as before.
 
-A pidfd names the process it was opened for, never a later one with the same id; the id is
-read when the sender first needs it, so a receiver that died before and whose id was given to
-another process looks alive, and costs `timeout_s`, as an unwatched one does. Whoever else
-writes the store can make a receiver look dead (the sync fails, loudly) or alive (it waits out
-its timeout), as they can make any receiver refuse.
+Only a live process can be told to be the receiver (its start time): an id that names no
+process when the sender reads it is not watched, since a receiver that died cannot be told
+from one on another machine that shares the boot id (a clone of one memory snapshot). The
+sender reads the ids at the start of each of its waits and then every 0.25 s, so a receiver
+that dies between posting and that read costs `timeout_s`, as an unwatched one does. A pidfd
+names the process it was opened for, never a later one with the same id. Whoever else writes
+the store can make a receiver look dead (the sync fails, loudly) or alive (it waits out its
+timeout), as they can make any receiver refuse.
 """
 
 from __future__ import annotations
@@ -39,9 +43,19 @@ def _pid_space() -> str:
     return f"{boot}/{namespace}" if boot else ""
 
 
+def _started(pid: int | str) -> str | None:
+    """When process `pid` started, in clock ticks after boot (`/proc/<pid>/stat`, field 22);
+    None when there is no such process or it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+        return stat.rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def whoami() -> str:
-    """What a receiver posts as `pid/{rank}`: its pid space and its pid."""
-    return f"{_pid_space()} {os.getpid()}"
+    """What a receiver posts as `pid/{rank}`: its pid space, its pid and its start time."""
+    return f"{_pid_space()} {os.getpid()} {_started('self') or ''}"
 
 
 class Watch:
@@ -54,19 +68,21 @@ class Watch:
         """rank: (pidfd, pid)."""
 
     def learn(self, posted: dict[int, bytes]) -> None:
-        """Open a pidfd for each rank of `posted` (its `pid/{rank}`, as read) that shares this
-        process's pid space; a rank whose value is anything else is not watched."""
+        """Open a pidfd for each rank of `posted` (its `pid/{rank}`, as read) that names a live
+        process of this boot and pid namespace, started when it says; any other is not watched."""
         for rank, raw in posted.items():
             self._unread.discard(rank)
-            space, _, pid = raw.decode("ascii", errors="replace").partition(" ")
+            space, pid, started = (raw.decode("ascii", errors="replace").split(" ") + ["", ""])[:3]
             if space != self._space or not pid.isdigit() or len(pid) > 9 or int(pid) in (0, os.getpid()):
                 continue
             try:
-                self._fds[rank] = (os.pidfd_open(int(pid)), int(pid))
-            except ProcessLookupError:
-                self._fds[rank] = (-1, int(pid))
-            except OSError:
+                fd = os.pidfd_open(int(pid))
+            except OSError:  # no such process (see the module docstring), or no pidfds here
                 continue
+            if started and _started(pid) == started:  # read after the pidfd opened: the very process
+                self._fds[rank] = (fd, int(pid))
+            else:
+                os.close(fd)
 
     @property
     def unread(self) -> list[int]:
@@ -81,10 +97,9 @@ class Watch:
             return {}
         poller = select.poll()
         for rank in owing:
-            if self._fds[rank][0] >= 0:
-                poller.register(self._fds[rank][0], select.POLLIN)
+            poller.register(self._fds[rank][0], select.POLLIN)
         ended = {fd for fd, _ in poller.poll(0)}
-        return {rank: self._fds[rank][1] for rank in owing if self._fds[rank][0] < 0 or self._fds[rank][0] in ended}
+        return {rank: self._fds[rank][1] for rank in owing if self._fds[rank][0] in ended}
 
     @property
     def watching(self) -> bool:
@@ -94,5 +109,4 @@ class Watch:
     def close(self) -> None:
         fds, self._fds, self._unread = self._fds, {}, set()
         for fd, _ in fds.values():
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)

@@ -984,3 +984,49 @@ def test_a_receiver_waiting_seconds_on_its_sender_logs_one_store_timeout_not_one
                           timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "synced", done.stderr[-2000:]
     assert done.stderr.count("waitForInput") <= 2, done.stderr[-2000:]
+
+
+def test_a_gloo_sender_that_refuses_one_receiver_tells_the_others_before_any_group_forms() -> None:
+    """The healthy gloo receiver used to go on into a group that never formed, and waited out
+    its timeout_s there, with a message naming neither the cause nor the rank."""
+    receivers = [new_engine("gloo", timeout_s=TIMEOUT_S), new_engine("shm", timeout_s=TIMEOUT_S)]
+    sender = new_engine("gloo", timeout_s=TIMEOUT_S)
+    try:
+        run = sync_threads(sender, receivers, mixed_tensors(), [old_rollout(), old_rollout()])
+    finally:
+        for engine in (sender, *receivers):
+            engine.close()
+    assert run.seconds < HANG_GUARD_S
+    said = "the sender is a 'gloo' engine and rank 2 a 'shm' one"
+    assert isinstance(run.error, EngineError) and said in str(run.error)
+    assert isinstance(run.errors[0], EngineError) and str(run.errors[0]).startswith(
+        f"gloo engine: rank 1: the sender formed no group: {said}")
+    assert isinstance(run.errors[1], EngineError) and said in str(run.errors[1])
+
+
+def test_a_receiver_that_refuses_as_it_joins_is_heard_by_a_gloo_sender_before_it_forms_a_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Here the receiver refuses for a reason of its own while posting the same engine and count
+    (as one does when another writer forged the sender's 'engine'): the sender used to see only
+    those, form its group and wait out its timeout_s for the receiver that had left."""
+    from backends.engines import link
+
+    monkeypatch.setattr(link, "disagree", lambda *args: "a forged reason")  # the receiver's check only
+    sender, receiver = new_engine("gloo", timeout_s=TIMEOUT_S), new_engine("gloo", timeout_s=TIMEOUT_S)
+    try:
+        run = sync_threads(sender, [receiver], mixed_tensors(), [old_rollout()])
+    finally:
+        sender.close()
+        receiver.close()
+    assert run.seconds < HANG_GUARD_S
+    assert isinstance(run.error, EngineError) and "rank 1 refused the sync: a forged reason" in str(run.error)
+    assert isinstance(run.errors[0], EngineError) and "a forged reason" in str(run.errors[0])
+
+
+def test_a_rank_count_that_cannot_be_read_is_said_so_in_words() -> None:
+    from backends.engines.control import disagree
+
+    assert disagree(1, "gloo", "gloo", 3, None) == ("rank 1's Rendezvous has an unreadable count of ranks and the "
+                                                    "sender's has 2 receiver(s): give every side the same Rendezvous")
+    assert "has an unreadable count of ranks and the sender's has 2" in str(disagree(1, "gloo", "gloo", 3, 0))
+    assert disagree(1, "gloo", "gloo", 3, 3) is None

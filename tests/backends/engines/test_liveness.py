@@ -2,14 +2,14 @@
 `timeout_s` (`backends.engines.liveness`).
 
 The receivers are real processes, SIGKILLed at the point each test names: before they answer
-the plan, mid-transfer, or after they read every tensor (in the rollout's `load_weights`). The
-sender's timeout is a minute; each test's hang guard is a few seconds. A receiver that ends
-after setting every key it owes fails nothing.
+the plan (1.5 s into working on it: one that dies before the sender first reads its pid is
+not watched, see `liveness`), mid-transfer, or after they read every tensor (in the rollout's
+`load_weights`). The sender's timeout is a minute; each test's hang guard is a few seconds. A
+receiver that ends after setting every key it owes fails nothing.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -33,7 +33,7 @@ SENDER_TIMEOUT_S = 60.0
 """The sender's timeout_s: a failure that waited it out would overrun every hang guard here."""
 
 _RECEIVER = """
-import os, signal, sys
+import os, signal, sys, time
 from pathlib import Path
 from backends.engines import Rendezvous, receive_into
 from lifecycle.testing import MemoryRollout
@@ -51,8 +51,8 @@ class Rollout(MemoryRollout):
             die()
 
 engine = new_engine(name, timeout_s=60)
-if when == "planning":
-    engine._receive_layout = die
+if when == "planning":  # as a rollout allocating for the plan would: after the sender read its pid
+    engine._receive_layout = lambda *args: (time.sleep(1.5), die())
 if when == "receiving":
     die_at_release(engine, 1)
 Path(ready).touch()
@@ -127,13 +127,16 @@ def test_a_receiver_that_exits_after_answering_fails_nothing_while_another_is_st
 def test_a_watch_opens_pidfds_only_for_live_processes_posted_from_its_own_pid_space() -> None:
     """What a store writer may post as `pid/{rank}`: nothing else is watched, nothing raises."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    space = whoami().rpartition(" ")[0]
+    while (posted := _posted(child.pid)) is None:
+        time.sleep(0.01)
+    space, _, started = posted.split(" ")
     try:
-        watch = Watch(range(1, 9))
-        watch.learn({1: f"{space} {child.pid}".encode(), 2: f"other-boot/1 {child.pid}".encode(), 3: b"garbage",
-                     4: f"{space} {os.getpid()}".encode(), 5: f"{space} 0".encode(), 6: f"{space} 99999999999".encode(),
-                     7: f"{space} -{child.pid}".encode(), 8: b"\xff\xfe " + str(child.pid).encode()})
-        keys = [f"status/{rank}" for rank in range(1, 9)]
+        watch = Watch(range(1, 11))
+        watch.learn({1: posted.encode(), 2: f"other-boot/1 {child.pid} {started}".encode(), 3: b"garbage",
+                     4: whoami().encode(), 5: f"{space} 0 1".encode(), 6: f"{space} 99999999999 1".encode(),
+                     7: f"{space} -{child.pid} {started}".encode(), 8: b"\xff\xfe " + str(child.pid).encode(),
+                     9: f"{space} {child.pid} {int(started) + 1}".encode(), 10: f"{space} {child.pid}".encode()})
+        keys = [f"status/{rank}" for rank in range(1, 11)]
         assert watch.unread == [] and watch.watching and watch.dead(keys) == {}
         child.kill()
         child.wait(timeout=HANG_GUARD_S)
@@ -146,12 +149,23 @@ def test_a_watch_opens_pidfds_only_for_live_processes_posted_from_its_own_pid_sp
         child.wait(timeout=HANG_GUARD_S)
 
 
-def test_a_pid_that_no_process_holds_any_more_is_dead_at_once() -> None:
+def _posted(pid: int) -> str | None:
+    """What process `pid` would post as `pid/{rank}` (`whoami`), read from outside it."""
+    from backends.engines import liveness
+
+    started = liveness._started(pid)
+    return None if started is None else f"{whoami().split(' ')[0]} {pid} {started}"
+
+
+def test_a_pid_that_names_no_process_when_read_is_not_watched_it_could_be_another_machines() -> None:
+    """A clone of one memory snapshot shares the boot id: an id that names nothing here may be a
+    live receiver there, and failing its sync would be wrong."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
+    posted = _posted(child.pid)
     child.wait(timeout=HANG_GUARD_S)
     watch = Watch(range(1, 2))
-    watch.learn({1: f"{whoami().rpartition(' ')[0]} {child.pid}".encode()})
-    assert watch.dead(["accepted/1"]) == {1: child.pid}
+    watch.learn({1: (posted or f"{whoami().split(' ')[0]} {child.pid} 1").encode()})
+    assert watch.dead(["accepted/1"]) == {} and watch.unread == []
     watch.close()
 
 
