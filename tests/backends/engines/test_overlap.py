@@ -9,6 +9,7 @@ and each receiver on a thread of its own.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -188,7 +189,9 @@ def test_a_checksum_that_never_comes_ends_both_sides_at_the_timeout_and_applies_
                        mixed_tensors(), [rollout])
     assert run.seconds < timeout_s + 3
     assert isinstance(run.errors[0], TransportError)
-    assert f"{name} engine: waiting for 'digest/0' did not finish within timeout_s=2" in str(run.errors[0])
+    # its own deadline, or, a moment before it, the sender's (whose timer started first) closing the sync
+    assert re.search(f"{name} engine: (waiting for 'digest/0' did not finish within timeout_s=2|the sender gave up on "
+                     "sync 1 while this receiver was waiting for 'digest/0')", str(run.errors[0])), run.errors[0]
     assert isinstance(run.error, EngineError)
     assert_kept_old_weights(rollout)
 
