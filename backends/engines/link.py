@@ -86,8 +86,7 @@ class StoreLink:
         self.number += 1
         control = ControlStore(self.engine, self.base, self.number, Watch(range(1, world)))
         self.base.set("latest", str(self.number))
-        control.set_many({"engine": self.engine.name, "world": str(world)})
-        control.set("open", b"1")
+        control.set_many({"engine": self.engine.name, "world": str(world), "open": b"1"})  # one command: all or none
         return control
 
     def _join(self, rdv: Rendezvous, rank: int) -> ControlStore:

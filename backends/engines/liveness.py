@@ -22,6 +22,7 @@ timeout), as they can make any receiver refuse.
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 from pathlib import Path
@@ -55,7 +56,14 @@ def _started(pid: int | str) -> str | None:
 
 def whoami() -> str:
     """What a receiver posts as `pid/{rank}`: its pid space, its pid and its start time."""
-    return f"{_pid_space()} {os.getpid()} {_started('self') or ''}"
+    return _who(os.getpid())
+
+
+@functools.cache
+def _who(pid: int) -> str:
+    """`whoami` of process `pid` (this one), read once: none of it changes while it lives (a
+    forked child has a pid of its own, so reads its own)."""
+    return f"{_pid_space()} {pid} {_started(pid) or ''}"
 
 
 class Watch:

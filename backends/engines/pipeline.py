@@ -214,7 +214,7 @@ class BucketEngine(CheckpointEngine):
             raise EngineError(f"{self.name} engine: rank {topology.rank} received weights v{self._receiver.version} in "
                               "this session already; a session carries one sync: open a new one for the next")
         self._forget_landing()
-        sent, accepted, staging = self._accept(topology.rank, version, expected, into)
+        sent, accepted, staging = accept(self, topology.rank, version, expected, into)
         layout = self._bind(accepted)
         incoming = Incoming(sent)
         incoming.adoptable = self.apply == "flip" or self._landed
@@ -222,7 +222,7 @@ class BucketEngine(CheckpointEngine):
         return incoming.feed(self._receiver.run())
 
     def refuse(self, reason: str) -> None:
-        """Answer the sender's plan with `reason`, as `_accept` refuses one: before bucket 0 moves."""
+        """Answer the sender's plan with `reason`, as `receiver.accept` refuses one: before bucket 0 moves."""
         topology = self._topology(sender=False)
         self._control().wait(["version", "plan"], watch_closed=True)  # posted: the sender now waits for answers
         self._answer(f"accepted/{topology.rank}", reason)
@@ -320,11 +320,6 @@ class BucketEngine(CheckpointEngine):
         if self.apply == "flip":
             self._flip.handed_out()
 
-    def _accept(self, rank: int, version: int | None, expected: Collection[str] | None,
-                into: Named | None = None) -> tuple[int, Layout, Layout]:
-        """Take the sender's version and plan, or refuse them (`receiver.accept`)."""
-        return accept(self, rank, version, expected, into)
-
     def _receive_layout(self, raw: bytes, expected: Collection[str] | None) -> Layout:
         """Check the plan (a plan of the very bytes of the last one was checked then) against this
         receiver's own settings before allocating for it: its `verify` wins over the plan's."""
@@ -343,7 +338,7 @@ class BucketEngine(CheckpointEngine):
         return layout
 
     def _land(self, raw: bytes, expected: Collection[str] | None, into: Named) -> Layout:
-        """A streamed receive straight into the rollout's storage (`inplace`; `_accept` checked the mode)."""
+        """A streamed receive straight into the rollout's storage (`inplace`; `receiver.accept` checked the mode)."""
         plan = receivable(self, raw, self._landing.plan_of(raw), expected)
         layout = self._landing.layout_for(plan, raw, into, self.device)
         self.slots, self._layout, self._landed = layout.slots, None, True
@@ -352,7 +347,7 @@ class BucketEngine(CheckpointEngine):
 
     def _receive_slots(self, plan: Plan) -> None:
         """Have the slots a receive of `plan` lands in; shm maps and checks the sender's instead.
-        A `PlanRefused` here is answered like any other refusal (`_accept`)."""
+        A `PlanRefused` here is answered like any other refusal (`receiver.accept`)."""
         self._ensure_slots(receive_sizes(plan, self.apply), joined=self.apply == "atomic")
 
     def _answer(self, key: str, error: str | None) -> None:

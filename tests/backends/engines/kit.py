@@ -29,6 +29,8 @@ from tests.backends.dist_util import free_port
 from tests.backends.megatron_util import TINY_QWEN2
 
 PROMPT = [[3, 14, 15, 92, 65, 35]]
+REPO = Path(__file__).resolve().parents[3]
+"""The repository root: where a test's subprocess runs, to import the project and the tests."""
 TRANSPORTS = ["gloo", "shm"]
 """The engines that cross processes and run on any host."""
 

@@ -28,11 +28,10 @@ from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryCheckpointer, MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
-    CLASSES, HANG_GUARD_S, TIMEOUT_S, TRANSPORTS, AdoptingRollout, assert_kept_old_weights, corrupting, mixed_tensors, new_engine, old_rollout,
+    REPO, CLASSES, HANG_GUARD_S, TIMEOUT_S, TRANSPORTS, AdoptingRollout, assert_kept_old_weights, corrupting, mixed_tensors, new_engine, old_rollout,
     sync_threads,
 )
 
-REPO = Path(__file__).resolve().parents[3]
 
 
 def _assert_delivered(rollout: MemoryRollout, named: list[tuple[str, torch.Tensor]], version: int) -> None:

@@ -24,12 +24,11 @@ from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
-    CLASSES, HANG_GUARD_S, AdoptingRollout, corrupting, greedy, mixed_tensors, new_engine, read_case, sync_threads,
+    REPO, CLASSES, HANG_GUARD_S, AdoptingRollout, corrupting, greedy, mixed_tensors, new_engine, read_case, sync_threads,
     tiny_qwen2, train_step,
 )
 
 BUCKET = 1 << 16
-REPO = Path(__file__).resolve().parents[3]
 
 
 FLIPPING = ["gloo", "shm", "shm-rollout-sets"]

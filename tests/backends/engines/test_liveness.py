@@ -26,9 +26,8 @@ from backends.engines.liveness import Watch, rank_of, whoami
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
-from tests.backends.engines.kit import HANG_GUARD_S, TRANSPORTS, mixed_tensors, new_engine
+from tests.backends.engines.kit import REPO, HANG_GUARD_S, TRANSPORTS, mixed_tensors, new_engine
 
-REPO = Path(__file__).resolve().parents[3]
 SENDER_TIMEOUT_S = 60.0
 """The sender's timeout_s: a failure that waited it out would overrun every hang guard here."""
 

@@ -28,11 +28,10 @@ from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryCheckpointer
 from tests.backends.dist_util import free_port, run_ranks
 from tests.backends.engines.kit import (
-    ModelRollout, digest, greedy, new_engine, read_case, tiny_qwen2, train_step,
+    REPO, ModelRollout, digest, greedy, new_engine, read_case, tiny_qwen2, train_step,
 )
 
 ENGINES = ("gloo", "shm")
-REPO = Path(__file__).resolve().parents[3]
 
 
 def _case(tmp_path: Path, **case: Any) -> Path:
