@@ -254,9 +254,9 @@ def check_step(step: object) -> int:
     try:
         number = operator.index(step)  # type: ignore[arg-type]
     except TypeError:
-        raise CheckpointError(f"step must be an integer, got {step!r} ({type(step).__name__})") from None
+        raise CheckpointError(f"step must be an integer, got {shorten(step)} ({type(step).__name__})") from None
     if isinstance(step, bool) or not 0 <= number <= MAX_STEP:
-        raise CheckpointError(f"step must be an integer from 0 to {MAX_STEP}, got {step!r}")
+        raise CheckpointError(f"step must be an integer from 0 to {MAX_STEP}, got {shorten(number)}")
     return int(number)
 
 

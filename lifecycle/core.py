@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 from typing import Any, Iterable, Mapping
 
 from lifecycle.boundary import check_step
 from lifecycle.config import LifecycleConfig
-from lifecycle.errors import LifecycleError
+from lifecycle.errors import ConfigError, LifecycleError, shorten
 from lifecycle.machine import TRAINER, State
 from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase
 from lifecycle.stateful import Stateful
@@ -84,8 +85,9 @@ class Lifecycle(Stateful[State]):
             phase.figures.update(self.checkpointer.load_initial(self.parts))
 
     def train_step(self, step: int) -> Phase:
-        """READY -> TRAINING -> READY around the caller's step; an exception leaves FAILED."""
-        return Phase(self, "train_step", step)
+        """READY -> TRAINING -> READY around the caller's step; an exception leaves FAILED. A step
+        that no save could take (`check_step`) is refused before the machine moves."""
+        return Phase(self, "train_step", check_step(step))
 
     def save(self, step: int | None = None) -> SaveInfo:
         """READY -> SAVING -> READY: write and commit a checkpoint; returns what was written."""
@@ -158,9 +160,21 @@ def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
         if dist is not None and dist.is_available() and dist.is_initialized():
             rank = dist.get_rank() if rank is None else rank
             world_size = dist.get_world_size() if world_size is None else world_size
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    return rank, world_size
+    rank = _from_env("RANK", "0") if rank is None else rank
+    world_size = _from_env("WORLD_SIZE", "1") if world_size is None else world_size
+    for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ConfigError(name, f"must be an integer >= {low}, got {shorten(value)} ({type(value).__name__})")
+    if rank >= world_size:
+        raise ConfigError("rank", f"is {rank}, outside a world of {world_size} rank(s) (0..{world_size - 1})")
+    return int(rank), int(world_size)
+
+
+def _from_env(name: str, default: str) -> int:
+    text = os.environ.get(name, default).strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 9):
+        raise ConfigError(name, f"the environment variable holds {shorten(text)}, not a rank number")
+    return int(text)
 
 
 __all__ = ["Lifecycle"]

@@ -9,6 +9,7 @@ the core.
 
 from __future__ import annotations
 
+import threading
 import time
 from contextvars import ContextVar, Token
 from enum import Enum
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import structlog
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
-from lifecycle.errors import LifecycleError
+from lifecycle.errors import LifecycleError, shorten
 from lifecycle.table import DONE, FAIL
 
 if TYPE_CHECKING:
@@ -83,17 +84,22 @@ GLOBAL_OBSERVERS: list[Observer] = []
 
 
 class Temporary:
-    """Attributes changed for the rest of a phase; also a context manager to restore sooner."""
+    """Attributes changed for the rest of a phase; also a context manager to restore sooner.
+
+    Changes of one attribute nest: restoring one also settles every change made to the same
+    attribute after it (they were made on top of it), so restores in any order leave the
+    value the first of them found, never one set in between."""
 
     __slots__ = ("_obj", "_saved", "_restored")
 
     def __init__(self, obj: object, attrs: dict[str, Any]) -> None:
         self._obj = obj
         self._saved: list[tuple[str, Any]] = []
-        self._restored = False
+        self._restored: set[str] = set()
         try:
             for name, value in attrs.items():
                 self._saved.append((name, getattr(obj, name, _MISSING)))
+                _push(obj, name, self)
                 if value is DELETE:
                     if hasattr(obj, name):
                         delattr(obj, name)
@@ -104,16 +110,32 @@ class Temporary:
             raise
 
     def restore(self) -> None:
-        """Put every attribute back as it was, last changed first; idempotent."""
-        if self._restored:
-            return
-        self._restored = True
+        """Put every attribute back as it was, last changed first; idempotent. Every attribute
+        gets its turn: the first error is raised once all were tried."""
+        errors: list[BaseException] = []
         for name, old in reversed(self._saved):
-            if old is _MISSING:
-                if hasattr(self._obj, name):
-                    delattr(self._obj, name)
-            else:
-                setattr(self._obj, name, old)
+            if name in self._restored:
+                continue
+            with _NESTED_LOCK:
+                stack = _NESTED.get((id(self._obj), name), [])
+                later = stack[stack.index(self) + 1:] if self in stack else []
+                for change in later:  # made on top of this one: settled by it
+                    change._restored.add(name)
+                if self in stack:
+                    del stack[stack.index(self):]
+                if not stack:
+                    _NESTED.pop((id(self._obj), name), None)
+                self._restored.add(name)
+            try:
+                if old is _MISSING:
+                    if hasattr(self._obj, name):
+                        delattr(self._obj, name)
+                else:
+                    setattr(self._obj, name, old)
+            except BaseException as exc:  # noqa: BLE001 - the other attributes still get theirs
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def __repr__(self) -> str:
         names = ", ".join(name for name, _ in self._saved)
@@ -124,6 +146,17 @@ class Temporary:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+_NESTED: dict[tuple[int, str], list[Temporary]] = {}
+"""The changes of each (object, attribute) not yet restored, oldest first (an entry holds its
+object, so the id stays its own while listed)."""
+_NESTED_LOCK = threading.Lock()
+
+
+def _push(obj: object, name: str, change: Temporary) -> None:
+    with _NESTED_LOCK:
+        _NESTED.setdefault((id(obj), name), []).append(change)
 
 
 RUNNING_UNDOS: ContextVar[list[Callable[[], object]] | None] = ContextVar("lifecycle_undos", default=None)
@@ -145,18 +178,43 @@ def temporarily(obj: object, **attrs: Any) -> Temporary:
 
 
 def run_undos(undos: list[Callable[[], object]], trigger: str) -> list[BaseException]:
-    """Run a phase's undos last-in-first-out; a failing undo is logged and never stops the rest."""
+    """Run a phase's undos last-in-first-out; a failing undo is logged and never stops the rest,
+    an interrupt (`KeyboardInterrupt`, `SystemExit`) included: the caller raises it after."""
     errors: list[BaseException] = []
     while undos:
         undo = undos.pop()
         try:
             undo()
-        except Exception as exc:  # noqa: BLE001 - every undo must get its turn
+        except BaseException as exc:  # noqa: BLE001 - every undo must get its turn
             errors.append(exc)
-            structlog.get_logger().error(
-                "lifecycle.undo_failed", trigger=trigger, undo=repr(undo), error=repr(exc)
-            )
+            guarded(structlog.get_logger().error, "lifecycle.undo_failed", trigger=trigger, undo=shorten(undo, 200),
+                    error=shorten(exc, 500))
     return errors
+
+
+def guarded(call: Callable[..., object], *args: Any, **kwargs: Any) -> BaseException | None:
+    """`call(*args, **kwargs)`; what it raised (an `Exception`), or None: for the log and the
+    observers a phase tells, whose failure must not leave the machine half-moved."""
+    try:
+        call(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - handed back to the caller
+        return exc
+    return None
+
+
+def described(error: BaseException) -> str:
+    """`TypeName: message` of an error, for a record; never raises, even when `str` does."""
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 - an error whose __str__ fails still gets its record
+        text = f"<unprintable {shorten(error, 200)}>"
+    if len(text) > _MESSAGE_CHARS:
+        text = f"{text[:_MESSAGE_CHARS]}... [{len(text)} characters in all]"
+    return f"{type(error).__name__}: {text}"
+
+
+_MESSAGE_CHARS = 4000
+"""The most characters of an error's message a record carries."""
 
 
 @cache
@@ -198,21 +256,36 @@ class Phase:
         lc = self.lc
         self._start = time.time()
         self._t0 = time.perf_counter()
-        self.src, self.dst = src, dst = lc._move(self.trigger)
-        lc._phase = self
-        self._undo_token = RUNNING_UNDOS.set(self.undos)
-        role_var, rank_var, step_var = _context_vars()
-        self._tokens = (role_var.set(lc.role), rank_var.set(lc.rank), step_var.set(self.step))
-        lc._log.debug("lifecycle.phase_started", src=src._name_, trigger=self.trigger, state=dst._name_,
-                      role=lc.role, rank=lc.rank, step=self.step)
-        budget = lc._budget(self.trigger)
-        self._watched = budget is not None
-        if self._watched:
-            lc._watchdog.watch(id(self), budget, emit=lc._on_overdue, trigger=self.trigger, state=dst._name_,
-                               role=lc.role, rank=lc.rank, step=self.step)
+        self._undo_token, self._tokens, self._watched = None, (), False
+        self.src, self.dst = src, dst = lc._move(self.trigger)  # refused: nothing changed
+        try:  # moved: whatever fails from here fails the phase, which ends like any other
+            lc._phase = self
+            self._undo_token = RUNNING_UNDOS.set(self.undos)
+            role_var, rank_var, step_var = _context_vars()
+            self._tokens = (role_var.set(lc.role), rank_var.set(lc.rank), step_var.set(self.step))
+            guarded(lc._log.debug, "lifecycle.phase_started", src=src._name_, trigger=self.trigger,
+                    state=dst._name_, role=lc.role, rank=lc.rank, step=self.step)
+            budget = lc._budget(self.trigger)
+            if budget is not None:
+                lc._watchdog.watch(id(self), budget, emit=lc._on_overdue, trigger=self.trigger, state=dst._name_,
+                                   role=lc.role, rank=lc.rank, step=self.step)
+                self._watched = True
+            lc._tell(src, dst, self.trigger)
+        except BaseException as exc:
+            self._end(exc)
+            raise
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        error = self._end(exc)
+        if exc is None:
+            if error is not None:
+                raise error
+            self.lc._ended(self)
+
+    def _end(self, exc: BaseException | None) -> BaseException | None:
+        """Undos, then done or fail, then the record, each whatever the one before raised; the
+        error a phase whose work succeeded raises (an undo failed or was interrupted), else None."""
         lc = self.lc
         try:
             undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
@@ -220,25 +293,30 @@ class Phase:
             if self._watched:
                 lc._watchdog.unwatch(id(self))
             lc._phase = None
-            RUNNING_UNDOS.reset(self._undo_token)
+            if self._undo_token is not None:
+                RUNNING_UNDOS.reset(self._undo_token)
             for token in self._tokens:
                 token.var.reset(token)
         error: BaseException | None = exc
         if error is None and undo_errors:
-            error = LifecycleError(
-                f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
-                f"objects are not as they were (role {lc.role}); first: {undo_errors[0]!r}"
-            )
-        if self.dst._name_ in lc._table.working_names:
-            self.dst = lc._move(FAIL if error is not None else DONE)[1]
-        lc._record(self, error)
-        if exc is None:
-            if error is not None:
-                raise error from undo_errors[0]
-            lc._ended(self)
+            interrupts = [e for e in undo_errors if not isinstance(e, Exception)]
+            if interrupts:
+                error = interrupts[0]
+            else:
+                error = LifecycleError(
+                    f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
+                    f"objects are not as they were (role {lc.role}); first: {shorten(undo_errors[0], 500)}")
+                error.__cause__ = undo_errors[0]
+        try:
+            if self.dst._name_ in lc._table.working_names:
+                src, self.dst = lc._move(FAIL if error is not None else DONE)
+                lc._tell(src, self.dst, FAIL if error is not None else DONE)
+        finally:
+            lc._record(self, error)
+        return error
 
 
 __all__ = [
     "DELETE", "GLOBAL_OBSERVERS", "RUNNING_UNDOS", "Observer", "Phase", "Temporary", "TransitionRecord",
-    "run_undos", "temporarily",
+    "described", "guarded", "run_undos", "temporarily",
 ]

@@ -19,10 +19,11 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lifecycle.errors import EngineError, LifecycleError
+from lifecycle.errors import EngineError, LifecycleError, shorten
 from lifecycle.machine import ROLLOUT, RolloutState
 from lifecycle.phase import Observer, Phase
 from lifecycle.stateful import Stateful
+from lifecycle.types import MAX_VERSION, is_version
 from lifecycle.watchdog import Emit, Watchdog
 
 Loader = Callable[[Iterable[tuple[str, Any]]], None]
@@ -111,6 +112,10 @@ class RolloutWeights(Stateful[RolloutState]):
             pass
 
     def _land(self, version: int) -> None:
+        if not is_version(version):
+            raise EngineError(f"rollout {self.rank}: landed({shorten(version)}): a weights version is an int in "
+                              f"0..{MAX_VERSION}")
+        version = int(version)
         if self.state is not RolloutState.RECEIVING:
             raise LifecycleError(f"rollout {self.rank}: landed(v{version}) outside its receive (state "
                                  f"{self.state.name})")

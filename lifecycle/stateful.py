@@ -10,21 +10,21 @@ budget, the undo stack, the history, the observers and the Chrome trace.
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
-from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 import structlog
 from transitions import MachineError
 
-from lifecycle.errors import InvalidTransition, LifecycleError
-from lifecycle.phase import Observer, Phase, Temporary, TransitionRecord
+from lifecycle.errors import ConfigError, InvalidTransition, LifecycleError, shorten
+from lifecycle.phase import Observer, Phase, Temporary, TransitionRecord, described, guarded
 from lifecycle.table import Table
 from lifecycle.watchdog import WATCHDOG, Emit, Watchdog
 
@@ -46,6 +46,7 @@ class Stateful(Generic[S]):
     def __init__(self, table: Table[S], *, role: str, rank: int, observers: Iterable[Observer] = (),
                  history_limit: int = 10_000, watchdog: Watchdog | None = None,
                  on_overdue: Emit | None = None) -> None:
+        _check_identity(role, rank, history_limit, observers)
         self.role = role
         self.rank = rank
         self.observers: list[Observer] = list(observers)
@@ -141,32 +142,80 @@ class Stateful(Generic[S]):
                     raise InvalidTransition(trigger, src, self._table.allowed(src), self.role) from None
                 dst = self._model.state
             self._moved(src, dst)
-        if self.observers or self._global_observers:
-            for observer in (*self.observers, *self._global_observers):
-                observer.on_state_change(self, src, dst, trigger)
         return src, dst
 
+    def _tell(self, src: S, dst: S, trigger: str) -> None:
+        """Every observer's `on_state_change` of a move `_move` made (`Phase` calls it once the
+        move is the phase's own)."""
+        if self.observers or self._global_observers:
+            self._notify("on_state_change", src, dst, trigger)
+
+    def _notify(self, hook: str, *args: Any) -> None:
+        """`hook` of every observer, each whatever the others raised: an observer's error is
+        logged (`lifecycle.observer_failed`) and goes no further, since the machine has moved
+        and the phase's outcome is not the observer's to change; an interrupt is raised once
+        every observer was told."""
+        interrupt: BaseException | None = None
+        for observer in (*self.observers, *self._global_observers):
+            try:
+                getattr(observer, hook)(self, *args)
+            except Exception as exc:  # noqa: BLE001 - logged; the other observers still hear
+                guarded(self._log.error, "lifecycle.observer_failed", observer=shorten(observer), hook=hook,
+                        role=self.role, rank=self.rank, error=described(exc))
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the others heard
+                interrupt = interrupt or exc
+        if interrupt is not None:
+            raise interrupt
+
     def _record(self, phase: Phase, error: BaseException | None) -> None:
-        """The one history entry and the one `lifecycle.transition` record of a trigger."""
+        """The one history entry and the one `lifecycle.transition` record of a trigger. The
+        history always gets it; a log sink that fails (a closed pipe, a full disk) or a figure
+        the renderer cannot write loses the log line alone, and observers hear it regardless."""
         start, t0 = phase.started
         duration = time.perf_counter() - t0
         dst = phase.dst
-        message = None if error is None else f"{type(error).__name__}: {error}"
+        message = None if error is None else described(error)
         working = self._table.by_trigger[phase.trigger].working
         path = (phase.src, dst) if working is None else (phase.src, working, dst)
         record = TransitionRecord(phase.trigger, phase.src, dst, phase.step, start, duration,
                                   error is None, message, path, phase.figures)
         self._history.append(record)
-        emit = self._log.info if error is None else partial(self._log.error, error=message)
-        emit("lifecycle.transition", trigger=phase.trigger, src=phase.src._name_, dst=dst._name_,
-             role=self.role, rank=self.rank, step=phase.step, duration_s=round(duration, 6),
-             ok=error is None, **phase.figures)
+        fields = {"trigger": phase.trigger, "src": phase.src._name_, "dst": dst._name_, "role": self.role,
+                  "rank": self.rank, "step": phase.step, "duration_s": round(duration, 6), "ok": error is None}
+        if phase.figures:
+            fields = {**_figure_fields(phase.figures, fields), **fields}
+        if error is None:
+            guarded(self._log.info, "lifecycle.transition", **fields)
+        else:
+            guarded(self._log.error, "lifecycle.transition", error=message, **fields)
         if self.observers or self._global_observers:
-            for observer in (*self.observers, *self._global_observers):
-                observer.on_transition(self, record)
+            self._notify("on_transition", record)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role!r}, rank={self.rank}, state={self.state.name})"
+
+
+def _check_identity(role: object, rank: object, history_limit: object, observers: object) -> None:
+    """`ConfigError` naming the argument a machine cannot be built from: its records, errors and
+    folders name it by role and rank."""
+    if not isinstance(role, str) or not role:
+        raise ConfigError("role", f"must be a non-empty string, got {shorten(role)}")
+    for name, value, low in (("rank", rank, 0), ("history_limit", history_limit, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:  # type: ignore[operator]
+            raise ConfigError(name, f"must be an integer >= {low}, got {shorten(value)} ({type(value).__name__})")
+    if isinstance(observers, (str, bytes)) or not isinstance(observers, Iterable):
+        raise ConfigError("observers", f"must be an iterable of Observer, got {shorten(observers)}")
+
+
+def _figure_fields(figures: dict[Any, Any], fixed: dict[str, Any]) -> dict[str, Any]:
+    """A phase's figures as log fields: a figure named like a field every record has (`step`,
+    `rank`, `error`...) goes as `figure_<name>`, so it neither replaces that field nor fails the
+    call; a key that is no string goes as its bounded repr."""
+    out: dict[str, Any] = {}
+    for key, value in figures.items():
+        name = key if isinstance(key, str) else shorten(key)
+        out[f"figure_{name}" if name in fixed or name in ("error", "event") else name] = value
+    return out
 
 
 __all__ = ["Stateful"]

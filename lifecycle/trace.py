@@ -5,8 +5,10 @@ It reads transition records only, so the core imports it and not the other way r
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -79,13 +81,20 @@ class TraceFile(Observer):
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The events of an `EventLog` file; a torn last line (its writer was killed) is left out."""
+    """The events of an `EventLog` file; a torn last line (its writer was killed), or any line
+    that is no JSON object, is left out. Anything but a regular file (a FIFO would block the
+    read for good) is an `OSError`, as a file that cannot be read is."""
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
     events = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            events.append(json.loads(line))
-        except ValueError:
+            event = json.loads(line)
+        except (ValueError, RecursionError):
             continue
+        if isinstance(event, dict):
+            events.append(event)
     return events
 
 

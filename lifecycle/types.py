@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
 
 from collections.abc import Callable
@@ -12,6 +13,14 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
 
 from lifecycle.errors import EngineError
+
+MAX_VERSION = 10**19 - 1
+"""The largest weights version: a sync carries it as at most 19 decimal digits."""
+
+
+def is_version(value: Any) -> bool:
+    """A weights version: an integer (not a bool; numpy's count) in 0..`MAX_VERSION`."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and 0 <= value <= MAX_VERSION
 
 
 class Content(str, Enum):

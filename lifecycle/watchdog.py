@@ -14,6 +14,7 @@ phase without a budget costs nothing and one with a budget costs a lock and a di
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+
+from lifecycle.errors import LifecycleError, shorten
 
 __all__ = ["WATCHDOG", "Emit", "Watchdog", "thread_stacks"]
 
@@ -72,8 +75,12 @@ class Watchdog:
 
     def watch(self, key: int, budget_s: float, emit: Emit | None = None, **fields: Any) -> None:
         """Start the budget of the phase `key` (its id) running on the calling thread; its
-        reports go to `emit`, else to this watchdog's own."""
-        entry = _Watched(budget_s, self._clock(), threading.get_ident(), fields, emit)
+        reports go to `emit`, else to this watchdog's own. A budget that is no finite number of
+        seconds above 0 is refused (`LifecycleError`): the one thread serves every phase."""
+        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
+            raise LifecycleError(f"a watchdog budget is a finite number of seconds above 0, got {shorten(budget_s)}"
+                                 + (f" for {fields['trigger']!r}" if isinstance(fields.get("trigger"), str) else ""))
+        entry = _Watched(float(budget_s), self._clock(), threading.get_ident(), fields, emit)
         with self._cond:
             self._watched[key] = entry
             if self._thread is None or not self._thread.is_alive():

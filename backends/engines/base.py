@@ -28,6 +28,7 @@ from backends.engines.options import (
     DEFAULT_BUCKET_BYTES, ROLLOUT_DTYPES, EngineCapabilities, EngineOptions, EngineSource, shown,
 )
 from lifecycle.errors import EngineError
+from lifecycle.types import MAX_VERSION, is_version
 
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ROLLOUT_DTYPES}
@@ -287,15 +288,6 @@ class CheckpointEngine:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(bucket_bytes={self.bucket_bytes}, verify={self.verify})"
-
-
-MAX_VERSION = 10**19 - 1
-"""The largest version a sync carries: receivers read it as at most 19 decimal digits."""
-
-
-def is_version(value: Any) -> bool:
-    """An integer (not a bool; numpy's count) in 0..`MAX_VERSION`."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and 0 <= value <= MAX_VERSION
 
 
 def check_version(engine: str, version: Any) -> int:

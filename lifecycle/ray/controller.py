@@ -45,13 +45,15 @@ class Controller(Stateful[DriverState]):
         the policy gives up, and whatever the driver itself raised (both leave it ERRORED).
 
         It ends FINISHED or ERRORED, never RUNNING: a phase that fails ends ERRORED, and anything
-        raised between phases (a step, a hook, the policy, an interrupt) gives up."""
-        with Phase(self, "start", None) as phase:
-            resumed = self._bring_up(None)
-            phase.step = resumed
-            phase.figures.update(incarnation=self.incarnation, resumed_at=resumed)
-        step = resumed + 1
+        raised between phases or as one ends (a step, a hook, the policy, an observer, an
+        interrupt) gives up."""
+        step = None
         try:
+            with Phase(self, "start", None) as phase:
+                resumed = self._bring_up(None)
+                phase.step = resumed
+                phase.figures.update(incarnation=self.incarnation, resumed_at=resumed)
+            step = resumed + 1
             self.summary.started_at = resumed
             self._on_start(resumed)
             while step <= last:
@@ -113,7 +115,7 @@ class Controller(Stateful[DriverState]):
             self._on_failure(failure)
         return failure, verdict
 
-    def _give_up(self, step: int, error: BaseException, cause: BaseException | None = None) -> NoReturn:
+    def _give_up(self, step: int | None, error: BaseException, cause: BaseException | None = None) -> NoReturn:
         """RUNNING -> ERRORED; the `give_up` record carries the error, which is raised."""
         with Phase(self, "give_up", step) as phase:
             failed = error.failure if isinstance(error, RunFailed) else None

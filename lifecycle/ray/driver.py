@@ -19,16 +19,19 @@ for its node.
 from __future__ import annotations
 
 import math
+import re
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lifecycle.boundary import role_problem
 from lifecycle.config import LifecycleConfig
-from lifecycle.errors import ConfigError, EngineError, LifecycleError
+from lifecycle.errors import ConfigError, EngineError, LifecycleError, shorten
+from lifecycle.phase import described
 from lifecycle.ray.controller import Controller
 from lifecycle.ray.policy import FailurePolicy, RunFailed, WorkerFailed
 from lifecycle.ray.run_report import (
@@ -77,15 +80,17 @@ class DriverConfig:
     """Further `ray.init` arguments (runtime_env, namespace, ...)."""
 
     def __post_init__(self) -> None:
-        for key in ("steps", "save_every", "rollouts"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"driver.{key}", f"must be >= 1, got {getattr(self, key)}")
-        if self.max_failures < 0:
-            raise ConfigError("driver.max_failures", f"must be >= 0, got {self.max_failures}")
+        for key, low in (("steps", 1), ("save_every", 1), ("rollouts", 1), ("max_failures", 0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"driver.{key}", f"must be an integer >= {low}, got {shorten(value)}")
         for key in ("call_timeout_s", "poll_s"):
             value = getattr(self, key)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"driver.{key}", f"must be a finite number of seconds > 0, got {value!r}")
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"driver.{key}", f"must be a finite number of seconds > 0, got {shorten(value)}")
+        if self.failure_policy is not None and not isinstance(self.failure_policy, FailurePolicy):
+            raise ConfigError("driver.failure_policy", f"must be a FailurePolicy, got a "
+                                                       f"{type(self.failure_policy).__name__}")
         if self.failure_policy is not None and self.failure_policy.max_failures != self.max_failures:
             raise ConfigError("driver.max_failures", f"{self.max_failures} differs from driver.failure_policy."
                                                      f"max_failures={self.failure_policy.max_failures}; the policy "
@@ -97,6 +102,23 @@ class DriverConfig:
     @property
     def policy(self) -> FailurePolicy:
         return self.failure_policy or FailurePolicy(max_failures=self.max_failures)
+
+
+def _trainer_roles(roles: Any) -> list[str]:
+    """A recipe's trainer roles, as a list of distinct role names; `ConfigError` for a bare string
+    (each letter would be a role), a name no checkpoint folder can take, a repeat, or a name the
+    rollout workers go by (`rollout`, `rollout0`, ...), whose handles a trainer's would replace."""
+    if isinstance(roles, (str, bytes)) or not isinstance(roles, (list, tuple)):
+        raise ConfigError("recipe.roles", f"must be a list of role names, got {shorten(roles)}")
+    problems = [f"{shorten(role)}: {role_problem(role) if isinstance(role, str) else 'not a string'}"
+                for role in roles if not isinstance(role, str) or role_problem(role)]
+    problems += [f"{role!r}: the rollout workers' name" for role in roles
+                 if isinstance(role, str) and (role == ROLLOUT or re.fullmatch(f"{ROLLOUT}[0-9]+", role))]
+    problems += [f"{role!r}: given twice" for role in sorted({r for r in roles if roles.count(r) > 1}, key=str)]
+    if not roles or problems:
+        raise ConfigError("recipe.roles", "needs at least one trainer role, each a distinct role name that is not "
+                          f"the rollout's: {'; '.join(problems) or 'got none'}")
+    return list(roles)
 
 
 class DriverHooks:
@@ -139,9 +161,7 @@ class Driver(Controller):
         self.recipe = recipe
         self.settings = settings
         self.hooks = hooks or DriverHooks()
-        roles = [str(r) for r in recipe.roles]
-        if not roles or ROLLOUT in roles:
-            raise ConfigError("recipe.roles", f"needs at least one trainer role and not {ROLLOUT!r}, got {roles}")
+        roles = _trainer_roles(getattr(recipe, "roles", None))
         base = LifecycleConfig.coerce(config).to_dict()
         base["checkpoint"]["roles"] = roles
         unknown = sorted(set(overrides or {}) - {*roles, ROLLOUT})
@@ -180,15 +200,29 @@ class Driver(Controller):
             self._control(self.settings.steps)
         finally:
             self.summary.wall_s = time.perf_counter() - started
-            self._stop_group()
-            if self.work_dir is not None:
-                self.summary.trace = merge_traces(self.work_dir / "traces", self.work_dir / "trace.json",
-                                                  self.summary.spans, self.history, self.summary.overdue)
-            if self._owns_ray:
-                import ray
+            try:  # each step of the cleanup whatever the one before raised; none replaces the run's error
+                self._tidy("stopping the worker group", self._stop_group)
+                if self.work_dir is not None:
+                    self._tidy("writing the trace", self._merge_traces)
+            finally:
+                if self._owns_ray:
+                    import ray
 
-                ray.shutdown()
+                    ray.shutdown()
         return self.summary
+
+    def _merge_traces(self) -> None:
+        assert self.work_dir is not None
+        self.summary.trace = merge_traces(self.work_dir / "traces", self.work_dir / "trace.json",
+                                          self.summary.spans, self.history, self.summary.overdue)
+
+    def _tidy(self, what: str, step: Callable[[], object]) -> None:
+        """One step of the run's cleanup; what it raises is logged (`driver.cleanup_failed`), since
+        the run's outcome (its summary, or the error it raised) is already settled."""
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - logged; the cleanup goes on
+            self._log.warning("driver.cleanup_failed", step=what, error=described(exc))
 
     def kill(self, name: str) -> int:
         """SIGKILL a worker's process (`actor`, `critic`, `rollout0`...), as a crash would; returns its pid."""

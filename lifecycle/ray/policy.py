@@ -8,10 +8,12 @@ Ray: the worker group classifies Ray's exceptions before the policy sees them.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from enum import Enum
 
-from lifecycle.errors import ConfigError, LifecycleError
+from lifecycle.errors import ConfigError, LifecycleError, shorten
+from lifecycle.phase import described
 
 
 class FailureKind(str, Enum):
@@ -36,10 +38,38 @@ class WorkerFailed(LifecycleError):
                  kind: FailureKind = FailureKind.RAISED, error: BaseException | None = None) -> None:
         self.worker, self.phase, self.step, self.cause, self.kind = worker, phase, step, cause, kind
         self.error = cause if error is None else error
-        super().__init__(f"worker {worker} failed in {phase} of step {step}: {type(cause).__name__}: {cause}")
+        kind_name = cause.kind if isinstance(cause, StandIn) else type(cause).__name__
+        super().__init__(f"worker {worker} failed in {phase} of step {step}: {kind_name}: {described(cause).split(': ', 1)[-1]}")
 
     def __reduce__(self) -> tuple[object, ...]:
-        return type(self), (self.worker, self.phase, self.step, self.cause, self.kind, self.error)
+        cause = portable(self.cause)
+        return type(self), (self.worker, self.phase, self.step, cause, self.kind,
+                            cause if self.error is self.cause else portable(self.error))
+
+
+class StandIn(LifecycleError):
+    """An exception that cannot cross a process boundary (its class takes other arguments, or it
+    holds a lock), as its type name and message: what a `WorkerFailed` or `RunFailed` carries in
+    its place when pickled."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind = kind
+        """The type name of the exception it stands for (its message is its own)."""
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.kind, str(self))
+
+
+def portable(error: BaseException | None) -> BaseException | None:
+    """`error` itself when it survives pickling and unpickling, else its `StandIn`."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any way it fails, the stand-in carries what it said
+        return StandIn(type(error).__name__, described(error).split(": ", 1)[-1])
+    return error
 
 
 class Decision(str, Enum):
@@ -87,9 +117,15 @@ class FailurePolicy:
     def __post_init__(self) -> None:
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < 0:
             raise ConfigError("failure_policy.max_failures", f"must be an integer >= 0, got {self.max_failures!r}")
-        bad = [t for t in self.fatal if not (isinstance(t, type) and issubclass(t, BaseException))]
+        fatal = (self.fatal,) if isinstance(self.fatal, type) else self.fatal
+        if not isinstance(fatal, (tuple, list, frozenset, set)):
+            raise ConfigError("failure_policy.fatal", f"takes a tuple of exception classes, got {shorten(fatal)}")
+        bad = [t for t in fatal if not (isinstance(t, type) and issubclass(t, BaseException))]
         if bad:
-            raise ConfigError("failure_policy.fatal", f"takes exception classes, got {bad!r}")
+            raise ConfigError("failure_policy.fatal", f"takes exception classes, got {shorten(bad)}")
+        object.__setattr__(self, "fatal", tuple(fatal))  # frozen: isinstance() takes a tuple, not a list
+        if not isinstance(self.retry_raised, bool):
+            raise ConfigError("failure_policy.retry_raised", f"must be true or false, got {shorten(self.retry_raised)}")
 
     def retryable(self, failure: WorkerFailed) -> bool:
         """Whether a rebuilt group could get past `failure` at all (the count aside)."""
@@ -108,4 +144,4 @@ class FailurePolicy:
         return Verdict(Decision.RETRY, f"restart {failures} of at most {self.max_failures}: {failure}")
 
 
-__all__ = ["Decision", "FailureKind", "FailurePolicy", "RunFailed", "Verdict", "WorkerFailed"]
+__all__ = ["Decision", "FailureKind", "FailurePolicy", "RunFailed", "StandIn", "Verdict", "WorkerFailed", "portable"]

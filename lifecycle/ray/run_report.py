@@ -6,6 +6,7 @@ Also the small batch helpers the driver uses to spread a step's prompts over its
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,7 +112,20 @@ class RunSummary:
         return [final[s] for s in sorted(final)]
 
     def metric(self, name: str) -> list[float]:
-        return [r.metrics[name] for r in self.steps if name in r.metrics]
+        """The metric's value at each step that reported it as a real number (a Python or numpy
+        scalar, a one-element tensor); a value of any other kind is left out."""
+        return [value for r in self.steps if name in r.metrics and (value := _number(r.metrics[name])) is not None]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        if isinstance(value, torch.Tensor):
+            return float(value.item()) if value.numel() == 1 else None
+        return float(value) if isinstance(value, numbers.Real) else None
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return None
 
 
 def fingerprint(value: Any) -> str:
@@ -187,13 +201,13 @@ def _meta(name: str, pid: int, value: Any) -> dict[str, Any]:
 def render_summary(summary: RunSummary, reward: str) -> str:
     """The end-of-run table: steps, reward, saves and syncs with their speeds, failures and resumes."""
     steps = summary.steps
-    rewards = summary.metric(reward)
+    points = [(r.step, value) for r in steps if (value := _number(r.metrics.get(reward))) is not None]
     rows = [("steps", f"{len(steps)} in the final run ({len(summary.attempts)} run, "
                       f"{len(summary.attempts) - len(steps)} redone after resuming); from step "
                       f"{summary.started_at + 1} to {steps[-1].step if steps else summary.started_at}")]
-    if rewards:
-        rows.append(("reward", f"{rewards[0]:.3f} at step {steps[0].step} -> {rewards[-1]:.3f} at step "
-                               f"{steps[-1].step} (best {max(rewards):.3f})"))
+    if points:
+        rows.append(("reward", f"{points[0][1]:.3f} at step {points[0][0]} -> {points[-1][1]:.3f} at step "
+                               f"{points[-1][0]} (best {max(value for _, value in points):.3f})"))
     for role in sorted({s["role"] for s in summary.saves}):
         mine = [s for s in summary.saves if s["role"] == role]
         size, secs = sum(s["bytes"] for s in mine), sum(s["seconds"] for s in mine)

@@ -62,7 +62,7 @@ def test_an_invalid_trigger_logs_no_transition(lc: Lifecycle) -> None:
 def test_records_emitted_inside_a_phase_carry_role_rank_and_step() -> None:
     from tests.lifecycle.probes import make_lifecycle
 
-    lc = make_lifecycle(rank=3)
+    lc = make_lifecycle(rank=3, world_size=4)
     lc.init_load()
     lc.checkpointer.probe = lambda: structlog.get_logger().info("backend.wrote", files=2)  # type: ignore[attr-defined]
     out = io.StringIO()

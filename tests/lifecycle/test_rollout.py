@@ -368,3 +368,17 @@ def test_history_records_hold_rollout_states() -> None:
     assert [(r.trigger, r.src, r.dst) for r in w.history] == [
         ("receive_weights", R.EMPTY, R.SERVING), ("close", R.SERVING, R.CLOSED)]
     assert all(isinstance(r, TransitionRecord) for r in w.history)
+
+
+@pytest.mark.parametrize("version", [True, 2.5, float("nan"), "5", None, [1], -3, 10**19, 10**5000],
+                         ids=["bool", "float", "nan", "str", "none", "list", "negative", "10**19", "5000-digits"])
+def test_a_version_that_is_no_int_in_range_is_refused_and_the_rollout_keeps_its_own(version: Any) -> None:
+    w, _ = weights(rank=1)
+    receive(w, 4)
+    with pytest.raises(EngineError, match=r"rollout 1: landed\(.*\): a weights version is an int in 0\.\.") as info:
+        with w.receiving() as landed:
+            landed(version)
+    assert len(str(info.value)) < 300
+    assert (w.state, w.weights_version) == (R.STALE, 4)
+    receive(w, 5)
+    assert (w.state, w.weights_version) == (R.SERVING, 5)

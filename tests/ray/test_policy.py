@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
+import threading
+
 import pytest
 
 from lifecycle.errors import CheckpointError, ConfigError, EngineError, InvalidTransition
-from lifecycle.ray.policy import Decision, FailureKind, FailurePolicy, WorkerFailed
+from lifecycle.ray.policy import Decision, FailureKind, FailurePolicy, RunFailed, StandIn, WorkerFailed
 
 
 def failed(kind: FailureKind, error: BaseException | None = None) -> WorkerFailed:
@@ -65,7 +68,11 @@ def test_a_subclass_decides_retryable_by_its_own_rules() -> None:
 @pytest.mark.parametrize(("kwargs", "key"), [({"max_failures": -1}, "failure_policy.max_failures"),
                                              ({"max_failures": 1.5}, "failure_policy.max_failures"),
                                              ({"max_failures": True}, "failure_policy.max_failures"),
-                                             ({"fatal": ("ConfigError",)}, "failure_policy.fatal")])
+                                             ({"fatal": ("ConfigError",)}, "failure_policy.fatal"),
+                                             ({"fatal": None}, "failure_policy.fatal"),
+                                             ({"fatal": "ConfigError"}, "failure_policy.fatal"),
+                                             ({"retry_raised": "no"}, "failure_policy.retry_raised"),
+                                             ({"retry_raised": 0}, "failure_policy.retry_raised")])
 def test_bad_settings_are_refused_naming_the_key(kwargs: dict, key: str) -> None:
     with pytest.raises(ConfigError) as info:
         FailurePolicy(**kwargs)
@@ -98,3 +105,37 @@ def test_the_driver_refuses_a_poll_interval_that_cannot_work(value: float) -> No
     with pytest.raises(ConfigError) as info:
         DriverConfig(steps=3, poll_s=value)
     assert info.value.key == "driver.poll_s"
+
+
+@pytest.mark.parametrize("fatal", [[ConfigError, ValueError], ValueError, {ValueError}])
+def test_fatal_given_as_a_list_a_set_or_one_class_decides_like_a_tuple(fatal: object) -> None:
+    policy = FailurePolicy(fatal=fatal)  # type: ignore[arg-type]
+    assert isinstance(policy.fatal, tuple) and ValueError in policy.fatal
+    verdict = policy.decide(WorkerFailed("actor", "train", 1, ValueError("bad")), 1)
+    assert verdict.decision is Decision.GIVE_UP and "failure_policy.fatal" in verdict.reason
+    assert policy.decide(WorkerFailed("actor", "train", 1, OSError("reset")), 1).decision is Decision.RETRY
+
+
+class _TwoArguments(Exception):
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(f"step {step}: {reason}")
+
+
+class _HoldsALock(Exception):
+    def __init__(self) -> None:
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
+
+
+@pytest.mark.parametrize("cause", [_TwoArguments(3, "nan loss"), _HoldsALock()], ids=["two-arguments", "lock"])
+def test_a_failure_whose_cause_cannot_be_pickled_crosses_a_process_boundary_as_its_type_and_message(
+        cause: Exception) -> None:
+    failed = WorkerFailed("actor", "train", 3, cause)
+    for error in (failed, RunFailed("giving up", failed)):
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error)
+    back = pickle.loads(pickle.dumps(failed))
+    assert isinstance(back.cause, StandIn) and back.cause.kind == type(cause).__name__
+    assert str(back.cause) == str(cause) and back.error is back.cause
+    plain = WorkerFailed("actor", "train", 3, OSError("reset"))
+    assert type(pickle.loads(pickle.dumps(plain)).cause) is OSError, "a cause that pickles stays itself"
