@@ -3,13 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TextIO
 
 from lifecycle.boundary import os_error
 from lifecycle.errors import LifecycleError
 from lifecycle.machine import MACHINES
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+"""Characters a terminal acts on rather than shows (escape sequences, line breaks, bidi overrides)."""
+
+
+def printable(text: str) -> str:
+    """`text` with every character a terminal would act on written as its escape (`\\x1b`, `\\n`):
+    a name in a checkpoint root cannot move the cursor, recolour, set the clipboard or forge a line."""
+    return _CONTROL.sub(lambda found: found.group().encode("unicode_escape").decode("ascii"), text)
+
+
+class Printable:
+    """A text stream whose every write is one piece of a line: its characters a terminal acts on are
+    escaped (`printable`), except the line breaks and carriage returns it starts or ends with, which
+    are the report's own. Everything the commands print about a root goes through it."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        body = text.lstrip("\r\n")
+        head = text[:len(text) - len(body)]
+        core = body.rstrip("\n")
+        return self.stream.write(head + printable(core) + body[len(core):])
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
 
 
 def _diagram(args: argparse.Namespace) -> int:
@@ -20,20 +52,21 @@ def _diagram(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from lifecycle.report import inspect_root
 
-    return inspect_root(args.root, args.roles, sys.stdout)
+    return inspect_root(args.root, args.roles, Printable(sys.stdout))  # type: ignore[arg-type]
 
 
 def _verify(args: argparse.Namespace) -> int:
     from lifecycle.report import verify_root
 
-    return verify_root(args.root, args.step, args.roles, sys.stdout)
+    return verify_root(args.root, args.step, args.roles, Printable(sys.stdout),  # type: ignore[arg-type]
+                       Printable(sys.stderr))  # type: ignore[arg-type]
 
 
 def _convert(args: argparse.Namespace) -> int:
     from lifecycle.convert import ConvertJob, convert
 
     job = ConvertJob(src=args.src, dst=args.dst, to=args.to, tp=args.tp, pp=args.pp, hf_config=args.hf_config)
-    print(f"converted: {convert(job)}")
+    print(printable(f"converted: {convert(job)}"))
     return 0
 
 
@@ -76,8 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(args)
     except LifecycleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return 2
     except OSError as exc:  # a path the commands did not wrap themselves: still a line, not a traceback
-        print(f"error: {os_error(exc, args.command)}", file=sys.stderr)
+        _error(str(os_error(exc, args.command)))
         return 2
+
+
+def _error(message: str) -> None:
+    """`error: message` on stderr, each of its lines printable."""
+    print("error: " + "\n".join(map(printable, message.split("\n"))), file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -23,7 +24,8 @@ from lifecycle.boundary import (
     inside, kind, lstat, os_error, os_errors, read_bytes, real_dir, regular_size, rel_problem,
 )
 from lifecycle.checksum import ALGORITHM, ALGORITHMS, file_digest
-from lifecycle.errors import CheckpointError
+from lifecycle.errors import CheckpointError, shorten
+from lifecycle.types import Content
 from lifecycle.version import __version__
 
 MANIFEST = "manifest.json"
@@ -264,6 +266,12 @@ def read_manifest_file(folder: Path) -> dict[str, Any]:
     return data
 
 
+_CONTENT_NAMES = frozenset(content.value for content in Content)
+_BACKEND_RE = re.compile(r"(?=.{1,400}$)[A-Za-z_][\w.-]*(?::[A-Za-z_]\w*)?", re.DOTALL)
+"""What a backend's name may be (a registered name, or `module:Class`): a manifest's name is
+printed and looked up, never followed."""
+
+
 def _shape_problems(data: dict[str, Any]) -> list[str]:
     problems = [f"missing key {key!r}" for key in _REQUIRED if key not in data]
     for key, expected in _REQUIRED.items():
@@ -276,9 +284,14 @@ def _shape_problems(data: dict[str, Any]) -> list[str]:
         return [f"format_version {data['format_version']} is not one this version reads (1 to {FORMAT_VERSION}): "
                 "written by a newer release?"]
     for name, entry in data["contents"].items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("backend"), str)
-                and isinstance(entry.get("folder"), str)):
+        if name not in _CONTENT_NAMES:
+            problems.append(f"contents names {shorten(name)}, which is none of {sorted(_CONTENT_NAMES)}")
+        elif not (isinstance(entry, dict) and isinstance(entry.get("backend"), str)
+                  and isinstance(entry.get("folder"), str)):
             problems.append(f"contents[{name!r}] needs string 'backend' and 'folder'")
+        elif not _BACKEND_RE.fullmatch(entry["backend"]):
+            problems.append(f"contents[{name!r}] names backend {shorten(entry['backend'])}, which no backend "
+                            "is called")
     for i, entry in enumerate(data["files"]):
         ok = (isinstance(entry, dict) and isinstance(entry.get("path"), str)
               and type(entry.get("size")) is int and 0 <= entry["size"] <= MAX_SIZE

@@ -38,10 +38,17 @@ class RoleRow:
     formats: str = ""
     size: int = 0
     files: int = 0
+    committed: bool = False
+    """Its manifest was read: a committed folder, so any problem is damage, not a save that
+    never finished (which an older step may show after a crash)."""
 
     @property
     def complete(self) -> bool:
         return not self.problems
+
+    @property
+    def damaged(self) -> bool:
+        return self.committed and bool(self.problems)
 
 
 @dataclass(slots=True)
@@ -122,6 +129,7 @@ def role_row(store: CheckpointStore, step: int, role: str) -> RoleRow:
         formats=contents.get("model", next(iter(contents.values()), {})).get("backend", ""),
         size=sum(f["size"] for f in data["files"]),
         files=len(data["files"]),
+        committed=True,
     )
 
 
@@ -160,8 +168,8 @@ def _open_root(root: Path) -> CheckpointStore:
 
 
 def inspect_root(root: Path, roles: list[str] | None, out: TextIO) -> int:
-    """Print a table of steps and roles; 0 when the newest step is complete and nothing in the
-    root is wrong, else 1."""
+    """Print a table of steps and roles; 0 when the newest step is complete, no committed role
+    folder of any step is damaged and nothing in the root is wrong, else 1."""
     store = _open_root(root)
     found = survey(store, roles)
     rows = [role_row(store, step, role) for step in found.steps for role in found.roles]
@@ -181,7 +189,8 @@ def inspect_root(root: Path, roles: list[str] | None, out: TextIO) -> int:
     note = "" if tracker is None or tracker == newest else " (resume ignores it: it reads the steps on disk)"
     out.write(f"tracker: {tracker}{note}\n")
     complete = bool(found.steps) and not any(row.problems for row in rows if row.step == newest)
-    return 0 if complete and newest == found.steps[-1] and not found.wrong and not found.damaged else 1
+    damaged = any(row.damaged for row in rows)  # an older committed step too: a fallback would need it
+    return 0 if complete and newest == found.steps[-1] and not damaged and not found.wrong and not found.damaged else 1
 
 
 class _ProgressLine:

@@ -28,7 +28,7 @@ from lifecycle.boundary import inside, os_errors, parse_step, real_dir
 from lifecycle.checksum import ALGORITHM, check_unverified
 from lifecycle.config import format_family
 from lifecycle.contents import CONTENTS, Reading, has_state
-from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint
+from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint, shorten
 from lifecycle.manifest import MANIFEST, NewerFormat, check_folder, checksum_of, read_manifest_file
 from lifecycle.role import RoleRank
 from lifecycle.store import CheckpointStore
@@ -277,10 +277,15 @@ class Resumer:
                 and capabilities.family == format_family(_value(self.config.checkpoint.load_format)))
 
     def _resolve_path(self, path: Path) -> tuple[Path, int]:
-        """resume.path may name the step folder or this role's folder inside it."""
+        """resume.path may name the step folder or this role's folder inside it. Neither may be
+        a symlink, as on an automatic resume: a planted link would load another run's weights
+        as this one's step."""
         with os_errors("cannot read resume.path", path):
+            if not real_dir(path, "resume.path"):
+                raise CheckpointError(f"{path}: resume.path does not exist")
             if (path / MANIFEST).is_file():
                 folder = path
+                real_dir(folder.parent, "the step folder of resume.path")
             elif real_dir(path / self.at.role, f"the folder of role {self.at.role!r}"):
                 folder = path / self.at.role
             else:
@@ -316,6 +321,9 @@ class Resumer:
                 saved_world_size=manifest["parallel"].get("world_size")))
             verified |= {prefix + rel for rel in loaded.verified if rel in mine}
             progress = progress if loaded.progress is None else loaded.progress
+        if progress.step != step:  # a save writes the step it commits; another is damage
+            raise CheckpointError(f"{folder}: its progress says step {shorten(progress.step)}, but it is the "
+                                  f"folder of step {step}")
         return progress, verified
 
     def _backend(self, content: str, name: str, folder: Path) -> FormatBackend:

@@ -97,3 +97,52 @@ def test_inspect_reports_a_tracker_that_is_not_a_number(root: Path) -> None:
     assert inspect_root(root, None, out) == 1
     assert "tracker: unreadable" in out.getvalue() and "latest_checkpointed_iteration.txt" in out.getvalue()
     assert json.loads((root / "global_step_2" / "actor" / "manifest.json").read_text())["step"] == 2
+
+
+def test_inspect_exits_non_zero_when_an_older_committed_step_is_damaged(root: Path) -> None:
+    (root / "global_step_1" / "actor" / "model" / "model.safetensors").unlink()
+    out = io.StringIO()
+    assert inspect_root(root, None, out) == 1, "a fallback would need that step"
+    assert "1  actor      NO" in out.getvalue() and "resume picks step: 2" in out.getvalue()
+
+
+def test_inspect_exits_zero_when_an_older_step_holds_one_role_only(root: Path) -> None:
+    """A save that never committed every role (a crash between roles) is no damage."""
+    import shutil
+
+    shutil.rmtree(root / "global_step_1" / "critic")
+    assert inspect_root(root, None, io.StringIO()) == 0
+
+
+def test_names_and_manifest_strings_reach_the_terminal_escaped(root: Path) -> None:
+    clipboard = "\x1b]52;c;cm0gLXJmIH4K\x07\x1b[2J"
+    (root / clipboard).write_text("x")
+    (root / "global_step_1" / "actor" / "model" / "model.safetensors").unlink()
+    manifest = root / "global_step_1" / "actor" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["files"][0]["path"] = "model/x\n       1  actor      yes\x1b[8m"
+    manifest.write_text(json.dumps(data))
+    for command in ("inspect", "verify"):
+        result = _cli(command, str(root))
+        assert result.returncode == 1, result.stderr
+        for text in (result.stdout, result.stderr):
+            assert "\x1b" not in text and "\x07" not in text, command
+        assert "\\x1b]52;c;cm0gLXJmIH4K\\x07\\x1b[2J" in result.stdout
+        assert not any(line.strip().startswith("1  actor      yes") for line in result.stdout.splitlines())
+    missing = _cli("verify", str(root / "no\x1b[2Jsuch"))
+    assert missing.returncode == 2 and "\x1b" not in missing.stderr and "no\\x1b[2Jsuch" in missing.stderr
+
+
+@pytest.mark.parametrize(("contents", "said"), [
+    ({"weights\n   2  actor  yes": {"backend": "hf", "folder": "model"}}, "which is none of"),
+    ({"model": {"backend": "hf\x1b[8m", "folder": "model"}}, "which no backend is called"),
+])
+def test_a_manifest_naming_an_unknown_content_or_an_odd_backend_is_refused(root: Path, contents: dict,
+                                                                          said: str) -> None:
+    manifest = root / "global_step_2" / "actor" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["contents"] = contents
+    manifest.write_text(json.dumps(data))
+    out = io.StringIO()
+    assert inspect_root(root, None, out) == 1
+    assert said in out.getvalue()

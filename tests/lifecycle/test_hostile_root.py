@@ -18,6 +18,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from lifecycle import CheckpointError, Lifecycle, State
+from lifecycle.checksum import ALGORITHM, file_digest
 from lifecycle.manifest import MANIFEST
 from lifecycle.report import MAX_LINES, inspect_root, verify_root
 from lifecycle.store import TRACKER, CheckpointStore
@@ -48,6 +49,13 @@ def rewrite_manifest(path: Path, edit: Callable[[dict], None]) -> None:
     data = json.loads((path / MANIFEST).read_text())
     edit(data)
     (path / MANIFEST).write_text(json.dumps(data))
+
+
+def rehash(manifest: dict, role_folder: Path) -> None:
+    """The manifest's sizes and digests made to match the files as they are now."""
+    for entry in manifest["files"]:
+        entry["size"] = (role_folder / entry["path"]).stat().st_size
+        entry[ALGORITHM] = file_digest(role_folder / entry["path"])
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -195,14 +203,20 @@ def resume_unprivileged(root: Path, *modes: str) -> tuple[list[str], subprocess.
     return said, done
 
 
-@pytest.mark.parametrize("target", ["file", "folder", "manifest"])
+@pytest.mark.parametrize("target", ["file", "folder", "manifest", "role"])
 def test_unreadable_files_and_folders_are_named_with_the_errno_text(tmp_path: Path, target: str) -> None:
     saved_run(tmp_path)
     path = {"file": folder(tmp_path) / "optimizer" / "optimizer.json",
             "folder": folder(tmp_path) / "model",
-            "manifest": folder(tmp_path) / MANIFEST}[target]
+            "manifest": folder(tmp_path) / MANIFEST,
+            "role": folder(tmp_path)}[target]
     path.chmod(0)
     try:
+        if target == "role":  # a role folder it cannot search is a damaged row, not the end of the table
+            table = run_unprivileged("import sys; from lifecycle.cli import main; sys.exit(main(sys.argv[1:]))",
+                                     "inspect", str(tmp_path))
+            assert table.returncode == 1 and "Permission denied" in table.stdout, table.stdout + table.stderr
+            assert "tracker:" in table.stdout
         (refused, falls_back), done = resume_unprivileged(tmp_path, "refuse", "fallback")
         assert "Traceback" not in done.stderr, done.stderr
         assert "REFUSED" in refused and str(path) in refused
@@ -317,6 +331,31 @@ def test_a_role_folder_symlinked_elsewhere_is_not_followed_on_resume(tmp_path: P
     lc = lifecycle_at(root)
     assert lc.resume() == 1 and has_weights_of(lc.parts.model, 1)
     assert (elsewhere / MANIFEST).is_file()  # set aside as a link; what it pointed at is untouched
+
+
+@pytest.mark.parametrize("named", ["step", "role"])
+def test_resume_path_through_a_symlinked_step_folder_is_refused_and_loads_nothing(tmp_path: Path,
+                                                                                 named: str) -> None:
+    root, other = tmp_path / "ckpt", tmp_path / "other"
+    saved_run(root, steps=(1,))
+    saved_run(other, steps=(3,))
+    (root / "global_step_3").symlink_to(other / "global_step_3")
+    path = root / "global_step_3" / (ROLE if named == "role" else "")
+    lc = lifecycle_at(root, mode="path", path=str(path))
+    with pytest.raises(CheckpointError, match="global_step_3: .*is a symlink"):
+        lc.resume()
+    assert not has_weights_of(lc.parts.model, 3)
+
+
+def test_a_step_whose_progress_names_another_step_is_refused(tmp_path: Path) -> None:
+    saved_run(tmp_path)
+    extra = folder(tmp_path) / "extra" / "rank_0" / "extra.json"
+    data = json.loads(extra.read_text())
+    data["progress"]["step"] = 7
+    extra.write_text(json.dumps(data))
+    rewrite_manifest(folder(tmp_path), lambda m: rehash(m, folder(tmp_path)))  # the forger's own digests
+    with pytest.raises(CheckpointError, match="its progress says step 7, but it is the folder of step 2"):
+        lifecycle_at(tmp_path, on_damaged="refuse").resume()
 
 
 @pytest.mark.parametrize("plant", ["fifo", "symlink"])
