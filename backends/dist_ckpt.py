@@ -45,7 +45,7 @@ from backends.megatron import (
 )
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, read_optimizer_json
-from lifecycle.optim_state import check_param_groups
+from lifecycle.optim_state import check_param_groups, check_scheduler_state
 
 OPTIM_JSON = "optimizer.json"
 _STATE = "optimizer_state"
@@ -169,6 +169,7 @@ class DistCkptBackend(FormatBackend):
         if lr_scheduler is not None and doc.get("lr_scheduler") is None:
             raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
         saved = doc["optimizer"]
+        check_scheduler_state(lr_scheduler, doc["lr_scheduler"] if lr_scheduler is not None else None, str(path))
         try:
             if saved.get("kind") == "megatron":
                 template = optimizer.sharded_state_dict(sharded_model_state(chunks_of(model)), is_loading=True)

@@ -20,7 +20,7 @@ from backends.safetensors_io import NAMES, Header, read_file, read_header, write
 from lifecycle.boundary import lstat, name_problem, read_bytes
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import decode, encode, parse_json, read_optimizer_json
-from lifecycle.optim_state import check_param_groups
+from lifecycle.optim_state import check_param_groups, check_scheduler_state
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -234,6 +234,7 @@ class HFBackend(FormatBackend):
         if lr_scheduler is not None and sched_state is None:
             raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
         check_optimizer_state(optimizer, state["optimizer"], path)
+        check_scheduler_state(lr_scheduler, sched_state, str(path))
         try:
             optimizer.load_state_dict(state["optimizer"])
             if lr_scheduler is not None:

@@ -55,7 +55,7 @@ from backends.dcp_metadata import METADATA, MetadataReader
 from backends.hf import write_hf_folder
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import decode, encode, read_json
-from lifecycle.optim_state import check_param_groups
+from lifecycle.optim_state import check_param_groups, check_scheduler_state
 
 OPTIM_JSON = "optimizer.json"
 FORMAT_VERSION = 2
@@ -246,6 +246,7 @@ class TorchDCPBackend(FormatBackend):
         state = decode(doc, where=str(path), tensors=tensors)  # holds `tensors` themselves, filled below
         saved = state["optimizer"]
         check_param_groups(optimizer, saved.get("param_groups") if isinstance(saved, dict) else None, where, ids=str)
+        check_scheduler_state(lr_scheduler, state.get("lr_scheduler"), str(path))
         _read_into(tensors, folder, reader)
         try:
             set_optimizer_state_dict(model, optimizer, saved)

@@ -54,6 +54,48 @@ def check_param_groups(optimizer: Any, saved_groups: Any, where: str, *, ids: ty
     return out
 
 
+def check_scheduler_state(lr_scheduler: Any, saved: Any, where: str) -> None:
+    """Refuse (`CheckpointError`) a saved lr-scheduler state that does not fit the running
+    scheduler before anything is loaded: `load_state_dict` copies every key into the scheduler's
+    attributes, so a key naming an attribute its state leaves out (its `optimizer`) or a value
+    of another kind (a string step size) would break the first training step, not the load.
+    Where the running state has a number, a flag, a string or a list, the saved one has the
+    same kind (a list as long); None and objects of the scheduler's own (`lr_lambdas` entries)
+    are not judged. A key one torch version has and another lacks (`_is_initial`) passes."""
+    if lr_scheduler is None:
+        return
+    current = lr_scheduler.state_dict()
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{where}: lr_scheduler must be a mapping, found {shorten(saved, 120)}")
+    foreign = [key for key in saved if key not in current
+               and (not isinstance(key, str) or key.startswith("__") or hasattr(lr_scheduler, key))]
+    if foreign:
+        raise CheckpointError(f"{where}: lr_scheduler holds {shorten(sorted(map(str, foreign)), 120)}, which the "
+                              "running scheduler keeps out of its state: loading would replace its own")
+    for key, value in current.items():
+        if key in saved and (problem := _kind_problem(value, saved[key], depth=0)):
+            raise CheckpointError(f"{where}: lr_scheduler.{key}: {problem}")
+
+
+def _kind_problem(current: Any, saved: Any, depth: int) -> str | None:
+    """Whether `saved` is a value of the kind `current` is (see `check_scheduler_state`)."""
+    if current is None or depth > 3:
+        return None
+    if _is_number(current):
+        fits = _is_number(saved) and (_finite(saved) or not _finite(current))
+        return None if fits else f"must be a finite number like the running {current!r}, found {shorten(saved, 120)}"
+    for kind, name in ((bool, "true or false"), (str, "a string")):
+        if isinstance(current, kind):
+            return None if isinstance(saved, kind) else f"must be {name}, found {shorten(saved, 120)}"
+    if isinstance(current, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(current):
+            return f"must be a list of {len(current)} like the running one, found {shorten(saved, 120)}"
+        for k, (c, v) in enumerate(zip(current, saved)):
+            if problem := _kind_problem(c, v, depth + 1):
+                return f"[{k}] {problem}"
+    return None
+
+
 def _ids(group: dict[str, Any], numbers: Any, ids: type, where: str) -> list[Any]:
     want = len(group["params"])
     if (not isinstance(numbers, list) or len(numbers) != want

@@ -396,3 +396,34 @@ def test_optimizer_json_that_is_not_json_is_named(root: Path) -> None:
     path.write_text("{oops")
     resign(step_folder(root))
     refused(lifecycle_at(root), str(path), "not valid JSON")
+
+
+def _with_scheduler(root: Path, fmt: str) -> Lifecycle:
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    cfg = {"checkpoint": {"root": str(root), "save": {"format": fmt}}, "resume": {"on_damaged": "refuse"}}
+    return Lifecycle(cfg, role=ROLE, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "torch_dcp"])
+@pytest.mark.parametrize(("edit", "said"), [
+    ({"optimizer": None}, "lr_scheduler holds ['optimizer'], which the running scheduler keeps out of its state"),
+    ({"step_size": "x"}, "lr_scheduler.step_size: must be a finite number"),
+    ({"base_lrs": [0.01, 0.02, 0.03]}, "lr_scheduler.base_lrs: must be a list of 1"),
+    ({"last_epoch": float("nan")}, "lr_scheduler.last_epoch: must be a finite number"),
+], ids=["optimizer", "step-size", "base-lrs", "nan-epoch"])
+def test_an_lr_scheduler_state_that_does_not_fit_the_running_scheduler_is_refused_before_loading(
+        tmp_path: Path, fmt: str, edit: dict[str, Any], said: str) -> None:
+    lc = _with_scheduler(tmp_path, fmt)
+    lc.init_load()
+    lc.save(1)
+    lc.close()
+    path = step_folder(tmp_path, 1) / OPTIM_JSON
+    doc = json.loads(path.read_text())
+    doc["lr_scheduler"].update(edit)
+    path.write_text(json.dumps(doc))
+    resign(step_folder(tmp_path, 1))
+    fresh = _with_scheduler(tmp_path, fmt)
+    refused(fresh, str(path), said)
+    assert fresh.parts.lr_scheduler.optimizer is fresh.parts.optimizer
