@@ -70,6 +70,28 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _root(text: str) -> Path:
+    """A root argument: an empty one names no folder (Path("") would be the current one)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names no checkpoint root")
+    return Path(text)
+
+
+def _step(text: str) -> int:
+    """A step argument in plain ASCII digits (int() would also take '2_0' and '٢')."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 18):
+        raise argparse.ArgumentTypeError(f"{printable(text[:40])!r} is not a step number (digits 0-9)")
+    return int(text)
+
+
+class _Roles(argparse.Action):
+    """--roles, each named once, in the order given."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, list(dict.fromkeys(values)))  # type: ignore[call-overload]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lifecycle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,13 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     diagram.set_defaults(run=_diagram)
     roles_help = "roles a complete step must hold (default: every role found on disk)"
     inspect = sub.add_parser("inspect", help="table of steps and roles: contents, format, size, complete or why not")
-    inspect.add_argument("root", type=Path)
-    inspect.add_argument("--roles", nargs="+", help=roles_help)
+    inspect.add_argument("root", type=_root)
+    inspect.add_argument("--roles", nargs="+", action=_Roles, help=roles_help)
     inspect.set_defaults(run=_inspect)
     verify = sub.add_parser("verify", help="re-check sizes and checksums; exit 0 only when all is well")
-    verify.add_argument("root", type=Path)
-    verify.add_argument("--step", type=int, help="only this step (default: every step)")
-    verify.add_argument("--roles", nargs="+", help=roles_help)
+    verify.add_argument("root", type=_root)
+    verify.add_argument("--step", type=_step, help="only this step (default: every step)")
+    verify.add_argument("--roles", nargs="+", action=_Roles, help=roles_help)
     verify.set_defaults(run=_verify)
     convert = sub.add_parser("convert", help="HF safetensors <-> Megatron dist checkpoint, on tp*pp local processes")
     convert.add_argument("src", type=Path, help="an HF folder or a dist checkpoint folder")

@@ -66,12 +66,20 @@ def architecture(job: ConvertJob, fmt: str) -> Path:
                                      "with --hf-config DIR (an HF folder of the same model)")
 
 
+def max_ranks() -> int:
+    """The most local processes a conversion starts: each imports torch and holds its shard."""
+    return max(64, 4 * (os.cpu_count() or 1))
+
+
 def check(job: ConvertJob) -> tuple[str, Path]:
     """Every error that needs no process group, before any process starts."""
     if job.to not in FORMATS:
         raise ConfigError("--to", f"expected one of {', '.join(FORMATS)}, got {job.to!r}")
     if job.tp < 1 or job.pp < 1:
         raise ConfigError("--tp/--pp", f"must be >= 1, got tp={job.tp} pp={job.pp}")
+    if job.tp * job.pp > (most := max_ranks()):
+        raise ConfigError("--tp/--pp", f"tp={job.tp} x pp={job.pp} would start {job.tp * job.pp} local processes, "
+                                       f"more than the {most} this machine can hold (4 per CPU, at least 64)")
     if not job.src.is_dir():
         raise ConfigError("SRC", f"{job.src}: not a folder")
     fmt = source_format(job.src)

@@ -15,14 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from lifecycle.boundary import kind, os_error, parse_step, role_problem, step_name_problem
+from lifecycle.boundary import kind, lstat, os_error, parse_step, role_problem, step_name_problem
 from lifecycle.errors import CheckpointError
-from lifecycle.manifest import read_manifest_file
+from lifecycle.manifest import MANIFEST, read_manifest_file
 from lifecycle.retention import TRASH
 from lifecycle.store import REPLACED, TRACKER, CheckpointStore
 from lifecycle.writer_lock import LOCK_PREFIX
 
 MAX_LINES = 20
+MAX_ROWS = 200
+"""Rows of the steps x roles table `inspect` prints at most, the newest; the rest are counted."""
 """Lines of one kind (junk entries, problems of one role) shown before a summary line."""
 _HOUSEKEEPING = (TRACKER, f".{TRACKER}.tmp-", LOCK_PREFIX, TRASH, REPLACED)
 
@@ -83,6 +85,9 @@ def survey(store: CheckpointStore, roles: list[str] | None) -> Survey:
         elif not name.startswith(_HOUSEKEEPING):
             found.ignored.append(f"{entry.path}: not a checkpoint entry; ignored")
     seen: set[str] = set()
+    stray: list[tuple[str, str]] = []
+    """Folders of role names that no step holds a manifest in: none of a save's (a role folder
+    appears with its manifest, by the commit's rename), so they name no role."""
     for step in found.steps:
         try:
             entries = sorted(os.scandir(store.step_dir(step)), key=lambda e: e.name)
@@ -97,9 +102,23 @@ def survey(store: CheckpointStore, roles: list[str] | None) -> Survey:
             elif not _is_dir(entry):
                 found.wrong.append(f"{entry.path}: a {_kind(entry)}, not a role folder; not followed")
             else:
-                seen.add(entry.name)
+                if _holds_manifest(entry):
+                    seen.add(entry.name)
+                else:
+                    stray.append((entry.name, entry.path))
     found.roles = roles or sorted(seen)
+    found.ignored += [f"{path}: a folder no save committed (no manifest in any step); ignored"
+                      for name, path in stray if name not in found.roles]
     return found
+
+
+def _holds_manifest(entry: os.DirEntry[str]) -> bool:
+    """Whether a role folder holds a manifest; True when that cannot be told (no permission):
+    such a folder is reported as damaged, not left out."""
+    try:
+        return lstat(Path(entry.path) / MANIFEST) is not None
+    except CheckpointError:
+        return True
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
@@ -163,7 +182,9 @@ def _root_notes(found: Survey, out: TextIO) -> None:
 
 def _open_root(root: Path) -> CheckpointStore:
     if not root.is_dir():
-        raise CheckpointError(f"{root}: no such checkpoint root")
+        found = lstat(root)
+        what = "no such checkpoint root" if found is None else f"a {kind(found.st_mode)}, not a checkpoint root folder"
+        raise CheckpointError(f"{root}: {what}")
     return CheckpointStore(root)
 
 
@@ -174,7 +195,13 @@ def inspect_root(root: Path, roles: list[str] | None, out: TextIO) -> int:
     found = survey(store, roles)
     rows = [role_row(store, step, role) for step in found.steps for role in found.roles]
     out.write(f"{'step':>8}  {'role':<10} {'complete':<8}  {'contents':<30} {'format':<10} {'size':>10} files\n")
-    for row in rows:
+    if len(rows) > MAX_ROWS:  # the newest rows: what resume reads; the older ones only counted
+        older, shown = rows[:-MAX_ROWS], rows[-MAX_ROWS:]
+        out.write(f"{'...':>8}  {len(older)} older rows not shown ({sum(not r.complete for r in older)} of them "
+                  f"incomplete, {sum(r.damaged for r in older)} damaged)\n")
+    else:
+        shown = rows
+    for row in shown:
         out.write(f"{row.step:>8}  {row.role:<10} {'yes' if row.complete else 'NO':<8}  {row.contents:<30} "
                   f"{row.formats:<10} {_human(row.size):>10} {row.files:>5}\n")
         _bounded([f"why: {p}" for p in row.problems], out, " " * 10, "problems")
@@ -186,11 +213,30 @@ def inspect_root(root: Path, roles: list[str] | None, out: TextIO) -> int:
     except CheckpointError as exc:
         out.write(f"tracker: unreadable ({exc})\n")
         return 1
-    note = "" if tracker is None or tracker == newest else " (resume ignores it: it reads the steps on disk)"
+    lost = tracker is not None and tracker not in found.steps
+    if lost:
+        note = (" (WRONG: no such step on disk; this library's resume reads the steps on disk, but a trainer "
+                "that reads the tracker, as verl does, would start fresh)")
+    else:
+        note = "" if tracker is None or tracker == newest else " (resume ignores it: it reads the steps on disk)"
     out.write(f"tracker: {tracker}{note}\n")
     complete = bool(found.steps) and not any(row.problems for row in rows if row.step == newest)
     damaged = any(row.damaged for row in rows)  # an older committed step too: a fallback would need it
-    return 0 if complete and newest == found.steps[-1] and not damaged and not found.wrong and not found.damaged else 1
+    fine = complete and newest == found.steps[-1] and not damaged and not lost
+    return 0 if fine and not found.wrong and not found.damaged else 1
+
+
+class _Muted:
+    """A stream that shows nothing: the progress of a folder whose failure is only counted."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
 
 
 class _ProgressLine:
@@ -234,11 +280,15 @@ def verify_root(root: Path, step: int | None, roles: list[str] | None, out: Text
     failures = 0
     for number in steps:
         for role in found.roles:
-            progress = _ProgressLine(f"{store.step_dir(number).name}/{role}", err)
+            quiet = failures >= MAX_ROWS  # past that many failed folders, each is only counted
+            progress = _ProgressLine(f"{store.step_dir(number).name}/{role}", _Muted() if quiet else err)
             problems = store.verify(number, role, progress)
-            progress.close(not problems)
-            _bounded(problems, out, "    ", "problems")
+            if not (quiet and problems):
+                progress.close(not problems)
+                _bounded(problems, out, "    ", "problems")
             failures += bool(problems)
+    if failures > MAX_ROWS:
+        out.write(f"... and {failures - MAX_ROWS} more role folders failed, not shown\n")
     checked = len(steps) * len(found.roles)
     out.write(f"{checked - failures} of {checked} role folders verified\n")
     _root_notes(found, out)

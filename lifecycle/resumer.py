@@ -282,7 +282,8 @@ class Resumer:
         as this one's step."""
         with os_errors("cannot read resume.path", path):
             if not real_dir(path, "resume.path"):
-                raise CheckpointError(f"{path}: resume.path does not exist")
+                raise CheckpointError(f"{path}: resume.path is neither a committed role folder nor a "
+                                      f"global_step_N folder holding role {self.at.role!r} (nothing is there)")
             if (path / MANIFEST).is_file():
                 folder = path
                 real_dir(folder.parent, "the step folder of resume.path")

@@ -146,3 +146,53 @@ def test_a_manifest_naming_an_unknown_content_or_an_odd_backend_is_refused(root:
     out = io.StringIO()
     assert inspect_root(root, None, out) == 1
     assert said in out.getvalue()
+
+
+def test_a_folder_no_save_committed_is_ignored_not_taken_for_a_role(root: Path) -> None:
+    (root / "global_step_1" / "tmp").mkdir()
+    out = io.StringIO()
+    assert inspect_root(root, None, out) == 0
+    text = out.getvalue()
+    assert "global_step_1/tmp: a folder no save committed" in text and "resume picks step: 2" in text
+    assert " tmp " not in text.split("ignored")[0], "no row for it"
+
+
+def test_a_root_full_of_empty_steps_and_stray_folders_prints_a_bounded_report(root: Path) -> None:
+    from lifecycle.report import MAX_ROWS
+
+    for step in range(10, 10 + MAX_ROWS):
+        (root / f"global_step_{step}").mkdir()
+    for i in range(300):
+        (root / "global_step_2" / f"r{i}").mkdir()
+    out = io.StringIO()
+    assert inspect_root(root, None, out) == 1, "the newest step is empty"
+    lines = out.getvalue().splitlines()
+    assert len(lines) < 3 * MAX_ROWS + 60 and f"{2 * MAX_ROWS + 4 - MAX_ROWS} older rows not shown" in out.getvalue()
+    out = io.StringIO()
+    assert verify_root(root, None, None, out, err=io.StringIO()) == 1
+    assert len(out.getvalue().splitlines()) < 3 * MAX_ROWS + 60
+    assert f"... and {2 * MAX_ROWS - MAX_ROWS} more role folders failed" in out.getvalue()
+
+
+def test_a_tracker_naming_a_step_that_is_not_on_disk_is_wrong(root: Path) -> None:
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+    out = io.StringIO()
+    assert inspect_root(root, None, out) == 1
+    assert "tracker: 7 (WRONG: no such step on disk" in out.getvalue()
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["inspect", ""], "an empty path names no checkpoint root"),
+    (["verify", "ROOT", "--step", "2_0"], "'2_0' is not a step number"),
+    (["verify", "ROOT", "--step", "\u0662"], "is not a step number"),
+])
+def test_cli_arguments_that_name_no_root_or_step_are_refused(root: Path, args: list[str], said: str) -> None:
+    result = _cli(*[str(root) if a == "ROOT" else a for a in args])
+    assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_root_that_is_a_file_is_named_as_one_and_roles_given_twice_are_checked_once(root: Path) -> None:
+    result = _cli("inspect", str(root / "latest_checkpointed_iteration.txt"))
+    assert result.returncode == 2 and "a regular file, not a checkpoint root folder" in result.stderr
+    result = _cli("verify", str(root), "--roles", "actor", "actor")
+    assert result.returncode == 0 and "2 of 2 role folders verified" in result.stdout

@@ -47,6 +47,14 @@ def test_a_dist_checkpoint_without_config_needs_hf_config_and_says_so(tmp_path: 
     assert check(ConvertJob(src=src, dst=tmp_path / "out", to="hf", hf_config=hf)) == ("dist_ckpt", hf)
 
 
+def test_converter_refuses_more_ranks_than_the_machine_can_hold_before_reading_anything(tmp_path: Path) -> None:
+    from lifecycle.convert import max_ranks
+
+    with pytest.raises(ConfigError, match="would start 10000000000 local processes") as info:
+        check(ConvertJob(src=tmp_path / "absent", dst=tmp_path / "out", to="hf", tp=100_000, pp=100_000))
+    assert info.value.key == "--tp/--pp" and max_ranks() >= 64 and not (tmp_path / "out").exists()
+
+
 def test_converter_refuses_a_non_empty_destination_and_a_same_format_target(tmp_path: Path) -> None:
     hf = make_hf_checkpoint(tmp_path / "hf")
     (tmp_path / "full").mkdir()
