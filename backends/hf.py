@@ -98,6 +98,9 @@ def write_hf_folder(
     """A folder `from_pretrained` reads: weights (sharded with an index when large), config.json.
 
     Returns each weight file's name and the digest it was written with, for the manifest."""
+    if odd := next((n for n, t in state.items() if not isinstance(t, torch.Tensor)), None):
+        raise CheckpointError(f"{folder}: model entry {odd!r} is a {type(state[odd]).__name__}, not a tensor; "
+                              "safetensors holds tensors only (no pickle)")
     folder.mkdir(parents=True, exist_ok=True)
     for stale in [folder / SINGLE, folder / INDEX, *folder.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)

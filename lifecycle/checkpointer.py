@@ -48,7 +48,9 @@ def model_config_hash(parts: Parts) -> str | None:
         cfg = {k: v for k, v in describe().items() if k not in _VOLATILE_CONFIG_KEYS}
         payload = json.dumps(cfg, sort_keys=True, default=str)
     else:
-        layout = sorted([n, list(t.shape), str(t.dtype)] for n, t in model.state_dict().items())
+        layout = sorted([n, list(t.shape), str(t.dtype)] if hasattr(t, "shape") and hasattr(t, "dtype")
+                        else [n, [], type(t).__name__]  # extra state (`get_extra_state`) is any object
+                        for n, t in model.state_dict().items())
         payload = json.dumps(layout)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
 

@@ -23,6 +23,7 @@ import os
 import socket
 import stat
 import time
+import weakref
 from pathlib import Path
 
 from lifecycle.boundary import kind, os_errors
@@ -38,6 +39,28 @@ def lock_path(root: Path, role: str) -> Path:
     return root / f"{LOCK_PREFIX}{role}"
 
 
+_LOCKS: weakref.WeakSet[WriterLock] = weakref.WeakSet()
+_HELD: set[int] = set()
+"""This process's open lock descriptors. A forked child closes its copies at once (a lock
+belongs to the open file, which a fork shares, and O_CLOEXEC acts only on exec): else a data
+loader's worker forked during a save would hold the role's lock for as long as it lives, and
+every later save would be refused as another writer's. Closing a copy leaves the parent's lock."""
+
+
+def _close_in_child() -> None:
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+    for lock in list(_LOCKS):
+        lock._fd = None
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 class WriterLock:
     """The lock of one role under one root; `acquire` and `release` pair up, once each."""
 
@@ -45,6 +68,7 @@ class WriterLock:
         self.path = lock_path(root, role)
         self.role = role
         self._fd: int | None = None
+        _LOCKS.add(self)
 
     @property
     def held(self) -> bool:
@@ -58,6 +82,7 @@ class WriterLock:
         with os_errors(f"cannot open the writer lock of role {self.role!r}", self.path):
             try:
                 fd = os.open(self.path, flags, 0o644)
+                _HELD.add(fd)
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
                     raise CheckpointError(f"{self.path}: the writer lock is a symlink; refusing to follow it") from exc
@@ -81,6 +106,7 @@ class WriterLock:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, record.encode(), 0)
         except BaseException:
+            _HELD.discard(fd)
             os.close(fd)
             raise
         self._fd = fd
@@ -89,6 +115,7 @@ class WriterLock:
         """Give the lock up; never raises (closing the descriptor drops the lock in any case)."""
         fd, self._fd = self._fd, None
         if fd is not None:
+            _HELD.discard(fd)
             os.close(fd)
 
 

@@ -122,6 +122,9 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
         self._profile_dir = self.engine.options.profile_dir if self.engine.options.profile else None
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker: concurrent.futures.Future[Any] | None = None
+        self._taking: tuple[Incoming, list[int]] | None = None
+        """A receive whose tensors are being handed out, and how many were: verl's server
+        adapter may stop taking them (its load raised) without closing the generator."""
 
     # -- construction -------------------------------------------------------------------------
 
@@ -152,7 +155,8 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
         values = {key: value for key, value in kwargs.items() if key in fields}
         if isinstance(values.get("rollout_dtype"), torch.dtype):
             values["rollout_dtype"] = str(values["rollout_dtype"]).removeprefix("torch.")
-        options = engine_class.Options(bucket_bytes=bucket_size, **values)
+        size = integer(bucket_size)  # a numpy integer from verl's config reads as the int it is
+        options = engine_class.Options(bucket_bytes=bucket_size if size is None else size, **values)
         if found := options.problem():
             key = f"{KEY}.update_weights_bucket_megabytes" if found[0] == "bucket_bytes" else self._key(found[0])
             raise ConfigError(key, found[1])
@@ -257,16 +261,22 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
         try:
             version = None if global_steps is None else weights_version(global_steps)
             incoming, item = await self._in_thread(self._receive_first, version)
+            count = [0]
+            self._taking = (incoming, count)
+            if item is not None:
+                self.stale = True  # partly loaded from the first tensor handed out to the last
             while item is not None:
-                yielded += 1  # counted as handed out: the consumer may stop while holding it
+                yielded = count[0] = yielded + 1  # counted as handed out: the consumer may stop holding it
                 yield item
                 item = next(incoming, None)
             if not incoming.complete:
                 raise EngineError(f"{self.verl_name}: the receive of weights v{incoming.version} ended after "
                                   f"{incoming.tensors} tensors, before the last one")
         except BaseException as exc:
+            self._taking = None
             self._fail(incoming, exc, yielded)
             raise
+        self._taking = None
         self.version, self.stale = incoming.version, False
 
     def finalize(self) -> None:
@@ -312,6 +322,12 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
 
         While the engine's thread still runs (verl cancelled the task), `finalize` or the next
         `prepare` ends the sync once it is done."""
+        self._mark_stale(incoming, exc, yielded)
+        if self._worker is None or self._worker.done():
+            self._end_session()
+
+    def _mark_stale(self, incoming: Incoming | None, exc: BaseException | None, yielded: int) -> None:
+        """A receiver's failed sync: stale, logged, and its receive aborted, which tells the sender."""
         if self.rank is not None and self.rank > 0:
             self.stale = True
             reason = ("verl's server adapter stopped reading" if isinstance(exc, GeneratorExit)
@@ -321,11 +337,14 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
                                            rollout=rollout_holds(self.version, yielded))
             if incoming is not None and not incoming.complete:
                 incoming.abort(f"verl's server adapter stopped reading ({reason})")
-        if self._worker is None or self._worker.done():
-            self._end_session()
 
     def _end_session(self) -> None:
-        """Finalize the engine once its thread is done (every wait in it has a deadline)."""
+        """Finalize the engine once its thread is done (every wait in it has a deadline); a
+        receive whose tensors verl stopped taking fails first, telling the sender."""
+        if (taking := self._taking) is not None:
+            self._taking = None
+            self._mark_stale(taking[0], EngineError("verl's server adapter stopped taking tensors before the last "
+                                                    "one"), taking[1][0])
         worker, self._worker = self._worker, None
         if worker is not None and not worker.done():
             concurrent.futures.wait([worker], timeout=self.engine.timeout_s + _GRACE_S)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,10 @@ _SECTIONS = (("checkpoint",), ("checkpoint", "save"), ("checkpoint", "load"), ("
 """Sections the adapter writes into, created when missing (in this order: parents first)."""
 
 
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+"""A URL's scheme (`hdfs://`, `s3://`): what no local path starts with."""
+
+
 @dataclass(frozen=True, slots=True)
 class StepPath:
     """What verl's `local_path` names: `<root>/global_step_<step>/<role>`."""
@@ -74,6 +79,10 @@ class StepPath:
                                   f"got {type(text).__name__}")
         if problem := path_problem(text):
             raise CheckpointError(f"{text!r}: not a usable local_path: {problem}")
+        if _SCHEME.match(text) or text.startswith("~"):
+            raise CheckpointError(f"{text!r}: not a local path: a URL or an unexpanded '~' would become a folder "
+                                  "of that name under the current directory (verl's trainer passes remote paths "
+                                  "as hdfs_path, and expands '~' itself)")
         path = Path(os.path.abspath(text))
         step, role = parse_step(path.parent.name), path.name
         if step is None or role_problem(role) is not None:

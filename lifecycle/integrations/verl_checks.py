@@ -11,7 +11,7 @@ wait for a timeout. Integers from verl's configs may be numpy's; both integratio
 from __future__ import annotations
 
 import operator
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -87,6 +87,12 @@ async def collect(weights: Weights, *, keep: bool) -> list[tuple[str, torch.Tens
         async for item in weights:
             if keep:
                 pairs.append(on_host(len(pairs), item))
+    elif isinstance(weights, Mapping):
+        raise EngineError(f"weights: expected an iterable of (name, tensor) pairs, got a {type(weights).__name__}: "
+                          "pass its .items()")
+    elif isinstance(weights, (str, bytes)) or not isinstance(weights, Iterable):
+        raise EngineError(f"weights: expected an iterable of (name, tensor) pairs, got {shorten(weights)} "
+                          f"({type(weights).__name__})")
     else:
         for item in weights:
             if keep:

@@ -502,6 +502,16 @@ def test_a_configured_root_other_than_the_paths_and_a_bad_max_ckpt_to_keep_are_r
     assert not tmp_path.joinpath("global_step_1").exists()
 
 
+@pytest.mark.parametrize("remote", ["hdfs://namenode:8020/user/ckpt/global_step_3/actor",
+                                    "s3://bucket/ckpt/global_step_3/actor", "~/ckpt/global_step_3/actor"])
+def test_a_url_or_an_unexpanded_home_as_local_path_is_refused_and_nothing_is_written(
+        tmp_path: Path, remote: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="not a local path: a URL or an unexpanded '~'"):
+        manager()[0].save_checkpoint(remote, None, 3)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_step_path_reads_root_step_and_role_from_verls_local_path(tmp_path: Path) -> None:
     where = StepPath.parse(str(tmp_path / "run" / "global_step_12" / "critic") + "/")
     assert (where.root, where.step, where.role) == (tmp_path / "run", 12, "critic")

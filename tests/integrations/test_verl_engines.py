@@ -80,7 +80,8 @@ def _raw(tensor: torch.Tensor) -> bytes:
 # -- the two processes ------------------------------------------------------------------------
 
 
-def _sync(rank: int, adapter: Any, version: int, seed: int, *, asynchronous: bool = False) -> dict[str, Any]:
+def _sync(rank: int, adapter: Any, version: int, seed: int, *, asynchronous: bool = False,
+          receive: Callable[..., Any] | None = None) -> dict[str, Any]:
     """One `CheckpointEngineManager.update_weights` between this actor (rank 0) and rollout (rank 1)."""
     import torch.distributed as dist
 
@@ -89,7 +90,8 @@ def _sync(rank: int, adapter: Any, version: int, seed: int, *, asynchronous: boo
     actor_kwargs, rollout_kwargs = type(adapter).build_topology(1, 1, metadata)
     adapter.init_process_group(**{key: value[0] for key, value in (rollout_kwargs if rank else actor_kwargs).items()})
     dist.barrier()
-    outcome = asyncio.run(_receive(adapter, version, seed) if rank else _send(adapter, version, seed, asynchronous))
+    outcome = asyncio.run((receive or _receive)(adapter, version, seed) if rank
+                          else _send(adapter, version, seed, asynchronous))
     finished: list[Any] = [None, None]
     dist.all_gather_object(finished, outcome["error"] is None)
     if all(finished):
@@ -124,6 +126,22 @@ async def _receive(adapter: Any, version: int, seed: int) -> dict[str, Any]:
                    if name not in sent or tensor.dtype != sent[name].dtype or tensor.shape != sent[name].shape
                    or _raw(tensor) != _raw(sent[name]))
     return {"error": error, "yielded": len(got), "complete": sorted(got) == sorted(sent), "wrong": wrong}
+
+
+async def _receive_and_fail(adapter: Any, version: int, seed: int) -> dict[str, Any]:
+    """As a server adapter whose load raises at the third tensor: the generator is left open (an
+    `async for` does not close it), then verl's worker ends the sync (`finalize`)."""
+    taken = 0
+    try:
+        async for _name, _tensor in adapter.receive_weights(global_steps=version):
+            taken += 1
+            if taken == 3:
+                raise RuntimeError("load_weights failed")
+    except RuntimeError as exc:
+        error = str(exc)
+    stale_at_once = adapter.stale
+    adapter.finalize()
+    return {"error": error, "yielded": taken, "stale_at_once": stale_at_once}
 
 
 @contextmanager
@@ -175,6 +193,8 @@ def _scenarios(rank: int, world_size: int, tmp_path: Path) -> dict[str, Any]:
         if unverified is not adapter:
             unverified.close()
         out[f"{backend}/after_refusals"] = _sync(rank, adapter, 11, seed=5)
+        out[f"{backend}/load_raised"] = _sync(rank, adapter, 12, seed=6, receive=_receive_and_fail)
+        out[f"{backend}/after_load_raised"] = _sync(rank, adapter, 13, seed=6)
         adapter.close()
     return out
 
@@ -367,6 +387,28 @@ def test_bad_generator_items_are_refused_naming_the_index_and_the_name(items: li
             asyncio.run(collect(weights, keep=True))
 
 
+@pytest.mark.parametrize(("weights", "message"), [
+    (None, "weights: expected an iterable of (name, tensor) pairs, got None (NoneType)"),
+    (12345, "weights: expected an iterable of (name, tensor) pairs, got 12345 (int)"),
+    ("w", "weights: expected an iterable of (name, tensor) pairs, got 'w' (str)"),
+    ({"w": torch.ones(2)}, "weights: expected an iterable of (name, tensor) pairs, got a dict: pass its .items()"),
+])
+def test_weights_that_are_no_iterable_of_pairs_are_refused_naming_the_type(weights: Any, message: str) -> None:
+    from lifecycle.integrations.verl_checks import collect
+
+    for keep in (True, False):  # the sender, and a bystander rank that only walks them
+        with pytest.raises(EngineError, match=re.escape(message)):
+            asyncio.run(collect(weights, keep=keep))
+
+
+def test_a_numpy_bucket_size_from_verls_config_is_taken_as_the_int_it_is(verl: Any) -> None:
+    from lifecycle.integrations.verl import ADAPTERS
+
+    adapter = ADAPTERS[BACKENDS[0]](np.int64(1 << 20), host="127.0.0.1")
+    assert adapter.engine.options.bucket_bytes == 1 << 20 and type(adapter.engine.options.bucket_bytes) is int
+    adapter.close()
+
+
 def test_host_tensors_are_kept_as_yielded_and_the_version_takes_numpy_integers() -> None:
     """No copy of a CPU tensor (the documented contract: it must not change until the send
     returns); global_steps may be a numpy integer, never a bool."""
@@ -436,3 +478,15 @@ def test_the_receiver_refuses_a_plan_its_own_checks_reject_whatever_the_sender_s
         assert sent["error"].startswith(f"{engine} engine: 1 of 1 receiver(s) refused the plan of weights v{version}")
     after = synced["rollout"][f"{backend}/after_refusals"]
     assert after["error"] is None and after["wrong"] == [] and (after["version"], after["stale"]) == (11, False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_server_adapter_whose_load_raises_leaves_the_rollout_stale_at_once_and_its_sender_hears_it(
+        synced: dict[str, dict[str, Any]], backend: str) -> None:
+    sent, received = synced["actor"][f"{backend}/load_raised"], synced["rollout"][f"{backend}/load_raised"]
+    assert received["error"] == "load_weights failed" and received["yielded"] == 3
+    assert received["stale_at_once"] is True, "three tensors of v12 are in the model: not v11 whole"
+    assert (received["stale"], received["version"]) == (True, 11)
+    assert "stopped taking tensors before the last one" in sent["error"] and sent["version"] == 11
+    repaired = synced["rollout"][f"{backend}/after_load_raised"]
+    assert repaired["error"] is None and (repaired["version"], repaired["stale"]) == (13, False)

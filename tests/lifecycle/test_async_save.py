@@ -423,3 +423,62 @@ def test_host_copy_of_a_cuda_model_is_pinned_reused_and_ordered_after_the_step_t
     assert {k: v.data_ptr() for k, v in second.items()} == pointers
     live = {k: v.cpu() for k, v in model.state_dict().items()}
     assert [k for k, v in second.items() if not torch.equal(v, live[k])] == []
+
+
+_EXITING = """
+import os, sys
+from pathlib import Path
+from tests.lifecycle.test_crash import fill, lifecycle_at
+root, how = Path(sys.argv[1]), sys.argv[2]
+lc, model = lifecycle_at(root, save={"async": True})
+lc.init_load()
+fill(model, 1)
+lc.save(1).wait(60)
+fill(model, 2)
+lc.save(2)  # in the background: the script ends before it commits
+if how == "fork":  # a data loader's worker, forked while step 2 is written, lives on
+    child = os.fork()
+    if child == 0:
+        import time
+        lc.close()  # the child's copy of the save in flight is not its own to wait for
+        time.sleep(3)
+        os._exit(0)
+    fill(model, 3)
+    lc.save(3).wait(60)  # the lock the child inherited does not refuse the parent's next save
+    os.waitpid(child, 0)
+elif how == "exit":
+    sys.exit(0)
+elif how == "raise":
+    raise RuntimeError("training crashed right after the save")
+"""
+
+
+@pytest.mark.parametrize("how", ["end", "exit", "raise", "fork"])
+def test_a_script_that_ends_right_after_an_async_save_commits_it_first(tmp_path: Path, how: str) -> None:
+    done = subprocess.run([sys.executable, "-c", _EXITING, str(tmp_path), how], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == (1 if how == "raise" else 0), done.stderr[-2000:]
+    newest = 3 if how == "fork" else 2
+    assert CheckpointStore(tmp_path).newest_complete([ROLE]) == newest, done.stderr[-2000:]
+    lc, model = lifecycle_at(tmp_path)
+    assert lc.resume() == newest and not wrong_weights(model, newest)
+
+
+def test_an_interrupted_wait_keeps_the_save_in_flight_and_its_failure_for_the_next_wait() -> None:
+    from lifecycle.async_save import BackgroundSaver
+
+    saver, opened = BackgroundSaver(ROLE), threading.Event()
+
+    def work() -> Any:
+        opened.wait(30)
+        raise OSError(28, "No space left on device")
+
+    saver.submit(7, work)
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        saver.wait()  # Ctrl-C while the background write goes on
+    opened.set()
+    with pytest.raises(CheckpointError, match=r"async save of step 7 \(role actor\) failed before its commit"):
+        saver.wait()
+    saver.close()

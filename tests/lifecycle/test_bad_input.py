@@ -427,3 +427,22 @@ def test_an_lr_scheduler_state_that_does_not_fit_the_running_scheduler_is_refuse
     fresh = _with_scheduler(tmp_path, fmt)
     refused(fresh, str(path), said)
     assert fresh.parts.lr_scheduler.optimizer is fresh.parts.optimizer
+
+
+class _WithExtraState(Net):
+    def get_extra_state(self) -> Any:
+        return {"scale": 2}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.extra = state
+
+
+@pytest.mark.parametrize("fmt", ["hf", "torch_dcp"])
+def test_a_model_whose_state_dict_holds_extra_state_is_refused_naming_the_entry(tmp_path: Path, fmt: str) -> None:
+    model = _WithExtraState()
+    cfg = {"checkpoint": {"root": str(tmp_path), "save": {"format": fmt}}}
+    lc = Lifecycle(cfg, role=ROLE, model=model)
+    lc.init_load()
+    with pytest.raises(CheckpointError, match="model entry '_extra_state' is a dict, not a tensor"):
+        lc.save(1)
+    assert CheckpointStore(tmp_path).newest_complete([ROLE]) is None
