@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from lifecycle.errors import CheckpointError, LifecycleError, shorten
+from lifecycle.types import plain_digits
 
 NAME_MAX = 255
 """Bytes in one path component (Linux, macOS and every common filesystem)."""
@@ -262,9 +263,9 @@ def check_step(step: object) -> int:
 
 def parse_step_number(text: str, where: Path) -> int:
     """A step number written in a file (the tracker): digits only, at most 18 of them."""
-    if not (text.isascii() and text.isdigit() and len(text) <= 18):
+    if (number := plain_digits(text)) is None:
         raise CheckpointError(f"{where}: must hold a step number, found {text[:40]!r}")
-    return int(text)
+    return number
 
 
 ROLE_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"

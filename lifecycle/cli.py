@@ -11,6 +11,7 @@ from typing import Callable, Sequence, TextIO
 from lifecycle.boundary import os_error
 from lifecycle.errors import LifecycleError
 from lifecycle.machine import MACHINES
+from lifecycle.types import plain_digits
 
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
@@ -52,14 +53,13 @@ def _diagram(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from lifecycle.report import inspect_root
 
-    return inspect_root(args.root, args.roles, Printable(sys.stdout))  # type: ignore[arg-type]
+    return inspect_root(args.root, args.roles, Printable(sys.stdout))
 
 
 def _verify(args: argparse.Namespace) -> int:
     from lifecycle.report import verify_root
 
-    return verify_root(args.root, args.step, args.roles, Printable(sys.stdout),  # type: ignore[arg-type]
-                       Printable(sys.stderr))  # type: ignore[arg-type]
+    return verify_root(args.root, args.step, args.roles, Printable(sys.stdout), Printable(sys.stderr))
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -79,9 +79,9 @@ def _root(text: str) -> Path:
 
 def _step(text: str) -> int:
     """A step argument in plain ASCII digits (int() would also take '2_0' and '٢')."""
-    if not (text.isascii() and text.isdigit() and len(text) <= 18):
+    if (number := plain_digits(text)) is None:
         raise argparse.ArgumentTypeError(f"{printable(text[:40])!r} is not a step number (digits 0-9)")
-    return int(text)
+    return number
 
 
 class _Roles(argparse.Action):

@@ -53,6 +53,8 @@ class Reading:
     world_size: int
     saved_world_size: Any
     """The world size the manifest states the step was saved at (unchecked JSON)."""
+    step: int | None = None
+    """The step being resumed: a progress that names another is refused before it is restored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,13 +120,13 @@ def _read_extra(reading: Reading) -> Loaded:
             raise CheckpointError(f"{entry}: unexpected entry in extra folder (only rank_N folders)")
     own = folder / f"rank_{reading.rank}"
     if reading.saved_world_size == reading.world_size and own.is_dir():
-        return Loaded(progress=load_extra(own, reading.parts.dataloader))
+        return Loaded(progress=load_extra(own, reading.parts.dataloader, step=reading.step))
     structlog.get_logger().warning(
         "checkpoint.resume.extra_layout_changed", path=str(folder), rank=reading.rank,
         saved_world_size=reading.saved_world_size, world_size=reading.world_size,
         action="progress from rank 0; RNG and dataloader state not restored",
     )
-    return Loaded(progress=load_extra(folder / "rank_0", None, restore_rng=False))
+    return Loaded(progress=load_extra(folder / "rank_0", None, restore_rng=False, step=reading.step))
 
 
 CONTENTS: Mapping[str, ContentIO] = MappingProxyType({

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import numbers
 import os
 import sys
 from typing import Any, Iterable, Mapping
 
 from lifecycle.boundary import check_step
 from lifecycle.config import LifecycleConfig
-from lifecycle.errors import ConfigError, LifecycleError, shorten
+from lifecycle.errors import CheckpointError, ConfigError, LifecycleError, shorten
 from lifecycle.machine import TRAINER, State
 from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase
 from lifecycle.stateful import Stateful
-from lifecycle.types import Checkpointer, Parts, Progress, SaveInfo, WeightSyncer
+from lifecycle.types import Checkpointer, Parts, Progress, SaveInfo, WeightSyncer, is_count, plain_digits
 from lifecycle.watchdog import Emit, Watchdog
 
 
@@ -87,7 +86,12 @@ class Lifecycle(Stateful[State]):
     def train_step(self, step: int) -> Phase:
         """READY -> TRAINING -> READY around the caller's step; an exception leaves FAILED. A step
         that no save could take (`check_step`) is refused before the machine moves."""
-        return Phase(self, "train_step", check_step(step))
+        try:
+            number = check_step(step)
+        except CheckpointError as exc:
+            raise LifecycleError(f"train_step({shorten(step)}) (role {self.role}, state {self.state.name}): "
+                                 f"{exc}") from None
+        return Phase(self, "train_step", number)
 
     def save(self, step: int | None = None) -> SaveInfo:
         """READY -> SAVING -> READY: write and commit a checkpoint; returns what was written."""
@@ -163,7 +167,7 @@ def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
     rank = _from_env("RANK", "0") if rank is None else rank
     world_size = _from_env("WORLD_SIZE", "1") if world_size is None else world_size
     for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        if not is_count(value, low):
             raise ConfigError(name, f"must be an integer >= {low}, got {shorten(value)} ({type(value).__name__})")
     if rank >= world_size:
         raise ConfigError("rank", f"is {rank}, outside a world of {world_size} rank(s) (0..{world_size - 1})")
@@ -172,9 +176,9 @@ def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 def _from_env(name: str, default: str) -> int:
     text = os.environ.get(name, default).strip()
-    if not (text.isascii() and text.isdigit() and len(text) <= 9):
+    if (number := plain_digits(text, 9)) is None:
         raise ConfigError(name, f"the environment variable holds {shorten(text)}, not a rank number")
-    return int(text)
+    return number
 
 
 __all__ = ["Lifecycle"]

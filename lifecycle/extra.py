@@ -86,12 +86,17 @@ class _Loaded:
     dataloader: Any
 
 
-def load_extra(folder: Path, dataloader: Any = None, *, restore_rng: bool = True) -> Progress:
+def load_extra(folder: Path, dataloader: Any = None, *, restore_rng: bool = True, step: int | None = None) -> Progress:
     """Check everything first, then restore: a bad file never leaves RNGs half-restored.
 
     The dataloader goes first: it is the one part that may still refuse its state (its own
-    checks), and the RNGs are then restored untouched by whatever its loading draws."""
+    checks), and the RNGs are then restored untouched by whatever its loading draws. `step`:
+    the step folder's own number, which the saved progress must name (a save writes the step
+    it commits; another is damage or forgery)."""
     loaded = _read(folder)
+    if step is not None and loaded.progress.step != step:
+        raise CheckpointError(f"{folder / EXTRA_JSON}: its progress says step {loaded.progress.step}, but it is "
+                              f"in the folder of step {step}")
     _restore_dataloader(dataloader, loaded.dataloader, folder)
     if restore_rng:
         random.setstate(loaded.python)

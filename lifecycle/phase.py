@@ -9,8 +9,10 @@ the core.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import weakref
 from contextvars import ContextVar, Token
 from enum import Enum
 from functools import cache
@@ -87,53 +89,48 @@ class Temporary:
     """Attributes changed for the rest of a phase; also a context manager to restore sooner.
 
     Changes of one attribute nest: restoring one also settles every change made to the same
-    attribute after it (they were made on top of it), so restores in any order leave the
-    value the first of them found, never one set in between."""
+    attribute after it (they were made on top of it), so restores in any order, from any
+    thread, leave the value the first of them found, never one set in between."""
 
-    __slots__ = ("_obj", "_saved", "_restored")
+    __slots__ = ("_obj", "_saved", "_restored", "__weakref__")
 
     def __init__(self, obj: object, attrs: dict[str, Any]) -> None:
         self._obj = obj
         self._saved: list[tuple[str, Any]] = []
         self._restored: set[str] = set()
-        try:
-            for name, value in attrs.items():
-                self._saved.append((name, getattr(obj, name, _MISSING)))
-                _push(obj, name, self)
-                if value is DELETE:
-                    if hasattr(obj, name):
-                        delattr(obj, name)
-                else:
-                    setattr(obj, name, value)
-        except BaseException:
-            self.restore()
-            raise
+        with _NESTED_LOCK:
+            try:
+                for name, value in attrs.items():
+                    self._saved.append((name, getattr(obj, name, _MISSING)))
+                    _push(obj, name, self)
+                    if value is DELETE:
+                        if hasattr(obj, name):
+                            delattr(obj, name)
+                    else:
+                        setattr(obj, name, value)
+            except BaseException:
+                self.restore()
+                raise
 
     def restore(self) -> None:
         """Put every attribute back as it was, last changed first; idempotent. Every attribute
         gets its turn: the first error is raised once all were tried."""
         errors: list[BaseException] = []
-        for name, old in reversed(self._saved):
-            if name in self._restored:
-                continue
-            with _NESTED_LOCK:
-                stack = _NESTED.get((id(self._obj), name), [])
-                later = stack[stack.index(self) + 1:] if self in stack else []
-                for change in later:  # made on top of this one: settled by it
-                    change._restored.add(name)
-                if self in stack:
-                    del stack[stack.index(self):]
-                if not stack:
-                    _NESTED.pop((id(self._obj), name), None)
+        with _NESTED_LOCK:
+            for name, old in reversed(self._saved):
+                if name in self._restored:
+                    continue
+                for later in _pop(self._obj, name, self):  # made on top of this one: settled by it
+                    later._restored.add(name)
                 self._restored.add(name)
-            try:
-                if old is _MISSING:
-                    if hasattr(self._obj, name):
-                        delattr(self._obj, name)
-                else:
-                    setattr(self._obj, name, old)
-            except BaseException as exc:  # noqa: BLE001 - the other attributes still get theirs
-                errors.append(exc)
+                try:
+                    if old is _MISSING:
+                        if hasattr(self._obj, name):
+                            delattr(self._obj, name)
+                    else:
+                        setattr(self._obj, name, old)
+                except BaseException as exc:  # noqa: BLE001 - the other attributes still get theirs
+                    errors.append(exc)
         if errors:
             raise errors[0]
 
@@ -148,15 +145,39 @@ class Temporary:
         self.restore()
 
 
-_NESTED: dict[tuple[int, str], list[Temporary]] = {}
-"""The changes of each (object, attribute) not yet restored, oldest first (an entry holds its
-object, so the id stays its own while listed)."""
-_NESTED_LOCK = threading.Lock()
+_NESTED: dict[tuple[int, str], list[weakref.ref[Temporary]]] = {}
+"""The changes of each (object id, attribute) not yet restored, oldest first. Held weakly: a
+change dropped unrestored (outside a phase, without `with`) pins neither itself nor its object;
+its dead entry is pruned when its key is next used, or by `_push` when the table grows."""
+_NESTED_LOCK = threading.RLock()
+"""Held while a change is made or restored (a setter that makes a change of its own re-enters)."""
+_PRUNE_AT = 1024
+
+
+def _alive(key: tuple[int, str]) -> list[weakref.ref[Temporary]]:
+    return [ref for ref in _NESTED.get(key, ()) if ref() is not None]
 
 
 def _push(obj: object, name: str, change: Temporary) -> None:
-    with _NESTED_LOCK:
-        _NESTED.setdefault((id(obj), name), []).append(change)
+    if len(_NESTED) >= _PRUNE_AT:
+        for key in [key for key in _NESTED if not _alive(key)]:
+            del _NESTED[key]
+    key = (id(obj), name)
+    _NESTED[key] = [*_alive(key), weakref.ref(change)]
+
+
+def _pop(obj: object, name: str, change: Temporary) -> list[Temporary]:
+    """Drop `change` of obj.name and the changes made after it; those, live ones only."""
+    key = (id(obj), name)
+    stack = _alive(key)
+    mine = next((i for i, ref in enumerate(stack) if ref() is change), None)
+    later = [] if mine is None else [c for ref in stack[mine + 1:] if (c := ref()) is not None]
+    stack = stack if mine is None else stack[:mine]
+    if stack:
+        _NESTED[key] = stack
+    else:
+        _NESTED.pop(key, None)
+    return later
 
 
 RUNNING_UNDOS: ContextVar[list[Callable[[], object]] | None] = ContextVar("lifecycle_undos", default=None)
@@ -193,13 +214,30 @@ def run_undos(undos: list[Callable[[], object]], trigger: str) -> list[BaseExcep
 
 
 def guarded(call: Callable[..., object], *args: Any, **kwargs: Any) -> BaseException | None:
-    """`call(*args, **kwargs)`; what it raised (an `Exception`), or None: for the log and the
-    observers a phase tells, whose failure must not leave the machine half-moved."""
+    """`call(*args, **kwargs)`, a log call; what it raised (an `Exception`), or None: a log sink
+    that fails must not leave the machine half-moved (`_unheard` says so once on stderr)."""
     try:
         call(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - handed back to the caller
+    except Exception as exc:  # noqa: BLE001 - handed back to the caller, and said once on stderr
+        _unheard(exc)
         return exc
     return None
+
+
+_UNHEARD: set[str] = set()
+
+
+def _unheard(exc: Exception) -> None:
+    """The first failure of each kind to log (a sink that raises, a processor with a bug) goes to
+    stderr once, so records that vanish leave a trace of why."""
+    kind = type(exc).__name__
+    if kind not in _UNHEARD:
+        _UNHEARD.add(kind)
+        try:
+            sys.stderr.write(f"trainer-lifecycle: a log record was lost ({described(exc)}); further "
+                             f"{kind} failures of logging are not shown\n")
+        except Exception:  # noqa: BLE001 - stderr is gone too: nothing left to tell
+            pass
 
 
 def described(error: BaseException) -> str:
@@ -272,20 +310,23 @@ class Phase:
                 self._watched = True
             lc._tell(src, dst, self.trigger)
         except BaseException as exc:
-            self._end(exc)
+            raised = self._end(exc)
+            if raised is not None and raised is not exc:
+                raise raised from exc
             raise
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        error = self._end(exc)
+        raised = self._end(exc)
+        if raised is not None and raised is not exc:
+            raise raised  # an undo's interrupt or failure; the work's own error is its context
         if exc is None:
-            if error is not None:
-                raise error
             self.lc._ended(self)
 
     def _end(self, exc: BaseException | None) -> BaseException | None:
-        """Undos, then done or fail, then the record, each whatever the one before raised; the
-        error a phase whose work succeeded raises (an undo failed or was interrupted), else None."""
+        """Undos, then done or fail, then the record, each whatever the one before raised; what
+        leaves the phase: the work's own error, unless an undo was interrupted (Ctrl-C stops the
+        caller even when the work failed too), or, for work that succeeded, an undo's failure."""
         lc = self.lc
         try:
             undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
@@ -293,20 +334,16 @@ class Phase:
             if self._watched:
                 lc._watchdog.unwatch(id(self))
             lc._phase = None
-            if self._undo_token is not None:
-                RUNNING_UNDOS.reset(self._undo_token)
-            for token in self._tokens:
-                token.var.reset(token)
+            self._reset_context()
+        interrupt = next((e for e in undo_errors if not isinstance(e, Exception)), None)
         error: BaseException | None = exc
-        if error is None and undo_errors:
-            interrupts = [e for e in undo_errors if not isinstance(e, Exception)]
-            if interrupts:
-                error = interrupts[0]
-            else:
-                error = LifecycleError(
-                    f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
-                    f"objects are not as they were (role {lc.role}); first: {shorten(undo_errors[0], 500)}")
-                error.__cause__ = undo_errors[0]
+        if interrupt is not None and (exc is None or isinstance(exc, Exception)):
+            error = interrupt
+        elif error is None and undo_errors:
+            error = LifecycleError(
+                f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
+                f"objects are not as they were (role {lc.role}); first: {shorten(undo_errors[0], 500)}")
+            error.__cause__ = undo_errors[0]
         try:
             if self.dst._name_ in lc._table.working_names:
                 src, self.dst = lc._move(FAIL if error is not None else DONE)
@@ -314,6 +351,16 @@ class Phase:
         finally:
             lc._record(self, error)
         return error
+
+    def _reset_context(self) -> None:
+        """The phase's context variables back as they were; a phase ended in another context
+        than it began in (another asyncio task) cannot reset them there, and still ends."""
+        tokens = [self._undo_token, *self._tokens] if self._undo_token is not None else list(self._tokens)
+        for token in tokens:
+            try:
+                token.var.reset(token)
+            except (ValueError, RuntimeError):  # "created in a different Context", or used already
+                pass
 
 
 __all__ = [

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Protocol
 
 from lifecycle.boundary import kind, lstat, os_error, parse_step, role_problem, step_name_problem
 from lifecycle.errors import CheckpointError
@@ -22,10 +22,21 @@ from lifecycle.retention import TRASH
 from lifecycle.store import REPLACED, TRACKER, CheckpointStore
 from lifecycle.writer_lock import LOCK_PREFIX
 
+
+class Out(Protocol):
+    """Where a report goes: a text stream (`sys.stdout`), or one that escapes what it shows (the CLI's)."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+    def isatty(self) -> bool: ...
+
+
 MAX_LINES = 20
+"""Lines of one kind (junk entries, problems of one role) shown before a summary line."""
 MAX_ROWS = 200
 """Rows of the steps x roles table `inspect` prints at most, the newest; the rest are counted."""
-"""Lines of one kind (junk entries, problems of one role) shown before a summary line."""
 _HOUSEKEEPING = (TRACKER, f".{TRACKER}.tmp-", LOCK_PREFIX, TRASH, REPLACED)
 
 
@@ -107,8 +118,9 @@ def survey(store: CheckpointStore, roles: list[str] | None) -> Survey:
                 else:
                     stray.append((entry.name, entry.path))
     found.roles = roles or sorted(seen)
-    found.ignored += [f"{path}: a folder no save committed (no manifest in any step); ignored"
-                      for name, path in stray if name not in found.roles]
+    found.wrong += [f"{path}: a folder no save committed (no manifest in any step): junk, or a role whose every "
+                    "step lost its manifest (a job with that role would start fresh); name it with --roles to "
+                    "check it as one" for name, path in stray if name not in found.roles]
     return found
 
 
@@ -161,14 +173,14 @@ def _human(size: int) -> str:
     return f"{size} B"
 
 
-def _bounded(lines: list[str], out: TextIO, indent: str, what: str) -> None:
+def _bounded(lines: list[str], out: Out, indent: str, what: str) -> None:
     for line in lines[:MAX_LINES]:
         out.write(f"{indent}{line}\n")
     if len(lines) > MAX_LINES:
         out.write(f"{indent}... and {len(lines) - MAX_LINES} more {what}\n")
 
 
-def _root_notes(found: Survey, out: TextIO) -> None:
+def _root_notes(found: Survey, out: Out) -> None:
     for lines, title, what in (
         (found.damaged, "set aside as damaged ({}; resume never reads them; inspect, then remove)", "damaged steps"),
         (found.superseded, "superseded by a rollback ({}; resume never reads them)", "superseded steps"),
@@ -188,7 +200,7 @@ def _open_root(root: Path) -> CheckpointStore:
     return CheckpointStore(root)
 
 
-def inspect_root(root: Path, roles: list[str] | None, out: TextIO) -> int:
+def inspect_root(root: Path, roles: list[str] | None, out: Out) -> int:
     """Print a table of steps and roles; 0 when the newest step is complete, no committed role
     folder of any step is damaged and nothing in the root is wrong, else 1."""
     store = _open_root(root)
@@ -206,7 +218,11 @@ def inspect_root(root: Path, roles: list[str] | None, out: TextIO) -> int:
                   f"{row.formats:<10} {_human(row.size):>10} {row.files:>5}\n")
         _bounded([f"why: {p}" for p in row.problems], out, " " * 10, "problems")
     _root_notes(found, out)
-    newest = store.newest_committed(found.roles) if found.roles else None
+    try:
+        newest = store.newest_committed(found.roles) if found.roles else None
+    except CheckpointError as exc:  # a role folder it cannot search: resume stops there too
+        out.write(f"\nroles: {', '.join(found.roles)}; resume stops: {exc}\n")
+        return 1
     out.write(f"\nroles: {', '.join(found.roles) or 'none'}; resume picks step: {newest}; ")
     try:
         tracker = store.read_tracker()
@@ -242,7 +258,7 @@ class _Muted:
 class _ProgressLine:
     """A one-line progress display on a terminal; a single summary line otherwise."""
 
-    def __init__(self, label: str, stream: TextIO) -> None:
+    def __init__(self, label: str, stream: Out) -> None:
         self.label = label
         self.stream = stream
         self.live = stream.isatty()
@@ -264,8 +280,8 @@ class _ProgressLine:
                           f"checked in {seconds:.2f} s ({rate:.2f} GB/s)\n")
 
 
-def verify_root(root: Path, step: int | None, roles: list[str] | None, out: TextIO,
-                err: TextIO = sys.stderr) -> int:
+def verify_root(root: Path, step: int | None, roles: list[str] | None, out: Out,
+                err: Out = sys.stderr) -> int:
     """Deep-check sizes and checksums; 0 only when every checked role verifies and the root
     holds nothing wrong and no step set aside as damaged."""
     store = _open_root(root)

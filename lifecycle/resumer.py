@@ -32,7 +32,7 @@ from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint, sh
 from lifecycle.manifest import MANIFEST, NewerFormat, check_folder, checksum_of, read_manifest_file
 from lifecycle.role import RoleRank
 from lifecycle.store import CheckpointStore
-from lifecycle.types import Parts, Progress
+from lifecycle.types import Content, Parts, Progress
 
 HashFn = Callable[[Parts], str | None]
 
@@ -303,7 +303,7 @@ class Resumer:
         files of `expected` (role-folder paths) the readers verified."""
         entries: dict[str, dict[str, str]] = manifest["contents"]
         progress, verified = Progress(step=step), set[str]()
-        for name in self._reads(parts):
+        for name in sorted(self._reads(parts), key=lambda name: name != Content.EXTRA.value):  # its step first
             content, entry = CONTENTS[name], entries.get(name)
             if entry is None and content.optional_on_resume:
                 structlog.get_logger().warning(f"checkpoint.resume.no_{name}", path=str(folder), step=step)
@@ -319,7 +319,7 @@ class Resumer:
             loaded = content.read(Reading(
                 backend=self._backend(name, entry["backend"], sub) if content.by_format else None,
                 parts=parts, folder=sub, expected=mine, rank=self.at.rank, world_size=self.at.world_size,
-                saved_world_size=manifest["parallel"].get("world_size")))
+                saved_world_size=manifest["parallel"].get("world_size"), step=step))
             verified |= {prefix + rel for rel in loaded.verified if rel in mine}
             progress = progress if loaded.progress is None else loaded.progress
         if progress.step != step:  # a save writes the step it commits; another is damage

@@ -10,7 +10,6 @@ budget, the undo stack, the history, the observers and the Chrome trace.
 
 from __future__ import annotations
 
-import numbers
 import os
 import threading
 import time
@@ -26,6 +25,7 @@ from transitions import MachineError
 from lifecycle.errors import ConfigError, InvalidTransition, LifecycleError, shorten
 from lifecycle.phase import Observer, Phase, Temporary, TransitionRecord, described, guarded
 from lifecycle.table import Table
+from lifecycle.types import is_count
 from lifecycle.watchdog import WATCHDOG, Emit, Watchdog
 
 S = TypeVar("S", bound=Enum)
@@ -201,7 +201,7 @@ def _check_identity(role: object, rank: object, history_limit: object, observers
     if not isinstance(role, str) or not role:
         raise ConfigError("role", f"must be a non-empty string, got {shorten(role)}")
     for name, value, low in (("rank", rank, 0), ("history_limit", history_limit, 0)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:  # type: ignore[operator]
+        if not is_count(value, low):
             raise ConfigError(name, f"must be an integer >= {low}, got {shorten(value)} ({type(value).__name__})")
     if isinstance(observers, (str, bytes)) or not isinstance(observers, Iterable):
         raise ConfigError("observers", f"must be an iterable of Observer, got {shorten(observers)}")

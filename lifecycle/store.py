@@ -302,18 +302,9 @@ class CheckpointStore:
         for step in reversed(self.steps()):
             if below is not None and step >= below:
                 continue
-            if roles and all(self._holds_manifest(step, role) for role in roles):
+            if roles and all(lstat(self.role_dir(step, role) / MANIFEST) is not None for role in roles):
                 return step
         return None
-
-    def _holds_manifest(self, step: int, role: str) -> bool:
-        """Whether the role's folder holds a manifest; True also when it cannot be looked at (a
-        folder without permission): resume judges such a step, finds it damaged and, with
-        `on_damaged: fallback`, goes on to the one before, where an error here stopped it."""
-        try:
-            return lstat(self.role_dir(step, role) / MANIFEST) is not None
-        except CheckpointError:
-            return True
 
     def quarantine(self, step: int, problems: Sequence[str]) -> Path | None:
         """Rename a damaged step aside (see `lifecycle.aside.quarantine`); nothing is deleted."""

@@ -18,6 +18,17 @@ MAX_VERSION = 10**19 - 1
 """The largest weights version: a sync carries it as at most 19 decimal digits."""
 
 
+def is_count(value: Any, low: int = 0) -> bool:
+    """An integer (numpy's too; not a bool) of at least `low`: a rank, a size, a number of steps."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= low
+
+
+def plain_digits(text: str, most: int = 18) -> int | None:
+    """The number `text` writes in at most `most` ASCII digits; None for anything else (a sign,
+    spaces, '2_0' or other scripts' digits, all of which `int` would take)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= most else None
+
+
 def is_version(value: Any) -> bool:
     """A weights version: an integer (not a bool; numpy's count) in 0..`MAX_VERSION`."""
     return not isinstance(value, bool) and isinstance(value, numbers.Integral) and 0 <= value <= MAX_VERSION

@@ -15,6 +15,7 @@ phase without a budget costs nothing and one with a budget costs a lock and a di
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import threading
 import time
@@ -77,7 +78,7 @@ class Watchdog:
         """Start the budget of the phase `key` (its id) running on the calling thread; its
         reports go to `emit`, else to this watchdog's own. A budget that is no finite number of
         seconds above 0 is refused (`LifecycleError`): the one thread serves every phase."""
-        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
+        if isinstance(budget_s, bool) or not isinstance(budget_s, numbers.Real) or not 0 < budget_s < math.inf:
             raise LifecycleError(f"a watchdog budget is a finite number of seconds above 0, got {shorten(budget_s)}"
                                  + (f" for {fields['trigger']!r}" if isinstance(fields.get("trigger"), str) else ""))
         entry = _Watched(float(budget_s), self._clock(), threading.get_ident(), fields, emit)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import NoReturn
 
 from lifecycle.machine import DRIVER, DriverState
-from lifecycle.phase import Observer, Phase
+from lifecycle.phase import Observer, Phase, described
 from lifecycle.ray.policy import (
     Decision,
     FailurePolicy,
@@ -105,7 +105,8 @@ class Controller(Stateful[DriverState]):
     def _judge(self, failed: WorkerFailed) -> tuple[Failure, Verdict]:
         """Record the failure, ask the policy, log both; tell the subclass of a failure it retries."""
         failure = Failure(step=failed.step, phase=failed.phase, worker=failed.worker,
-                          error=f"{type(failed.cause).__name__}: {failed.cause}", incarnation=self.incarnation)
+                          error=f"{failed.cause_type}: {described(failed.cause).split(': ', 1)[-1]}",
+                          incarnation=self.incarnation)
         self.summary.failures.append(failure)
         verdict = self.policy.decide(failed, len(self.summary.failures))
         self._log.error("driver.worker_failed", worker=failure.worker, step=failure.step, phase=failure.phase,

@@ -22,7 +22,7 @@ import math
 import re
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +32,7 @@ from lifecycle.boundary import role_problem
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import ConfigError, EngineError, LifecycleError, shorten
 from lifecycle.phase import described
+from lifecycle.types import is_count
 from lifecycle.ray.controller import Controller
 from lifecycle.ray.policy import FailurePolicy, RunFailed, WorkerFailed
 from lifecycle.ray.run_report import (
@@ -82,7 +83,7 @@ class DriverConfig:
     def __post_init__(self) -> None:
         for key, low in (("steps", 1), ("save_every", 1), ("rollouts", 1), ("max_failures", 0)):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_count(value, low):
                 raise ConfigError(f"driver.{key}", f"must be an integer >= {low}, got {shorten(value)}")
         for key in ("call_timeout_s", "poll_s"):
             value = getattr(self, key)
@@ -108,8 +109,10 @@ def _trainer_roles(roles: Any) -> list[str]:
     """A recipe's trainer roles, as a list of distinct role names; `ConfigError` for a bare string
     (each letter would be a role), a name no checkpoint folder can take, a repeat, or a name the
     rollout workers go by (`rollout`, `rollout0`, ...), whose handles a trainer's would replace."""
-    if isinstance(roles, (str, bytes)) or not isinstance(roles, (list, tuple)):
-        raise ConfigError("recipe.roles", f"must be a list of role names, got {shorten(roles)}")
+    if isinstance(roles, (str, bytes)) or not isinstance(roles, Sequence):
+        raise ConfigError("recipe.roles", f"must be a list of role names, got {shorten(roles)} "
+                                          f"({type(roles).__name__})")
+    roles = list(roles)
     problems = [f"{shorten(role)}: {role_problem(role) if isinstance(role, str) else 'not a string'}"
                 for role in roles if not isinstance(role, str) or role_problem(role)]
     problems += [f"{role!r}: the rollout workers' name" for role in roles
@@ -202,8 +205,7 @@ class Driver(Controller):
             self.summary.wall_s = time.perf_counter() - started
             try:  # each step of the cleanup whatever the one before raised; none replaces the run's error
                 self._tidy("stopping the worker group", self._stop_group)
-                if self.work_dir is not None:
-                    self._tidy("writing the trace", self._merge_traces)
+                self._tidy("writing the trace", self._merge_traces)
             finally:
                 if self._owns_ray:
                     import ray
@@ -212,9 +214,10 @@ class Driver(Controller):
         return self.summary
 
     def _merge_traces(self) -> None:
-        assert self.work_dir is not None
-        self.summary.trace = merge_traces(self.work_dir / "traces", self.work_dir / "trace.json",
-                                          self.summary.spans, self.history, self.summary.overdue)
+        work = self.work_dir
+        if work is not None:
+            self.summary.trace = merge_traces(work / "traces", work / "trace.json", self.summary.spans, self.history,
+                                              self.summary.overdue)
 
     def _tidy(self, what: str, step: Callable[[], object]) -> None:
         """One step of the run's cleanup; what it raises is logged (`driver.cleanup_failed`), since

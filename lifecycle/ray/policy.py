@@ -14,6 +14,7 @@ from enum import Enum
 
 from lifecycle.errors import ConfigError, LifecycleError, shorten
 from lifecycle.phase import described
+from lifecycle.types import is_count
 
 
 class FailureKind(str, Enum):
@@ -35,16 +36,20 @@ class WorkerFailed(LifecycleError):
     """
 
     def __init__(self, worker: str, phase: str, step: int, cause: BaseException,
-                 kind: FailureKind = FailureKind.RAISED, error: BaseException | None = None) -> None:
+                 kind: FailureKind = FailureKind.RAISED, error: BaseException | None = None,
+                 cause_type: str | None = None) -> None:
+        """`cause_type`: the type name `cause` was raised as, when it crossed a process boundary
+        as another (`portable`)."""
         self.worker, self.phase, self.step, self.cause, self.kind = worker, phase, step, cause, kind
         self.error = cause if error is None else error
-        kind_name = cause.kind if isinstance(cause, StandIn) else type(cause).__name__
-        super().__init__(f"worker {worker} failed in {phase} of step {step}: {kind_name}: {described(cause).split(': ', 1)[-1]}")
+        self.cause_type = cause_type or raised_as(cause)
+        super().__init__(f"worker {worker} failed in {phase} of step {step}: {self.cause_type}: "
+                         f"{described(cause).split(': ', 1)[-1]}")
 
     def __reduce__(self) -> tuple[object, ...]:
         cause = portable(self.cause)
         return type(self), (self.worker, self.phase, self.step, cause, self.kind,
-                            cause if self.error is self.cause else portable(self.error))
+                            cause if self.error is self.cause else portable(self.error), self.cause_type)
 
 
 class StandIn(LifecycleError):
@@ -62,14 +67,37 @@ class StandIn(LifecycleError):
 
 
 def portable(error: BaseException | None) -> BaseException | None:
-    """`error` itself when it survives pickling and unpickling, else its `StandIn`."""
-    if error is None:
-        return None
+    """`error` itself when it survives pickling and unpickling; else the same error as its
+    nearest class that does (a `ConfigError` subclass whose `__init__` takes other arguments
+    crosses as a `ConfigError`, which a `FailurePolicy`'s `fatal` still recognises); else its
+    `StandIn`."""
+    if error is None or _crosses(error):
+        return error
+    for cls in type(error).__mro__[1:]:
+        if not (isinstance(cls, type) and issubclass(cls, BaseException)) or cls is BaseException:
+            break
+        try:
+            twin = cls.__new__(cls)
+            twin.args = error.args
+            twin.__dict__.update(getattr(error, "__dict__", {}))
+        except Exception:  # noqa: BLE001 - a class that cannot be built so: try its base
+            continue
+        if _crosses(twin):
+            return twin
+    return StandIn(type(error).__name__, described(error).split(": ", 1)[-1])
+
+
+def raised_as(error: BaseException) -> str:
+    """The type name an error was raised as (a `StandIn`'s, the one it stands for)."""
+    return error.kind if isinstance(error, StandIn) else type(error).__name__
+
+
+def _crosses(error: BaseException) -> bool:
     try:
         pickle.loads(pickle.dumps(error))
-    except Exception:  # noqa: BLE001 - any way it fails, the stand-in carries what it said
-        return StandIn(type(error).__name__, described(error).split(": ", 1)[-1])
-    return error
+    except Exception:  # noqa: BLE001 - any way it fails, it does not cross
+        return False
+    return True
 
 
 class Decision(str, Enum):
@@ -115,7 +143,7 @@ class FailurePolicy:
     """Whether any other exception a worker raised is retried; False gives up on all of them."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < 0:
+        if not is_count(self.max_failures, 0):
             raise ConfigError("failure_policy.max_failures", f"must be an integer >= 0, got {self.max_failures!r}")
         fatal = (self.fatal,) if isinstance(self.fatal, type) else self.fatal
         if not isinstance(fatal, (tuple, list, frozenset, set)):
@@ -144,4 +172,4 @@ class FailurePolicy:
         return Verdict(Decision.RETRY, f"restart {failures} of at most {self.max_failures}: {failure}")
 
 
-__all__ = ["Decision", "FailureKind", "FailurePolicy", "RunFailed", "StandIn", "Verdict", "WorkerFailed", "portable"]
+__all__ = ["Decision", "FailureKind", "FailurePolicy", "RunFailed", "StandIn", "Verdict", "WorkerFailed", "portable", "raised_as"]

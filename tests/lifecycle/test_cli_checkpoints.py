@@ -148,13 +148,23 @@ def test_a_manifest_naming_an_unknown_content_or_an_odd_backend_is_refused(root:
     assert said in out.getvalue()
 
 
-def test_a_folder_no_save_committed_is_ignored_not_taken_for_a_role(root: Path) -> None:
+def test_a_folder_no_save_committed_is_wrong_not_taken_for_a_role(root: Path) -> None:
     (root / "global_step_1" / "tmp").mkdir()
     out = io.StringIO()
-    assert inspect_root(root, None, out) == 0
+    assert inspect_root(root, None, out) == 1
     text = out.getvalue()
     assert "global_step_1/tmp: a folder no save committed" in text and "resume picks step: 2" in text
-    assert " tmp " not in text.split("ignored")[0], "no row for it"
+    assert " tmp " not in text.split("wrong")[0], "no row for it"
+
+
+def test_a_role_whose_every_manifest_is_gone_is_reported_wrong_not_left_out(root: Path) -> None:
+    for step in (1, 2):
+        (root / f"global_step_{step}" / "critic" / "manifest.json").unlink()
+    out = io.StringIO()
+    assert inspect_root(root, None, out) == 1
+    assert out.getvalue().count("a role whose every step lost its manifest") == 2
+    out = io.StringIO()
+    assert inspect_root(root, ["actor", "critic"], out) == 1 and "resume picks step: None" in out.getvalue()
 
 
 def test_a_root_full_of_empty_steps_and_stray_folders_prints_a_bounded_report(root: Path) -> None:

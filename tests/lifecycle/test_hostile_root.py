@@ -215,13 +215,16 @@ def test_unreadable_files_and_folders_are_named_with_the_errno_text(tmp_path: Pa
         if target == "role":  # a role folder it cannot search is a damaged row, not the end of the table
             table = run_unprivileged("import sys; from lifecycle.cli import main; sys.exit(main(sys.argv[1:]))",
                                      "inspect", str(tmp_path))
-            assert table.returncode == 1 and "Permission denied" in table.stdout, table.stdout + table.stderr
-            assert "tracker:" in table.stdout
+            assert table.returncode == 1 and "resume stops: " in table.stdout, table.stdout + table.stderr
+            assert "Permission denied" in table.stdout and "Traceback" not in table.stderr
         (refused, falls_back), done = resume_unprivileged(tmp_path, "refuse", "fallback")
         assert "Traceback" not in done.stderr, done.stderr
         assert "REFUSED" in refused and str(path) in refused
         assert "Permission denied" in refused
-        assert "RESUMED 1 True" in falls_back, done.stdout + done.stderr
+        if target == "role":  # which steps it holds cannot be told: no fallback sets healthy steps aside
+            assert "REFUSED" in falls_back and "Permission denied" in falls_back, done.stdout + done.stderr
+        else:
+            assert "RESUMED 1 True" in falls_back, done.stdout + done.stderr
         listing = run_unprivileged("import sys; from lifecycle.cli import main; sys.exit(main(sys.argv[1:]))",
                                    "verify", str(tmp_path))
         assert listing.returncode in (1, 2) and "Traceback" not in listing.stderr, listing.stderr
@@ -347,15 +350,17 @@ def test_resume_path_through_a_symlinked_step_folder_is_refused_and_loads_nothin
     assert not has_weights_of(lc.parts.model, 3)
 
 
-def test_a_step_whose_progress_names_another_step_is_refused(tmp_path: Path) -> None:
+def test_a_step_whose_progress_names_another_step_is_refused_before_anything_loads(tmp_path: Path) -> None:
     saved_run(tmp_path)
     extra = folder(tmp_path) / "extra" / "rank_0" / "extra.json"
     data = json.loads(extra.read_text())
     data["progress"]["step"] = 7
     extra.write_text(json.dumps(data))
     rewrite_manifest(folder(tmp_path), lambda m: rehash(m, folder(tmp_path)))  # the forger's own digests
-    with pytest.raises(CheckpointError, match="its progress says step 7, but it is the folder of step 2"):
-        lifecycle_at(tmp_path, on_damaged="refuse").resume()
+    lc = lifecycle_at(tmp_path, on_damaged="refuse")
+    with pytest.raises(CheckpointError, match="its progress says step 7, but it is in the folder of step 2"):
+        lc.resume()
+    assert not has_weights_of(lc.parts.model, 2), "refused before the weights were loaded"
 
 
 @pytest.mark.parametrize("plant", ["fifo", "symlink"])

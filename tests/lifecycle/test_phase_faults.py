@@ -287,3 +287,96 @@ def test_a_train_step_that_no_save_could_take_is_refused_before_the_machine_move
         with lc.train_step(step):
             pass
     assert lc.state is State.READY and [r.trigger for r in lc.history] == ["init_load"]
+
+
+def test_an_interrupted_undo_is_raised_even_when_the_work_failed_too() -> None:
+    lc = make_lifecycle()
+    lc.init_load()
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        with lc.train_step(1):
+            lc.on_exit(interrupted)
+            raise ValueError("the step failed")
+    assert isinstance(info.value.__context__, ValueError), "the work's error rides along"
+    assert lc.state is State.FAILED and "KeyboardInterrupt" in (lc.history[-1].error or "")
+
+
+def test_a_phase_ended_in_another_asyncio_task_still_ends_and_records() -> None:
+    import asyncio
+
+    lc = make_lifecycle()
+    lc.init_load()
+
+    async def main() -> None:
+        phase = lc.train_step(1)
+        await asyncio.create_task(_enter(phase))
+        await asyncio.create_task(_exit(phase))
+
+    async def _enter(phase: Any) -> None:
+        phase.__enter__()
+
+    async def _exit(phase: Any) -> None:
+        phase.__exit__(None, None, None)
+
+    asyncio.run(main())
+    assert lc.state is State.READY and [(r.trigger, r.ok) for r in lc.history][-1] == ("train_step", True)
+    assert lc._phase is None
+
+
+def test_a_numpy_budget_watches_the_phase_like_a_float() -> None:
+    import numpy as np
+
+    from lifecycle.rollout import RolloutWeights
+
+    rollout = RolloutWeights(lambda named: None, budget=lambda trigger: np.float32(5.0))
+    rollout.mark_stale()
+    assert rollout.history[-1].ok
+
+
+def test_changes_restored_from_two_threads_leave_what_the_first_found_and_pin_nothing() -> None:
+    import gc
+    import threading
+    import weakref
+
+    class Box:
+        x = 0
+
+    for _ in range(200):
+        box = Box()
+        outer = temporarily(box, x=1)
+        inner = temporarily(box, x=2)
+        threads = [threading.Thread(target=inner.restore), threading.Thread(target=outer.restore)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert box.x == 0
+    dropped = Box()
+    temporarily(dropped, x=5)  # outside a phase, without `with`: a permanent change
+    ref = weakref.ref(dropped)
+    del dropped
+    gc.collect()
+    assert ref() is None, "an unrestored change does not keep its object alive"
+
+
+def test_a_log_processor_that_raises_is_said_once_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    from lifecycle import phase
+
+    def broken(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+        raise LookupError("processor bug")
+
+    phase._UNHEARD.discard("LookupError")
+    structlog.configure(processors=[broken], cache_logger_on_first_use=False)
+    try:
+        lc = make_lifecycle()
+        lc.init_load()
+        with lc.train_step(1):
+            pass
+    finally:
+        structlog.reset_defaults()
+    err = capsys.readouterr().err
+    assert err.count("a log record was lost (LookupError: processor bug)") == 1
+    assert lc.state is State.READY

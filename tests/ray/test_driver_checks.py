@@ -71,3 +71,26 @@ def test_a_fifo_among_the_worker_traces_is_left_out_without_blocking(tmp_path: P
     out = merge_traces(traces, tmp_path / "trace.json", [])
     names = [e.get("args", {}).get("name") for e in json.loads(out.read_text())["traceEvents"]]
     assert "critic-0" in names and "actor-0" not in names
+
+
+def test_the_driver_takes_numpy_counts_and_any_sequence_of_roles() -> None:
+    import collections
+
+    import numpy as np
+
+    assert DriverConfig(steps=np.int64(4), rollouts=np.int32(2), max_failures=np.int64(1)).steps == 4
+
+    class Roles(collections.abc.Sequence):  # as OmegaConf's ListConfig is
+        def __init__(self, items: list[str]) -> None:
+            self.items = items
+
+        def __getitem__(self, i):  # type: ignore[no-untyped-def]
+            return self.items[i]
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+    class Recipe:
+        roles = Roles(["actor", "critic"])
+
+    assert Driver(Recipe(), {}, DriverConfig(steps=1)).roles == ["actor", "critic"]

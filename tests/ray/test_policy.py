@@ -127,15 +127,25 @@ class _HoldsALock(Exception):
         self.lock = threading.Lock()
 
 
-@pytest.mark.parametrize("cause", [_TwoArguments(3, "nan loss"), _HoldsALock()], ids=["two-arguments", "lock"])
-def test_a_failure_whose_cause_cannot_be_pickled_crosses_a_process_boundary_as_its_type_and_message(
-        cause: Exception) -> None:
+class _RecipeError(ConfigError):
+    def __init__(self, message: str) -> None:
+        super().__init__("recipe", message)
+
+
+@pytest.mark.parametrize(("cause", "crosses_as"), [(_TwoArguments(3, "nan loss"), Exception),
+                                                   (_RecipeError("bad vocab"), ConfigError),
+                                                   (_HoldsALock(), StandIn)],
+                         ids=["two-arguments", "config-error-subclass", "lock"])
+def test_a_failure_whose_cause_cannot_be_pickled_crosses_as_its_nearest_class_that_can(
+        cause: Exception, crosses_as: type) -> None:
     failed = WorkerFailed("actor", "train", 3, cause)
     for error in (failed, RunFailed("giving up", failed)):
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is type(error) and str(back) == str(error)
     back = pickle.loads(pickle.dumps(failed))
-    assert isinstance(back.cause, StandIn) and back.cause.kind == type(cause).__name__
+    assert type(back.cause) is crosses_as and back.cause_type == type(cause).__name__
     assert str(back.cause) == str(cause) and back.error is back.cause
+    policy = FailurePolicy()
+    assert policy.decide(back, 1).decision is policy.decide(failed, 1).decision, "fatal still recognised"
     plain = WorkerFailed("actor", "train", 3, OSError("reset"))
     assert type(pickle.loads(pickle.dumps(plain)).cause) is OSError, "a cause that pickles stays itself"
