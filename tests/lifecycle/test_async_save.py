@@ -465,7 +465,7 @@ def test_a_script_that_ends_right_after_an_async_save_commits_it_first(tmp_path:
 
 
 def test_an_interrupted_wait_keeps_the_save_in_flight_and_its_failure_for_the_next_wait() -> None:
-    from lifecycle.async_save import BackgroundSaver
+    from lifecycle.background import BackgroundSaver
 
     saver, opened = BackgroundSaver(ROLE), threading.Event()
 
