@@ -474,10 +474,17 @@ def test_an_interrupted_wait_keeps_the_save_in_flight_and_its_failure_for_the_ne
         raise OSError(28, "No space left on device")
 
     saver.submit(7, work)
-    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        saver.wait()  # Ctrl-C while the background write goes on
+    earlier = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as Python's own, whatever ran before
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        main = threading.main_thread().ident  # a signal to the process may land on another thread
+        timer = threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT))  # type: ignore[arg-type]
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            saver.wait()  # Ctrl-C while the background write goes on
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, earlier)
     opened.set()
     with pytest.raises(CheckpointError, match=r"async save of step 7 \(role actor\) failed before its commit"):
         saver.wait()
