@@ -240,15 +240,20 @@ def _unheard(exc: Exception) -> None:
             pass
 
 
-def described(error: BaseException) -> str:
-    """`TypeName: message` of an error, for a record; never raises, even when `str` does."""
+def message(error: BaseException) -> str:
+    """An error's message, bounded; never raises, even when its `__str__` does."""
     try:
         text = str(error)
     except Exception:  # noqa: BLE001 - an error whose __str__ fails still gets its record
         text = f"<unprintable {shorten(error, 200)}>"
     if len(text) > _MESSAGE_CHARS:
         text = f"{text[:_MESSAGE_CHARS]}... [{len(text)} characters in all]"
-    return f"{type(error).__name__}: {text}"
+    return text
+
+
+def described(error: BaseException) -> str:
+    """`TypeName: message` of an error, for a record (`message`)."""
+    return f"{type(error).__name__}: {message(error)}"
 
 
 _MESSAGE_CHARS = 4000
@@ -335,7 +340,7 @@ class Phase:
                 lc._watchdog.unwatch(id(self))
             lc._phase = None
             self._reset_context()
-        interrupt = next((e for e in undo_errors if not isinstance(e, Exception)), None)
+        interrupt = next((e for e in undo_errors if not isinstance(e, Exception)), None) if undo_errors else None
         error: BaseException | None = exc
         if interrupt is not None and (exc is None or isinstance(exc, Exception)):
             error = interrupt
@@ -365,5 +370,5 @@ class Phase:
 
 __all__ = [
     "DELETE", "GLOBAL_OBSERVERS", "RUNNING_UNDOS", "Observer", "Phase", "Temporary", "TransitionRecord",
-    "described", "guarded", "run_undos", "temporarily",
+    "described", "guarded", "message", "run_undos", "temporarily",
 ]

@@ -183,7 +183,7 @@ class Stateful(Generic[S]):
         fields = {"trigger": phase.trigger, "src": phase.src._name_, "dst": dst._name_, "role": self.role,
                   "rank": self.rank, "step": phase.step, "duration_s": round(duration, 6), "ok": error is None}
         if phase.figures:
-            fields = {**_figure_fields(phase.figures, fields), **fields}
+            fields |= _figure_fields(phase.figures, fields)
         if error is None:
             guarded(self._log.info, "lifecycle.transition", **fields)
         else:

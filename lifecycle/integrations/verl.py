@@ -257,16 +257,15 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
         if rank < 1:
             raise EngineError(f"{self.verl_name}: this is an actor rank; receive_weights runs on rollout workers")
         incoming: Incoming | None = None
-        yielded = 0
+        yielded = [0]  # shared with `_taking`: how many were handed out, the one in the consumer's hands included
         try:
             version = None if global_steps is None else weights_version(global_steps)
             incoming, item = await self._in_thread(self._receive_first, version)
-            count = [0]
-            self._taking = (incoming, count)
+            self._taking = (incoming, yielded)
             if item is not None:
                 self.stale = True  # partly loaded from the first tensor handed out to the last
             while item is not None:
-                yielded = count[0] = yielded + 1  # counted as handed out: the consumer may stop holding it
+                yielded[0] += 1
                 yield item
                 item = next(incoming, None)
             if not incoming.complete:
@@ -274,7 +273,7 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
                                   f"{incoming.tensors} tensors, before the last one")
         except BaseException as exc:
             self._taking = None
-            self._fail(incoming, exc, yielded)
+            self._fail(incoming, exc, yielded[0])
             raise
         self._taking = None
         self.version, self.stale = incoming.version, False

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import NoReturn
 
 from lifecycle.machine import DRIVER, DriverState
-from lifecycle.phase import Observer, Phase, described
+from lifecycle.phase import Observer, Phase, message
 from lifecycle.ray.policy import (
     Decision,
     FailurePolicy,
@@ -105,7 +105,7 @@ class Controller(Stateful[DriverState]):
     def _judge(self, failed: WorkerFailed) -> tuple[Failure, Verdict]:
         """Record the failure, ask the policy, log both; tell the subclass of a failure it retries."""
         failure = Failure(step=failed.step, phase=failed.phase, worker=failed.worker,
-                          error=f"{failed.cause_type}: {described(failed.cause).split(': ', 1)[-1]}",
+                          error=f"{failed.cause_type}: {message(failed.cause)}",
                           incarnation=self.incarnation)
         self.summary.failures.append(failure)
         verdict = self.policy.decide(failed, len(self.summary.failures))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from lifecycle.errors import ConfigError, LifecycleError, shorten
-from lifecycle.phase import described
+from lifecycle.phase import message
 from lifecycle.types import is_count
 
 
@@ -44,7 +44,7 @@ class WorkerFailed(LifecycleError):
         self.error = cause if error is None else error
         self.cause_type = cause_type or raised_as(cause)
         super().__init__(f"worker {worker} failed in {phase} of step {step}: {self.cause_type}: "
-                         f"{described(cause).split(': ', 1)[-1]}")
+                         f"{message(cause)}")
 
     def __reduce__(self) -> tuple[object, ...]:
         cause = portable(self.cause)
@@ -84,7 +84,7 @@ def portable(error: BaseException | None) -> BaseException | None:
             continue
         if _crosses(twin):
             return twin
-    return StandIn(type(error).__name__, described(error).split(": ", 1)[-1])
+    return StandIn(type(error).__name__, message(error))
 
 
 def raised_as(error: BaseException) -> str:

@@ -326,7 +326,7 @@ def test_a_phase_ended_in_another_asyncio_task_still_ends_and_records() -> None:
     assert lc._phase is None
 
 
-def test_a_numpy_budget_watches_the_phase_like_a_float() -> None:
+def test_a_numpy_budget_is_taken_like_a_float() -> None:
     import numpy as np
 
     from lifecycle.rollout import RolloutWeights
