@@ -18,9 +18,9 @@ import torch
 from backends.base import HF_CAPABILITIES, FormatBackend, FormatCapabilities, current_rank, listed
 from backends.safetensors_io import NAMES, Header, read_file, read_header, write_file
 from lifecycle.boundary import lstat, name_problem, read_bytes
-from lifecycle.errors import CheckpointError, shorten
+from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, parse_json, read_optimizer_json
-from lifecycle.optim_state import check_param_groups, check_scheduler_state
+from lifecycle.optim_state import check_optimizer_state, check_scheduler_state
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -98,9 +98,7 @@ def write_hf_folder(
     """A folder `from_pretrained` reads: weights (sharded with an index when large), config.json.
 
     Returns each weight file's name and the digest it was written with, for the manifest."""
-    if odd := next((n for n, t in state.items() if not isinstance(t, torch.Tensor)), None):
-        raise CheckpointError(f"{folder}: model entry {odd!r} is a {type(state[odd]).__name__}, not a tensor; "
-                              "safetensors holds tensors only (no pickle)")
+    only_tensors(state, folder)
     folder.mkdir(parents=True, exist_ok=True)
     for stale in [folder / SINGLE, folder / INDEX, *folder.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
@@ -164,6 +162,7 @@ class HFBackend(FormatBackend):
         leaves the model partly overwritten.
         """
         state = model.state_dict()
+        only_tensors(state, folder)
         files, problems = self._plan(folder, state)
         targets = {name for _, _, names in files for name in names}
         for group in alias_groups(state):
@@ -236,8 +235,8 @@ class HFBackend(FormatBackend):
         sched_state = state.get("lr_scheduler")
         if lr_scheduler is not None and sched_state is None:
             raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
-        check_optimizer_state(optimizer, state["optimizer"], path)
         check_scheduler_state(lr_scheduler, sched_state, str(path))
+        check_optimizer_state(optimizer, state["optimizer"], path)  # last: it may give a fresh optimizer state
         try:
             optimizer.load_state_dict(state["optimizer"])
             if lr_scheduler is not None:
@@ -254,6 +253,13 @@ def _placement_problem(name: str, path: Path, mapped: Mapping[str, Path]) -> str
     if name in mapped:
         return f"tensor {name!r} is in this file, but {INDEX} maps it to {mapped[name]}"
     return f"tensor {name!r} is in this file but not listed in {INDEX}"
+
+
+def only_tensors(state: Mapping[str, Any], folder: Path) -> None:
+    """Refuse a model whose state holds a module's non-tensor extra state, naming it."""
+    if odd := next((n for n, t in state.items() if not isinstance(t, torch.Tensor)), None):
+        raise CheckpointError(f"{folder}: model entry {odd!r} is a {type(state[odd]).__name__}, not a tensor; "
+                              "safetensors holds tensors only (no pickle)")
 
 
 def _fit_problem(name: str, entry: Mapping[str, Any], want: torch.Tensor | None) -> str | None:
@@ -291,71 +297,3 @@ def _weight_files(folder: Path) -> Iterable[tuple[Path, list[str]]]:
                                   f"{folder} ({problem})")
         by_file.setdefault(fname, []).append(name)
     return [(folder / fname, names) for fname, names in by_file.items()]
-
-
-PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
-                                "acc_delta", "exp_inf", "ax"})
-"""Per-parameter buffers of torch.optim's optimizers (the Adam family, SGD, RMSprop, Adadelta,
-Adamax, ASGD) that always have their parameter's shape."""
-SCALAR_STATE = frozenset({"step"})
-"""Per-parameter state that is one number, however it is stored."""
-
-
-def check_optimizer_state(optimizer: Any, saved: Any, path: Path) -> None:
-    """Refuse an optimizer state that `load_state_dict` takes but the first step fails on, or
-    trains on silently: groups that do not fit the running ones (`lifecycle.optim_state`), or
-    buffers of another parameter's shape (two swapped).
-
-    Generic, not per optimizer: a tensor state must have the shape of the running optimizer's
-    own state for that key when it has one; else a known buffer (`PARAM_SHAPED_STATE`) must
-    have its parameter's shape, and any other of more than one element must too, up to
-    dimensions of 1 (factored moments, as Adafactor keeps) or be flat over the whole group
-    (as LBFGS keeps). Dtypes are not compared: `load_state_dict` casts state to its parameter's.
-    """
-    where = f"{path}: does not fit the optimizer"
-    params = _saved_params(optimizer, saved, where)
-    state = saved.get("state")
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{where}: optimizer.state must be a mapping of parameter number to state")
-    for number, entry in state.items():
-        if number not in params:
-            raise CheckpointError(f"{where}: optimizer.state holds parameter {shorten(number)}, which no "
-                                  "param_group lists")
-        if not isinstance(entry, dict):
-            raise CheckpointError(f"{where}: state of parameter {number} must be a mapping, "
-                                  f"found {shorten(entry, 120)}")
-        param, group_numel = params[number]
-        current = optimizer.state.get(param, {})
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                problem = _state_problem(key, value, param, group_numel, current.get(key))
-                if problem:
-                    raise CheckpointError(f"{where}: state of parameter {number}, key {key!r}: {problem}")
-
-
-def _saved_params(optimizer: Any, saved: Any, where: str) -> dict[int, tuple[torch.Tensor, int]]:
-    """Saved parameter number -> (running parameter, elements in its group), matched by order
-    as `load_state_dict` matches them, once the groups fit the running ones."""
-    saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    numbers = check_param_groups(optimizer, saved_groups, where)
-    params: dict[int, tuple[torch.Tensor, int]] = {}
-    for group, group_numbers in zip(optimizer.param_groups, numbers):
-        group_numel = sum(p.numel() for p in group["params"])
-        params.update((n, (p, group_numel)) for n, p in zip(group_numbers, group["params"]))
-    return params
-
-
-def _state_problem(key: str, value: torch.Tensor, param: torch.Tensor, group_numel: int, reference: Any) -> str | None:
-    shape = list(value.shape)
-    if isinstance(reference, torch.Tensor):
-        same = value.shape == reference.shape
-        return None if same else f"has shape {shape}, the running optimizer's has {list(reference.shape)}"
-    if key in SCALAR_STATE:
-        return None if value.numel() == 1 else f"has shape {shape}, one number expected"
-    if value.shape == param.shape or (key not in PARAM_SHAPED_STATE and value.numel() <= 1):
-        return None
-    factored = value.dim() == param.dim() and all(v in (1, p) for v, p in zip(value.shape, param.shape))
-    flat = value.dim() == 1 and value.numel() == group_numel
-    if key not in PARAM_SHAPED_STATE and (factored or flat):
-        return None
-    return f"has shape {shape}, its parameter has {list(param.shape)}"

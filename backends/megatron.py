@@ -270,7 +270,8 @@ def library_errors(what: str, folder: Path) -> Iterator[None]:
     except CheckpointException as exc:
         ranks = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in exc.failures.items())
         raise CheckpointError(f"{folder}: {what} failed: {ranks}") from exc
-    except (CheckpointingException, SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
+    except (CheckpointingException, SafetensorError, OSError, RuntimeError, ValueError, KeyError, TypeError,
+            AttributeError) as exc:  # TypeError, AttributeError: a metadata.json of another shape
         raise CheckpointError(f"{folder}: {what} failed: {type(exc).__name__}: {exc}") from exc
 
 

@@ -29,6 +29,7 @@ before DCP reads a byte of data. Tensor data itself is read by DCP with
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -55,7 +56,7 @@ from backends.dcp_metadata import METADATA, MetadataReader
 from backends.hf import write_hf_folder
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import decode, encode, read_json
-from lifecycle.optim_state import check_param_groups, check_scheduler_state
+from lifecycle.optim_state import check_param_groups, check_scheduler_state, check_steps
 
 OPTIM_JSON = "optimizer.json"
 FORMAT_VERSION = 2
@@ -133,12 +134,48 @@ def _check_names(saved: Any, running: dict[str, Any], where: str) -> None:
     _same_names(state, running["state"], f"{where}: optimizer.state")
 
 
+def _own_tensors(saved: dict[str, Any], running: dict[str, Any], where: str) -> None:
+    """Each parameter's saved state keeps the running state's keys, and each tensor in it is
+    the template's own for that key, the one DCP fills: `optimizer.json` naming another
+    parameter's buffer, or one buffer for two keys, would load bytes of another shape, or
+    alias two moments. (Names are equal: `_check_names`.)"""
+    for name, want in running.items():
+        entry = saved.get(name)
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where}: state of {shorten(name)} must be a mapping, found {shorten(entry, 120)}")
+        if missing := [key for key in want if key not in entry]:
+            raise CheckpointError(f"{where}: state of {shorten(name)} lacks {shorten(missing, 120)}, which the "
+                                  "running optimizer keeps")
+        for key, value in entry.items():
+            own = want.get(key)
+            if (isinstance(value, torch.Tensor) or isinstance(own, torch.Tensor)) and value is not own:
+                raise CheckpointError(f"{where}: state of {shorten(name)}, key {shorten(key)}: optimizer.json gives "
+                                      "it another tensor than its own (another key's or parameter's, or none)")
+
+
 def _write(state: dict[str, torch.Tensor], folder: Path) -> None:
     """The one place DCP writes: a later async save swaps `dcp.save` for `dcp.async_save` here."""
     try:
         dcp.save(state, storage_writer=FileSystemWriter(str(folder)))
     except (CheckpointException, OSError) as exc:
-        raise CheckpointError(f"{folder}: torch.distributed.checkpoint save failed: {_failure(exc)}") from exc
+        said = _failure(exc)
+        said += "" if "No space left on device" in said else _full_disk(folder)
+        raise CheckpointError(f"{folder}: torch.distributed.checkpoint save failed: {said}") from exc
+
+
+FULL_BELOW = 1024**2
+"""Free bytes under which a failed write is put down to a full disk."""
+
+
+def _full_disk(folder: Path) -> str:
+    """What a failed write says when its disk is full: torch's writer reports a short write as
+    `unexpected pos 704 vs 598`, with no word of the cause."""
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return ""
+    free = stat.f_bavail * stat.f_frsize
+    return f"; the disk is full: No space left on device (ENOSPC), {free} bytes free" if free < FULL_BELOW else ""
 
 
 def _reader(folder: Path) -> tuple[MetadataReader, Metadata]:
@@ -246,8 +283,10 @@ class TorchDCPBackend(FormatBackend):
         state = decode(doc, where=str(path), tensors=tensors)  # holds `tensors` themselves, filled below
         saved = state["optimizer"]
         check_param_groups(optimizer, saved.get("param_groups") if isinstance(saved, dict) else None, where, ids=str)
+        _own_tensors(saved["state"], running["optimizer"]["state"], where)
         check_scheduler_state(lr_scheduler, state.get("lr_scheduler"), str(path))
         _read_into(tensors, folder, reader)
+        check_steps(saved["state"], where)  # read from the shards: the template holds them now, not the optimizer
         try:
             set_optimizer_state_dict(model, optimizer, saved)
             if lr_scheduler is not None:

@@ -156,8 +156,15 @@ class DiskCheckpointer:
         if not folder.is_dir():
             raise CheckpointError(f"{folder}: checkpoint.pre_load.path is not a folder")
         self._verify_pre_load(folder, name)
-        with os_errors("cannot read checkpoint.pre_load.path", folder):
-            build_format(self.config, name).load_model(parts.model, folder)
+        backend = build_format(self.config, name)
+        try:
+            with os_errors("cannot read checkpoint.pre_load.path", folder):
+                backend.load_model(parts.model, folder)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # a backend's or a model's own error: typed, naming the folder, as resume does
+            raise CheckpointError(f"{folder}: loading the initial weights (format {name}) failed: "
+                                  f"{type(exc).__name__}: {exc}") from exc
         self._resumer.overwritten = None
         size, count = folder_figures(folder)
         return {"backend": name, "path": str(folder), "bytes": size, "files": count}

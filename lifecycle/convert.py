@@ -88,7 +88,40 @@ def check(job: ConvertJob) -> tuple[str, Path]:
                                   "is nothing to convert")
     if job.dst.exists() and (not job.dst.is_dir() or any(job.dst.iterdir())):
         raise ConfigError("DST", f"{job.dst}: exists and is not an empty folder; nothing was written")
-    return fmt, architecture(job, fmt)
+    arch = architecture(job, fmt)
+    check_architecture(arch / "config.json", job.src)
+    return fmt, arch
+
+
+CONFIG_LIMIT = 16 * 1024**2
+"""A model's config.json is kilobytes; anything past this is not one."""
+
+
+def check_architecture(config: Path, src: Path) -> None:
+    """The config every rank builds its model from, read before any starts: a JSON object, and
+    its embedding (vocab_size x hidden_size, where it has both) no more elements than SRC has
+    bytes. A config of another model, or a crafted one, would else make every rank allocate it
+    (50M x 64 is 13 GB) before a single weight is compared."""
+    from lifecycle.boundary import read_bytes
+    from lifecycle.jsontree import parse_json
+
+    try:
+        data = parse_json(read_bytes(config, CONFIG_LIMIT, "config.json", follow=True), config)
+    except LifecycleError as exc:
+        raise ConfigError("--hf-config", str(exc)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("--hf-config", f"{config}: must be a JSON object, found {type(data).__name__}")
+    sizes = {key: data[key] for key in ("vocab_size", "hidden_size") if key in data}
+    if any(not (type(v) is int and v > 0) for v in sizes.values()):
+        raise ConfigError("--hf-config", f"{config}: vocab_size and hidden_size must be positive integers, "
+                                         f"found {sizes}")
+    if len(sizes) < 2:
+        return
+    held = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    if (wanted := sizes["vocab_size"] * sizes["hidden_size"]) > held:
+        raise ConfigError("--hf-config", f"{config}: its embedding alone is {wanted} elements "
+                                         f"({sizes['vocab_size']} x {sizes['hidden_size']}), more than the "
+                                         f"{held} bytes {src} holds: the config of another model?")
 
 
 def _say(rank: int, out: TextIO, started: float, message: str | Callable[[], str]) -> None:
@@ -130,6 +163,9 @@ def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, 
         _say(rank, sys.stderr, started, lambda: f"written: {_folder_mb(staging):.1f} MB")
     except LifecycleError as exc:
         print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 - transformers', megatron's or torch's own: one typed line, no traceback
+        print(f"error: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         if dist.is_initialized():

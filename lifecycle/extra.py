@@ -131,6 +131,11 @@ def _read_rng(path: Path) -> dict[str, torch.Tensor]:
         torch.Generator().set_state(tensors["torch_cpu"])
     except RuntimeError as exc:
         raise CheckpointError(f"{path}: 'torch_cpu' is not a CPU RNG state: {exc}") from exc
+    if "cuda" in tensors and torch.cuda.is_available():  # checked here, before any RNG is restored
+        want = torch.cuda.get_rng_state().numel()
+        if tensors["cuda"].numel() != want:
+            raise CheckpointError(f"{path}: 'cuda' holds {tensors['cuda'].numel()} bytes, where this device's "
+                                  f"RNG state is {want}")
     return tensors
 
 

@@ -10,6 +10,8 @@ its shards) and hands the groups here before anything is loaded into the optimiz
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +54,146 @@ def check_param_groups(optimizer: Any, saved_groups: Any, where: str, *, ids: ty
         seen.update(numbers)
         out.append(numbers)
     return out
+
+
+PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                                "acc_delta", "exp_inf", "ax"})
+"""Per-parameter buffers of torch.optim's optimizers (the Adam family, SGD, RMSprop, Adadelta,
+Adamax, ASGD) that always have their parameter's shape."""
+SCALAR_STATE = frozenset({"step"})
+"""Per-parameter state that is one number, however it is stored."""
+
+
+def check_optimizer_state(optimizer: Any, saved: Any, path: Path) -> None:
+    """Refuse an optimizer state (`optimizer.state_dict()`'s, ids by position) that
+    `load_state_dict` takes but the first step fails on, or trains on silently: groups that do
+    not fit the running ones, a state lacking a key the running optimizer keeps, a buffer of
+    another parameter's shape (two swapped), one tensor given for two buffers, a step that is
+    not a finite number >= 0.
+
+    An optimizer without state yet gets it first from torch's zero-lr step (as torch_dcp's
+    template does), so a fresh optimizer is compared with its keys and shapes; a refusal
+    clears that state again. Otherwise the rules are generic: a known buffer
+    (`PARAM_SHAPED_STATE`) has its parameter's shape, any other tensor of more than one
+    element too, up to dimensions of 1 (factored moments, as Adafactor keeps), or is flat over
+    the whole group (as LBFGS keeps). Dtypes are not compared: `load_state_dict` casts state
+    to its parameter's."""
+    fresh = _give_state(optimizer)
+    try:
+        _check_state(optimizer, saved, f"{path}: does not fit the optimizer")
+    except CheckpointError:
+        if fresh:
+            optimizer.state.clear()
+        raise
+
+
+def _give_state(optimizer: Any) -> bool:
+    """Give an optimizer without state its state, by one step on zero grads at lr 0 (as torch's
+    DCP helpers do); whether it did. Not when grads are set, nor for an optimizer whose step
+    needs a closure (LBFGS) or fails: then its state stays empty. Grads and lrs are restored."""
+    groups = optimizer.param_groups
+    params = [p for group in groups for p in group["params"]]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return False
+    lrs = [group.get("lr", _MISSING) for group in groups]
+    try:
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        for group, lr in zip(groups, lrs):
+            if lr is not _MISSING:
+                group["lr"] = torch.tensor(0.0) if isinstance(lr, torch.Tensor) else 0.0
+        optimizer.step()
+        return True
+    except Exception:  # noqa: BLE001 - any optimizer's step: without state, the generic rules judge
+        optimizer.state.clear()
+        return False
+    finally:
+        for group, lr in zip(groups, lrs):
+            if lr is not _MISSING:
+                group["lr"] = lr
+        for p in params:
+            p.grad = None
+
+
+def _check_state(optimizer: Any, saved: Any, where: str) -> None:
+    params = _saved_params(optimizer, saved, where)
+    state = saved.get("state")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where}: optimizer.state must be a mapping of parameter number to state")
+    seen: dict[int, str] = {}
+    for number, entry in state.items():
+        if number not in params:
+            raise CheckpointError(f"{where}: optimizer.state holds parameter {shorten(number)}, which no "
+                                  "param_group lists")
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where}: state of parameter {number} must be a mapping, "
+                                  f"found {shorten(entry, 120)}")
+        param, group_numel = params[number]
+        current = optimizer.state.get(param, {})
+        if missing := [key for key in current if key not in entry]:
+            raise CheckpointError(f"{where}: state of parameter {number} lacks {shorten(missing, 120)}, which the "
+                                  "running optimizer keeps")
+        for key, value in entry.items():
+            place = f"state of parameter {number}, key {shorten(key)}"
+            problem = _state_problem(key, value, param, group_numel, current.get(key))
+            if problem is None and isinstance(value, torch.Tensor):
+                if (other := seen.setdefault(id(value), place)) != place:
+                    problem = f"is the very tensor given for the {other}"
+            if problem:
+                raise CheckpointError(f"{where}: {place}: {problem}")
+
+
+def check_steps(state: Mapping[Any, Any], where: str) -> None:
+    """Each parameter's `step` (`SCALAR_STATE`), where its state has one, is a finite real number
+    >= 0: a NaN step made every weight NaN after one Adam step, a negative one divided by zero."""
+    for number, entry in state.items():
+        for key in SCALAR_STATE & (entry.keys() if isinstance(entry, dict) else set()):
+            if problem := _scalar_problem(entry[key]):
+                raise CheckpointError(f"{where}: state of parameter {shorten(number)}, key {key!r}: {problem}")
+
+
+def _scalar_problem(value: Any) -> str | None:
+    if _is_number(value) and _finite(value) and float(value) >= 0:
+        return None
+    return f"must be one finite number >= 0, found {shorten(value, 120)}"
+
+
+def _saved_params(optimizer: Any, saved: Any, where: str) -> dict[int, tuple[torch.Tensor, int]]:
+    """Saved parameter number -> (running parameter, elements in its group), matched by order
+    as `load_state_dict` matches them, once the groups fit the running ones."""
+    saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    numbers = check_param_groups(optimizer, saved_groups, where)
+    params: dict[int, tuple[torch.Tensor, int]] = {}
+    for group, group_numbers in zip(optimizer.param_groups, numbers):
+        group_numel = sum(p.numel() for p in group["params"])
+        params.update((n, (p, group_numel)) for n, p in zip(group_numbers, group["params"]))
+    return params
+
+
+def _state_problem(key: str, value: Any, param: torch.Tensor, group_numel: int, reference: Any) -> str | None:
+    if key in SCALAR_STATE:
+        return _scalar_problem(value)
+    if not isinstance(value, torch.Tensor):
+        if isinstance(reference, torch.Tensor):
+            return f"must be a tensor like the running optimizer's, found {shorten(value, 120)}"
+        if key in PARAM_SHAPED_STATE and not (value is None and key == "momentum_buffer"):  # SGD without momentum
+            return f"must be a tensor of its parameter's shape, found {shorten(value, 120)}"
+        return None
+    if value.dtype == torch.bool or value.is_complex():
+        if not (isinstance(reference, torch.Tensor) and reference.dtype == value.dtype):
+            return f"has dtype {value.dtype}, which no optimizer step takes for {param.dtype} parameters"
+    shape = list(value.shape)
+    if isinstance(reference, torch.Tensor):
+        same = value.shape == reference.shape
+        return None if same else f"has shape {shape}, the running optimizer's has {list(reference.shape)}"
+    if value.shape == param.shape or (key not in PARAM_SHAPED_STATE and value.numel() <= 1):
+        return None
+    factored = value.dim() == param.dim() and all(v in (1, p) for v, p in zip(value.shape, param.shape))
+    flat = value.dim() == 1 and value.numel() == group_numel
+    if key not in PARAM_SHAPED_STATE and (factored or flat):
+        return None
+    return f"has shape {shape}, its parameter has {list(param.shape)}"
 
 
 def check_scheduler_state(lr_scheduler: Any, saved: Any, where: str) -> None:

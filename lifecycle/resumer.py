@@ -15,6 +15,7 @@ reaches the same verdict on the same bytes, and a step one role renames aside is
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
@@ -24,6 +25,7 @@ from typing import Any
 import structlog
 
 from backends.base import FormatBackend, backend_class, format_capabilities, listed, reduce_int
+from backends.registry import IMPORT_PATH
 from lifecycle.boundary import inside, os_errors, parse_step, real_dir
 from lifecycle.checksum import ALGORITHM, check_unverified
 from lifecycle.config import format_family
@@ -138,7 +140,7 @@ class Resumer:
         if self.config.checkpoint.root is None or self.at.rank != 0:
             return
         store = self.at.store()
-        if resumed.folder.parent == store.step_dir(resumed.step):
+        if _same_folder(resumed.folder.parent, store.step_dir(resumed.step)):
             store.supersede(resumed.step)
 
     def _agreed_hash(self, parts: Parts) -> str | None:
@@ -266,9 +268,20 @@ class Resumer:
         wanted = (_value(c) for c in self.config.checkpoint.load.contents)
         return [name for name in wanted if name in CONTENTS and has_state(CONTENTS[name], parts)]
 
+    def _unnamed_path(self, name: str) -> bool:
+        """Whether a manifest's format `name` is a module path (`pkg.module:Class`) that this
+        worker's config does not name: the checkpoint's own word is never imported (a crafted
+        `this:X` would run a module on resume). Names (built in, registered, or an installed
+        package's entry point) and the configured paths are looked up as usual."""
+        ckpt = self.config.checkpoint
+        return IMPORT_PATH.fullmatch(name) is not None and name not in {
+            _value(ckpt.load_format), _value(ckpt.save.format), _value(ckpt.pre_load_format)}
+
     def _verifies_reads(self, name: str) -> bool:
         """Whether format `name` checks digests as it reads; one of another family, or one not
         installed, is refused when loading (and a built-in's answer needs no import)."""
+        if self._unnamed_path(name):
+            return False
         try:
             capabilities = format_capabilities(name, "checkpoint.load.format")
         except ConfigError:
@@ -330,6 +343,10 @@ class Resumer:
     def _backend(self, content: str, name: str, folder: Path) -> FormatBackend:
         """The format `name` that saved `content`, refused when it loads into another model family."""
         wanted = _value(self.config.checkpoint.load_format)
+        if self._unnamed_path(name):
+            raise CheckpointError(f"{folder.parent / MANIFEST}: {content!r} was saved with format {shorten(name)}, "
+                                  "a module path this worker's config does not name; a checkpoint's own word is "
+                                  f"never imported (set checkpoint.load.format to it to load it)")
         if name != wanted:
             structlog.get_logger().warning("checkpoint.resume.format_differs", content=content,
                                            saved_with=name, load_format=wanted, path=str(folder))
@@ -373,3 +390,12 @@ def log_outcome(role: str, outcome: Resumed | NotResumed, verify: bool) -> None:
     else:
         log.info("checkpoint.resumed", role=role, step=outcome.step, path=str(outcome.folder),
                  checksums_verified=verify)
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    """Whether two spellings name one folder (relative, `..`, a symlinked parent): by device
+    and inode, since a root may be written `ckpt` and a path `/abs/ckpt/global_step_1`."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -85,7 +85,7 @@ class Saver:
     ) -> Staged[_T]:
         """Prepare the staging folder, write `contents` into it and run `also`, agreed across ranks."""
         def write() -> Staged[_T]:
-            folder = self.at.store().staging(job.step, self.at.role, job.lock)
+            folder = self.at.store().staging(job.step, self.at.role, job.lock, self.at.roles)
             return Staged(folder, job.writer.write(folder, parts, progress, contents), also())
 
         return self.agreed(job.step, write, cleanup=self.discard(job))

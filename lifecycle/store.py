@@ -94,10 +94,11 @@ class CheckpointStore:
         """The lock that keeps a second writer of `role` out of this root (see `writer_lock`)."""
         return WriterLock(self.root, check_role(role))
 
-    def staging(self, step: int, role: str, lock: WriterLock | None = None) -> Path:
+    def staging(self, step: int, role: str, lock: WriterLock | None = None, roles: Sequence[str] = ()) -> Path:
         """Inside the step folder, so the final rename never crosses a filesystem.
 
-        Rank 0 takes `lock` first, then clears whatever stands at the staging path. With an
+        Rank 0 takes `lock` first, refuses a step below the newest one committed for every role
+        of `roles` (see `check_not_behind`), then clears whatever stands at the staging path. With an
         `agree` function every rank learns whether rank 0 managed, before any rank writes, so
         no rank writes into a folder that is not this save's; with a plain barrier, rank 0
         still reaches it when it failed, so its peers never wait for it here.
@@ -111,6 +112,7 @@ class CheckpointStore:
                     self.root.mkdir(parents=True, exist_ok=True)
                     if lock is not None:
                         lock.acquire()
+                    self.check_not_behind(step, role, roles)
                     if not real_dir(self.step_dir(step), "a step folder"):
                         self.step_dir(step).mkdir(exist_ok=True)
                     if lstat(path) is not None:
@@ -125,6 +127,19 @@ class CheckpointStore:
             else:
                 self._sync()
         return path
+
+    def check_not_behind(self, step: int, role: str, roles: Sequence[str]) -> None:
+        """Refuse to save `step` below the newest step committed for every role of `roles`: an
+        automatic resume takes that newer step, so this save's line would be lost on the first
+        restart (and retention, counting the newer step, would prune this line first). Re-saving
+        the newest step replaces it; a rollback (`resume.path` into this root) sets the newer
+        steps aside first, so its saves pass."""
+        if roles and (newer := self.newest_committed(roles)) is not None and newer > step:
+            raise CheckpointError(
+                f"{self.step_dir(step)}: cannot save step {step} (role {role}): step {newer} is committed in "
+                f"{self.root} for every role ({', '.join(roles)}), and an automatic resume would restart from it, "
+                "not from this save. Resume from it, roll back with resume.mode: path (which sets the newer "
+                "steps aside), or save into another checkpoint.root")
 
     def discard_staging(self, step: int, role: str) -> None:
         """After a failed save (rank 0): remove what it wrote, so a full disk gets its space back."""

@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from lifecycle.boundary import STEP_PREFIX, check_step, parse_step, path_problem, role_problem
+from lifecycle.checkpointer import DiskCheckpointer
 from lifecycle.config import LifecycleConfig
 from lifecycle.config_file import read_yaml
 from lifecycle.core import Lifecycle
@@ -147,6 +148,8 @@ class LifecycleCheckpointManager:
         Lifecycle(self._config_for(None, keep_last=None), model=model, optimizer=optimizer, lr_scheduler=lr_scheduler)
         self._lc: Lifecycle | None = None
         self._key: tuple[Any, ...] | None = None
+        self._loaded: tuple[Path, int] | None = None
+        """The root and step of the last load, until the next save."""
 
     @property
     def lifecycle(self) -> Lifecycle | None:
@@ -173,6 +176,7 @@ class LifecycleCheckpointManager:
         lc = self._lifecycle(where, ("save", keep), keep_last=keep)
         if lc.state is State.CREATED:
             lc.init_load()  # no pre_load path: nothing is read, the machine reaches READY
+        self._set_aside_abandoned(where, step, lc)
         lc.save(step)
 
     def load_checkpoint(
@@ -201,6 +205,21 @@ class LifecycleCheckpointManager:
             raise
         if resumed != where.step:
             raise CheckpointError(f"{where.folder}: resumed step {resumed}, not the step {where.step} the path names")
+        self._loaded = (where.root, where.step)
+
+    def _set_aside_abandoned(self, where: StepPath, step: int, lc: Lifecycle) -> None:
+        """The first save after a load into the root that load read from: a step past the loaded
+        one that every role committed is an abandoned line (verl resumed from its tracker, which a
+        crash between the roles' commits and the trainer's own write left behind). It is set aside
+        as a rollback's are (the store refuses a save below it). With `checkpoint.root` the load was
+        the rollback already; without, only a save into the same root shows the root is this run's."""
+        loaded, self._loaded = self._loaded, None
+        checkpointer = lc.checkpointer
+        if loaded is None or loaded[0] != where.root or not isinstance(checkpointer, DiskCheckpointer):
+            return
+        store = checkpointer.store
+        if store.rank == 0 and (store.newest_committed(checkpointer.roles) or -1) > step:
+            store.supersede(loaded[1])
 
     def wait(self) -> None:
         """Block until an async save in flight has committed (raises its failure)."""

@@ -483,13 +483,41 @@ def refused_by_the_optimizer(folder: Path, *needles: str) -> None:
 def test_state_tensors_of_two_parameters_swapped_are_refused(tmp_path: Path, key: str) -> None:
     saved_adam(tmp_path)
     swap_tensors(tmp_path, f"optimizer.state[0].{key}", f"optimizer.state[1].{key}")
-    refused_by_the_optimizer(tmp_path, f"state of parameter 0, key {key!r}: has shape [3], its parameter has [3, 4]")
+    refused_by_the_optimizer(tmp_path, f"state of parameter 0, key {key!r}: has shape [3], the running optimizer's "
+                                       "has [3, 4]")
 
 
 def test_a_step_count_of_a_parameter_s_shape_is_refused(tmp_path: Path) -> None:
     saved_adam(tmp_path)
     swap_tensors(tmp_path, "optimizer.state[0].step", "optimizer.state[0].exp_avg")
-    refused_by_the_optimizer(tmp_path, "state of parameter 0, key 'step': has shape [3, 4], one number expected")
+    refused_by_the_optimizer(tmp_path, "state of parameter 0, key 'step': must be one finite number >= 0")
+
+
+STATE_EDITS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {  # what the first step would meet
+    "nan-step": (lambda o: o["state"]["0"].update(step={"__float__": "nan"}), "key 'step': must be one finite number"),
+    "negative-step": (lambda o: o["state"]["0"].update(step=-1.0), "key 'step': must be one finite number >= 0"),
+    "missing-buffer": (lambda o: o["state"]["0"].pop("exp_avg_sq"), "lacks ['exp_avg_sq'], which the running"),
+    "null-buffer": (lambda o: o["state"]["0"].update(exp_avg=None), "key 'exp_avg': must be a tensor like the"),
+    "one-tensor-twice": (lambda o: o["state"]["0"].update(exp_avg_sq=o["state"]["0"]["exp_avg"]),
+                         "key 'exp_avg_sq': is the very tensor given for the state of parameter 0, key 'exp_avg'"),
+}
+
+
+@pytest.mark.parametrize("edit", STATE_EDITS)
+def test_a_state_the_first_step_would_fail_or_train_wrong_on_is_refused(tmp_path: Path, edit: str) -> None:
+    """Each loaded through `load_state_dict` without a word: then a NaN step made every weight
+    NaN after one step, -1 divided by zero, a missing or null buffer raised a raw KeyError or
+    AttributeError, and one tensor for two buffers trained on aliased moments."""
+    saved_adam(tmp_path)
+    change, needle = STATE_EDITS[edit]
+    edit_json(tmp_path / "optimizer.json", lambda doc: change(_by_string_keys(doc["optimizer"])))
+    refused_by_the_optimizer(tmp_path, needle)
+
+
+def _by_string_keys(optimizer: dict[str, Any]) -> dict[str, Any]:
+    """optimizer.json's state, keyed by parameter number as a string, for editing in place."""
+    pairs = optimizer["state"]["__dict__"]
+    return {"state": {str(k): v for k, v in pairs}}
 
 
 @pytest.mark.parametrize("lr", ["fast", math.nan, math.inf, None, True, [0.1], 10**400],

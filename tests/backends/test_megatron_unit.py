@@ -127,3 +127,16 @@ def test_a_megatron_model_names_its_chunks_parameters_and_buffers_as_a_module_of
                     == [n for n, _ in module.named_parameters(prefix, remove_duplicate=remove_duplicate)])
             assert ([n for n, _ in model.named_buffers(prefix, remove_duplicate=remove_duplicate)]
                     == [n for n, _ in module.named_buffers(prefix, remove_duplicate=remove_duplicate)])
+
+
+@pytest.mark.parametrize("raised", [TypeError("CheckpointingConfig() argument after ** must be a mapping, not list"),
+                                    AttributeError("'list' object has no attribute 'get'")])
+def test_a_metadata_json_of_another_shape_fails_the_load_as_a_checkpoint_error(tmp_path: Path,
+                                                                              raised: Exception) -> None:
+    """megatron reads metadata.json into its config class: `[]` or an unknown key raised a raw
+    TypeError through every rank."""
+    from lifecycle import CheckpointError
+
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}: load failed: {type(raised).__name__}"):
+        with megatron.library_errors("load", tmp_path):
+            raise raised

@@ -5,6 +5,7 @@ Two gloo ranks and FSDP2, both ways: tests/backends/test_dcp_reshard.py."""
 from __future__ import annotations
 
 import json
+import math
 import pickle
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,41 @@ def test_param_groups_that_do_not_fit_the_optimizer_are_refused_naming_the_key(
     assert str(caught.value).startswith(f"{path}: does not fit the optimizer: ") and needle in str(caught.value)
     assert fresh_opt.param_groups[0]["lr"] == 1e-2 and fresh_sched.last_epoch == 0
     assert same_state(_optim_by_fqn(fresh, fresh_opt), untouched)
+
+
+STATE_EDITS = {  # optimizer.json's state, keyed by parameter name; each tensor named by its place
+    "another-parameters-buffer": (lambda st: st["0.weight"].update(exp_avg=st["0.bias"]["exp_avg"]),
+                                  "state of '0.weight', key 'exp_avg': optimizer.json gives it another tensor"),
+    "one-tensor-twice": (lambda st: st["0.bias"].update(exp_avg_sq=st["0.bias"]["exp_avg"]),
+                         "state of '0.bias', key 'exp_avg_sq': optimizer.json gives it another tensor"),
+    "missing-buffer": (lambda st: st["0.bias"].pop("exp_avg_sq"), "state of '0.bias' lacks ['exp_avg_sq']"),
+}
+
+
+@pytest.mark.parametrize("edit", STATE_EDITS)
+def test_state_tensors_named_for_another_place_or_missing_are_refused_before_dcp_reads(tmp_path: Path,
+                                                                                       edit: str) -> None:
+    """`set_optimizer_state_dict` took each: bytes of another shape (a raw RuntimeError at the
+    first step), two moments aliased (trained on silently), or a KeyError at the first step."""
+    change, needle = STATE_EDITS[edit]
+    path = saved_then_edited(tmp_path, lambda doc: change(doc["optimizer"]["state"]))
+    fresh, fresh_opt, fresh_sched = fresh_parts(seed=1)
+    untouched = {k: v.clone() for k, v in _optim_by_fqn(fresh, fresh_opt).items()}
+    with pytest.raises(CheckpointError) as caught:
+        TorchDCPBackend().load_optimizer(fresh_opt, fresh_sched, tmp_path / "optimizer", model=fresh)
+    assert str(caught.value).startswith(f"{path}: does not fit the optimizer: ") and needle in str(caught.value)
+    assert same_state(_optim_by_fqn(fresh, fresh_opt), untouched)
+
+
+@pytest.mark.parametrize("step", [math.nan, -1.0])
+def test_a_step_that_is_not_a_finite_number_at_least_zero_is_refused(tmp_path: Path, step: float) -> None:
+    """NaN made every weight NaN after one AdamW step; -1 divided by zero in its bias correction."""
+    model, optimizer, scheduler = trained_parts()
+    next(iter(optimizer.state.values()))["step"].fill_(step)
+    TorchDCPBackend().save_optimizer(optimizer, scheduler, tmp_path / "optimizer", model=model)
+    fresh, fresh_opt, fresh_sched = fresh_parts(seed=1)
+    with pytest.raises(CheckpointError, match="key 'step': must be one finite number >= 0"):
+        TorchDCPBackend().load_optimizer(fresh_opt, fresh_sched, tmp_path / "optimizer", model=fresh)
 
 
 def test_a_scheduler_built_since_the_save_does_not_make_its_initial_lr_a_missing_hyper_parameter(

@@ -293,6 +293,31 @@ def test_loading_an_older_step_of_the_configured_root_sets_the_newer_ones_aside_
     assert CheckpointStore(tmp_path).read_tracker() == 1
 
 
+def test_resuming_the_trackers_step_after_a_crash_before_the_tracker_sets_the_newer_steps_aside_at_the_first_save(
+    tmp_path: Path,
+) -> None:
+    """Step 3 was committed but verl's trainer died before writing its tracker (it names 1), so
+    verl resumes 1, without checkpoint.root. The store refuses a save below a committed step, so
+    the first save into that same root sets the abandoned 2 and 3 aside (never deleted), and an
+    automatic resume then takes the new line."""
+    ckpt, _ = manager()
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(local_path(tmp_path, step), None, step)
+    trainer_writes(tmp_path, 1)
+    ckpt.close()
+    again, _ = manager(seed=1)
+    again.load_checkpoint(local_path(tmp_path, 1))
+    again.save_checkpoint(local_path(tmp_path, 2), None, 2)
+    assert steps_on_disk(tmp_path) == [1, 2]
+    aside = sorted(p.name.split(".")[0] for p in tmp_path.glob("global_step_*.superseded-*"))
+    assert aside == ["global_step_2", "global_step_3"]
+    again.save_checkpoint(local_path(tmp_path, 3), None, 3)
+    assert steps_on_disk(tmp_path) == [1, 2, 3] and len(list(tmp_path.glob("*.superseded-*"))) == 2
+    fresh, _ = manager(seed=2)
+    with pytest.raises(CheckpointError, match="cannot save step 2 .*step 3 is committed"):
+        fresh.save_checkpoint(local_path(tmp_path, 2), None, 2)  # no load: nothing says 3 is abandoned
+
+
 def files_under(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 

@@ -23,10 +23,11 @@ __all__ = ["ROLE", "Net", "fill", "has_weights_of", "lifecycle_at", "run_unprivi
 
 
 def lifecycle_at(root: Path, *, role: str = ROLE, roles: list[str] | None = None, verify: bool = True,
-                 keep_last: int | None = None, **resume: Any) -> Lifecycle:
+                 keep_last: int | None = None, save_format: str = "hf", **resume: Any) -> Lifecycle:
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    checkpoint: dict[str, Any] = {"root": str(root), "load": {"verify": verify}, "keep_last": keep_last}
+    checkpoint: dict[str, Any] = {"root": str(root), "load": {"verify": verify}, "keep_last": keep_last,
+                                  "save": {"format": save_format}}
     if roles:
         checkpoint["roles"] = roles
     return Lifecycle({"checkpoint": checkpoint, "resume": resume}, role=role, model=model, optimizer=optimizer)

@@ -298,6 +298,47 @@ def test_a_rollback_sets_the_steps_past_it_aside_so_a_crash_restart_resumes_the_
     assert steps_on_disk(tmp_path) == [13, 14]
     crashed = DiskCheckpointer(config(tmp_path, checkpoint={"keep_last": 2}), role="actor")
     assert crashed.resume(parts()).step == 14
+
+
+@pytest.mark.parametrize("spelling", ["relative-root", "dotdot", "symlinked-parent"])
+def test_a_rollback_is_one_whatever_the_spelling_of_its_root_and_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelling: str,
+) -> None:
+    """`checkpoint.root: ckpt` with an absolute resume.path, a path through `..`, or one through
+    a symlinked parent name the root's own step: the newer step is set aside all the same, so
+    a crash-restart resumes the rollback's line, and its saves pass."""
+    root = tmp_path / "ckpt"
+    save_steps(DiskCheckpointer(config(root), role="actor"), parts(), [1, 2])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link").symlink_to(root)
+    given, path = {"relative-root": ("ckpt", root / "global_step_1"),
+                   "dotdot": (str(root), root / "global_step_2" / ".." / "global_step_1"),
+                   "symlinked-parent": (str(root), tmp_path / "link" / "global_step_1")}[spelling]
+    ckpt = DiskCheckpointer(config(Path(given), resume={"mode": "path", "path": str(path)}), role="actor")
+    assert ckpt.resume(parts()).step == 1
+    assert steps_on_disk(root) == [1] and len(list(root.glob("global_step_2.superseded-*"))) == 1
+    save_steps(ckpt, parts(), [2])
+    assert DiskCheckpointer(config(root), role="actor").resume(parts()).step == 2
+
+
+def test_a_save_below_the_newest_step_every_role_committed_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    """A fresh run in a used root (resume disabled) saving step 5 while step 20 is committed:
+    the first crash-restart would resume 20, the old line, and retention would prune the new
+    one. Refused before anything is staged, naming both steps; re-saving step 20 replaces it,
+    and a role ahead of the others alone (20 is not committed for the critic) blocks nothing."""
+    save_steps(DiskCheckpointer(config(tmp_path), role="actor"), parts(), [10, 20])
+    fresh = DiskCheckpointer(config(tmp_path, resume={"mode": "disable"}), role="actor")
+    with pytest.raises(CheckpointError, match=r"cannot save step 5 \(role actor\): step 20 is committed .*resume"):
+        fresh.save(5, parts(), Progress(step=5))
+    assert steps_on_disk(tmp_path) == [10, 20] and not (tmp_path / "global_step_5").exists()
+    save_steps(fresh, parts(seed=1), [20])
+    assert DiskCheckpointer(config(tmp_path), role="actor").resume(parts()).step == 20
+    both = config(tmp_path, checkpoint={"roles": ["actor", "critic"]})
+    save_steps(DiskCheckpointer(both, role="critic"), parts(), [10])
+    with pytest.raises(CheckpointError, match="step 10 is committed"):
+        DiskCheckpointer(both, role="critic").save(7, parts(), Progress(step=7))
+
+
 def test_extra_from_another_world_size_restores_progress_only(tmp_path: Path) -> None:
     save_steps(DiskCheckpointer(config(tmp_path), role="actor"), parts(), [4])
     ckpt = DiskCheckpointer(config(tmp_path), role="actor", rank=1, world_size=2, barrier=lambda: None)
@@ -318,6 +359,29 @@ def test_load_initial_from_an_hf_folder(tmp_path: Path) -> None:
     assert figures["backend"] == "hf" and figures["files"] == 1 and figures["bytes"] > 0
     assert all(torch.equal(a, b) for a, b in zip(source.model.parameters(), target.model.parameters()))
     assert DiskCheckpointer(config(tmp_path), role="actor").load_initial(target) == {}
+
+
+class WithExtraState(nn.Sequential):
+    def get_extra_state(self) -> dict[str, int]:
+        return {"scale": 2}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.extra = state
+
+
+def test_load_initial_of_a_tensor_named_for_the_models_extra_state_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """A plain HF folder holding `_extra_state` as a tensor, for a model whose extra state is a
+    dict: a raw AttributeError from init_load before; now typed, naming the entry."""
+    from safetensors.torch import save_file
+
+    model = WithExtraState(nn.Linear(4, 2))
+    weights = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    (tmp_path / "init").mkdir()
+    save_file({**weights, "_extra_state": torch.zeros(1)}, str(tmp_path / "init" / "model.safetensors"))
+    lc = Lifecycle(config(None, checkpoint={"pre_load": {"path": str(tmp_path / "init")}}), role="actor",
+                   model=model)
+    with pytest.raises(CheckpointError, match="model entry '_extra_state' is a dict, not a tensor"):
+        lc.init_load()
 
 
 def test_load_initial_from_a_missing_folder_names_it(tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ def test_a_dist_checkpoint_without_config_needs_hf_config_and_says_so(tmp_path: 
     with pytest.raises(ConfigError, match="--hf-config"):
         check(ConvertJob(src=src, dst=tmp_path / "out", to="hf"))
     hf = make_hf_checkpoint(tmp_path / "hf")
+    (src / "__0_0.distcp").write_bytes((hf / "model.safetensors").read_bytes())  # a shard's worth of bytes
     assert check(ConvertJob(src=src, dst=tmp_path / "out", to="hf", hf_config=hf)) == ("dist_ckpt", hf)
 
 
@@ -66,11 +67,30 @@ def test_converter_refuses_a_non_empty_destination_and_a_same_format_target(tmp_
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize(("config", "says"), [
+    ("{not json", "not valid JSON"),
+    ("[]", "must be a JSON object, found list"),
+    ('{"vocab_size": "many", "hidden_size": 64}', "must be positive integers"),
+    ('{"vocab_size": 50000000, "hidden_size": 64}', "its embedding alone is 3200000000 elements"),
+], ids=["not-json", "a-list", "a-string-size", "another-models-size"])
+def test_a_config_json_no_rank_could_build_from_is_refused_before_any_starts(
+    tmp_path: Path, config: str, says: str,
+) -> None:
+    """Before: raw OSError or ValueError tracebacks from every rank, or each rank allocating a
+    13 GB embedding before a single weight was compared."""
+    hf = make_hf_checkpoint(tmp_path / "hf")
+    (hf / "config.json").write_text(config)
+    with pytest.raises(ConfigError, match=says) as info:
+        check(ConvertJob(src=hf, dst=tmp_path / "out", to="dist_ckpt"))
+    assert info.value.key == "--hf-config" and not (tmp_path / "out").exists()
+
+
 def test_a_corrupt_source_fails_every_rank_with_the_file_named_and_no_destination(tmp_path: Path) -> None:
     hf = make_hf_checkpoint(tmp_path / "hf")
     broken = tmp_path / "broken"
     shutil.copytree(hf, broken)
-    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    size = (broken / "model.safetensors").stat().st_size  # as many bytes: the check of the config's sizes passes
+    (broken / "model.safetensors").write_bytes(b"not safetensors".ljust(size, b"\0"))
     result = _cli(str(broken), str(tmp_path / "out"), "--to", "dist_ckpt", "--tp", "2")
     assert result.returncode == 2 and "error: convert" in result.stderr
     assert f"error: rank 0: {broken / 'model.safetensors'}" in result.stderr

@@ -167,6 +167,27 @@ def test_progress_without_restoring_rng(tmp_path: Path) -> None:
     assert random.getstate() == before
 
 
+def test_a_cuda_rng_state_of_another_length_is_refused_before_any_rng_is_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA state was restored last and checked by nothing: a 3-byte one failed after the
+    Python, numpy and CPU RNGs had moved. Run with a stand-in CUDA (16-byte Philox state)."""
+    random.seed(1)
+    save_extra(tmp_path, Progress())
+    save_file({"torch_cpu": torch.get_rng_state(), "cuda": torch.zeros(3, dtype=torch.uint8)},
+              str(tmp_path / "rng.safetensors"))
+    restored: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a, **k: torch.zeros(16, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
+    random.seed(2)
+    before = random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state()
+    with pytest.raises(CheckpointError, match="'cuda' holds 3 bytes, where this device's RNG state is 16"):
+        load_extra(tmp_path)
+    after = random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state()
+    assert after[:2] == before[:2] and torch.equal(after[2], before[2]) and restored == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_rng_state_round_trips(tmp_path: Path) -> None:
