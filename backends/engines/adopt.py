@@ -25,11 +25,12 @@ def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
 
     The tensors must have the module's shapes, dtypes and devices: a rollout that wants another
     dtype asks the sender for it (`engine.rollout_dtype`). A tensor not in the module is an
-    `EngineError` naming it; so, with `complete` (the default), is a parameter the sync left
-    out (a tied parameter counts as sent under any of its names). A parameter left out would
-    keep viewing the set it was adopted from, which a later flip sync overwrites: pass
-    `complete=False` only for a parameter that is not served from a sync. Autograd and a
-    parameter's identity are untouched (only `.data` changes).
+    `EngineError` naming it; so is a tied tensor sent under two names (two values for one
+    tensor), and, with `complete` (the default), a parameter or persistent buffer the sync left
+    out (a tied one counts as sent under any of its names): one left out would keep viewing
+    the set it was adopted from, which a later flip sync overwrites. Pass `complete=False`
+    only for weights not served from a sync. Autograd and a parameter's identity are
+    untouched (only `.data` changes).
     """
     if isinstance(named_tensors, Incoming):
         if not named_tensors.adoptable:  # views the engine writes over next (or the sender's own tensors)
@@ -39,25 +40,30 @@ def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
         named_tensors.adopted = False  # until every tensor is rebound: a flip engine then counts its set served
     owned: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     owned.update(module.named_buffers(remove_duplicate=False))
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pending: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}  # by the rollout's tensor: one value each
     for name, tensor in named_tensors:
         mine = owned.get(name)
         if mine is None:
             raise EngineError(f"adopt_weights: the sync sends {name!r}, which the rollout's "
                               f"{type(module).__name__} has no parameter or buffer of; nothing was adopted")
+        if (first := pending.get(id(mine))) is not None:
+            raise EngineError(f"adopt_weights: the sync sends {first[0]!r} and {name!r}, which the rollout ties (one "
+                              "tensor under two names): one of them would silently win; nothing was adopted")
         if (mine.shape, mine.dtype, mine.device) != (tensor.shape, tensor.dtype, tensor.device):
             raise EngineError(f"adopt_weights: {name!r} arrives as {tuple(tensor.shape)} {tensor.dtype} on "
                               f"{tensor.device}; the rollout holds {tuple(mine.shape)} {mine.dtype} on {mine.device}; "
                               "nothing was adopted")
-        pending.append((mine, tensor))
+        pending[id(mine)] = (name, mine, tensor)
     if complete:
-        sent = {id(mine) for mine, _ in pending}
-        left = [name for name, param in module.named_parameters() if id(param) not in sent]
+        served = dict(module.named_parameters())
+        served.update((name, buffer) for name, buffer in module.state_dict(keep_vars=True).items()
+                      if name not in served and isinstance(buffer, torch.Tensor))  # persistent buffers too
+        left = [name for name, tensor in served.items() if id(tensor) not in pending]
         if left:
             shown = ", ".join(repr(name) for name in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
-            raise EngineError(f"adopt_weights: the sync leaves out {len(left)} parameter(s) of the rollout's "
+            raise EngineError(f"adopt_weights: the sync leaves out {len(left)} weight(s) of the rollout's "
                               f"{type(module).__name__}: {shown}; nothing was adopted (complete=False adopts a part)")
-    for mine, tensor in pending:
+    for _, mine, tensor in pending.values():
         mine.data = tensor
     if isinstance(named_tensors, Incoming):
         named_tensors.adopted = True

@@ -16,6 +16,7 @@ half-way leaves nothing behind that could poison the next one.
 from __future__ import annotations
 
 import numbers
+import threading
 import time
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
@@ -161,6 +162,10 @@ class Incoming(Iterator[tuple[str, torch.Tensor]]):
             close()
 
 
+_SESSIONS = threading.Lock()
+"""Guards each engine's `_in_session` flag (a flag, not a lock per engine, keeps engines picklable)."""
+
+
 class CheckpointEngine:
     """Moves named tensors from one sender to any number of receivers, bucket by bucket.
 
@@ -264,14 +269,24 @@ class CheckpointEngine:
 
     @contextmanager
     def session(self, rendezvous: Rendezvous | None, rank: int) -> Iterator[Topology]:
-        """prepare -> build_topology -> init_process_group, and finalize however it ends."""
+        """prepare -> build_topology -> init_process_group, and finalize however it ends. One at
+        a time: a second session while one is under way (two receives on one engine, from two
+        threads) is an `EngineError`; it would take over the first's topology, store and group."""
+        with _SESSIONS:
+            if self.__dict__.get("_in_session"):
+                raise EngineError(f"{self.name} engine: a sync is under way on this engine already; one engine "
+                                  "carries one sync at a time (give each concurrent sync an engine of its own)")
+            self._in_session = True
         try:
             self.prepare()
             topology = self.build_topology(rendezvous, rank)
             self.init_process_group()
             yield topology
         finally:
-            self.finalize()
+            try:
+                self.finalize()
+            finally:
+                self._in_session = False
 
     def remaining(self, what: str) -> float:
         """Seconds left of this sync; a `TransportError` naming `what` once none are."""

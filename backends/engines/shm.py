@@ -161,7 +161,8 @@ def _map_published(path: Path, folder: Path) -> tuple[torch.Tensor, tuple[int, i
 
 def _open_shared(path: Path, folder: Path) -> tuple[int, os.stat_result]:
     """Open a published bucket read-write through `folder` itself, refusing a link, anything but
-    a regular file, a file with other names (hard links), and a size no bucket has; returns the
+    a regular file, a file with other names (hard links), another user's file (another user of
+    a world-writable /dev/shm could write the set a rollout serves), and a size no bucket has; returns the
     descriptor and what `fstat` says of it. The descriptor is closed on every way out but the return."""
     folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -176,6 +177,8 @@ def _open_shared(path: Path, folder: Path) -> tuple[int, os.stat_result]:
         size = info.st_size - HEADER_BYTES
         problem = ("it changed while it was opened" if (info.st_dev, info.st_ino) != (before.st_dev, before.st_ino)
                    else f"it has {info.st_nlink} names" if info.st_nlink != 1
+                   else f"it belongs to uid {info.st_uid}, not to this process's {os.geteuid()}"
+                   if info.st_uid != os.geteuid()
                    else f"its {info.st_size} bytes are no bucket's size" if size < MIN_BUCKET_BYTES or size % ALIGN
                    else None)
         if problem is not None:

@@ -565,6 +565,42 @@ def test_a_second_receive_in_one_session_is_refused_at_once(name: str) -> None:
     assert len(errors) == 1 and isinstance(errors[0], float) and errors[0] < 1.0, errors
 
 
+class _Held(MemoryRollout):
+    """Holds its load until told: the receive's session stays under way meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def load_weights(self, named_tensors: Any) -> None:
+        self.inside.set()
+        self.release.wait(HANG_GUARD_S)
+        super().load_weights(named_tensors)
+
+
+def test_a_second_session_on_an_engine_while_one_is_under_way_is_refused_and_the_first_completes() -> None:
+    """Two receives on one engine from two threads: the second took over the first's topology,
+    store and group (a raw KeyError and AttributeError, a hang past timeout_s, once weights
+    from the other sender). It is refused at once; the first lands."""
+    rdv, receiver, rollout = Rendezvous("127.0.0.1", free_port()), new_engine("gloo", timeout_s=60), _Held()
+    thread = threading.Thread(target=receive_into, args=(receiver, rollout, rdv), kwargs={"rank": 1}, daemon=True)
+    thread.start()
+    sender = threading.Thread(target=WeightSync(new_engine("gloo", timeout_s=60)).sync,
+                              args=([("w", torch.ones(8))], rdv, 1), daemon=True)
+    sender.start()
+    try:
+        assert rollout.inside.wait(HANG_GUARD_S)
+        with pytest.raises(EngineError, match="gloo engine: a sync is under way on this engine already"):
+            with receiver.session(Rendezvous("127.0.0.1", free_port()), rank=1):
+                pass
+    finally:
+        rollout.release.set()
+        thread.join(HANG_GUARD_S)
+        sender.join(HANG_GUARD_S)
+    assert not thread.is_alive() and rollout.weights_version == 1 and torch.equal(rollout.serve()["w"], torch.ones(8))
+    receiver.close()
+
+
 @pytest.mark.parametrize("version", ["3", -1, True, 1.5, None, 10**19])
 def test_a_version_that_is_not_an_int_in_range_is_refused_by_the_sender_and_its_receiver_hears_at_once(
         version: Any) -> None:

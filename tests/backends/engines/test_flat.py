@@ -309,6 +309,14 @@ def test_a_view_of_a_tensor_that_is_not_a_parameter_is_refused_naming_it_before_
     assert module.own.data_ptr() == own
 
 
+def test_an_expanded_parameter_is_refused_as_one_not_as_a_view_of_a_larger_tensor() -> None:
+    """A stride-0 view reads more bytes than its storage holds: the message said '20 of its
+    storage's 4 bytes' of 'a larger tensor'."""
+    module = with_private(("spread", nn.Parameter(torch.ones(1).expand(5))))
+    with pytest.raises(FlattenRefused, match=r"'spread'.*expanded view whose 20 bytes repeat its storage's 4"):
+        flatten_parameters(module)
+
+
 def test_a_parameter_sharing_storage_with_a_buffer_is_refused_naming_both() -> None:
     module = with_private(("weight", nn.Parameter(torch.randn(4))))
     module.register_buffer("mirror", module.weight.data)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from backends.engines import Rendezvous, WeightSync, adopt_weights, receive_into
 from backends.engines.control import plan_id
@@ -325,7 +326,7 @@ class _Three(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b, self.c = (torch.nn.Parameter(torch.zeros(n)) for n in (16, 32, 16))
-        self.register_buffer("d", torch.zeros(32))
+        self.register_buffer("d", torch.zeros(32), persistent=False)  # not a weight a sync must send
 
 
 def test_a_sync_that_leaves_a_parameter_out_adopts_nothing_and_the_rollout_keeps_its_set() -> None:
@@ -339,10 +340,10 @@ def test_a_sync_that_leaves_a_parameter_out_adopts_nothing_and_the_rollout_keeps
         run = sync_threads(sender, [receiver], [("a", twos), ("d", torch.ones(32)), ("c", twos)], [rollout],
                            version=2, port=port)
         assert receiver._mapped_from == mapped, "the same sets: only the served one's bookkeeping protects it"
-        assert isinstance(run.errors[0], EngineError) and "leaves out 1 parameter(s)" in str(run.errors[0])
+        assert isinstance(run.errors[0], EngineError) and "leaves out 1 weight(s)" in str(run.errors[0])
         assert "'b'" in str(run.errors[0]) and torch.equal(rollout.model.a.data, ones)
         assert isinstance(run.error, EngineError) and "rank 1: the rollout's load_weights raised EngineError: " \
-            "adopt_weights: the sync leaves out 1 parameter(s)" in str(run.error), "the sender hears it too"
+            "adopt_weights: the sync leaves out 1 weight(s)" in str(run.error), "the sender hears it too"
         assert receiver._flip.serving == 0, "its rollout read every tensor, then adopted none: it serves set 0"
         named = [("a", twos), ("b", torch.ones(32)), ("c", twos)]
         assert sync_threads(sender, [receiver], named, [rollout], version=3, port=port).versions == [3]
@@ -556,3 +557,30 @@ def test_a_confirmation_of_a_target_the_sender_did_not_write_is_refused_before_a
     finally:
         receiver.close()
         sender.close()
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Parameter(torch.zeros(3))
+        self.head = self.embed
+        self.register_buffer("scale", torch.zeros(3))
+
+
+def test_a_tied_weight_sent_under_both_its_names_is_refused_not_won_by_the_last() -> None:
+    """Before, the rollout silently took the second name's values for both: an untied trainer's
+    head became the rollout's embedding. Nothing is adopted."""
+    model = _Tied()
+    with pytest.raises(EngineError, match="sends 'embed' and 'head', which the rollout ties"):
+        adopt_weights(model, [("embed", torch.ones(3)), ("head", torch.full((3,), 2.0)), ("scale", torch.ones(3))])
+    assert torch.equal(model.embed.data, torch.zeros(3)) and torch.equal(model.scale, torch.zeros(3))
+
+
+def test_a_sync_that_leaves_a_persistent_buffer_out_adopts_nothing() -> None:
+    """A buffer left viewing the set it was adopted from changed without being sent two syncs
+    later, when a flip wrote that set again: a buffer counts as a weight the sync must send."""
+    model = _Tied()
+    with pytest.raises(EngineError, match=r"leaves out 1 weight\(s\) of the rollout's _Tied: 'scale'"):
+        adopt_weights(model, [("embed", torch.ones(3))])
+    assert torch.equal(model.embed.data, torch.zeros(3))
+    assert adopt_weights(model, [("embed", torch.ones(3)), ("scale", torch.ones(3))]) == 2

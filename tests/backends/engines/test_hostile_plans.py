@@ -297,6 +297,13 @@ def _file(path: Path, size: int) -> str:
     return str(path)
 
 
+def _owned_by_nobody(path: Path) -> str:
+    """A file of a bucket's size that another user (nobody, 65534) owns: root here can make one."""
+    made = _file(path, 4160)
+    os.chown(made, 65534, 65534)
+    return made
+
+
 def _link_to_target(shm: Path, target: Path, real: list[str]) -> list[str]:
     link = shm / _bucket_name("a")
     link.symlink_to(target)
@@ -319,6 +326,8 @@ HOSTILE_SLOTS: dict[str, tuple[Callable[[Path, Path, list[str]], object], str]] 
     "a second name of the target": (_second_name_of_target, r"it has 2 names"),
     "a bucket in a subfolder": (lambda shm, target, real: [_file(shm / "sub" / _bucket_name("c"), 4160), real[1]],
                                 r"is not a bucket of this engine directly inside"),
+    "another user's bucket-named file": (lambda shm, target, real: [_owned_by_nobody(shm / _bucket_name("e")),
+                                                                    real[1]], r"it belongs to uid 65534, not to"),
     "an empty file": (lambda shm, target, real: [_file(shm / _bucket_name("d"), 0), real[1]],
                       r"its 0 bytes are no bucket's size"),
     "one path": (lambda shm, target, real: [real[0]], r"not 2 distinct paths"),
@@ -349,6 +358,8 @@ def _hostile_shm(shm_dir: Path, publish: Callable[[list[str]], object]) -> ShmEn
 
 @pytest.mark.parametrize("case", list(HOSTILE_SLOTS))
 def test_an_shm_receiver_maps_only_buckets_of_its_own_engine_in_its_own_folder(case: str, tmp_path: Path) -> None:
+    if "another user" in case and os.geteuid() != 0:
+        pytest.skip("only root can make a file another user owns")
     shm_dir, target = tmp_path / "shm", tmp_path / "passwd"
     shm_dir.mkdir()
     target.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 130)
