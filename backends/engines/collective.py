@@ -56,6 +56,8 @@ class GroupEngine(BucketEngine):
             self._control().group_formed(topology.rank)
         store = dist.PrefixStore("group", self._control().store)
         timeout = timedelta(seconds=self.remaining("forming the process group"))
+        if topology.is_sender:  # the group's rendezvous: torch's "<context>/<rank>", context 0 (each sync's first)
+            self._control().drop_at_close([f"group/0/{rank}" for rank in range(topology.world_size)])
         try:
             self.group = self._make_group(store, topology, timeout)
         except (RuntimeError, ValueError) as exc:

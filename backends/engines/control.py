@@ -126,10 +126,16 @@ def referenced(posted: bytes) -> str | None:
     return ident
 
 
+_ANSWERS = ("accepted", "bound", "sets", "status", "target")
+"""Keys a receiver writes under its rank in a sync (`accepted/{rank}`...), besides its claims."""
+
+
 class ControlStore:
     """One sync's keys: every wait ends by the sync's deadline, every failure is a `TransportError`."""
 
-    def __init__(self, engine: CheckpointEngine, base: Any, number: int, watch: Watch | None = None) -> None:
+    def __init__(self, engine: CheckpointEngine, base: Any, number: int, watch: Watch | None = None,
+                 failed: list[ControlStore] | None = None) -> None:
+        """`failed`: the sender's failed syncs whose keys its store still holds (see `close`)."""
         import torch.distributed as dist
 
         self.engine = engine
@@ -140,6 +146,11 @@ class ControlStore:
         self.plans = dist.PrefixStore("plan", base)
         """Plans by id, outside every sync's keys: a plan is posted once while it stays the same."""
         self._written: list[str] = []
+        self._failed = failed
+
+    def drop_at_close(self, keys: list[str]) -> None:
+        """Keys others wrote (a process group's rendezvous) that the sender drops with its own."""
+        self._written.extend(keys)
 
     def set(self, key: str, value: bytes | str) -> None:
         try:
@@ -318,18 +329,29 @@ class ControlStore:
         """The sender marks the sync closed (`clean` once every receiver took it: `closed_clean`);
         after a clean sync it also drops the sync's keys.
 
-        A failed sync keeps its keys: a receiver still reading one must fail by itself, not wait.
+        A failed sync keeps its keys (but for `closed`) until a later sync is clean: a receiver
+        still reading one must fail by itself, not wait, and once every receiver took a later
+        sync none reads them. So a store does not grow by a failed sync's keys, sync after sync.
         """
         if self.watch is not None:
             self.watch.close()
         if not topology.is_sender:
             return
+        self._written.extend(f"{key}/{rank}" for rank in topology.receivers for key in ("joined", "engine", "world", "pid"))
         try:
             self.store.set("closed", b"clean" if clean else b"1")
-            if clean:
-                claims = [f"{key}/{rank}" for rank in topology.receivers for key in ("joined", "engine", "world", "pid")]
-                for key in dict.fromkeys([*self._written, *claims]):
-                    self.store.delete_key(key)
+            if not clean:
+                if self._failed is not None:  # with whatever its receivers wrote that it never waited for
+                    self._written.extend(f"{key}/{rank}" for rank in topology.receivers for key in _ANSWERS)
+                    self._written.extend(f"done/{key[6:]}/{rank}" for key in list(self._written)
+                                         if key.startswith("ready/") for rank in topology.receivers)
+                    self._failed.append(self)
+                return
+            for control in [*(self._failed or ()), self]:
+                for key in dict.fromkeys(control._written):
+                    control.store.delete_key(key)
+            if self._failed is not None:
+                self._failed.clear()
         except STORE_ERRORS as exc:
             structlog.get_logger().warning("engine.close_not_marked", engine=self.engine.name, sync=self.number,
                                            error=str(exc))

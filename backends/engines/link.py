@@ -35,6 +35,8 @@ class StoreLink:
         self.posted: str | None = None
         """The id of the plan this sender's store holds (`publish`)."""
         self._raw: bytes | None = None
+        self.failed: list[ControlStore] = []
+        """This sender's failed syncs whose keys the store keeps until a sync is clean (`ControlStore.close`)."""
 
     def begin(self, topology: Topology) -> ControlStore:
         """The control store of this process's next sync; opens it when this is the sender."""
@@ -84,7 +86,7 @@ class StoreLink:
                                      f"{rdv.host}:{rdv.port}: {exc}") from exc
             self.address = (rdv.host, rdv.port)
         self.number += 1
-        control = ControlStore(self.engine, self.base, self.number, Watch(range(1, world)))
+        control = ControlStore(self.engine, self.base, self.number, Watch(range(1, world)), self.failed)
         self.base.set("latest", str(self.number))
         control.set_many({"engine": self.engine.name, "world": str(world), "open": b"1"})  # one command: all or none
         return control
@@ -145,6 +147,7 @@ class StoreLink:
         return ident
 
     def drop(self) -> None:
+        self.failed.clear()
         self.base = None
         self.address = None
         self.number = 0

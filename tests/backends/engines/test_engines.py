@@ -1065,3 +1065,23 @@ def test_a_rank_count_that_cannot_be_read_is_said_so_in_words() -> None:
                                                     "sender's has 2 receiver(s): give every side the same Rendezvous")
     assert "has an unreadable count of ranks and the sender's has 2" in str(disagree(1, "gloo", "gloo", 3, 0))
     assert disagree(1, "gloo", "gloo", 3, 3) is None
+
+
+def test_failed_syncs_keys_are_dropped_once_a_later_sync_is_clean_so_the_store_does_not_grow() -> None:
+    """A failed sync keeps its keys for receivers still reading them; the sender's store held
+    them for good, growing with every failure (and every sync left its process group's
+    rendezvous keys). After a clean sync, only each sync's `closed` remains."""
+    sender, receiver, port = new_engine("gloo", timeout_s=60), new_engine("gloo", timeout_s=60), free_port()
+    named = [("w", torch.ones(8)), ("v", torch.ones(4))]
+    try:
+        assert sync_threads(sender, [receiver], named, port=port).versions == [1]
+        clean = sender._link.base.num_keys()
+        for version in (2, 3, 4):
+            run = sync_threads(sender, [receiver], named, version=version, port=port, expected=["w", "gone"])
+            assert isinstance(run.error, EngineError)
+        assert sender._link.base.num_keys() > clean + 3
+        assert sync_threads(sender, [receiver], named, version=5, port=port).versions == [5]
+        assert sender._link.base.num_keys() == clean + 4, "each later sync's 'closed', and nothing else"
+    finally:
+        receiver.close()
+        sender.close()
