@@ -236,7 +236,7 @@ class HFBackend(FormatBackend):
         if lr_scheduler is not None and sched_state is None:
             raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
         check_scheduler_state(lr_scheduler, sched_state, str(path))
-        check_optimizer_state(optimizer, state["optimizer"], path)  # last: it may give a fresh optimizer state
+        check_optimizer_state(optimizer, state["optimizer"], path)
         try:
             optimizer.load_state_dict(state["optimizer"])
             if lr_scheduler is not None:

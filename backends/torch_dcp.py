@@ -56,7 +56,7 @@ from backends.dcp_metadata import METADATA, MetadataReader
 from backends.hf import write_hf_folder
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import decode, encode, read_json
-from lifecycle.optim_state import check_param_groups, check_scheduler_state, check_steps
+from lifecycle.optim_state import SCALAR_STATE, check_param_groups, check_scheduler_state, step_problem
 
 OPTIM_JSON = "optimizer.json"
 FORMAT_VERSION = 2
@@ -151,6 +151,18 @@ def _own_tensors(saved: dict[str, Any], running: dict[str, Any], where: str) -> 
             if (isinstance(value, torch.Tensor) or isinstance(own, torch.Tensor)) and value is not own:
                 raise CheckpointError(f"{where}: state of {shorten(name)}, key {shorten(key)}: optimizer.json gives "
                                       "it another tensor than its own (another key's or parameter's, or none)")
+
+
+def _check_steps(tensors: dict[str, torch.Tensor], folder: Path, reader: MetadataReader, where: str) -> None:
+    """Each parameter's `step` read first into copies and checked (`step_problem`): the
+    template's tensors are the optimizer's own, so a step checked after the read would have
+    changed the optimizer before its refusal."""
+    steps = {name: tensor.clone() for name, tensor in tensors.items() if name.rpartition(".")[2] in SCALAR_STATE}
+    if steps:
+        _read_into(steps, folder, reader)
+    for name, tensor in steps.items():
+        if problem := step_problem(tensor):
+            raise CheckpointError(f"{where}: {name}: {problem}")
 
 
 def _write(state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -285,8 +297,8 @@ class TorchDCPBackend(FormatBackend):
         check_param_groups(optimizer, saved.get("param_groups") if isinstance(saved, dict) else None, where, ids=str)
         _own_tensors(saved["state"], running["optimizer"]["state"], where)
         check_scheduler_state(lr_scheduler, state.get("lr_scheduler"), str(path))
+        _check_steps(tensors, folder, reader, where)
         _read_into(tensors, folder, reader)
-        check_steps(saved["state"], where)  # read from the shards: the template holds them now, not the optimizer
         try:
             set_optimizer_state_dict(model, optimizer, saved)
             if lr_scheduler is not None:

@@ -279,3 +279,12 @@ def role_problem(role: object) -> str | None:
         return (f"{role!r} is not a valid role name (letters, digits, '_', '.' or '-', not starting with "
                 "'.' or '-', at most 128 characters)")
     return None
+
+
+def same_folder(a: Path, b: Path) -> bool:
+    """Whether two spellings name one folder (relative, `..`, a symlinked parent): by device
+    and inode, since a root may be written `ckpt` and a path `/abs/ckpt/global_step_1`."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

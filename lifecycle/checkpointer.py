@@ -225,4 +225,22 @@ class DiskCheckpointer:
             self._async.wait(raise_failure=False)  # logged already; resume picks the newest complete step
         outcome = self._resumer.resume(parts)
         log_outcome(self.role, outcome, self.config.checkpoint.load.verify)
+        if not isinstance(outcome, Resumed):
+            self._warn_of_newer_steps()
         return outcome.progress if isinstance(outcome, Resumed) else None
+
+    def _warn_of_newer_steps(self) -> None:
+        """A fresh start (`resume.mode: disable`) in a root that holds a step committed for every
+        role: its saves below that step will be refused (`CheckpointStore.check_not_behind`), so
+        say it now rather than at the first save."""
+        if self.config.checkpoint.root is None or self.rank != 0:
+            return
+        try:
+            newest = self.store.newest_committed(self.roles)
+        except (CheckpointError, OSError):
+            return  # resume judged the root already; this is advice only
+        if newest is not None:
+            structlog.get_logger().warning(
+                "checkpoint.fresh_start_over_newer_steps", role=self.role, step=newest, root=str(self.store.root),
+                reason=f"step {newest} is committed here for every role: saves below it are refused; roll back to "
+                       "an older step with resume.mode: path, or use another checkpoint.root")

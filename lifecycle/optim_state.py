@@ -10,7 +10,6 @@ its shards) and hands the groups here before anything is loaded into the optimiz
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,61 +66,24 @@ SCALAR_STATE = frozenset({"step"})
 def check_optimizer_state(optimizer: Any, saved: Any, path: Path) -> None:
     """Refuse an optimizer state (`optimizer.state_dict()`'s, ids by position) that
     `load_state_dict` takes but the first step fails on, or trains on silently: groups that do
-    not fit the running ones, a state lacking a key the running optimizer keeps, a buffer of
-    another parameter's shape (two swapped), one tensor given for two buffers, a step that is
-    not a finite number >= 0.
+    not fit the running ones, a state lacking a key torch's Adam and AdamW read (`step`,
+    `exp_avg`, `exp_avg_sq`: other optimizers keep other keys per parameter), a buffer of another parameter's
+    shape (two swapped), one tensor given for two buffers, a step that is not a finite number
+    >= 0. Nothing runs the optimizer (a zero-lr step moves the weights of an optimizer whose
+    update does not scale with lr).
 
-    An optimizer without state yet gets it first from torch's zero-lr step (as torch_dcp's
-    template does), so a fresh optimizer is compared with its keys and shapes; a refusal
-    clears that state again. Otherwise the rules are generic: a known buffer
-    (`PARAM_SHAPED_STATE`) has its parameter's shape, any other tensor of more than one
-    element too, up to dimensions of 1 (factored moments, as Adafactor keeps), or is flat over
-    the whole group (as LBFGS keeps). Dtypes are not compared: `load_state_dict` casts state
-    to its parameter's."""
-    fresh = _give_state(optimizer)
-    try:
-        _check_state(optimizer, saved, f"{path}: does not fit the optimizer")
-    except CheckpointError:
-        if fresh:
-            optimizer.state.clear()
-        raise
-
-
-def _give_state(optimizer: Any) -> bool:
-    """Give an optimizer without state its state, by one step on zero grads at lr 0 (as torch's
-    DCP helpers do); whether it did. Not when grads are set, nor for an optimizer whose step
-    needs a closure (LBFGS) or fails: then its state stays empty. Grads and lrs are restored."""
-    groups = optimizer.param_groups
-    params = [p for group in groups for p in group["params"]]
-    if optimizer.state or any(p.grad is not None for p in params):
-        return False
-    lrs = [group.get("lr", _MISSING) for group in groups]
-    try:
-        for p in params:
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        for group, lr in zip(groups, lrs):
-            if lr is not _MISSING:
-                group["lr"] = torch.tensor(0.0) if isinstance(lr, torch.Tensor) else 0.0
-        optimizer.step()
-        return True
-    except Exception:  # noqa: BLE001 - any optimizer's step: without state, the generic rules judge
-        optimizer.state.clear()
-        return False
-    finally:
-        for group, lr in zip(groups, lrs):
-            if lr is not _MISSING:
-                group["lr"] = lr
-        for p in params:
-            p.grad = None
-
-
-def _check_state(optimizer: Any, saved: Any, where: str) -> None:
+    Tensors are compared with the running optimizer's state where it has one; else by generic
+    rules: a known buffer (`PARAM_SHAPED_STATE`) has its parameter's shape, any other tensor of
+    more than one element too, up to dimensions of 1 (factored moments, as Adafactor keeps), or
+    is flat over the whole group (as LBFGS keeps). Dtypes are not compared: `load_state_dict`
+    casts state to its parameter's."""
+    where = f"{path}: does not fit the optimizer"
     params = _saved_params(optimizer, saved, where)
     state = saved.get("state")
     if not isinstance(state, dict):
         raise CheckpointError(f"{where}: optimizer.state must be a mapping of parameter number to state")
     seen: dict[int, str] = {}
+    needed = _ADAM_STATE if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) else frozenset()
     for number, entry in state.items():
         if number not in params:
             raise CheckpointError(f"{where}: optimizer.state holds parameter {shorten(number)}, which no "
@@ -130,10 +92,10 @@ def _check_state(optimizer: Any, saved: Any, where: str) -> None:
             raise CheckpointError(f"{where}: state of parameter {number} must be a mapping, "
                                   f"found {shorten(entry, 120)}")
         param, group_numel = params[number]
+        if missing := sorted(needed - entry.keys()):
+            raise CheckpointError(f"{where}: state of parameter {number} lacks {shorten(missing, 120)}, which "
+                                  "its optimizer's step reads")
         current = optimizer.state.get(param, {})
-        if missing := [key for key in current if key not in entry]:
-            raise CheckpointError(f"{where}: state of parameter {number} lacks {shorten(missing, 120)}, which the "
-                                  "running optimizer keeps")
         for key, value in entry.items():
             place = f"state of parameter {number}, key {shorten(key)}"
             problem = _state_problem(key, value, param, group_numel, current.get(key))
@@ -144,16 +106,13 @@ def _check_state(optimizer: Any, saved: Any, where: str) -> None:
                 raise CheckpointError(f"{where}: {place}: {problem}")
 
 
-def check_steps(state: Mapping[Any, Any], where: str) -> None:
-    """Each parameter's `step` (`SCALAR_STATE`), where its state has one, is a finite real number
-    >= 0: a NaN step made every weight NaN after one Adam step, a negative one divided by zero."""
-    for number, entry in state.items():
-        for key in SCALAR_STATE & (entry.keys() if isinstance(entry, dict) else set()):
-            if problem := _scalar_problem(entry[key]):
-                raise CheckpointError(f"{where}: state of parameter {shorten(number)}, key {key!r}: {problem}")
+_ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
+"""What torch's Adam and AdamW read of every parameter's state (`max_exp_avg_sq` too with amsgrad)."""
 
 
-def _scalar_problem(value: Any) -> str | None:
+def step_problem(value: Any) -> str | None:
+    """Why a saved `step` (`SCALAR_STATE`) cannot be one: a NaN step made every weight NaN after
+    one Adam step, a negative one divided by zero."""
     if _is_number(value) and _finite(value) and float(value) >= 0:
         return None
     return f"must be one finite number >= 0, found {shorten(value, 120)}"
@@ -173,7 +132,7 @@ def _saved_params(optimizer: Any, saved: Any, where: str) -> dict[int, tuple[tor
 
 def _state_problem(key: str, value: Any, param: torch.Tensor, group_numel: int, reference: Any) -> str | None:
     if key in SCALAR_STATE:
-        return _scalar_problem(value)
+        return step_problem(value)
     if not isinstance(value, torch.Tensor):
         if isinstance(reference, torch.Tensor):
             return f"must be a tensor like the running optimizer's, found {shorten(value, 120)}"

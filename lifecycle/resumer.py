@@ -15,7 +15,6 @@ reaches the same verdict on the same bytes, and a step one role renames aside is
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
@@ -26,7 +25,7 @@ import structlog
 
 from backends.base import FormatBackend, backend_class, format_capabilities, listed, reduce_int
 from backends.registry import IMPORT_PATH
-from lifecycle.boundary import inside, os_errors, parse_step, real_dir
+from lifecycle.boundary import inside, os_errors, parse_step, real_dir, same_folder
 from lifecycle.checksum import ALGORITHM, check_unverified
 from lifecycle.config import format_family
 from lifecycle.contents import CONTENTS, Reading, has_state
@@ -140,7 +139,7 @@ class Resumer:
         if self.config.checkpoint.root is None or self.at.rank != 0:
             return
         store = self.at.store()
-        if _same_folder(resumed.folder.parent, store.step_dir(resumed.step)):
+        if same_folder(resumed.folder.parent, store.step_dir(resumed.step)):
             store.supersede(resumed.step)
 
     def _agreed_hash(self, parts: Parts) -> str | None:
@@ -390,12 +389,3 @@ def log_outcome(role: str, outcome: Resumed | NotResumed, verify: bool) -> None:
     else:
         log.info("checkpoint.resumed", role=role, step=outcome.step, path=str(outcome.folder),
                  checksums_verified=verify)
-
-
-def _same_folder(a: Path, b: Path) -> bool:
-    """Whether two spellings name one folder (relative, `..`, a symlinked parent): by device
-    and inode, since a root may be written `ckpt` and a path `/abs/ckpt/global_step_1`."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False

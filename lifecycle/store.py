@@ -138,8 +138,9 @@ class CheckpointStore:
             raise CheckpointError(
                 f"{self.step_dir(step)}: cannot save step {step} (role {role}): step {newer} is committed in "
                 f"{self.root} for every role ({', '.join(roles)}), and an automatic resume would restart from it, "
-                "not from this save. Resume from it, roll back with resume.mode: path (which sets the newer "
-                "steps aside), or save into another checkpoint.root")
+                "not from this save. Resume from it, roll back with resume.mode: path (under verl: resume_from_path "
+                "with checkpoint.root naming this root), which sets the newer steps aside, or save into another "
+                "checkpoint.root")
 
     def discard_staging(self, step: int, role: str) -> None:
         """After a failed save (rank 0): remove what it wrote, so a full disk gets its space back."""

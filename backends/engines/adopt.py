@@ -55,9 +55,8 @@ def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
                               "nothing was adopted")
         pending[id(mine)] = (name, mine, tensor)
     if complete:
-        served = dict(module.named_parameters())
-        served.update((name, buffer) for name, buffer in module.state_dict(keep_vars=True).items()
-                      if name not in served and isinstance(buffer, torch.Tensor))  # persistent buffers too
+        served = {name: tensor for name, tensor in module.state_dict(keep_vars=True).items()
+                  if name in owned}  # parameters and persistent buffers (not a state dict's extra state)
         left = [name for name, tensor in served.items() if id(tensor) not in pending]
         if left:
             shown = ", ".join(repr(name) for name in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")

@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from lifecycle.boundary import STEP_PREFIX, check_step, parse_step, path_problem, role_problem
+from lifecycle.boundary import STEP_PREFIX, check_step, parse_step, path_problem, role_problem, same_folder
 from lifecycle.checkpointer import DiskCheckpointer
 from lifecycle.config import LifecycleConfig
 from lifecycle.config_file import read_yaml
@@ -215,7 +215,7 @@ class LifecycleCheckpointManager:
         the rollback already; without, only a save into the same root shows the root is this run's."""
         loaded, self._loaded = self._loaded, None
         checkpointer = lc.checkpointer
-        if loaded is None or loaded[0] != where.root or not isinstance(checkpointer, DiskCheckpointer):
+        if loaded is None or not same_folder(loaded[0], where.root) or not isinstance(checkpointer, DiskCheckpointer):
             return
         store = checkpointer.store
         if store.rank == 0 and (store.newest_committed(checkpointer.roles) or -1) > step:

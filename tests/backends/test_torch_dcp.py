@@ -242,13 +242,16 @@ def test_state_tensors_named_for_another_place_or_missing_are_refused_before_dcp
 
 @pytest.mark.parametrize("step", [math.nan, -1.0])
 def test_a_step_that_is_not_a_finite_number_at_least_zero_is_refused(tmp_path: Path, step: float) -> None:
-    """NaN made every weight NaN after one AdamW step; -1 divided by zero in its bias correction."""
+    """NaN made every weight NaN after one AdamW step; -1 divided by zero in its bias correction.
+    The steps are read into copies first, so the refused load changes nothing."""
     model, optimizer, scheduler = trained_parts()
     next(iter(optimizer.state.values()))["step"].fill_(step)
     TorchDCPBackend().save_optimizer(optimizer, scheduler, tmp_path / "optimizer", model=model)
     fresh, fresh_opt, fresh_sched = fresh_parts(seed=1)
-    with pytest.raises(CheckpointError, match="key 'step': must be one finite number >= 0"):
+    untouched = {k: v.clone() for k, v in _optim_by_fqn(fresh, fresh_opt).items()}
+    with pytest.raises(CheckpointError, match=r"optimizer\.state\.0\.weight\.step: must be one finite number >= 0"):
         TorchDCPBackend().load_optimizer(fresh_opt, fresh_sched, tmp_path / "optimizer", model=fresh)
+    assert same_state(_optim_by_fqn(fresh, fresh_opt), untouched), "checked before a byte reached the optimizer"
 
 
 def test_a_scheduler_built_since_the_save_does_not_make_its_initial_lr_a_missing_hyper_parameter(

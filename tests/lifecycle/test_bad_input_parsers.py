@@ -133,7 +133,7 @@ def test_optimizer_state_of_two_parameters_swapped_is_named(root: Path) -> None:
     path = step_folder(root) / OPTIM_JSON
     swap_strings(path, "optimizer.state[0].exp_avg", "optimizer.state[1].exp_avg")
     refused_then_the_previous_step_resumes(
-        root, str(path), "state of parameter 0, key 'exp_avg': has shape [6], the running optimizer's has [6, 6]")
+        root, str(path), "state of parameter 0, key 'exp_avg': has shape [6], its parameter has [6, 6]")
 
 
 @pytest.mark.parametrize("lr", ["fast", {"__float__": "nan"}, None], ids=["string", "nan", "null"])

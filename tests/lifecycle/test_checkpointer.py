@@ -324,10 +324,14 @@ def test_a_rollback_is_one_whatever_the_spelling_of_its_root_and_path(
 def test_a_save_below_the_newest_step_every_role_committed_is_refused_and_writes_nothing(tmp_path: Path) -> None:
     """A fresh run in a used root (resume disabled) saving step 5 while step 20 is committed:
     the first crash-restart would resume 20, the old line, and retention would prune the new
-    one. Refused before anything is staged, naming both steps; re-saving step 20 replaces it,
-    and a role ahead of the others alone (20 is not committed for the critic) blocks nothing."""
+    one. Said at the fresh start, refused before anything is staged, naming both steps;
+    re-saving step 20 replaces it, and a role ahead of the others alone (20 is not committed
+    for the critic) blocks nothing."""
     save_steps(DiskCheckpointer(config(tmp_path), role="actor"), parts(), [10, 20])
     fresh = DiskCheckpointer(config(tmp_path, resume={"mode": "disable"}), role="actor")
+    with capture_logs() as logs:
+        assert fresh.resume(parts()) is None
+    assert [r["step"] for r in logs if r["event"] == "checkpoint.fresh_start_over_newer_steps"] == [20]
     with pytest.raises(CheckpointError, match=r"cannot save step 5 \(role actor\): step 20 is committed .*resume"):
         fresh.save(5, parts(), Progress(step=5))
     assert steps_on_disk(tmp_path) == [10, 20] and not (tmp_path / "global_step_5").exists()

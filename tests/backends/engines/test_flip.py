@@ -584,3 +584,18 @@ def test_a_sync_that_leaves_a_persistent_buffer_out_adopts_nothing() -> None:
         adopt_weights(model, [("embed", torch.ones(3))])
     assert torch.equal(model.embed.data, torch.zeros(3))
     assert adopt_weights(model, [("embed", torch.ones(3)), ("scale", torch.ones(3))]) == 2
+
+
+class _WithExtraState(_Tied):
+    def get_extra_state(self) -> dict[str, int]:
+        return {"scale": 2}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.extra = state
+
+
+def test_a_modules_extra_state_is_no_weight_a_sync_must_send() -> None:
+    """`_extra_state` sits in the state dict but is neither a parameter nor a buffer: no sync
+    can send it, so requiring it made every adoption fail."""
+    model = _WithExtraState()
+    assert adopt_weights(model, [("embed", torch.ones(3)), ("scale", torch.ones(3))]) == 2
