@@ -37,6 +37,7 @@ from lifecycle.config_rules import (
 )
 from lifecycle.errors import ConfigError, shorten
 from lifecycle.types import Content
+from lifecycle.watchdog import MIN_BUDGET_S
 
 if TYPE_CHECKING:
     from backends.base import FormatCapabilities
@@ -301,16 +302,16 @@ class WatchdogConfig(Section):
     thread's stack (again at each further multiple); None watches nothing. The work is never
     interrupted: an engine's `timeout_s` still ends a sync that waits on a dead peer."""
 
-    init_load_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
-    train_step_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
-    save_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
-    sync_weights_s: float | None = field(default=120.0, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
+    init_load_s: float | None = field(default=None, metadata=rule(ge=MIN_BUDGET_S, le=MAX_TIMEOUT_S))
+    train_step_s: float | None = field(default=None, metadata=rule(ge=MIN_BUDGET_S, le=MAX_TIMEOUT_S))
+    save_s: float | None = field(default=None, metadata=rule(ge=MIN_BUDGET_S, le=MAX_TIMEOUT_S))
+    sync_weights_s: float | None = field(default=120.0, metadata=rule(ge=MIN_BUDGET_S, le=MAX_TIMEOUT_S))
     """On by default: a sync is the phase that hangs most often (a rollout that never joins)."""
-    resume_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
-    close_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
-    receive_weights_s: float | None = field(default=120.0, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
+    resume_s: float | None = field(default=None, metadata=rule(ge=MIN_BUDGET_S, le=MAX_TIMEOUT_S))
+    close_s: float | None = field(default=None, metadata=rule(ge=MIN_BUDGET_S, le=MAX_TIMEOUT_S))
+    receive_weights_s: float | None = field(default=120.0, metadata=rule(ge=MIN_BUDGET_S, le=MAX_TIMEOUT_S))
     """A rollout's side of a sync (`lifecycle.rollout.RolloutWeights`), on by default like the sender's."""
-    generate_s: float | None = field(default=None, metadata=rule(gt=0, le=MAX_TIMEOUT_S))
+    generate_s: float | None = field(default=None, metadata=rule(ge=MIN_BUDGET_S, le=MAX_TIMEOUT_S))
 
     def budget(self, trigger: str) -> float | None:
         """The budget of `trigger`'s phase, or None."""

@@ -68,6 +68,36 @@ class _ShallowLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A key given twice is refused: PyYAML keeps the last, so a repeated section silently
+        replaced the first whole."""
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:`, whose keys a mapping may override
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) or key is None:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            "while reading a mapping", node.start_mark,
+                            f"key {key!r} is given twice (first {seen[key]})", key_node.start_mark)
+                    seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: Any) -> int:
+        """YAML 1.1 reads `010` as 8 and `1:30` as 90; both are refused as ambiguous."""
+        text = str(node.value).replace("_", "").lstrip("+-")
+        if ":" in text or (len(text) > 1 and text[0] == "0" and text[1].isdigit()):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value!r} is an ambiguous integer (YAML 1.1 reads a leading 0 as octal and "
+                            "a colon as base 60); write it plainly or quote it", node.start_mark)
+        return int(super().construct_yaml_int(node))
+
+
+_ShallowLoader.add_constructor("tag:yaml.org,2002:int", _ShallowLoader.construct_yaml_int)
+
+
 def _parse_yaml(name: str, text: str) -> object:
     """Safe YAML, with the parser's own exceptions as `ConfigError`s naming the file: past
     `YAMLError`, PyYAML raises `ValueError` on values such as a date of month 13 or an integer of

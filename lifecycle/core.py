@@ -95,8 +95,9 @@ class Lifecycle(Stateful[State]):
 
     def save(self, step: int | None = None) -> SaveInfo:
         """READY -> SAVING -> READY: write and commit a checkpoint; returns what was written."""
-        step = check_step(self.progress.step if step is None else step)  # before the machine moves
-        with Phase(self, "save", step) as phase:
+        given = None if step is None else check_step(step)  # before the machine moves
+        with Phase(self, "save", given) as phase:  # the progress is read once the move shut other phases out
+            step = phase.step = check_step(self.progress.step) if given is None else given
             self.progress.step = step
             info = self.checkpointer.save(step, self.parts, self.progress)
             phase.figures.update(info.figures())
@@ -104,8 +105,8 @@ class Lifecycle(Stateful[State]):
 
     def sync_weights(self, target: Any) -> int:
         """READY -> SYNCING -> READY: push the model's weights to `target`; returns the version."""
-        version = self.progress.weights_version + 1
         with Phase(self, "sync_weights", self.progress.step) as phase:
+            version = self.progress.weights_version + 1  # read once the move shut other phases out
             model = self.parts.model
             if model is None:
                 raise LifecycleError(f"sync_weights needs a model (role {self.role})")
@@ -124,9 +125,16 @@ class Lifecycle(Stateful[State]):
 
         Returns the step resumed at, or None for a fresh start: init-load instead, when the
         checkpointer restores nothing (the disk checkpointer decides `resume.mode` and logs why).
+        From FAILED nothing restored is a `CheckpointError`: the optimizer, scheduler and data
+        position are the failed run's, so that would be no fresh start.
         """
+        failed = self.state is State.FAILED
         with Phase(self, "resume", None) as phase:
             restored = self.checkpointer.resume(self.parts)
+            if restored is None and failed:
+                raise CheckpointError(f"resume (role {self.role}) from FAILED found no checkpoint to restore; a "
+                                      "fresh start needs fresh objects (the model, optimizer, scheduler and data "
+                                      "position are the failed run's): build a new Lifecycle over new ones")
             if restored is None:
                 self._log.info("lifecycle.resume_fallback", role=self.role, mode=self.config.resume.mode.value,
                                reason="the checkpointer restored nothing", action="init_load")

@@ -8,11 +8,12 @@ resumed run always continues with the next batch it would have trained on.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Iterator
 
 import torch
 
-from lifecycle.errors import CheckpointError, shorten
+from lifecycle.errors import CheckpointError, ConfigError, shorten
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
 """Seeds a loaded state may hold: int64. Each epoch seeds `torch.Generator.manual_seed` (which
@@ -25,15 +26,18 @@ class ResumableBatchSampler:
     """Index batches, reshuffled each epoch from `seed`; use as a DataLoader `batch_sampler`."""
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0) -> None:
-        if num_samples < batch_size or batch_size < 1:
-            raise ValueError(f"need 1 <= batch_size ({batch_size}) <= num_samples ({num_samples})")
-        self.num_samples = num_samples
-        self.batch_size = batch_size
+        self.num_samples = _integer("num_samples", num_samples, 1, _EPOCH_MAX)
+        self.batch_size = _integer("batch_size", batch_size, 1, self.num_samples)
+        self.seed = _integer("seed", seed, _SEED_MIN, _SEED_MAX)
+        if not isinstance(shuffle, bool):
+            raise ConfigError("ResumableBatchSampler.shuffle", f"must be true or false, got {shorten(shuffle)}")
         self.shuffle = shuffle
-        self.seed = seed
         self.epoch = 0
         self.position = 0
-        """Batches of the current epoch already handed out."""
+        """Batches of the current epoch already handed out (to a DataLoader with workers, that
+        includes the batches its workers prefetched: see `state_dict`)."""
+        self._loads = 0
+        """Bumped by `load_state_dict`: an iterator running across a load takes the loaded order."""
 
     def __len__(self) -> int:
         return self.num_samples // self.batch_size
@@ -45,10 +49,13 @@ class ResumableBatchSampler:
         return torch.randperm(self.num_samples, generator=gen).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
-        """The rest of the current epoch; the next iteration starts the next epoch."""
+        """The rest of the current epoch; the next iteration starts the next epoch. A state loaded
+        while this iterator runs (a resume in the same process) is followed from its next batch."""
         self._roll_over()
-        order = self._order()
+        seen, order = (self.epoch, self._loads), self._order()
         while self.position < len(self):
+            if (self.epoch, self._loads) != seen:
+                seen, order = (self.epoch, self._loads), self._order()
             start = self.position * self.batch_size
             self.position += 1
             yield order[start:start + self.batch_size]
@@ -64,8 +71,10 @@ class ResumableBatchSampler:
             self.position = 0
 
     def state_dict(self) -> dict[str, Any]:
+        """The position exactly when the DataLoader has no workers (`num_workers=0`); with workers,
+        it counts the batches they prefetched too, so a resume skips those."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "num_samples": self.num_samples, "batch_size": self.batch_size}
+                "num_samples": self.num_samples, "batch_size": self.batch_size, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore, refusing a state made for another data set or batch size, or one whose
@@ -76,6 +85,9 @@ class ResumableBatchSampler:
             value = state.get(key)
             if type(value) is not int:
                 raise CheckpointError(f"sampler state field {key!r} must be an integer, found {shorten(value)}")
+        if "shuffle" in state and state["shuffle"] is not self.shuffle:  # states saved before it was recorded pass
+            raise CheckpointError(f"sampler state has shuffle={shorten(state['shuffle'])} but this sampler has "
+                                  f"shuffle={self.shuffle}: the order would differ")
         for key in ("num_samples", "batch_size"):
             if state[key] != getattr(self, key):
                 raise CheckpointError(
@@ -91,5 +103,11 @@ class ResumableBatchSampler:
             raise CheckpointError(f"sampler state field 'seed' must be within {_SEED_MIN}..{_SEED_MAX} "
                                   f"(an int64: seed + epoch seeds torch.Generator), found {shorten(seed)}")
         self.epoch, self.position, self.seed = epoch, position, seed
+        self._loads += 1
         self._roll_over()
 
+
+def _integer(key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+        raise ConfigError(f"ResumableBatchSampler.{key}", f"must be an integer in {low}..{high}, got {shorten(value)}")
+    return int(value)

@@ -19,9 +19,9 @@ import torch
 
 from backends.safetensors_io import read_file, write_file
 
-from lifecycle.errors import CheckpointError
+from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import NotSerializable, decode, encode, read_json
-from lifecycle.types import Progress
+from lifecycle.types import Progress, is_count
 
 EXTRA_JSON = "extra.json"
 RNG_FILE = "rng.safetensors"
@@ -37,6 +37,9 @@ def save_extra(folder: Path, progress: Progress, dataloader: Any = None) -> dict
         user = encode(progress.user, where=where)
     except NotSerializable as exc:
         raise CheckpointError(f"{where}: Progress.user is not JSON-serialisable at {exc.key}") from exc
+    if bad := [f"{k}={shorten(getattr(progress, k))}" for k in _PROGRESS_INTS if not is_count(getattr(progress, k))]:
+        raise CheckpointError(f"{where}: Progress fields must be integers >= 0 (a resume refuses anything else), "
+                              f"found {', '.join(bad)}")
     doc = {
         "format_version": 1,
         "progress": {**{k: int(getattr(progress, k)) for k in _PROGRESS_INTS}, "user": user},
@@ -64,8 +67,27 @@ def _numpy_rng() -> dict[str, Any]:
             "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
 
 
+def stateful_loader(dataloader: Any) -> Any:
+    """What holds the data position: the object itself when it has `state_dict`, else a torch
+    `DataLoader`'s batch sampler or sampler that has one (a `ResumableBatchSampler` given as
+    `batch_sampler=`), else the object, whose position is then neither saved nor restored (each
+    save says so: `checkpoint.extra.dataloader_position_unsaved`)."""
+    if dataloader is None or callable(getattr(dataloader, "state_dict", None)):
+        return dataloader
+    for name in ("batch_sampler", "sampler"):
+        inner = getattr(dataloader, name, None)
+        if callable(getattr(inner, "state_dict", None)) and callable(getattr(inner, "load_state_dict", None)):
+            return inner
+    return dataloader
+
+
 def _dataloader_state(dataloader: Any, where: str) -> Any:
+    dataloader = stateful_loader(dataloader)
     state_dict = getattr(dataloader, "state_dict", None)
+    if dataloader is not None and not callable(state_dict):
+        structlog.get_logger().warning("checkpoint.extra.dataloader_position_unsaved", path=where,
+                                       dataloader=type(dataloader).__name__,
+                                       reason="it has no state_dict(), nor has its sampler: a resume replays its data")
     if dataloader is None or not callable(state_dict):
         return None
     try:
@@ -194,6 +216,7 @@ def _restore_cuda(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _restore_dataloader(dataloader: Any, state: Any, folder: Path) -> None:
+    dataloader = stateful_loader(dataloader)
     if dataloader is None:
         return
     load = getattr(dataloader, "load_state_dict", None)

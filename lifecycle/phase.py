@@ -338,7 +338,8 @@ class Phase:
         finally:
             if self._watched:
                 lc._watchdog.unwatch(id(self))
-            lc._phase = None
+            if lc._phase is self:  # an instant phase's machine may be another thread's phase's already
+                lc._phase = None
             self._reset_context()
         interrupt = next((e for e in undo_errors if not isinstance(e, Exception)), None) if undo_errors else None
         error: BaseException | None = exc

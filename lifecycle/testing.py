@@ -33,6 +33,9 @@ class _FailureSwitch:
     """Where a stand-in fails: always at `fail_at` phases, once at phases given to `fail_next`."""
 
     def __init__(self, fail_at: Iterable[str] = ()) -> None:
+        if isinstance(fail_at, str):  # set("save") would be {'s', 'a', 'v', 'e'}
+            raise TypeError(f"fail_at takes a collection of phase names, got the string {fail_at!r}: "
+                            f"write fail_at={{{fail_at!r}}}")
         self.fail_at = set(fail_at)
         self._once: set[str] = set()
         self.calls: list[tuple[str, Any]] = []
@@ -49,6 +52,11 @@ class _FailureSwitch:
 
 def _snapshot(obj: Any) -> Any:
     return None if obj is None or not hasattr(obj, "state_dict") else copy.deepcopy(obj.state_dict())
+
+
+_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader")
+"""What a memory checkpoint keeps (each one's `state_dict()`): the data position too, so a test
+of resume sees the batch a disk checkpoint would restore. RNG states are not kept."""
 
 
 class MemoryCheckpointer(_FailureSwitch):
@@ -71,7 +79,7 @@ class MemoryCheckpointer(_FailureSwitch):
 
     def save(self, step: int, parts: Parts, progress: Progress) -> SaveInfo:
         self.hit("save", step)
-        snapshot = {name: _snapshot(getattr(parts, name)) for name in ("model", "optimizer", "lr_scheduler")}
+        snapshot = {name: _snapshot(getattr(parts, name)) for name in _PARTS}
         snapshot["progress"] = replace(progress, user=copy.deepcopy(progress.user))
         self.hit("commit", step)
         self.saved[step] = snapshot
@@ -82,7 +90,7 @@ class MemoryCheckpointer(_FailureSwitch):
         if not self.saved:
             return None
         snapshot = self.saved[max(self.saved)]
-        for name in ("model", "optimizer", "lr_scheduler"):
+        for name in _PARTS:
             target, state = getattr(parts, name), snapshot[name]
             if target is not None and state is not None:
                 target.load_state_dict(copy.deepcopy(state))

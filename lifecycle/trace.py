@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from lifecycle.errors import LifecycleError
 from lifecycle.manifest import write_text_atomic
 from lifecycle.phase import Observer, TransitionRecord
 
@@ -99,10 +100,21 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def write_trace_events(events: list[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
-    """A Chrome trace file, replaced atomically: a reader never sees half of one."""
+    """A Chrome trace file, replaced atomically: a reader never sees half of one. Only a regular
+    file (or nothing) at `path` is replaced: the rename would put a file in place of a device, a
+    FIFO or a folder (as root, `/dev/null` itself); every failure is a `LifecycleError` naming it."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise LifecycleError(f"a trace path must be a str or os.PathLike, got {type(path).__name__}")
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(target, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    try:
+        found = target.stat() if target.exists() or target.is_symlink() else None
+        if found is not None and not stat.S_ISREG(found.st_mode):
+            raise LifecycleError(f"{target}: not a regular file (a device, a FIFO or a folder); a trace replaces "
+                                 "only a file")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(target, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    except (OSError, ValueError) as exc:
+        raise LifecycleError(f"{target}: cannot write the trace: {exc}") from exc
     return target
 
 

@@ -14,7 +14,6 @@ phase without a budget costs nothing and one with a budget costs a lock and a di
 
 from __future__ import annotations
 
-import math
 import numbers
 import sys
 import threading
@@ -59,6 +58,14 @@ def thread_stacks(skip: int | None = None, first: int | None = None) -> dict[str
             for ident in order if ident != skip}
 
 
+MIN_BUDGET_S = 0.001
+"""The shortest budget: below it a phase is reported thousands of times a second, stacks and all."""
+MAX_BUDGET_S = 10.0**7
+"""The longest budget (about 116 days): past it the deadline is no time the thread can wait for."""
+_LONGEST_WAIT_S = 3600.0
+"""The thread wakes at least hourly (a wait longer than the platform's limit raises)."""
+
+
 class Watchdog:
     """Budgets of running phases, checked by one daemon thread started on first use.
 
@@ -78,8 +85,10 @@ class Watchdog:
         """Start the budget of the phase `key` (its id) running on the calling thread; its
         reports go to `emit`, else to this watchdog's own. A budget that is no finite number of
         seconds above 0 is refused (`LifecycleError`): the one thread serves every phase."""
-        if isinstance(budget_s, bool) or not isinstance(budget_s, numbers.Real) or not 0 < budget_s < math.inf:
-            raise LifecycleError(f"a watchdog budget is a finite number of seconds above 0, got {shorten(budget_s)}"
+        if (isinstance(budget_s, bool) or not isinstance(budget_s, numbers.Real)
+                or not MIN_BUDGET_S <= budget_s <= MAX_BUDGET_S):
+            raise LifecycleError(f"a watchdog budget is a number of seconds in {MIN_BUDGET_S}..{MAX_BUDGET_S:g}, got "
+                                 f"{shorten(budget_s)}"
                                  + (f" for {fields['trigger']!r}" if isinstance(fields.get("trigger"), str) else ""))
         entry = _Watched(float(budget_s), self._clock(), threading.get_ident(), fields, emit)
         with self._cond:
@@ -93,6 +102,8 @@ class Watchdog:
     def unwatch(self, key: int) -> None:
         with self._cond:
             self._watched.pop(key, None)
+            if not self._watched:
+                self._cond.notify()  # the thread ends now, not at its next deadline
 
     @property
     def watching(self) -> int:
@@ -102,13 +113,16 @@ class Watchdog:
     def _run(self) -> None:
         while True:
             with self._cond:
+                if not self._watched:  # nothing to watch: the thread ends (`watch` starts another)
+                    self._thread = None
+                    return
                 now = self._clock()
                 due = [(key, entry) for key, entry in self._watched.items() if entry.deadline <= now]
                 for _, entry in due:  # a late wake-up reports once, at the multiple reached
                     entry.overdue = int((now - entry.start) // entry.budget_s)
                 if not due:
-                    nearest = min((entry.deadline for entry in self._watched.values()), default=None)
-                    self._cond.wait(None if nearest is None else max(nearest - now, 0.0))
+                    nearest = min(entry.deadline for entry in self._watched.values())
+                    self._cond.wait(min(max(nearest - now, 0.0), _LONGEST_WAIT_S))
                     continue
             for _, entry in due:
                 self._report(entry, now)

@@ -53,10 +53,12 @@ def drive_to(state: State, lc: Lifecycle) -> None:
     """Bring a new lifecycle to a stable state: CREATED, READY, FAILED or CLOSED."""
     if state is State.READY:
         lc.init_load()
-    elif state is State.FAILED:
-        lc.checkpointer.fail_next("load_initial")  # type: ignore[attr-defined]
+    elif state is State.FAILED:  # with a step saved: a failed worker resumes from one (or is built anew)
+        lc.init_load()
+        lc.save(1)
+        lc.checkpointer.fail_next("save")  # type: ignore[attr-defined]
         with pytest.raises(InjectedFailure):
-            lc.init_load()
+            lc.save(2)
     elif state is State.CLOSED:
         lc.close()
     if lc.state is not state:

@@ -325,6 +325,28 @@ def test_a_yaml_value_the_parser_cannot_build_is_an_error_naming_the_file(tmp_pa
     assert "a value cannot be read" in str(_yaml_error(_file(tmp_path, text)))
 
 
+@pytest.mark.parametrize(("text", "says"), [
+    (b"resume: {mode: disable}\ncheckpoint: {keep_last: 3}\nresume: {strict: false}\n",
+     "key 'resume' is given twice"),
+    (b"checkpoint:\n  keep_last: 10\n  keep_last: 2\n", "key 'keep_last' is given twice"),
+    (b"checkpoint: {keep_last: 010}\n", "'010' is an ambiguous integer"),
+    (b"watchdog: {save_s: 1:30}\n", "'1:30' is an ambiguous integer"),
+], ids=["section-twice", "key-twice", "octal", "base-60"])
+def test_yaml_that_would_silently_mean_something_else_is_refused_naming_the_file(
+    tmp_path: Path, text: bytes, says: str,
+) -> None:
+    """PyYAML keeps the last of a key given twice (the second `resume` dropped the first's
+    `mode: disable`), reads 010 as 8 and 1:30 as 90."""
+    assert says in str(_yaml_error(_file(tmp_path, text)))
+
+
+def test_yaml_merge_keys_and_plain_integers_still_parse(tmp_path: Path) -> None:
+    path = _file(tmp_path, b"base: &b {keep_last: 4, fsync: true}\ncheckpoint: {<<: *b, keep_last: 0x10}\n")
+    from lifecycle.config_file import read_yaml
+
+    assert read_yaml(str(path)) == {"base": {"keep_last": 4, "fsync": True}, "checkpoint": {"keep_last": 16, "fsync": True}}
+
+
 def test_a_file_past_the_size_limit_is_refused_unread(tmp_path: Path) -> None:
     err = _yaml_error(_file(tmp_path, b"#" * (CONFIG_FILE_LIMIT + 1)))
     assert f"larger than {CONFIG_FILE_LIMIT} bytes" in str(err)

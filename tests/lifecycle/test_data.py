@@ -148,3 +148,72 @@ def test_resume_refuses_a_sampler_state_that_does_not_fit_and_the_previous_step_
     again = ResumableBatchSampler(12, 4, seed=3)
     assert _lifecycle(root, again, on_damaged="refuse").resume() == 1
     assert {"epoch": again.epoch, "position": again.position} == saved_at_1
+
+
+def test_a_running_iterator_follows_a_state_loaded_under_it_to_the_batch_an_uninterrupted_run_trains_on() -> None:
+    """A resume in the same process (after a failed step) loads the sampler while its endless
+    iterator runs: the iterator kept the order of the epoch it had reached, so training went
+    on with a batch of another epoch's order."""
+    sampler = ResumableBatchSampler(8, 2, seed=5)
+    stream = sampler.batches()
+    taken = [next(stream) for _ in range(3)]
+    saved = sampler.state_dict()
+    for _ in range(4):  # into the next epoch, whose order differs
+        next(stream)
+    sampler.load_state_dict(saved)
+    reference = ResumableBatchSampler(8, 2, seed=5).batches()
+    assert [next(stream) for _ in range(4)] == [next(reference) for _ in range(7)][3:] and len(taken) == 3
+
+
+def test_a_state_of_the_other_shuffle_is_refused_and_one_saved_without_it_loads() -> None:
+    shuffled = ResumableBatchSampler(8, 2).state_dict()
+    with pytest.raises(CheckpointError, match="shuffle=True but this sampler has shuffle=False"):
+        ResumableBatchSampler(8, 2, shuffle=False).load_state_dict(shuffled)
+    older = {k: v for k, v in shuffled.items() if k != "shuffle"}
+    ResumableBatchSampler(8, 2).load_state_dict(older)
+
+
+@pytest.mark.parametrize(("args", "kwargs", "says"), [
+    (("10", 2), {}, r"num_samples: must be an integer in 1\.\.4611686018427387904, got '10'"),
+    ((10, 2.5), {}, r"batch_size: must be an integer in 1\.\.10, got 2\.5"),
+    ((10, True), {}, r"batch_size: must be an integer"),
+    ((10, 20), {}, r"batch_size: must be an integer in 1\.\.10, got 20"),
+    ((10**30, 1), {}, r"num_samples: must be an integer"),
+    ((10, 2), {"seed": "x"}, r"seed: must be an integer"),
+    ((10, 2), {"shuffle": "yes"}, r"shuffle: must be true or false"),
+], ids=["string", "float", "bool", "batch-over-samples", "huge", "string-seed", "string-shuffle"])
+def test_a_sampler_built_from_odd_values_is_a_config_error_naming_the_argument(
+    args: tuple[Any, ...], kwargs: dict[str, Any], says: str,
+) -> None:
+    from lifecycle import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        ResumableBatchSampler(*args, **kwargs)
+
+
+def test_a_torch_dataloader_over_the_sampler_saves_and_restores_its_position(tmp_path: Path) -> None:
+    """Passed as `dataloader=`, a DataLoader (no state_dict of its own) saved no position and
+    said nothing: the resumed run replayed epoch 0. Its batch sampler's position is used."""
+    from structlog.testing import capture_logs
+    from torch.utils.data import DataLoader
+
+    data = list(range(40))
+    sampler = ResumableBatchSampler(40, 4, seed=2)
+    loader = DataLoader(data, batch_sampler=sampler)
+    lc = _lifecycle(tmp_path, loader)  # type: ignore[arg-type]
+    lc.init_load()
+    batches = iter(loader)
+    for step in (1, 2, 3):
+        with lc.train_step(step):
+            next(batches)
+    lc.save(3)
+    expected = next(batches).tolist()
+    again_loader = DataLoader(data, batch_sampler=ResumableBatchSampler(40, 4, seed=2))
+    assert _lifecycle(tmp_path, again_loader).resume() == 3  # type: ignore[arg-type]
+    assert next(iter(again_loader)).tolist() == expected
+    plain = _lifecycle(tmp_path / "plain", DataLoader(data, batch_size=4))  # type: ignore[arg-type]
+    plain.init_load()
+    with capture_logs() as logs:
+        plain.save(1)
+    assert [r["dataloader"] for r in logs if r["event"] == "checkpoint.extra.dataloader_position_unsaved"] \
+        == ["DataLoader"]

@@ -276,3 +276,17 @@ def test_a_dataloader_refusing_its_state_is_named_and_rngs_stay_untouched(tmp_pa
                                               r"state: KeyError: 'cursor'"):
         load_extra(tmp_path, PickyLoader())
     assert random.getstate() == before
+
+
+@pytest.mark.parametrize("field", [{"consumed_samples": -5}, {"epoch": 2.7}, {"epoch": "7"}, {"step": True}],
+                         ids=["negative", "float", "string", "bool"])
+def test_progress_a_resume_would_refuse_is_refused_on_save_before_anything_is_written(
+    tmp_path: Path, field: dict[str, Any],
+) -> None:
+    """Before, -5 committed a step resume then refused, and 2.7 was saved as 2."""
+    progress = Progress()
+    for key, value in field.items():
+        setattr(progress, key, value)
+    with pytest.raises(CheckpointError, match=f"Progress fields must be integers >= 0.*{next(iter(field))}="):
+        save_extra(tmp_path / "extra", progress)
+    assert not (tmp_path / "extra").exists()

@@ -146,6 +146,26 @@ def test_chrome_trace_has_one_complete_event_per_transition(lc: Lifecycle, tmp_p
     assert lc.state is State.FAILED
 
 
+def test_a_trace_never_replaces_what_is_not_a_regular_file(lc: Lifecycle, tmp_path: Path) -> None:
+    """The atomic rename put a file in place of a FIFO or a device node (as root, /dev/null
+    itself); a folder or None raised raw errors."""
+    import os
+    import stat
+
+    from lifecycle.errors import LifecycleError
+
+    lc.init_load()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "to-fifo").symlink_to(tmp_path / "fifo")
+    for target in ("fifo", "folder", "to-fifo"):
+        with pytest.raises(LifecycleError, match="not a regular file"):
+            lc.export_chrome_trace(tmp_path / target)
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and (tmp_path / "folder").is_dir()
+    with pytest.raises(LifecycleError, match="must be a str or os.PathLike, got NoneType"):
+        lc.export_chrome_trace(None)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("mode", "reason"), [("disable", "resume.mode is disable"),
                                               ("auto", "no complete checkpoint")])
 def test_a_resume_that_restores_nothing_logs_why_and_the_mode(tmp_path: Path, mode: str, reason: str) -> None:

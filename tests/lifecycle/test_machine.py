@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle import TABLE, InvalidTransition, Lifecycle, State
+from lifecycle import TABLE, CheckpointError, InvalidTransition, Lifecycle, State
 from lifecycle.machine import allowed_triggers, machine_transitions, mermaid
 from lifecycle.testing import InjectedFailure, MemoryRollout, capture_transitions
 from tests.lifecycle.probes import drive_to, fire, make_lifecycle
@@ -162,6 +162,19 @@ def test_resume_from_failed_restores_the_saved_step() -> None:
             raise RuntimeError("bad batch")
     assert lc.resume() == 5
     assert lc.state is S.READY and lc.progress.step == 5
+
+
+def test_resume_from_failed_with_nothing_saved_is_refused_not_a_fresh_start_over_the_failed_runs_state() -> None:
+    """It reported a fresh start (None) while the optimizer, scheduler and data position were
+    the failed run's: the machine stays FAILED and the error says to build anew."""
+    lc = make_lifecycle()
+    lc.init_load()
+    with pytest.raises(RuntimeError):
+        with lc.train_step(1):
+            raise RuntimeError("bad batch")
+    with pytest.raises(CheckpointError, match="from FAILED found no checkpoint to restore; a fresh start needs"):
+        lc.resume()
+    assert lc.state is S.FAILED
 
 
 def test_machine_edges_are_generated_from_the_table_only() -> None:

@@ -382,3 +382,32 @@ def test_a_version_that_is_no_int_in_range_is_refused_and_the_rollout_keeps_its_
     assert (w.state, w.weights_version) == (R.STALE, 4)
     receive(w, 5)
     assert (w.state, w.weights_version) == (R.SERVING, 5)
+
+
+def test_an_instant_phase_ending_on_one_thread_leaves_the_phase_another_thread_started_running() -> None:
+    """`mark_stale` moves at once and ends after its observers: ending, it cleared the running
+    phase of a receive another thread had started meanwhile, whose `on_exit` was then refused."""
+    moved, started, stale_done = threading.Event(), threading.Event(), threading.Event()
+
+    class Slow(Observer):
+        def on_state_change(self, lc: Any, src: Any, dst: Any, trigger: str) -> None:
+            if trigger == "mark_stale" and threading.current_thread().name == "stale":
+                moved.set()
+                started.wait(10)
+
+    weights, undone = RolloutWeights(lambda ts: None, observers=[Slow()]), []
+
+    def mark() -> None:
+        weights.mark_stale()
+        stale_done.set()
+
+    marker = threading.Thread(target=mark, name="stale", daemon=True)
+    marker.start()
+    assert moved.wait(10)
+    with weights.receiving() as landed:
+        started.set()
+        assert stale_done.wait(10)
+        weights.on_exit(lambda: undone.append(1))
+        landed(1)
+    marker.join(10)
+    assert undone == [1] and weights.state is RolloutState.SERVING and weights.weights_version == 1

@@ -82,3 +82,27 @@ def test_memory_engine_delivers_weights_and_the_version_on_both_sides() -> None:
     assert lc.sync_weights(rollout) == 1 == rollout.weights_version == lc.progress.weights_version
     assert torch.equal(rollout.serve()["weight"], lc.parts.model.weight)
     assert rollout.calls == ["pause", "load_weights", "resume"]
+
+
+def test_memory_checkpointer_restores_the_data_position_so_a_resume_trains_on_the_next_batch() -> None:
+    """It kept the model, optimizer and scheduler only: a test of resume in a user's suite
+    trained on the first batch again, where a disk checkpoint restores the next one."""
+    from lifecycle.data import ResumableBatchSampler
+
+    sampler = ResumableBatchSampler(16, 2, seed=1)
+    lc = Lifecycle(model=torch.nn.Linear(2, 2), checkpointer=MemoryCheckpointer(), dataloader=sampler)
+    lc.init_load()
+    stream = sampler.batches()
+    for step in (1, 2, 3):
+        with lc.train_step(step):
+            next(stream)
+    lc.save(3)
+    expected = next(stream)
+    fresh = ResumableBatchSampler(16, 2, seed=1)
+    again = Lifecycle(model=torch.nn.Linear(2, 2), checkpointer=lc.checkpointer, dataloader=fresh)
+    assert again.resume() == 3 and next(fresh.batches()) == expected
+
+
+def test_memory_checkpointer_fail_at_a_bare_string_is_refused_not_split_into_letters() -> None:
+    with pytest.raises(TypeError, match="write fail_at={'save'}"):
+        MemoryCheckpointer(fail_at="save")

@@ -56,8 +56,7 @@ def test_a_phase_past_its_budget_logs_exactly_one_overdue_record_naming_the_stuc
     assert record["budget_s"] == 1.0 and record["elapsed_s"] >= 1.0 and record["overdue"] == 1
     first_thread_stack = next(iter(record["stacks"].values()))
     assert "_stuck_in_collective" in first_thread_stack
-    reporter = WATCHDOG._thread
-    assert reporter is not None and not any(f"({reporter.ident})" in name for name in record["stacks"])
+    assert not any("lifecycle-watchdog" in name for name in record["stacks"]), list(record["stacks"])
     assert lc.history[-1].ok  # reported, never interrupted
 
 
