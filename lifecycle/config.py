@@ -339,7 +339,9 @@ class LifecycleConfig(Section):
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> LifecycleConfig:
         """Build from a YAML file; file-level errors name the file since there is no key yet."""
-        name = os.fspath(path)
+        name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
+        if not isinstance(name, str):  # bytes, or a PathLike that gives bytes
+            raise ConfigError("", f"a YAML path must be a str or os.PathLike of str, got {describe(path)}")
         data = read_yaml(name)
         if data is not None and not isinstance(data, Mapping):
             raise ConfigError(name, f"the top level must be a mapping of sections, got {describe(data)}")

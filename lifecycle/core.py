@@ -95,11 +95,12 @@ class Lifecycle(Stateful[State]):
 
     def save(self, step: int | None = None) -> SaveInfo:
         """READY -> SAVING -> READY: write and commit a checkpoint; returns what was written."""
-        given = None if step is None else check_step(step)  # before the machine moves
-        with Phase(self, "save", given) as phase:  # the progress is read once the move shut other phases out
-            step = phase.step = check_step(self.progress.step) if given is None else given
-            self.progress.step = step
-            info = self.checkpointer.save(step, self.parts, self.progress)
+        number = check_step(self.progress.step if step is None else step)  # refused before the machine moves
+        with Phase(self, "save", number) as phase:
+            if step is None:  # read again once the move shut other phases out (a train_step on another thread)
+                number = phase.step = check_step(self.progress.step)
+            self.progress.step = number
+            info = self.checkpointer.save(number, self.parts, self.progress)
             phase.figures.update(info.figures())
         return info
 

@@ -13,6 +13,7 @@ from enum import Enum
 
 from transitions import Machine
 
+from lifecycle.errors import LifecycleError
 from lifecycle.table import DONE, FAIL, Row, Table
 from lifecycle.table import MachineModel as _Model
 
@@ -181,6 +182,8 @@ def allowed_triggers(state: State) -> list[str]:
 
 def mermaid(machine: str = "trainer") -> str:
     """A machine (trainer, rollout or driver) as a Mermaid state diagram, generated from its table."""
+    if machine not in MACHINES:
+        raise LifecycleError(f"mermaid({machine!r}): no such machine; there are {', '.join(sorted(MACHINES))}")
     return MACHINES[machine].mermaid()
 
 

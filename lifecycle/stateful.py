@@ -91,7 +91,11 @@ class Stateful(Generic[S]):
         self.observers.append(observer)
 
     def remove_observer(self, observer: Observer) -> None:
-        self.observers.remove(observer)
+        """Stop telling `observer`; one this machine does not tell is a `LifecycleError`."""
+        try:
+            self.observers.remove(observer)
+        except ValueError:
+            raise LifecycleError(f"{self!r}: remove_observer({shorten(observer)}): not one of its observers") from None
 
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> Path:
         """The history as a Chrome trace; the writer (and the checkpoint I/O it uses) loads on first use."""
@@ -195,14 +199,19 @@ class Stateful(Generic[S]):
         return f"{type(self).__name__}(role={self.role!r}, rank={self.rank}, state={self.state.name})"
 
 
+_MOST_RECORDS = 2**62
+"""The largest `history_limit` (a deque's maxlen must fit a C ssize_t)."""
+
+
 def _check_identity(role: object, rank: object, history_limit: object, observers: object) -> None:
     """`ConfigError` naming the argument a machine cannot be built from: its records, errors and
     folders name it by role and rank."""
     if not isinstance(role, str) or not role:
         raise ConfigError("role", f"must be a non-empty string, got {shorten(role)}")
-    for name, value, low in (("rank", rank, 0), ("history_limit", history_limit, 0)):
-        if not is_count(value, low):
-            raise ConfigError(name, f"must be an integer >= {low}, got {shorten(value)} ({type(value).__name__})")
+    for name, value, high in (("rank", rank, None), ("history_limit", history_limit, _MOST_RECORDS)):
+        if not is_count(value) or (high is not None and value > high):
+            raise ConfigError(name, f"must be an integer >= 0{'' if high is None else f' and <= {high}'}, "
+                                    f"got {shorten(value)} ({type(value).__name__})")
     if isinstance(observers, (str, bytes)) or not isinstance(observers, Iterable):
         raise ConfigError("observers", f"must be an iterable of Observer, got {shorten(observers)}")
 

@@ -400,3 +400,10 @@ def test_bad_values_inside_a_yaml_file_name_their_key(tmp_path: Path, text: byte
     with pytest.raises(ConfigError) as info:
         LifecycleConfig.from_yaml(_file(tmp_path, text))
     assert info.value.key == key
+
+
+@pytest.mark.parametrize("path", [b"/x.yaml", 5], ids=["bytes", "int"])
+def test_a_yaml_path_that_is_no_text_path_is_a_config_error(path: Any) -> None:
+    """bytes raised a raw TypeError from deep in the reader."""
+    with pytest.raises(ConfigError, match="a YAML path must be a str or os.PathLike of str"):
+        LifecycleConfig.from_yaml(path)

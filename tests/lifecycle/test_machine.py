@@ -236,3 +236,16 @@ def test_documented_table_agrees_with_the_code(doc: str) -> None:
         pytest.fail(f"{path} is missing: the documented table cannot be checked")
     documented = _markdown_table(path.read_text())
     assert documented == {t: (row[0], row[1] or row[2], row[2], row[3]) for t, row in CONTRACT.items()}
+
+
+def test_odd_arguments_to_the_machine_helpers_are_typed_errors_naming_them() -> None:
+    """Each raised a raw KeyError, ValueError or OverflowError."""
+    from lifecycle.errors import ConfigError, LifecycleError
+
+    with pytest.raises(LifecycleError, match="mermaid\\('x'\\): no such machine; there are driver, rollout"):
+        mermaid("x")
+    lc = make_lifecycle()
+    with pytest.raises(LifecycleError, match="not one of its observers"):
+        lc.remove_observer(object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="history_limit"):
+        make_lifecycle(history_limit=10**19)
