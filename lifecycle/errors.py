@@ -23,9 +23,12 @@ class InvalidTransition(LifecycleError):
         self.allowed = allowed
         self.role = role
         who = f" (role {role})" if role else ""
-        choices = ", ".join(allowed) if allowed else "none until the running phase ends"
+        name = getattr(state, "name", state)
+        final = name in ("CLOSED", "FINISHED", "ERRORED")  # the machines' final states
+        choices = ", ".join(allowed) if allowed else f"none: {name} is final" if final else \
+            "none until the running phase ends"
         super().__init__(
-            f"cannot {trigger!r} from state {getattr(state, 'name', state)}{who}; "
+            f"cannot {trigger!r} from state {name}{who}; "
             f"allowed from there: {choices}"
         )
 

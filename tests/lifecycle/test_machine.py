@@ -249,3 +249,10 @@ def test_odd_arguments_to_the_machine_helpers_are_typed_errors_naming_them() -> 
         lc.remove_observer(object())  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="history_limit"):
         make_lifecycle(history_limit=10**19)
+
+
+def test_a_trigger_on_a_closed_machine_says_closed_is_final_not_that_a_phase_is_running() -> None:
+    lc = make_lifecycle()
+    lc.close()
+    with pytest.raises(InvalidTransition, match="cannot 'resume' from state CLOSED.*allowed from there: none: CLOSED is final"):
+        lc.resume()
