@@ -25,6 +25,7 @@ from lifecycle.boundary import check_step, lstat, os_errors, special_files
 from lifecycle.config import LifecycleConfig
 from lifecycle.contents import ContentWriter
 from lifecycle.errors import CheckpointError, ConfigError
+from lifecycle.extra import check_progress
 from lifecycle.manifest import MANIFEST, check_folder
 from lifecycle.resumer import HashFn, Resumed, Resumer, _value, build_format, log_outcome
 from lifecycle.role import RoleRank
@@ -192,6 +193,7 @@ class DiskCheckpointer:
         is time the training loop stood still."""
         started = time.perf_counter()
         step = check_step(step)
+        check_progress(progress, f"save of step {step} (role {self.role})")  # before a byte is written
         self.wait()
         save = self.config.checkpoint.save
         name = _value(save.format)

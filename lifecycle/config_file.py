@@ -68,13 +68,16 @@ class _ShallowLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        """A key given twice is refused: PyYAML keeps the last, so a repeated section silently
-        replaced the first whole."""
-        if isinstance(node, yaml.MappingNode):
+    def flatten_mapping(self, node: Any) -> None:
+        """A key given twice in one mapping is refused: PyYAML keeps the last, so a repeated
+        section silently replaced the first whole. Checked once per mapping, before its merge
+        keys (`<<:`) are flattened in, whose keys a mapping may override."""
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
             seen: dict[Any, Any] = {}
             for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:`, whose keys a mapping may override
+                if key_node.tag == "tag:yaml.org,2002:merge":
                     continue
                 key = self.construct_object(key_node, deep=True)
                 if isinstance(key, (str, int, float, bool)) or key is None:
@@ -83,7 +86,15 @@ class _ShallowLoader(yaml.SafeLoader):
                             "while reading a mapping", node.start_mark,
                             f"key {key!r} is given twice (first {seen[key]})", key_node.start_mark)
                     seen[key] = key_node.start_mark
-        return super().construct_mapping(node, deep=deep)
+        super().flatten_mapping(node)
+
+    def construct_yaml_float(self, node: Any) -> float:
+        """YAML 1.1 reads `1:30.5` as 90.5; refused as ambiguous, like such an integer."""
+        if ":" in str(node.value):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value!r} is an ambiguous number (YAML 1.1 reads a colon as base 60); write "
+                            "it plainly or quote it", node.start_mark)
+        return float(super().construct_yaml_float(node))
 
     def construct_yaml_int(self, node: Any) -> int:
         """YAML 1.1 reads `010` as 8 and `1:30` as 90; both are refused as ambiguous."""
@@ -96,6 +107,7 @@ class _ShallowLoader(yaml.SafeLoader):
 
 
 _ShallowLoader.add_constructor("tag:yaml.org,2002:int", _ShallowLoader.construct_yaml_int)
+_ShallowLoader.add_constructor("tag:yaml.org,2002:float", _ShallowLoader.construct_yaml_float)
 
 
 def _parse_yaml(name: str, text: str) -> object:

@@ -58,6 +58,7 @@ class Lifecycle(Stateful[State]):
             check_parts(self.config, self.parts, self.world_size)
         self._checkpointer = checkpointer
         self._engine = engine
+        self._trained = False
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -91,6 +92,7 @@ class Lifecycle(Stateful[State]):
         except CheckpointError as exc:
             raise LifecycleError(f"train_step({shorten(step)}) (role {self.role}, state {self.state.name}): "
                                  f"{exc}") from None
+        self._trained = True  # from here the objects may have moved: see `resume`
         return Phase(self, "train_step", number)
 
     def save(self, step: int | None = None) -> SaveInfo:
@@ -126,13 +128,13 @@ class Lifecycle(Stateful[State]):
 
         Returns the step resumed at, or None for a fresh start: init-load instead, when the
         checkpointer restores nothing (the disk checkpointer decides `resume.mode` and logs why).
-        From FAILED nothing restored is a `CheckpointError`: the optimizer, scheduler and data
-        position are the failed run's, so that would be no fresh start.
+        From FAILED after a train step, nothing restored is a `CheckpointError`: the optimizer,
+        scheduler and data position are the failed run's, so that would be no fresh start.
         """
-        failed = self.state is State.FAILED
+        moved_on = self.state is State.FAILED and self._trained  # a failed init_load or resume moved nothing
         with Phase(self, "resume", None) as phase:
             restored = self.checkpointer.resume(self.parts)
-            if restored is None and failed:
+            if restored is None and moved_on:
                 raise CheckpointError(f"resume (role {self.role}) from FAILED found no checkpoint to restore; a "
                                       "fresh start needs fresh objects (the model, optimizer, scheduler and data "
                                       "position are the failed run's): build a new Lifecycle over new ones")

@@ -29,9 +29,9 @@ class ResumableBatchSampler:
         self.num_samples = _integer("num_samples", num_samples, 1, _EPOCH_MAX)
         self.batch_size = _integer("batch_size", batch_size, 1, self.num_samples)
         self.seed = _integer("seed", seed, _SEED_MIN, _SEED_MAX)
-        if not isinstance(shuffle, bool):
+        if isinstance(shuffle, str) or not _is_flag(shuffle):  # True, False, 1, 0, numpy's bools
             raise ConfigError("ResumableBatchSampler.shuffle", f"must be true or false, got {shorten(shuffle)}")
-        self.shuffle = shuffle
+        self.shuffle = bool(shuffle)
         self.epoch = 0
         self.position = 0
         """Batches of the current epoch already handed out (to a DataLoader with workers, that
@@ -111,3 +111,10 @@ def _integer(key: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
         raise ConfigError(f"ResumableBatchSampler.{key}", f"must be an integer in {low}..{high}, got {shorten(value)}")
     return int(value)
+
+
+def _is_flag(value: Any) -> bool:
+    try:
+        return bool(value in (True, False))
+    except (TypeError, ValueError):  # an array's ambiguous truth
+        return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,7 @@ def save_extra(folder: Path, progress: Progress, dataloader: Any = None) -> dict
         user = encode(progress.user, where=where)
     except NotSerializable as exc:
         raise CheckpointError(f"{where}: Progress.user is not JSON-serialisable at {exc.key}") from exc
-    if bad := [f"{k}={shorten(getattr(progress, k))}" for k in _PROGRESS_INTS if not is_count(getattr(progress, k))]:
-        raise CheckpointError(f"{where}: Progress fields must be integers >= 0 (a resume refuses anything else), "
-                              f"found {', '.join(bad)}")
+    check_progress(progress, where)
     doc = {
         "format_version": 1,
         "progress": {**{k: int(getattr(progress, k)) for k in _PROGRESS_INTS}, "user": user},
@@ -56,6 +55,13 @@ def save_extra(folder: Path, progress: Progress, dataloader: Any = None) -> dict
     return {RNG_FILE: digest}
 
 
+def check_progress(progress: Progress, where: str) -> None:
+    """Refuse `Progress` fields a resume would refuse (each an integer >= 0), naming them."""
+    if bad := [f"{k}={shorten(getattr(progress, k))}" for k in _PROGRESS_INTS if not is_count(getattr(progress, k))]:
+        raise CheckpointError(f"{where}: Progress fields must be integers >= 0 (a resume refuses anything else), "
+                              f"found {', '.join(bad)}")
+
+
 def _python_rng() -> dict[str, Any]:
     version, state, gauss = random.getstate()
     return {"version": version, "state": list(state), "gauss_next": gauss}
@@ -70,8 +76,8 @@ def _numpy_rng() -> dict[str, Any]:
 def stateful_loader(dataloader: Any) -> Any:
     """What holds the data position: the object itself when it has `state_dict`, else a torch
     `DataLoader`'s batch sampler or sampler that has one (a `ResumableBatchSampler` given as
-    `batch_sampler=`), else the object, whose position is then neither saved nor restored (each
-    save says so: `checkpoint.extra.dataloader_position_unsaved`)."""
+    `batch_sampler=`), else the object, whose position is then neither saved nor restored (its
+    first save says so: `checkpoint.extra.dataloader_position_unsaved`)."""
     if dataloader is None or callable(getattr(dataloader, "state_dict", None)):
         return dataloader
     for name in ("batch_sampler", "sampler"):
@@ -81,10 +87,24 @@ def stateful_loader(dataloader: Any) -> Any:
     return dataloader
 
 
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Loaders already named as saving no position: once each, not at every save."""
+
+
+def _first_time(dataloader: Any) -> bool:
+    try:
+        if dataloader in _WARNED:
+            return False
+        _WARNED.add(dataloader)
+    except TypeError:  # an object that takes no weak reference: said at every save
+        pass
+    return True
+
+
 def _dataloader_state(dataloader: Any, where: str) -> Any:
     dataloader = stateful_loader(dataloader)
     state_dict = getattr(dataloader, "state_dict", None)
-    if dataloader is not None and not callable(state_dict):
+    if dataloader is not None and not callable(state_dict) and _first_time(dataloader):
         structlog.get_logger().warning("checkpoint.extra.dataloader_position_unsaved", path=where,
                                        dataloader=type(dataloader).__name__,
                                        reason="it has no state_dict(), nor has its sampler: a resume replays its data")

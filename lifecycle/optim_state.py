@@ -66,8 +66,8 @@ SCALAR_STATE = frozenset({"step"})
 def check_optimizer_state(optimizer: Any, saved: Any, path: Path) -> None:
     """Refuse an optimizer state (`optimizer.state_dict()`'s, ids by position) that
     `load_state_dict` takes but the first step fails on, or trains on silently: groups that do
-    not fit the running ones, a state lacking a key torch's Adam and AdamW read (`step`,
-    `exp_avg`, `exp_avg_sq`: other optimizers keep other keys per parameter), a buffer of another parameter's
+    not fit the running ones, a state lacking a key the step of one of torch's optimizers reads
+    (`state_keys`), a buffer of another parameter's
     shape (two swapped), one tensor given for two buffers, a step that is not a finite number
     >= 0. Nothing runs the optimizer (a zero-lr step moves the weights of an optimizer whose
     update does not scale with lr).
@@ -83,7 +83,7 @@ def check_optimizer_state(optimizer: Any, saved: Any, path: Path) -> None:
     if not isinstance(state, dict):
         raise CheckpointError(f"{where}: optimizer.state must be a mapping of parameter number to state")
     seen: dict[int, str] = {}
-    needed = _ADAM_STATE if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) else frozenset()
+    groups = {n: saved_group for saved_group in saved["param_groups"] for n in saved_group["params"]}
     for number, entry in state.items():
         if number not in params:
             raise CheckpointError(f"{where}: optimizer.state holds parameter {shorten(number)}, which no "
@@ -92,7 +92,7 @@ def check_optimizer_state(optimizer: Any, saved: Any, path: Path) -> None:
             raise CheckpointError(f"{where}: state of parameter {number} must be a mapping, "
                                   f"found {shorten(entry, 120)}")
         param, group_numel = params[number]
-        if missing := sorted(needed - entry.keys()):
+        if missing := sorted(state_keys(optimizer, groups[number]) - entry.keys()):
             raise CheckpointError(f"{where}: state of parameter {number} lacks {shorten(missing, 120)}, which "
                                   "its optimizer's step reads")
         current = optimizer.state.get(param, {})
@@ -106,8 +106,30 @@ def check_optimizer_state(optimizer: Any, saved: Any, path: Path) -> None:
                 raise CheckpointError(f"{where}: {place}: {problem}")
 
 
-_ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq"})
-"""What torch's Adam and AdamW read of every parameter's state (`max_exp_avg_sq` too with amsgrad)."""
+_STATE_KEYS: tuple[tuple[type, frozenset[str], tuple[tuple[str, str], ...]], ...] = (
+    (torch.optim.NAdam, frozenset({"step", "mu_product", "exp_avg", "exp_avg_sq"}), ()),
+    (torch.optim.Adam, frozenset({"step", "exp_avg", "exp_avg_sq"}), (("amsgrad", "max_exp_avg_sq"),)),
+    (torch.optim.AdamW, frozenset({"step", "exp_avg", "exp_avg_sq"}), (("amsgrad", "max_exp_avg_sq"),)),
+    (torch.optim.RAdam, frozenset({"step", "exp_avg", "exp_avg_sq"}), ()),
+    (torch.optim.Adamax, frozenset({"step", "exp_avg", "exp_inf"}), ()),
+    (torch.optim.RMSprop, frozenset({"step", "square_avg"}), (("momentum", "momentum_buffer"), ("centered", "grad_avg"))),
+    (torch.optim.Adagrad, frozenset({"step", "sum"}), ()),
+    (torch.optim.Adadelta, frozenset({"step", "square_avg", "acc_delta"}), ()),
+    (torch.optim.ASGD, frozenset({"step", "eta", "mu", "ax"}), ()),
+    (torch.optim.Rprop, frozenset({"step", "prev", "step_size"}), ()),
+)
+"""What the step of each of torch's optimizers reads of a parameter's state, and the keys a
+group's setting adds when it is truthy (Adam's `amsgrad`: `max_exp_avg_sq`); a subclass's too."""
+
+
+def state_keys(optimizer: Any, saved_group: Any) -> frozenset[str]:
+    """The keys a parameter's saved state must have for `optimizer`'s step, by the saved group's
+    settings (which `load_state_dict` takes); none for an optimizer torch does not ship."""
+    for cls, keys, extra in _STATE_KEYS:
+        if isinstance(optimizer, cls):
+            group = saved_group if isinstance(saved_group, dict) else {}
+            return keys | {key for setting, key in extra if group.get(setting)}
+    return frozenset()
 
 
 def step_problem(value: Any) -> str | None:

@@ -325,8 +325,6 @@ class Phase:
         raised = self._end(exc)
         if raised is not None and raised is not exc:
             raise raised  # an undo's interrupt or failure; the work's own error is its context
-        if exc is None:
-            self.lc._ended(self)
 
     def _end(self, exc: BaseException | None) -> BaseException | None:
         """Undos, then done or fail, then the record, each whatever the one before raised; what
@@ -351,6 +349,8 @@ class Phase:
                 f"objects are not as they were (role {lc.role}); first: {shorten(undo_errors[0], 500)}")
             error.__cause__ = undo_errors[0]
         try:
+            if error is None:  # before the move out: no other phase may start and read the progress meanwhile
+                lc._ended(self)
             if self.dst._name_ in lc._table.working_names:
                 src, self.dst = lc._move(FAIL if error is not None else DONE)
                 lc._tell(src, self.dst, FAIL if error is not None else DONE)

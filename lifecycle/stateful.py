@@ -111,7 +111,9 @@ class Stateful(Generic[S]):
         """Called under the lock right after each move: state that must change with it changes here."""
 
     def _ended(self, phase: Phase) -> None:
-        """Called after a phase whose work succeeded has left its record."""
+        """Called when a phase's work and undos succeeded, before the machine moves out of its
+        working state: what it sets (a train step's progress) is in place before another phase
+        can start."""
 
     def _running(self, what: str) -> Phase:
         phase = self._phase

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Any, Iterable, Iterator
 
+from lifecycle.errors import ConfigError
 from lifecycle.phase import GLOBAL_OBSERVERS, Observer, TransitionRecord
 from lifecycle.stateful import Stateful
 from lifecycle.types import Parts, Progress, SaveInfo, updating
@@ -34,8 +35,8 @@ class _FailureSwitch:
 
     def __init__(self, fail_at: Iterable[str] = ()) -> None:
         if isinstance(fail_at, str):  # set("save") would be {'s', 'a', 'v', 'e'}
-            raise TypeError(f"fail_at takes a collection of phase names, got the string {fail_at!r}: "
-                            f"write fail_at={{{fail_at!r}}}")
+            raise ConfigError("fail_at", f"fail_at takes a collection of phase names, got the string {fail_at!r}: "
+                                         f"write fail_at={{{fail_at!r}}}")
         self.fail_at = set(fail_at)
         self._once: set[str] = set()
         self.calls: list[tuple[str, Any]] = []
@@ -59,6 +60,14 @@ _PARTS = ("model", "optimizer", "lr_scheduler", "dataloader")
 of resume sees the batch a disk checkpoint would restore. RNG states are not kept."""
 
 
+def _holder(parts: Parts, name: str) -> Any:
+    """What holds a part's state: a DataLoader's sampler, as on disk (`extra.stateful_loader`)."""
+    from lifecycle.extra import stateful_loader
+
+    part = getattr(parts, name)
+    return stateful_loader(part) if name == "dataloader" else part
+
+
 class MemoryCheckpointer(_FailureSwitch):
     """A Checkpointer holding checkpoints in memory; phases: load_initial, save, commit, resume.
 
@@ -79,7 +88,7 @@ class MemoryCheckpointer(_FailureSwitch):
 
     def save(self, step: int, parts: Parts, progress: Progress) -> SaveInfo:
         self.hit("save", step)
-        snapshot = {name: _snapshot(getattr(parts, name)) for name in _PARTS}
+        snapshot = {name: _snapshot(_holder(parts, name)) for name in _PARTS}
         snapshot["progress"] = replace(progress, user=copy.deepcopy(progress.user))
         self.hit("commit", step)
         self.saved[step] = snapshot
@@ -91,7 +100,7 @@ class MemoryCheckpointer(_FailureSwitch):
             return None
         snapshot = self.saved[max(self.saved)]
         for name in _PARTS:
-            target, state = getattr(parts, name), snapshot[name]
+            target, state = _holder(parts, name), snapshot[name]
             if target is not None and state is not None:
                 target.load_state_dict(copy.deepcopy(state))
         progress: Progress = snapshot["progress"]

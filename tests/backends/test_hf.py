@@ -629,3 +629,22 @@ def test_every_optimizer_s_own_state_passes_the_checks(tmp_path: Path, make: Any
     opt.step(closure(model, opt))
     opt2.step(closure(model2, opt2))
     assert same_state(model, model2)
+
+
+@pytest.mark.parametrize(("make", "key"), [
+    (lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.9, centered=True), "grad_avg"),
+    (lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True), "max_exp_avg_sq"),
+    (lambda ps: torch.optim.NAdam(ps, lr=0.01), "mu_product"),
+], ids=["rmsprop-centered", "adam-amsgrad", "nadam"])
+def test_a_state_lacking_what_a_torch_optimizers_step_reads_is_refused(tmp_path: Path, make: Any, key: str) -> None:
+    """Each loaded and then raised a raw KeyError at the first step (NAdam inside the load)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = make(list(model.parameters()))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    HFBackend().save_optimizer(opt, None, tmp_path)
+    edit_json(tmp_path / "optimizer.json", lambda doc: _by_string_keys(doc["optimizer"])["state"]["0"].pop(key))
+    fresh = nn.Linear(4, 3)
+    with pytest.raises(CheckpointError, match=f"state of parameter 0 lacks \\['{key}'\\], which its optimizer's step"):
+        HFBackend().load_optimizer(make(list(fresh.parameters())), None, tmp_path)

@@ -254,6 +254,35 @@ def test_a_step_that_is_not_a_finite_number_at_least_zero_is_refused(tmp_path: P
     assert same_state(_optim_by_fqn(fresh, fresh_opt), untouched), "checked before a byte reached the optimizer"
 
 
+class _IntStepSGD(torch.optim.SGD):
+    """Keeps its step as a plain int, as some optimizers (transformers' Adafactor) do."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["step"] = self.state[p].get("step", 0) + 1
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        return super().step(closure)
+
+
+def test_a_step_kept_as_a_plain_number_is_checked_too(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2)
+    optimizer = _IntStepSGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "optimizer" / OPTIM_JSON
+    TorchDCPBackend().save_optimizer(optimizer, None, tmp_path / "optimizer", model=model)
+    doc = json.loads(path.read_text())
+    doc["optimizer"]["state"]["weight"]["step"] = -1
+    path.write_text(json.dumps(doc))
+    fresh = nn.Linear(3, 2)
+    with pytest.raises(CheckpointError, match="state of 'weight', key 'step': must be one finite number >= 0"):
+        TorchDCPBackend().load_optimizer(_IntStepSGD(fresh.parameters(), lr=0.1), None, tmp_path / "optimizer",
+                                         model=fresh)
+
+
 def test_a_scheduler_built_since_the_save_does_not_make_its_initial_lr_a_missing_hyper_parameter(
     tmp_path: Path,
 ) -> None:

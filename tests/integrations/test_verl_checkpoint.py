@@ -318,6 +318,22 @@ def test_resuming_the_trackers_step_after_a_crash_before_the_tracker_sets_the_ne
         fresh.save_checkpoint(local_path(tmp_path, 2), None, 2)  # no load: nothing says 3 is abandoned
 
 
+def test_a_load_through_a_symlinked_spelling_of_the_root_still_sets_the_abandoned_steps_aside(tmp_path: Path) -> None:
+    """The same crash as above, with the load's path spelled through a link to the root: the
+    roots were compared as text, so the first save was refused instead."""
+    root = tmp_path / "root"
+    ckpt, _ = manager()
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(local_path(root, step), None, step)
+    trainer_writes(root, 1)
+    ckpt.close()
+    (tmp_path / "link").symlink_to(root)
+    again, _ = manager(seed=1)
+    again.load_checkpoint(local_path(tmp_path / "link", 1))
+    again.save_checkpoint(local_path(root, 2), None, 2)
+    assert steps_on_disk(root) == [1, 2] and len(list(root.glob("global_step_*.superseded-*"))) == 2
+
+
 def files_under(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 

@@ -485,3 +485,10 @@ def test_a_model_hash_function_that_raises_is_a_checkpoint_error(tmp_path: Path)
 
     with pytest.raises(CheckpointError, match="model-config hash cannot be computed: KeyError"):
         DiskCheckpointer(config(tmp_path), role="actor", model_config_hash=broken).resume(parts())
+
+
+def test_progress_a_resume_would_refuse_fails_the_save_before_any_content_is_written(tmp_path: Path) -> None:
+    ckpt = DiskCheckpointer(config(tmp_path), role="actor")
+    with pytest.raises(CheckpointError, match=r"save of step 1 \(role actor\): Progress fields must be integers"):
+        ckpt.save(1, parts(), Progress(step=1, consumed_samples=-5))
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())

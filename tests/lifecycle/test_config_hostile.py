@@ -331,7 +331,8 @@ def test_a_yaml_value_the_parser_cannot_build_is_an_error_naming_the_file(tmp_pa
     (b"checkpoint:\n  keep_last: 10\n  keep_last: 2\n", "key 'keep_last' is given twice"),
     (b"checkpoint: {keep_last: 010}\n", "'010' is an ambiguous integer"),
     (b"watchdog: {save_s: 1:30}\n", "'1:30' is an ambiguous integer"),
-], ids=["section-twice", "key-twice", "octal", "base-60"])
+    (b"watchdog: {save_s: 1:30.5}\n", "'1:30.5' is an ambiguous number"),
+], ids=["section-twice", "key-twice", "octal", "base-60", "base-60-float"])
 def test_yaml_that_would_silently_mean_something_else_is_refused_naming_the_file(
     tmp_path: Path, text: bytes, says: str,
 ) -> None:
@@ -345,6 +346,9 @@ def test_yaml_merge_keys_and_plain_integers_still_parse(tmp_path: Path) -> None:
     from lifecycle.config_file import read_yaml
 
     assert read_yaml(str(path)) == {"base": {"keep_last": 4, "fsync": True}, "checkpoint": {"keep_last": 16, "fsync": True}}
+    nested = _file(tmp_path, b"base: &base {keep_last: 1}\ncheckpoint: {save: &save {<<: *base, keep_last: 3}}\n"
+                             b"other: {<<: *save}\n")  # a merge source with merges of its own, flattened first
+    assert read_yaml(str(nested))["other"] == {"keep_last": 3}
 
 
 def test_a_file_past_the_size_limit_is_refused_unread(tmp_path: Path) -> None:

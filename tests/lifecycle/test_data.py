@@ -191,7 +191,7 @@ def test_a_sampler_built_from_odd_values_is_a_config_error_naming_the_argument(
         ResumableBatchSampler(*args, **kwargs)
 
 
-def test_a_torch_dataloader_over_the_sampler_saves_and_restores_its_position(tmp_path: Path) -> None:
+def test_a_torch_dataloader_over_the_sampler_saves_its_position_and_one_without_says_it_saves_none(tmp_path: Path) -> None:
     """Passed as `dataloader=`, a DataLoader (no state_dict of its own) saved no position and
     said nothing: the resumed run replayed epoch 0. Its batch sampler's position is used."""
     from structlog.testing import capture_logs
@@ -215,5 +215,6 @@ def test_a_torch_dataloader_over_the_sampler_saves_and_restores_its_position(tmp
     plain.init_load()
     with capture_logs() as logs:
         plain.save(1)
+        plain.save(2)  # said once per loader, not at every save
     assert [r["dataloader"] for r in logs if r["event"] == "checkpoint.extra.dataloader_position_unsaved"] \
         == ["DataLoader"]

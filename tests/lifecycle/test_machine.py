@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -165,8 +166,9 @@ def test_resume_from_failed_restores_the_saved_step() -> None:
 
 
 def test_resume_from_failed_with_nothing_saved_is_refused_not_a_fresh_start_over_the_failed_runs_state() -> None:
-    """It reported a fresh start (None) while the optimizer, scheduler and data position were
-    the failed run's: the machine stays FAILED and the error says to build anew."""
+    """After a train step it reported a fresh start (None) while the optimizer, scheduler and
+    data position were the failed run's: the machine stays FAILED and the error says to build
+    anew. A failed init_load moved nothing, so its resume still starts fresh."""
     lc = make_lifecycle()
     lc.init_load()
     with pytest.raises(RuntimeError):
@@ -175,6 +177,11 @@ def test_resume_from_failed_with_nothing_saved_is_refused_not_a_fresh_start_over
     with pytest.raises(CheckpointError, match="from FAILED found no checkpoint to restore; a fresh start needs"):
         lc.resume()
     assert lc.state is S.FAILED
+    untrained = make_lifecycle()  # a failed init_load moved nothing: its resume may start fresh
+    untrained.checkpointer.fail_next("load_initial")  # type: ignore[attr-defined]
+    with pytest.raises(InjectedFailure):
+        untrained.init_load()
+    assert untrained.resume() is None and untrained.state is S.READY
 
 
 def test_machine_edges_are_generated_from_the_table_only() -> None:
@@ -256,3 +263,28 @@ def test_a_trigger_on_a_closed_machine_says_closed_is_final_not_that_a_phase_is_
     lc.close()
     with pytest.raises(InvalidTransition, match="cannot 'resume' from state CLOSED.*allowed from there: none: CLOSED is final"):
         lc.resume()
+
+
+def test_a_save_started_the_moment_a_train_step_ends_saves_under_that_step() -> None:
+    """The train step's progress was set after the machine had left TRAINING and told its
+    observers: a save on another thread in that gap labelled step 2's weights as step 1."""
+    import threading
+
+    from lifecycle.phase import Observer
+    from lifecycle.table import DONE
+
+    saved: list[int] = []
+
+    class SaveAtOnce(Observer):
+        def on_state_change(self, lc: Any, src: Any, dst: Any, trigger: str) -> None:
+            if trigger == DONE and src is S.TRAINING:
+                saver = threading.Thread(target=lambda: saved.append(lc.save().step))
+                saver.start()
+                saver.join(10)
+
+    lc = make_lifecycle(observers=[SaveAtOnce()])
+    lc.init_load()
+    for step in (1, 2):
+        with lc.train_step(step):
+            pass
+    assert saved == [1, 2] and sorted(lc.checkpointer.saved) == [1, 2]  # type: ignore[attr-defined]

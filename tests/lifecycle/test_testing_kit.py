@@ -89,6 +89,8 @@ def test_memory_checkpointer_restores_the_data_position_so_a_resume_trains_on_th
     trained on the first batch again, where a disk checkpoint restores the next one."""
     from lifecycle.data import ResumableBatchSampler
 
+    from torch.utils.data import DataLoader
+
     sampler = ResumableBatchSampler(16, 2, seed=1)
     lc = Lifecycle(model=torch.nn.Linear(2, 2), checkpointer=MemoryCheckpointer(), dataloader=sampler)
     lc.init_load()
@@ -99,10 +101,13 @@ def test_memory_checkpointer_restores_the_data_position_so_a_resume_trains_on_th
     lc.save(3)
     expected = next(stream)
     fresh = ResumableBatchSampler(16, 2, seed=1)
-    again = Lifecycle(model=torch.nn.Linear(2, 2), checkpointer=lc.checkpointer, dataloader=fresh)
-    assert again.resume() == 3 and next(fresh.batches()) == expected
+    loader = DataLoader(list(range(16)), batch_sampler=fresh)  # through a DataLoader, as on disk
+    again = Lifecycle(model=torch.nn.Linear(2, 2), checkpointer=lc.checkpointer, dataloader=loader)
+    assert again.resume() == 3 and next(iter(loader)).tolist() == expected
 
 
 def test_memory_checkpointer_fail_at_a_bare_string_is_refused_not_split_into_letters() -> None:
-    with pytest.raises(TypeError, match="write fail_at={'save'}"):
+    from lifecycle.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="write fail_at={'save'}"):
         MemoryCheckpointer(fail_at="save")

@@ -100,15 +100,20 @@ def test_a_phase_within_its_budget_and_an_unbudgeted_phase_leave_no_overdue_reco
     assert _records(logs, "lifecycle.phase_overdue") == []
 
 
-def test_one_watchdog_thread_serves_every_phase_of_the_process() -> None:
+def test_one_watchdog_thread_serves_every_phase_of_the_process_and_ends_when_none_runs() -> None:
     """(Other tests may build `Watchdog` objects of their own; the lifecycles add none.)"""
-    before = set(threading.enumerate())
+    def watchdogs() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "lifecycle-watchdog"}
+
+    before = watchdogs()
     lives = [_lifecycle(train_step_s=5.0) for _ in range(3)]
     for step, lc in enumerate(lives):
         with lc.train_step(step):
-            assert WATCHDOG.watching >= 1
-    assert set(threading.enumerate()) - before <= {WATCHDOG._thread}
-    assert WATCHDOG._thread is not None and WATCHDOG._thread.is_alive()
+            assert WATCHDOG.watching >= 1 and watchdogs() <= before | {WATCHDOG._thread}
+    deadline = time.monotonic() + HANG_GUARD_S
+    while WATCHDOG._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert WATCHDOG._thread is None and WATCHDOG.watching == 0
 
 
 def test_each_phase_reports_to_the_emitter_its_machine_names_through_the_one_process_thread() -> None:
