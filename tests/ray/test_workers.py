@@ -122,7 +122,7 @@ def test_workers_sharing_a_process_share_its_one_watchdog_thread(tmp_path: Path)
             assert _stuck_until_reported(worker), "each worker's report reaches its own inbox"
     after = {t for t in threading.enumerate() if t.name == "lifecycle-watchdog"}
     assert len(after - before) <= 1 and all(worker.watchdog is WATCHDOG for worker in workers)
-    assert WATCHDOG._thread in after and WATCHDOG.watching == 0
+    assert WATCHDOG.watching == 0 and WATCHDOG._thread in after | {None}  # it ends once nothing is watched
 
 
 def test_a_rollouts_weights_errors_name_its_index_and_it_reports_its_process(tmp_path: Path) -> None:
