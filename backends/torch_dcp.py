@@ -153,10 +153,18 @@ def _own_tensors(saved: dict[str, Any], running: dict[str, Any], where: str) -> 
                                       "it another tensor than its own (another key's or parameter's, or none)")
 
 
-def _check_steps(tensors: dict[str, torch.Tensor], folder: Path, reader: MetadataReader, where: str) -> None:
-    """Each parameter's `step` read first into copies and checked (`step_problem`): the
-    template's tensors are the optimizer's own, so a step checked after the read would have
-    changed the optimizer before its refusal."""
+def _check_steps(state: dict[str, Any], tensors: dict[str, torch.Tensor], folder: Path, reader: MetadataReader,
+                 where: str) -> None:
+    """Each parameter's `step` checked (`step_problem`) before anything is read: one the JSON
+    holds as a number (an optimizer that keeps a plain int), and one in the shards read first
+    into copies, since the template's tensors are the optimizer's own and a step checked after
+    the read would have changed the optimizer before its refusal."""
+    for name, entry in state.items():
+        plain = {key: value for key, value in entry.items() if key in SCALAR_STATE
+                 and not isinstance(value, torch.Tensor)} if isinstance(entry, dict) else {}
+        for key, value in plain.items():
+            if problem := step_problem(value):
+                raise CheckpointError(f"{where}: state of {shorten(name)}, key {key!r}: {problem}")
     steps = {name: tensor.clone() for name, tensor in tensors.items() if name.rpartition(".")[2] in SCALAR_STATE}
     if steps:
         _read_into(steps, folder, reader)
@@ -297,7 +305,7 @@ class TorchDCPBackend(FormatBackend):
         check_param_groups(optimizer, saved.get("param_groups") if isinstance(saved, dict) else None, where, ids=str)
         _own_tensors(saved["state"], running["optimizer"]["state"], where)
         check_scheduler_state(lr_scheduler, state.get("lr_scheduler"), str(path))
-        _check_steps(tensors, folder, reader, where)
+        _check_steps(saved["state"], tensors, folder, reader, where)
         _read_into(tensors, folder, reader)
         try:
             set_optimizer_state_dict(model, optimizer, saved)
