@@ -327,8 +327,7 @@ def _check_private(entry: _Entry, owners: dict[int, list[str]], key: GroupKey) -
                              "the two apart")
     whole, own = tensor.untyped_storage().nbytes(), tensor.numel() * tensor.element_size()
     if own > whole:  # a stride of 0: moving it gives each element bytes of its own
-        raise FlattenRefused(why + f"it is an expanded view whose {own} bytes repeat its storage's {whole}; clone "
-                             "it first (p.data = p.data.clone()) if each element is to be its own")
+        raise FlattenRefused(why + f"it is an expanded view whose {own} bytes repeat its storage's {whole}; clone it")
     if tensor.storage_offset() or whole != own:
         raise FlattenRefused(why + f"it is a view of a larger tensor that is not a parameter ({own} of its "
                              f"storage's {whole} bytes); moving it would cut it off from that tensor. "
