@@ -207,13 +207,20 @@ def test_param_groups_that_do_not_fit_the_optimizer_are_refused_naming_the_key(
 ) -> None:
     """`set_optimizer_state_dict` would take them, and the first step fail or train on NaN."""
     path = saved_then_edited(tmp_path, lambda doc: edit(doc["optimizer"]["param_groups"]))
+    fresh_opt, fresh_sched = refused_leaving_a_fresh_optimizer_untouched(tmp_path, path, needle)
+    assert fresh_opt.param_groups[0]["lr"] == 1e-2 and fresh_sched.last_epoch == 0
+
+
+def refused_leaving_a_fresh_optimizer_untouched(tmp_path: Path, path: Path, needle: str) -> tuple[Any, Any]:
+    """Loading tmp_path/optimizer into fresh parts is refused naming `path` and `needle`, and
+    the fresh optimizer's state is as it was; returns the optimizer and scheduler."""
     fresh, fresh_opt, fresh_sched = fresh_parts(seed=1)
     untouched = {k: v.clone() for k, v in _optim_by_fqn(fresh, fresh_opt).items()}
     with pytest.raises(CheckpointError) as caught:
         TorchDCPBackend().load_optimizer(fresh_opt, fresh_sched, tmp_path / "optimizer", model=fresh)
     assert str(caught.value).startswith(f"{path}: does not fit the optimizer: ") and needle in str(caught.value)
-    assert fresh_opt.param_groups[0]["lr"] == 1e-2 and fresh_sched.last_epoch == 0
     assert same_state(_optim_by_fqn(fresh, fresh_opt), untouched)
+    return fresh_opt, fresh_sched
 
 
 STATE_EDITS = {  # optimizer.json's state, keyed by parameter name; each tensor named by its place
@@ -232,12 +239,7 @@ def test_state_tensors_named_for_another_place_or_missing_are_refused_before_dcp
     first step), two moments aliased (trained on silently), or a KeyError at the first step."""
     change, needle = STATE_EDITS[edit]
     path = saved_then_edited(tmp_path, lambda doc: change(doc["optimizer"]["state"]))
-    fresh, fresh_opt, fresh_sched = fresh_parts(seed=1)
-    untouched = {k: v.clone() for k, v in _optim_by_fqn(fresh, fresh_opt).items()}
-    with pytest.raises(CheckpointError) as caught:
-        TorchDCPBackend().load_optimizer(fresh_opt, fresh_sched, tmp_path / "optimizer", model=fresh)
-    assert str(caught.value).startswith(f"{path}: does not fit the optimizer: ") and needle in str(caught.value)
-    assert same_state(_optim_by_fqn(fresh, fresh_opt), untouched)
+    refused_leaving_a_fresh_optimizer_untouched(tmp_path, path, needle)
 
 
 @pytest.mark.parametrize("step", [math.nan, -1.0])
