@@ -10,15 +10,26 @@ hung.
 
 The thread starts with the first budgeted phase and sleeps until the nearest deadline, so a
 phase without a budget costs nothing and one with a budget costs a lock and a dict entry.
+
+The thread is Python and needs the GIL to report. A phase stuck in native code that holds the
+GIL (a C extension spinning or blocked without releasing it) would silence it, so the process's
+`faulthandler` timer is the backstop: armed for `backstop_s` after the nearest deadline and
+moved on whenever the thread reports, it fires only when the thread could not, and writes every
+thread's stack to stderr from C. It is the process's one `faulthandler.dump_traceback_later`
+timer: set `WATCHDOG.backstop_s = None` where something else (pytest's `faulthandler_timeout`)
+uses it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import numbers
+import os
 import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +75,11 @@ MAX_BUDGET_S = 10.0**7
 """The longest budget (about 116 days): past it the deadline is no time the thread can wait for."""
 _LONGEST_WAIT_S = 3600.0
 """The thread wakes at least hourly (a wait longer than the platform's limit raises)."""
+BACKSTOP_S = 5.0
+"""How long after a deadline the thread has to report before `faulthandler` dumps the stacks."""
+_LINGER_S = 1.0
+"""How long the thread outlives the last phase it watched (at most half the backstop), so that
+phase after phase keeps one timer setting."""
 
 
 class Watchdog:
@@ -74,12 +90,35 @@ class Watchdog:
     `emit` given here is the default for phases that name none.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, emit: Emit | None = None) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, emit: Emit | None = None,
+                 backstop_s: float | None = None) -> None:
         self._clock = clock
         self._emit = emit
         self._cond = threading.Condition(threading.Lock())
         self._watched: dict[int, _Watched] = {}
         self._thread: threading.Thread | None = None
+        self._fires_at: float | None = None
+        """When the backstop's timer is set to fire (this watchdog's clock); None: not set."""
+        self._backstop_s: float | None = None
+        self.backstop_s = backstop_s
+        _INSTANCES.add(self)
+
+    @property
+    def backstop_s(self) -> float | None:
+        """Seconds past the nearest deadline at which `faulthandler` dumps every stack unless the
+        thread has reported by then (see the module's docstring); None: no backstop. One watchdog
+        of a process may have one (the process's `WATCHDOG` has)."""
+        return self._backstop_s
+
+    @backstop_s.setter
+    def backstop_s(self, seconds: float | None) -> None:
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, numbers.Real)
+                                    or not MIN_BUDGET_S <= seconds <= MAX_BUDGET_S):
+            raise LifecycleError(f"the watchdog's backstop_s is None or a number of seconds in "
+                                 f"{MIN_BUDGET_S}..{MAX_BUDGET_S:g}, got {shorten(seconds)}")
+        with self._cond:
+            self._backstop_s = None if seconds is None else float(seconds)
+            self._set_backstop(self._backstop_due())
 
     def watch(self, key: int, budget_s: float, emit: Emit | None = None, **fields: Any) -> None:
         """Start the budget of the phase `key` (its id) running on the calling thread; its
@@ -93,6 +132,7 @@ class Watchdog:
         entry = _Watched(float(budget_s), self._clock(), threading.get_ident(), fields, emit)
         with self._cond:
             self._watched[key] = entry
+            self._keep_backstop()
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="lifecycle-watchdog", daemon=True)
                 self._thread.start()
@@ -103,29 +143,93 @@ class Watchdog:
         with self._cond:
             self._watched.pop(key, None)
             if not self._watched:
-                self._cond.notify()  # the thread ends now, not at its next deadline
+                self._cond.notify()  # the thread lingers a moment, stops the backstop and ends
 
     @property
     def watching(self) -> int:
         with self._cond:
             return len(self._watched)
 
+    def _backstop_due(self) -> float | None:
+        """When the backstop should fire: `backstop_s` past the nearest deadline; None when nothing
+        is watched or there is no backstop."""
+        if self._backstop_s is None or not self._watched:
+            return None
+        return min(entry.deadline for entry in self._watched.values()) + self._backstop_s
+
+    def _keep_backstop(self) -> None:
+        """Move the timer (with the lock held) only where it is wrong: unset while a phase is
+        watched, set to fire before the nearest deadline (a dump with no phase overdue), or more
+        than a backstop late. Moving it stalls the interpreter about half a millisecond (the
+        timer's thread is joined with the GIL held), so phase after phase reuses one setting and
+        the thread moves it on as it comes near (`_run`); stopping it is the thread's too."""
+        due, fires_at, backstop = self._backstop_due(), self._fires_at, self._backstop_s
+        if due is not None and backstop is not None and (
+                fires_at is None or not due - backstop <= fires_at <= due + backstop):
+            self._set_backstop(due)
+
+    def _set_backstop(self, fires_at: float | None) -> None:
+        """Set the timer to fire at `fires_at`, or stop it (None); with the lock held. A process
+        whose standard error has no descriptor goes without it."""
+        try:
+            if fires_at is not None:
+                faulthandler.dump_traceback_later(max(fires_at - self._clock(), MIN_BUDGET_S), file=_STDERR_FD)
+            elif self._fires_at is not None:
+                faulthandler.cancel_dump_traceback_later()
+            self._fires_at = fires_at
+        except (OSError, ValueError, RuntimeError, OverflowError):
+            self._fires_at = None
+
+    def _before_fork(self) -> None:
+        """Hold the lock and stop the backstop's timer across a fork: a child would inherit the
+        timer as running without its thread, and its exit (or its own cancel) would wait for it
+        forever."""
+        self._cond.acquire()
+        self._set_backstop(None)
+
+    def _after_fork_in_parent(self) -> None:
+        self._keep_backstop()
+        self._cond.release()
+
+    def _after_fork_in_child(self) -> None:
+        """The child has only the forking thread: it keeps that thread's phases and no other's
+        (which would be reported as overdue in it), and starts its own thread when it next watches."""
+        me = threading.get_ident()
+        self._cond = threading.Condition(threading.Lock())
+        self._watched = {key: entry for key, entry in self._watched.items() if entry.thread == me}
+        self._thread, self._fires_at = None, None
+
     def _run(self) -> None:
+        idle_since: float | None = None
         while True:
             with self._cond:
-                if not self._watched:  # nothing to watch: the thread ends (`watch` starts another)
-                    self._thread = None
-                    return
-                now = self._clock()
+                now, backstop = self._clock(), self._backstop_s
+                if not self._watched:  # nothing to watch: after a moment (a next phase reuses the timer), the end
+                    idle_since = now if idle_since is None else idle_since
+                    linger = 0.0 if self._fires_at is None or backstop is None else min(_LINGER_S, backstop / 2)
+                    if now - idle_since >= linger:
+                        self._set_backstop(None)
+                        self._thread = None
+                        return
+                    self._cond.wait(linger - (now - idle_since))
+                    continue
+                idle_since = None
                 due = [(key, entry) for key, entry in self._watched.items() if entry.deadline <= now]
                 for _, entry in due:  # a late wake-up reports once, at the multiple reached
                     entry.overdue = int((now - entry.start) // entry.budget_s)
                 if not due:
-                    nearest = min(entry.deadline for entry in self._watched.values())
-                    self._cond.wait(min(max(nearest - now, 0.0), _LONGEST_WAIT_S))
+                    wake = min(entry.deadline for entry in self._watched.values())
+                    if self._fires_at is not None and backstop is not None:  # move the timer on before it fires
+                        if now >= self._fires_at - backstop / 2:
+                            self._set_backstop(self._backstop_due())
+                        if self._fires_at is not None:
+                            wake = min(wake, self._fires_at - backstop / 2)
+                    self._cond.wait(min(max(wake - now, 0.0), _LONGEST_WAIT_S))
                     continue
             for _, entry in due:
                 self._report(entry, now)
+            with self._cond:  # reported: the backstop moves on to the next deadline
+                self._set_backstop(self._backstop_due())
 
     def _report(self, entry: _Watched, now: float) -> None:
         elapsed = now - entry.start
@@ -138,5 +242,21 @@ class Watchdog:
             pass
 
 
-WATCHDOG = Watchdog()
-"""The process's watchdog, used by every `Phase` with a budget."""
+_INSTANCES: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+
+
+def _each(method: Callable[[Watchdog], None]) -> Callable[[], None]:
+    def hook() -> None:
+        for watchdog in list(_INSTANCES):
+            method(watchdog)
+    return hook
+
+
+os.register_at_fork(before=_each(Watchdog._before_fork), after_in_parent=_each(Watchdog._after_fork_in_parent),
+                    after_in_child=_each(Watchdog._after_fork_in_child))
+
+_STDERR_FD = 2
+"""Where the backstop writes: the process's standard error, whatever `sys.stderr` is now."""
+
+WATCHDOG = Watchdog(backstop_s=BACKSTOP_S)
+"""The process's watchdog, used by every `Phase` with a budget; its `faulthandler` backstop is on."""

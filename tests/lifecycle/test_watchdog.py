@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
 
 from lifecycle import Lifecycle
 from lifecycle.config import LifecycleConfig
-from lifecycle.errors import ConfigError
+from lifecycle.errors import ConfigError, LifecycleError
 from lifecycle.testing import MemoryCheckpointer
 from lifecycle.types import Parts, Progress, SaveInfo
-from lifecycle.watchdog import WATCHDOG
+from lifecycle.watchdog import WATCHDOG, Watchdog
+from tests.children import Child
 
 HANG_GUARD_S = 30.0
 
@@ -164,3 +167,84 @@ def test_budgets_default_to_syncs_only_and_bad_budgets_are_refused_naming_the_ke
         with pytest.raises(ConfigError) as err:
             LifecycleConfig.from_dict({"watchdog": bad})
         assert err.value.key == key
+
+
+def _probe(case: str, tmp_path: Path) -> tuple[str, str]:
+    """(stdout, stderr) of `watchdog_probe.py case`, run in a child process."""
+    err = tmp_path / "stderr.txt"
+    child = Child.spawn([str(Path(__file__).with_name("watchdog_probe.py")), case], err, HANG_GUARD_S,
+                        cwd=Path(__file__).parents[2], stdin=subprocess.DEVNULL)
+    out, _ = child.proc.communicate(timeout=HANG_GUARD_S)
+    assert child.proc.returncode == 0, err.read_text()
+    return out, err.read_text()
+
+
+def test_a_phase_stuck_holding_the_gil_leaves_every_stack_on_stderr_through_the_faulthandler_backstop(
+        tmp_path: Path) -> None:
+    """The watchdog's thread cannot run while native code holds the GIL; faulthandler's timer,
+    armed past the deadline, writes the stacks from C."""
+    out, err = _probe("gil", tmp_path)
+    assert "phase ended" in out
+    dump = err[err.index("Timeout ("):]
+    assert "in stuck_holding_the_gil" in dump, err
+
+
+def test_the_backstop_stays_silent_while_the_watchdog_thread_reports_and_after_the_phase_ends(
+        tmp_path: Path) -> None:
+    out, err = _probe("sleep", tmp_path)
+    assert "phase ended" in out
+    assert "lifecycle.phase_overdue" in out  # the thread's own records (structlog's default sink: stdout)
+    assert "Timeout (" not in err, err
+
+
+def test_a_child_forked_in_a_watched_phase_exits_through_finalization(tmp_path: Path) -> None:
+    """faulthandler's timer does not survive a fork: a child that inherits it armed waits for its
+    thread forever at exit; the watchdog stops it around each fork and starts it again after."""
+    out, err = _probe("fork", tmp_path)
+    assert "child exited" in out and "phase ended" in out, (out, err)
+    assert "Timeout (" not in err, err
+
+
+def test_the_backstop_takes_none_or_a_budget_and_refuses_anything_else() -> None:
+    watchdog = Watchdog()
+    assert watchdog.backstop_s is None and WATCHDOG.backstop_s == 5.0
+    watchdog.backstop_s = 2
+    assert watchdog.backstop_s == 2.0
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(LifecycleError, match="backstop_s"):
+            watchdog.backstop_s = bad  # type: ignore[assignment]
+    assert watchdog.backstop_s == 2.0
+
+
+class _Timer:
+    """Stands for `faulthandler`'s one timer: counts how often it is set and stopped."""
+
+    def __init__(self) -> None:
+        self.set: list[float] = []
+        self.stopped = 0
+
+    def dump_traceback_later(self, timeout: float, file: int) -> None:
+        self.set.append(timeout)
+
+    def cancel_dump_traceback_later(self) -> None:
+        self.stopped += 1
+
+
+def test_phase_after_phase_keeps_one_backstop_setting_and_the_thread_stops_it_once_none_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Moving faulthandler's timer stalls the interpreter (its thread is joined with the GIL
+    held): fifty budgeted steps set it once, and it is stopped once, after the last."""
+    import lifecycle.watchdog as watchdog_module
+
+    timer = _Timer()
+    monkeypatch.setattr(watchdog_module, "faulthandler", timer)
+    lc = _lifecycle(train_step_s=100.0)
+    for step in range(1, 51):
+        with lc.train_step(step):
+            pass
+    deadline = time.monotonic() + HANG_GUARD_S
+    while WATCHDOG._thread is not None:
+        assert time.monotonic() < deadline, "the watchdog thread did not end"
+        time.sleep(0.01)
+    assert len(timer.set) == 1 and 100.0 < timer.set[0] <= 105.0
+    assert timer.stopped == 1 and WATCHDOG._fires_at is None
