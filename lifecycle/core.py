@@ -50,6 +50,7 @@ class Lifecycle(Stateful[State]):
         rank, self.world_size = _rank_and_size(rank, world_size)
         super().__init__(TRAINER, role=role, rank=rank, observers=observers, history_limit=history_limit,
                          watchdog=watchdog, on_overdue=on_overdue)
+        _check_plugins(checkpointer, engine)
         self.parts = Parts(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader)
         self.progress = Progress()
         if checkpointer is None:
@@ -87,11 +88,7 @@ class Lifecycle(Stateful[State]):
     def train_step(self, step: int) -> Phase:
         """READY -> TRAINING -> READY around the caller's step; an exception leaves FAILED. A step
         that no save could take (`check_step`) is refused before the machine moves."""
-        try:
-            number = check_step(step)
-        except CheckpointError as exc:
-            raise LifecycleError(f"train_step({shorten(step)}) (role {self.role}, state {self.state.name}): "
-                                 f"{exc}") from None
+        number = self._step("train_step", step)
         self._trained = True  # from here the objects may have moved: see `resume`
         return Phase(self, "train_step", number)
 
@@ -166,6 +163,17 @@ class Lifecycle(Stateful[State]):
     def _ended(self, phase: Phase) -> None:
         if phase.trigger == "train_step":
             self.progress.step = phase.step  # type: ignore[assignment]
+
+
+def _check_plugins(checkpointer: object, engine: object) -> None:
+    """`ConfigError` naming a checkpointer or engine that lacks a method its phases call, which
+    would otherwise fail the first init_load, save or sync instead of the construction."""
+    for name, value, protocol in (("checkpointer", checkpointer, Checkpointer), ("engine", engine, WeightSyncer)):
+        methods = sorted(key for key, attr in vars(protocol).items() if callable(attr) and not key.startswith("_"))
+        if value is not None and not all(callable(getattr(value, method, None)) for method in methods):
+            raise ConfigError(name, f"must be None or a {protocol.__name__} (an object with "
+                                    f"{', '.join(f'{method}()' for method in methods)}), "
+                                    f"got {shorten(value)} ({type(value).__name__})")
 
 
 def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:

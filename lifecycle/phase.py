@@ -22,7 +22,7 @@ import structlog
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from lifecycle.errors import LifecycleError, shorten
-from lifecycle.table import DONE, FAIL
+from lifecycle.table import DONE, FAIL, Table
 
 if TYPE_CHECKING:
     from lifecycle.stateful import Stateful
@@ -284,6 +284,12 @@ class Phase:
     _tokens: tuple[Token[Any], ...]
 
     def __init__(self, lc: Stateful, trigger: str, step: int | None) -> None:
+        try:
+            known = trigger in lc._table.by_trigger
+        except (AttributeError, TypeError):  # no machine, or a trigger that cannot be a name
+            known = False
+        if not known:
+            raise LifecycleError(_unknown(lc, trigger))
         self.lc = lc
         self.trigger = trigger
         self.step = step
@@ -367,6 +373,17 @@ class Phase:
                 token.var.reset(token)
             except (ValueError, RuntimeError):  # "created in a different Context", or used already
                 pass
+
+
+def _unknown(lc: object, trigger: object) -> str:
+    """Why `Phase(lc, trigger, ...)` cannot run: `lc` is no machine, or `trigger` no row of its table
+    (`done` and `fail` are the phase's own, fired by its end)."""
+    table = getattr(lc, "_table", None)
+    if not isinstance(table, Table):
+        return (f"Phase({shorten(lc)}, {shorten(trigger)}): a phase runs on a machine (a Lifecycle, "
+                f"RolloutWeights or the Ray driver), got {type(lc).__name__}")
+    return (f"Phase({shorten(trigger)}) (role {getattr(lc, 'role', '?')}): not a trigger of the {table.name} "
+            f"machine; its triggers: {', '.join(table.by_trigger)}")
 
 
 __all__ = [

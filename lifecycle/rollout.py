@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lifecycle.errors import EngineError, LifecycleError, shorten
+from lifecycle.errors import ConfigError, EngineError, LifecycleError, shorten
 from lifecycle.machine import ROLLOUT, RolloutState
 from lifecycle.phase import Observer, Phase
 from lifecycle.stateful import Stateful
@@ -47,6 +47,12 @@ class RolloutWeights(Stateful[RolloutState]):
                  on_overdue: Emit | None = None) -> None:
         super().__init__(ROLLOUT, role=role, rank=rank, observers=observers, history_limit=history_limit,
                          watchdog=watchdog, on_overdue=on_overdue)
+        if not callable(load):
+            raise ConfigError("load", f"must be a callable load(named_tensors), got {shorten(load)} "
+                                      f"({type(load).__name__})")
+        if budget is not None and not callable(budget):
+            raise ConfigError("budget", f"must be None or a callable budget(trigger) -> seconds or None, got "
+                                        f"{shorten(budget)} ({type(budget).__name__})")
         self._load = load
         self._budgets = budget
         self._version = 0
@@ -98,9 +104,10 @@ class RolloutWeights(Stateful[RolloutState]):
     def generating(self, step: int | None = None) -> Phase:
         """SERVING -> GENERATING -> SERVING around the caller's generation; refused from any other state.
 
-        A generation that raises leaves the weights as they were: it ends in SERVING too.
+        A generation that raises leaves the weights as they were: it ends in SERVING too. A `step`
+        is an int as a train step's (`Stateful._step`), refused before the machine moves.
         """
-        return _Generation(self, step)
+        return _Generation(self, None if step is None else self._step("generating", step))
 
     def mark_stale(self) -> None:
         """-> STALE: the weights held must not be served (the next receive repairs them)."""

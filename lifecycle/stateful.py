@@ -22,7 +22,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 import structlog
 from transitions import MachineError
 
-from lifecycle.errors import ConfigError, InvalidTransition, LifecycleError, shorten
+from lifecycle.boundary import check_step
+from lifecycle.errors import CheckpointError, ConfigError, InvalidTransition, LifecycleError, shorten
 from lifecycle.phase import Observer, Phase, Temporary, TransitionRecord, described, guarded
 from lifecycle.table import Table
 from lifecycle.types import is_count
@@ -47,6 +48,7 @@ class Stateful(Generic[S]):
                  history_limit: int = 10_000, watchdog: Watchdog | None = None,
                  on_overdue: Emit | None = None) -> None:
         _check_identity(role, rank, history_limit, observers)
+        _check_watching(watchdog, on_overdue)
         self.role = role
         self.rank = rank
         self.observers: list[Observer] = list(observers)
@@ -102,6 +104,15 @@ class Stateful(Generic[S]):
         from lifecycle.trace import write_chrome_trace
 
         return write_chrome_trace(self._history, path, role=self.role, rank=self.rank)
+
+    def _step(self, what: str, step: object) -> int:
+        """`step` as a phase's step number (`boundary.check_step`, what a save is named by); else a
+        `LifecycleError` naming the call, the role and the state, raised before the machine moves."""
+        try:
+            return check_step(step)
+        except CheckpointError as exc:
+            raise LifecycleError(f"{what}({shorten(step)}) (role {self.role}, state {self.state.name}): "
+                                 f"{exc}") from None
 
     def _budget(self, trigger: str) -> float | None:
         """The watchdog budget of `trigger`'s phase in seconds; None: not watched."""
@@ -216,6 +227,17 @@ def _check_identity(role: object, rank: object, history_limit: object, observers
                                     f"got {shorten(value)} ({type(value).__name__})")
     if isinstance(observers, (str, bytes)) or not isinstance(observers, Iterable):
         raise ConfigError("observers", f"must be an iterable of Observer, got {shorten(observers)}")
+
+
+def _check_watching(watchdog: object, on_overdue: object) -> None:
+    """`ConfigError` naming a watchdog or an overdue emitter that would otherwise fail the first
+    budgeted phase, or lose its report, instead of the construction."""
+    if watchdog is not None and not all(callable(getattr(watchdog, name, None)) for name in ("watch", "unwatch")):
+        raise ConfigError("watchdog", "must be None or a Watchdog (an object with watch() and unwatch() methods), "
+                                      f"got {shorten(watchdog)} ({type(watchdog).__name__})")
+    if on_overdue is not None and not callable(on_overdue):
+        raise ConfigError("on_overdue", "must be None or a callable emit(event, **fields), "
+                                        f"got {shorten(on_overdue)} ({type(on_overdue).__name__})")
 
 
 def _figure_fields(figures: dict[Any, Any], fixed: dict[str, Any]) -> dict[str, Any]:

@@ -36,7 +36,8 @@ from typing import Any
 
 import structlog
 
-from lifecycle.errors import LifecycleError, shorten
+from lifecycle.errors import ConfigError, LifecycleError, shorten
+from lifecycle.phase import described, guarded
 
 __all__ = ["WATCHDOG", "Emit", "Watchdog", "thread_stacks"]
 
@@ -92,6 +93,12 @@ class Watchdog:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, emit: Emit | None = None,
                  backstop_s: float | None = None) -> None:
+        if not callable(clock):
+            raise ConfigError("clock", f"must be a callable returning seconds, got {shorten(clock)} "
+                                       f"({type(clock).__name__})")
+        if emit is not None and not callable(emit):
+            raise ConfigError("emit", f"must be None or a callable emit(event, **fields), got {shorten(emit)} "
+                                      f"({type(emit).__name__})")
         self._clock = clock
         self._emit = emit
         self._cond = threading.Condition(threading.Lock())
@@ -232,14 +239,19 @@ class Watchdog:
                 self._set_backstop(self._backstop_due())
 
     def _report(self, entry: _Watched, now: float) -> None:
-        elapsed = now - entry.start
-        emit = entry.emit or self._emit or structlog.get_logger().warning
-        try:
-            emit("lifecycle.phase_overdue", **entry.fields, elapsed_s=round(elapsed, 3),
-                 budget_s=entry.budget_s, overdue=entry.overdue,
-                 stacks=thread_stacks(skip=threading.get_ident(), first=entry.thread))
-        except Exception:  # noqa: BLE001 - a broken log sink must not kill the watchdog
-            pass
+        """Hand the report to the phase's emitter, else this watchdog's; one that raises hands it,
+        with its error, to the default warning; a failing default says once on stderr that a
+        record was lost (`phase.guarded`). None of them may kill the thread."""
+        fields = {**entry.fields, "elapsed_s": round(now - entry.start, 3), "budget_s": entry.budget_s,
+                  "overdue": entry.overdue, "stacks": thread_stacks(skip=threading.get_ident(), first=entry.thread)}
+        emit = entry.emit or self._emit
+        if emit is not None:
+            try:
+                emit("lifecycle.phase_overdue", **fields)
+                return
+            except Exception as exc:  # noqa: BLE001 - the report goes to the default warning instead
+                fields |= {"emitter": shorten(emit), "emitter_error": described(exc)}
+        guarded(structlog.get_logger().warning, "lifecycle.phase_overdue", **fields)
 
 
 _INSTANCES: weakref.WeakSet[Watchdog] = weakref.WeakSet()

@@ -13,7 +13,7 @@ import torch
 
 from backends.hf_config import bridge_attributes, bridge_view, config_dtype
 from lifecycle import ConfigError, Lifecycle, State
-from lifecycle.testing import InjectedFailure
+from lifecycle.testing import InjectedFailure, MemoryCheckpointer
 from tests.backends.megatron_util import make_hf_checkpoint
 
 pytestmark = pytest.mark.transformers
@@ -54,13 +54,13 @@ def test_the_running_phase_removes_them_even_when_the_caller_never_restores() ->
     config = Tf5Config(rope_type="default", rope_theta=10_000.0)
     seen: dict[str, float] = {}
 
-    class Failing:
+    class Failing(MemoryCheckpointer):
         def load_initial(self, parts: object) -> dict[str, object]:
             bridge_view(config)  # not used as a `with` block: only the phase's undo stack restores
             seen["rope_theta"] = config.rope_theta
             raise InjectedFailure("disk full")
 
-    lc = Lifecycle(role="actor", checkpointer=Failing())  # type: ignore[arg-type]
+    lc = Lifecycle(role="actor", checkpointer=Failing())
     with pytest.raises(InjectedFailure):
         lc.init_load()
     assert lc.state is State.FAILED and seen == {"rope_theta": 10_000.0}

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lifecycle import ConfigError, Lifecycle, State
-from lifecycle.testing import InjectedFailure
+from lifecycle.testing import InjectedFailure, MemoryCheckpointer
 
 pytest.importorskip("megatron.core")
 megatron = pytest.importorskip("backends.megatron")
@@ -43,13 +43,13 @@ def test_transformer_config_attributes_are_back_when_the_write_fails_inside_a_ph
         seen["removed_during_write"] = "init_method" not in vars(config)
         raise InjectedFailure("disk full")
 
-    class Failing:
+    class Failing(MemoryCheckpointer):
         def load_initial(self, parts: object) -> dict[str, object]:
             with mock.patch.object(Path, "write_text", failing_write):
                 megatron.write_transformer_config(config, tmp_path)
             return {}
 
-    lc = Lifecycle(role="actor", checkpointer=Failing())  # type: ignore[arg-type]
+    lc = Lifecycle(role="actor", checkpointer=Failing())
     with pytest.raises(InjectedFailure):
         lc.init_load()
     assert lc.state is State.FAILED

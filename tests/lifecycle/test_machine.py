@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from lifecycle import TABLE, CheckpointError, InvalidTransition, Lifecycle, State
+from lifecycle.errors import LifecycleError, shorten
 from lifecycle.machine import allowed_triggers, machine_transitions, mermaid
+from lifecycle.phase import Phase
 from lifecycle.testing import InjectedFailure, MemoryRollout, capture_transitions
 from tests.lifecycle.probes import drive_to, fire, make_lifecycle
 
@@ -256,6 +258,24 @@ def test_odd_arguments_to_the_machine_helpers_are_typed_errors_naming_them() -> 
         lc.remove_observer(object())  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="history_limit"):
         make_lifecycle(history_limit=10**19)
+
+
+@pytest.mark.parametrize("trigger", ["bogus", 5, None, ("save",), ["save"], "done", "fail", "state"])
+def test_a_phase_of_a_trigger_the_table_lacks_is_refused_naming_it_and_the_triggers(trigger: Any) -> None:
+    """'bogus' raised a raw AttributeError from the transitions model, 5 a TypeError; done and
+    fail are the phase's own ends, never a phase of their own."""
+    lc = make_lifecycle()
+    with pytest.raises(LifecycleError) as info:
+        Phase(lc, trigger, None)
+    message = str(info.value)
+    assert f"Phase({shorten(trigger)})" in message and f"its triggers: {', '.join(TRIGGERS)}" in message
+    assert lc.state is S.CREATED and lc.history == []
+
+
+@pytest.mark.parametrize("owner", [None, object(), "actor", TABLE])
+def test_a_phase_on_something_that_is_no_machine_is_refused_naming_it(owner: Any) -> None:
+    with pytest.raises(LifecycleError, match=f"a phase runs on a machine .*got {type(owner).__name__}"):
+        Phase(owner, "save", None)
 
 
 def test_a_trigger_on_a_closed_machine_says_closed_is_final_not_that_a_phase_is_running() -> None:

@@ -258,11 +258,23 @@ def test_a_rollout_budget_callable_that_raises_fails_the_phase_and_leaves_no_con
     assert not rollout.history[-1].ok
 
 
+class _NoUnwatch:
+    def watch(self, key: int, budget_s: float, emit: Any = None, **fields: Any) -> None:
+        pass
+
+
+class _LoadOnly:
+    def load_initial(self, parts: Any) -> dict[str, Any]:
+        return {}
+
+
 @pytest.mark.parametrize(("kwargs", "key"), [
     ({"rank": "0"}, "rank"), ({"rank": -1}, "rank"), ({"rank": True}, "rank"), ({"rank": 2, "world_size": 2}, "rank"),
     ({"world_size": 0}, "world_size"), ({"world_size": 1.0}, "world_size"), ({"role": None}, "role"),
     ({"role": ""}, "role"), ({"history_limit": 2.5}, "history_limit"), ({"history_limit": -1}, "history_limit"),
-    ({"observers": None}, "observers"),
+    ({"observers": None}, "observers"), ({"watchdog": 5}, "watchdog"), ({"watchdog": _NoUnwatch()}, "watchdog"),
+    ({"on_overdue": 5}, "on_overdue"), ({"checkpointer": 5}, "checkpointer"),
+    ({"checkpointer": _LoadOnly()}, "checkpointer"), ({"engine": 5}, "engine"), ({"engine": object()}, "engine"),
 ])
 def test_a_lifecycle_built_from_an_argument_it_cannot_use_is_refused_naming_it(kwargs: dict[str, Any],
                                                                                key: str) -> None:
@@ -271,7 +283,7 @@ def test_a_lifecycle_built_from_an_argument_it_cannot_use_is_refused_naming_it(k
 
     with pytest.raises(ConfigError) as info:
         Lifecycle(**{"role": "actor", "checkpointer": MemoryCheckpointer(), **kwargs})
-    assert info.value.key == key
+    assert info.value.key == key and str(info.value).startswith(f"{key}: ")
 
 
 def test_a_rank_from_the_environment_that_is_no_number_is_refused_naming_the_variable(

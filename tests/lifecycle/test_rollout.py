@@ -13,7 +13,7 @@ import torch
 from structlog.testing import capture_logs
 
 from lifecycle import InvalidTransition
-from lifecycle.errors import EngineError, LifecycleError
+from lifecycle.errors import ConfigError, EngineError, LifecycleError
 from lifecycle.machine import ROLLOUT, ROLLOUT_TABLE, RolloutState
 from lifecycle.phase import Observer, TransitionRecord
 from lifecycle.rollout import RolloutWeights
@@ -411,3 +411,29 @@ def test_an_instant_phase_ending_on_one_thread_leaves_the_phase_another_thread_s
         landed(1)
     marker.join(10)
     assert undone == [1] and weights.state is RolloutState.SERVING and weights.weights_version == 1
+
+
+@pytest.mark.parametrize(("kwargs", "key"), [
+    ({"load": 5}, "load"), ({"load": None}, "load"), ({"budget": 5}, "budget"),
+    ({"budget": {"generate": 1.0}}, "budget"),
+    ({"watchdog": 5}, "watchdog"), ({"on_overdue": 5}, "on_overdue"),
+])
+def test_a_rollout_built_from_an_argument_it_cannot_use_is_refused_naming_it(kwargs: dict[str, Any], key: str) -> None:
+    """Each was taken, then failed the first budgeted phase (left STALE) with a raw TypeError or
+    AttributeError."""
+    with pytest.raises(ConfigError) as info:
+        RolloutWeights(**{"load": Model().load, **kwargs})
+    assert info.value.key == key and str(info.value).startswith(f"{key}: ")
+
+
+@pytest.mark.parametrize("step", ["notastep", 2.0, True, -1, 10**30, [1]])
+def test_a_generation_step_that_is_no_train_step_is_refused_before_the_machine_moves(step: Any) -> None:
+    w, _ = weights()
+    receive(w, 1)
+    before = w.history
+    with pytest.raises(LifecycleError, match=r"generating\(.*\) \(role rollout, state SERVING\): step must be"):
+        w.generating(step)
+    assert w.state is R.SERVING and w.history == before
+    with w.generating(3):  # an int step is taken and recorded
+        pass
+    assert w.history[-1].step == 3

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import structlog
 from structlog.testing import capture_logs
 
 from lifecycle import Lifecycle
@@ -16,7 +17,7 @@ from lifecycle.config import LifecycleConfig
 from lifecycle.errors import ConfigError, LifecycleError
 from lifecycle.testing import MemoryCheckpointer
 from lifecycle.types import Parts, Progress, SaveInfo
-from lifecycle.watchdog import WATCHDOG, Watchdog
+from lifecycle.watchdog import WATCHDOG, Watchdog, _Watched
 from tests.children import Child
 
 HANG_GUARD_S = 30.0
@@ -248,3 +249,62 @@ def test_phase_after_phase_keeps_one_backstop_setting_and_the_thread_stops_it_on
         time.sleep(0.01)
     assert len(timer.set) == 1 and 100.0 < timer.set[0] <= 105.0
     assert timer.stopped == 1 and WATCHDOG._fires_at is None
+
+
+def _sink_down(event: str, **fields: object) -> None:
+    raise RuntimeError("sink down")
+
+
+def _overdue(emit: Callable[..., object] | None) -> _Watched:
+    """A save phase of 0.1 s, reported once overdue; `emit`: its machine's emitter."""
+    return _Watched(0.1, 0.0, threading.get_ident(), {"trigger": "save", "role": "actor"}, emit, overdue=1)
+
+
+@pytest.mark.parametrize("whose", ["phase", "watchdog"])
+def test_an_overdue_report_whose_emitter_raises_goes_to_the_default_warning_with_its_error(whose: str) -> None:
+    """The emitter's error was swallowed with the report: nothing was left of the overdue phase."""
+    dog = Watchdog(emit=_sink_down if whose == "watchdog" else None)
+    with capture_logs() as logs:
+        dog._report(_overdue(_sink_down if whose == "phase" else None), 0.35)
+    [record] = _records(logs, "lifecycle.phase_overdue")
+    assert record["log_level"] == "warning" and (record["trigger"], record["overdue"]) == ("save", 1)
+    assert record["emitter_error"] == "RuntimeError: sink down" and "_sink_down" in record["emitter"]
+    assert record["elapsed_s"] == 0.35 and "stacks" in record
+
+
+def test_a_lifecycle_whose_overdue_emitter_raises_still_leaves_the_overdue_record() -> None:
+    lc = Lifecycle({"watchdog": {"train_step_s": 0.05}}, role="actor", rank=0, world_size=1,
+                   checkpointer=MemoryCheckpointer(), on_overdue=_sink_down)
+    lc.init_load()
+    with capture_logs() as logs:
+        with lc.train_step(2):
+            _stuck_in_collective(logs, 1)
+    record = _records(logs, "lifecycle.phase_overdue")[0]
+    assert (record["trigger"], record["step"], record["emitter_error"]) == ("train_step", 2, "RuntimeError: sink down")
+    assert lc.history[-1].ok
+
+
+def test_an_overdue_report_the_default_loses_too_is_said_once_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    from lifecycle import phase
+
+    def broken(logger: object, method: str, event: dict[str, object]) -> dict[str, object]:
+        raise BufferError("log sink full")
+
+    phase._UNHEARD.discard("BufferError")
+    structlog.configure(processors=[broken], cache_logger_on_first_use=False)
+    try:
+        for _ in range(2):
+            Watchdog()._report(_overdue(_sink_down), 0.35)  # never raises: the thread lives on
+    finally:
+        structlog.reset_defaults()
+    assert capsys.readouterr().err.count("a log record was lost (BufferError: log sink full)") == 1
+
+
+@pytest.mark.parametrize(("kwargs", "key"), [({"clock": 5}, "clock"), ({"clock": None}, "clock"),
+                                             ({"emit": 5}, "emit"), ({"emit": "warning"}, "emit")])
+def test_a_watchdog_built_from_an_argument_it_cannot_call_is_refused_naming_it(kwargs: dict[str, object],
+                                                                               key: str) -> None:
+    """`Watchdog(clock=5)` was taken, then its first watch() raised a raw TypeError."""
+    with pytest.raises(ConfigError) as info:
+        Watchdog(**kwargs)  # type: ignore[arg-type]
+    assert info.value.key == key and str(info.value).startswith(f"{key}: ")
