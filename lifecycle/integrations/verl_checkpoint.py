@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +33,10 @@ from lifecycle.boundary import STEP_PREFIX, check_step, parse_step, path_problem
 from lifecycle.checkpointer import DiskCheckpointer
 from lifecycle.config import LifecycleConfig
 from lifecycle.config_file import read_yaml
+from lifecycle.config_rules import describe
 from lifecycle.core import Lifecycle
 from lifecycle.errors import CheckpointError, ConfigError, LifecycleError
-from lifecycle.integrations.verl_checks import integer
+from lifecycle.integrations.verl_checks import checkpoint_options, flag, integer, plain
 from lifecycle.machine import State
 
 DEFAULT_FORMAT = "torch_dcp"
@@ -137,12 +138,13 @@ class LifecycleCheckpointManager:
         """Kept for callers that read it; not saved (verl's `huggingface/` folder is not written)."""
         self.checkpoint_config = checkpoint_config
         self.trust_remote_code = trust_remote_code
-        self.checkpoint_save_contents = _contents(checkpoint_config, "save_contents", ["model", "optimizer", "extra"])
-        self.checkpoint_load_contents = _contents(checkpoint_config, "load_contents", self.checkpoint_save_contents)
-        if _option(checkpoint_config, "save_lora_only"):
+        options = checkpoint_options(checkpoint_config)
+        self.checkpoint_save_contents = _contents(options, "save_contents", ["model", "optimizer", "extra"])
+        self.checkpoint_load_contents = _contents(options, "load_contents", self.checkpoint_save_contents)
+        if flag(options, "save_lora_only"):
             raise ConfigError("checkpoint_config.save_lora_only",
                               "not supported: this checkpoint manager saves the whole model; set it to false")
-        self._async = bool(_option(checkpoint_config, "async_save"))
+        self._async = flag(options, "async_save")
         self._base = _base_config(lifecycle_config)
         # a config, or a format that cannot hold this model, fails here rather than at the first save
         Lifecycle(self._config_for(None, keep_last=None), model=model, optimizer=optimizer, lr_scheduler=lr_scheduler)
@@ -299,7 +301,7 @@ def _base_config(source: LifecycleConfig | Mapping[str, Any] | str | os.PathLike
     else:
         raise ConfigError("lifecycle_config", f"expected a LifecycleConfig, a mapping or a YAML path, "
                                               f"got {type(source).__name__}")
-    data = _plain(data)
+    data = plain(data)
     if not isinstance(data, dict):
         raise ConfigError("lifecycle_config", f"the top level must be a mapping, got {type(data).__name__}")
     for keys in _SECTIONS:
@@ -316,15 +318,6 @@ def _base_config(source: LifecycleConfig | Mapping[str, Any] | str | os.PathLike
     return data
 
 
-def _plain(value: Any) -> Any:
-    """Mappings and sequences (an OmegaConf `DictConfig` or `ListConfig` too) as dicts and lists."""
-    if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        return [_plain(item) for item in value]
-    return value
-
-
 def _dig(data: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
     for key in keys:
         if not isinstance(data, Mapping):
@@ -333,21 +326,16 @@ def _dig(data: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
     return data
 
 
-def _option(config: Any, key: str) -> Any:
-    """A key of verl's `checkpoint_config`: a `DictConfig`, a dict or a `CheckpointConfig` dataclass."""
-    if config is None:
-        return None
-    if isinstance(config, Mapping):
-        return config.get(key)
-    return getattr(config, key, None)
-
-
-def _contents(config: Any, key: str, default: list[str]) -> list[str]:
-    given = _option(config, key)
-    contents = list(default) if given is None else [str(c) for c in _plain(given)]
-    if unknown := [c for c in contents if c not in VERL_CONTENTS]:
+def _contents(options: Mapping[str, Any], key: str, default: list[str]) -> list[str]:
+    given = options.get(key)
+    if given is None:
+        return list(default)
+    if not isinstance(given, list) or not all(isinstance(c, str) for c in given):
+        raise ConfigError(f"checkpoint_config.{key}", f"expected a list of names from {list(VERL_CONTENTS)}, "
+                                                      f"got {describe(given)}")
+    if unknown := [c for c in given if c not in VERL_CONTENTS]:
         raise ConfigError(f"checkpoint_config.{key}", f"unknown content(s) {unknown}; choose from {list(VERL_CONTENTS)}")
-    return contents
+    return list(given)
 
 
 def _keep_last(max_ckpt_to_keep: object) -> int | None:

@@ -6,17 +6,25 @@ worker built from another config or version may send anything), the generator of
 the actor's model produces, and `global_steps`. Each is checked here, so that a bad one is an
 `EngineError` naming the worker or the item, not a `KeyError` from the middle of a sync or a
 wait for a timeout. Integers from verl's configs may be numpy's; both integrations take them.
+
+The checkpoint manager (`lifecycle.integrations.verl_checkpoint`) takes verl's
+`checkpoint_config` and an OmegaConf `lifecycle_config`: those are resolved whole here, so a
+missing value (`???`), an interpolation that does not resolve or an option of the wrong type is
+a `ConfigError` naming the key, not an omegaconf error or a silent default.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import AsyncIterable, Iterable, Mapping
+import sys
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 import torch
 
-from lifecycle.errors import EngineError, shorten
+from lifecycle.config_rules import describe, join
+from lifecycle.errors import ConfigError, EngineError, shorten
 
 Weights = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
 
@@ -30,6 +38,66 @@ def integer(value: object) -> int | None:
         return int(operator.index(value))  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def plain(value: Any, where: str = "") -> Any:
+    """Mappings and sequences (OmegaConf's `DictConfig` and `ListConfig` too, resolved) as dicts
+    and lists; `where` is the dotted key of `value`, which a `ConfigError` names."""
+    if _omegaconf_container(value):
+        value = _resolved(value, where)
+    if isinstance(value, Mapping):
+        return {key: plain(item, join(where, key)) for key, item in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    return value
+
+
+def _omegaconf_container(value: object) -> bool:
+    """Whether `value` is OmegaConf's; no value can be before omegaconf is imported, so this never imports it."""
+    omegaconf = sys.modules.get("omegaconf")
+    return omegaconf is not None and isinstance(value, omegaconf.Container)
+
+
+def _resolved(config: Any, where: str) -> Any:
+    """An OmegaConf container as plain data, every interpolation resolved. Read key by key, a
+    missing value (`???`) would be None, a default taken silently; resolved whole, it raises."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(config, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as error:
+        full_key = getattr(error, "full_key", None)
+        key = join(where, str(full_key)) if full_key else where
+        if isinstance(error, MissingMandatoryValue):
+            raise ConfigError(key, "missing ('???' in the OmegaConf config); give it a value") from None
+        problem = (str(error).splitlines() or [type(error).__name__])[0]
+        raise ConfigError(key, f"cannot resolve its interpolation: {problem}") from None
+
+
+def checkpoint_options(config: object) -> dict[str, Any]:
+    """verl's `checkpoint_config` as plain data: a `DictConfig`, a dict or verl's `CheckpointConfig`
+    (a dataclass); None stands for verl's defaults, anything else is refused."""
+    if config is None:
+        return {}
+    if is_dataclass(config) and not isinstance(config, (type, Mapping)):
+        config = {field.name: getattr(config, field.name) for field in fields(config)}
+    if not isinstance(config, Mapping):
+        raise ConfigError("checkpoint_config", f"expected a mapping (verl's checkpoint config: a DictConfig, a dict "
+                                               f"or a CheckpointConfig), got {describe(config)}")
+    return plain(config, "checkpoint_config")
+
+
+def flag(options: Mapping[str, Any], key: str) -> bool:
+    """A boolean of verl's `checkpoint_config`, False when absent or null. Only a bool counts: a
+    string such as "false" (from `${oc.env:...}`) is true by its truthiness, and is not guessed at."""
+    value = options.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"checkpoint_config.{key}", f"expected a boolean, got {describe(value)}; give true or false, "
+                                                      "not a string or a number")
+    return value
 
 
 def weights_version(global_steps: object) -> int:
@@ -126,5 +194,5 @@ def rollout_holds(version: int | None, yielded: int) -> str:
     return f"still holds v{version} whole (nothing was yielded)"
 
 
-__all__ = ["Weights", "check_one_host", "check_worker", "collect", "integer", "on_host", "rendezvous",
-           "rollout_holds", "weights_version"]
+__all__ = ["Weights", "check_one_host", "check_worker", "checkpoint_options", "collect", "flag", "integer",
+           "on_host", "plain", "rendezvous", "rollout_holds", "weights_version"]

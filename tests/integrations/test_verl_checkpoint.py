@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -531,6 +532,81 @@ def test_async_save_commits_in_the_background_and_the_tracker_follows_the_commit
 def test_config_that_cannot_work_is_refused_at_construction(kwargs: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         manager(**kwargs)
+
+
+@pytest.mark.parametrize(("checkpoint_config", "key", "problem"), [
+    (5, "checkpoint_config", "expected a mapping"),
+    ([{"save_contents": ["model"]}], "checkpoint_config", "expected a mapping"),
+    ({"save_contents": 5}, "checkpoint_config.save_contents", "expected a list of names"),
+    ({"save_contents": "model"}, "checkpoint_config.save_contents", "expected a list of names"),
+    ({"load_contents": ["model", None]}, "checkpoint_config.load_contents", "expected a list of names"),
+    ({"async_save": "false"}, "checkpoint_config.async_save", "expected a boolean, got 'false' .*give true or false"),
+    ({"async_save": 1}, "checkpoint_config.async_save", "expected a boolean"),
+    ({"save_lora_only": "false"}, "checkpoint_config.save_lora_only", "expected a boolean"),
+])
+def test_a_checkpoint_config_of_the_wrong_shape_or_type_is_refused_naming_the_key(
+        checkpoint_config: Any, key: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem) as refused:
+        manager(checkpoint_config=checkpoint_config)
+    assert refused.value.key == key
+
+
+@pytest.mark.parametrize(("argument", "data", "key", "problem"), [
+    ("checkpoint_config", {"save_contents": "???"}, "checkpoint_config.save_contents", "missing"),
+    ("checkpoint_config", {"async_save": "???"}, "checkpoint_config.async_save", "missing"),
+    ("checkpoint_config", {"load_contents": ["model", "???"]}, "checkpoint_config.load_contents[1]", "missing"),
+    ("checkpoint_config", {"save_contents": "${nope}"}, "checkpoint_config.save_contents", "interpolation"),
+    ("lifecycle_config", {"checkpoint": {"keep_last": "???"}}, "checkpoint.keep_last", "missing"),
+    ("lifecycle_config", {"checkpoint": {"keep_last": "${trainer.k}"}}, "checkpoint.keep_last", "interpolation"),
+    ("lifecycle_config", {"checkpoint": {"keep_last": "${oc.env:LIFECYCLE_TEST_UNSET}"}}, "checkpoint.keep_last",
+     "interpolation.*LIFECYCLE_TEST_UNSET"),
+])
+def test_an_omegaconf_missing_value_or_broken_interpolation_is_refused_naming_the_key(
+        argument: str, data: dict[str, Any], key: str, problem: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    omegaconf = pytest.importorskip("omegaconf")
+    monkeypatch.delenv("LIFECYCLE_TEST_UNSET", raising=False)
+    with pytest.raises(ConfigError, match=problem) as refused:
+        manager(**{argument: omegaconf.OmegaConf.create(data)})
+    assert refused.value.key == key
+
+
+def test_an_omegaconf_section_inside_a_plain_lifecycle_config_is_resolved_and_refused_naming_its_key() -> None:
+    omegaconf = pytest.importorskip("omegaconf")
+    with pytest.raises(ConfigError, match="missing") as refused:
+        manager(lifecycle_config={"checkpoint": omegaconf.OmegaConf.create({"keep_last": "???"})})
+    assert refused.value.key == "checkpoint.keep_last"
+
+
+def test_async_save_from_an_env_interpolation_is_refused_as_a_string_and_taken_once_decoded_to_a_bool(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    omegaconf = pytest.importorskip("omegaconf")
+    monkeypatch.setenv("LIFECYCLE_TEST_ASYNC_SAVE", "false")
+    as_string = omegaconf.OmegaConf.create({"async_save": "${oc.env:LIFECYCLE_TEST_ASYNC_SAVE}"})
+    with pytest.raises(ConfigError, match="async_save: expected a boolean, got 'false'"):
+        manager(checkpoint_config=as_string)
+    decoded = omegaconf.OmegaConf.create({"async_save": "${oc.decode:${oc.env:LIFECYCLE_TEST_ASYNC_SAVE}}"})
+    ckpt, _ = manager(checkpoint_config=decoded)
+    ckpt.save_checkpoint(local_path(tmp_path, 1), None, 1)
+    ckpt.close()
+    assert not (tmp_path / TRACKER).exists(), "the manager writes the tracker only under async_save"
+
+
+@dataclass
+class VerlStyleCheckpointConfig:
+    """A dataclass like verl's `CheckpointConfig`, but not a Mapping (as verl's is)."""
+
+    save_contents: tuple[str, ...] = ("model", "optimizer")
+    load_contents: tuple[str, ...] = ("model",)
+    async_save: bool = False
+
+
+def test_a_dataclass_or_an_omegaconf_checkpoint_config_gives_its_resolved_contents() -> None:
+    ckpt, _ = manager(checkpoint_config=VerlStyleCheckpointConfig())
+    assert (ckpt.checkpoint_save_contents, ckpt.checkpoint_load_contents) == (["model", "optimizer"], ["model"])
+    omegaconf = pytest.importorskip("omegaconf")
+    config = omegaconf.OmegaConf.create({"names": ["model", "extra"], "save_contents": "${names}"})
+    ckpt, _ = manager(checkpoint_config=config)
+    assert ckpt.checkpoint_save_contents == ckpt.checkpoint_load_contents == ["model", "extra"]
 
 
 def test_a_configured_root_other_than_the_paths_and_a_bad_max_ckpt_to_keep_are_refused(tmp_path: Path) -> None:
