@@ -9,6 +9,8 @@ import errno
 import json
 import os
 import stat
+import time
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -72,10 +74,18 @@ class EventLog:
 
 class TraceFile(Observer):
     """An observer (`add_observer` of any machine) that appends each transition to an `EventLog`
-    as it happens, so a worker's trace outlives the worker when it is killed."""
+    as it happens, so a worker's trace outlives the worker when it is killed. A phase's begin is
+    an instant event (`<trigger> began`) too: a phase in flight when its process hung or was
+    killed shows there, though its complete event never came."""
 
     def __init__(self, log: EventLog) -> None:
         self.log = log
+
+    def on_state_change(self, lc: Stateful[Any], src: Enum, dst: Enum, trigger: str) -> None:
+        if dst in lc.table.working:
+            self.log.append({"ph": "i", "s": "t", "name": f"{trigger} began", "cat": "lifecycle.begin",
+                             "pid": lc.rank, "tid": 0, "ts": round(time.time() * 1e6, 3),
+                             "args": {"src": src.name, "state": dst.name}})
 
     def on_transition(self, lc: Stateful[Any], record: TransitionRecord) -> None:
         self.log.append(transition_event(record, lc.rank))

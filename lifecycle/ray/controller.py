@@ -13,6 +13,7 @@ group starts (`_start_group`), what a step is (`_run_step`), how the group close
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 from typing import NoReturn
@@ -30,6 +31,10 @@ from lifecycle.ray.run_report import Failure, RunSummary
 from lifecycle.stateful import Stateful
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+"""Terminal colour and cursor codes, which Ray writes into the text of a worker's error."""
+
+
 class Controller(Stateful[DriverState]):
     """Runs a job's steps through the driver's machine; restarts as its `FailurePolicy` decides."""
 
@@ -41,8 +46,9 @@ class Controller(Stateful[DriverState]):
         self.summary = RunSummary()
 
     def _control(self, last: int) -> None:
-        """Start, run every step up to `last` through failures, finish. Raises `RunFailed` when
-        the policy gives up, and whatever the driver itself raised (both leave it ERRORED).
+        """Start, run every step up to `last` and close the workers, through failures (a death as
+        they close is recovered like one in a step), finish. Raises `RunFailed` when the policy
+        gives up, and whatever the driver itself raised (both leave it ERRORED).
 
         It ends FINISHED or ERRORED, never RUNNING: a phase that fails ends ERRORED, and anything
         raised between phases or as one ends (a step, a hook, the policy, an observer, an
@@ -56,10 +62,14 @@ class Controller(Stateful[DriverState]):
             step = resumed + 1
             self.summary.started_at = resumed
             self._on_start(resumed)
-            while step <= last:
+            while True:
                 try:
-                    self._run_step(step)
-                    step += 1
+                    if step <= last:
+                        self._run_step(step)
+                        step += 1
+                        continue
+                    self._close_group()  # still RUNNING: a death as the workers close is recovered too
+                    break
                 except WorkerFailed as failed:
                     step = self._recover(failed) + 1
         except BaseException as exc:  # the driver's own error, a hook's, the policy's or an interrupt
@@ -67,7 +77,6 @@ class Controller(Stateful[DriverState]):
                 self._give_up(step, exc)
             raise
         with Phase(self, "finish", last) as phase:
-            self._close_group()
             phase.figures["incarnation"] = self.incarnation
 
     def _recover(self, failed: WorkerFailed) -> int:
@@ -105,7 +114,7 @@ class Controller(Stateful[DriverState]):
     def _judge(self, failed: WorkerFailed) -> tuple[Failure, Verdict]:
         """Record the failure, ask the policy, log both; tell the subclass of a failure it retries."""
         failure = Failure(step=failed.step, phase=failed.phase, worker=failed.worker,
-                          error=f"{failed.cause_type}: {message(failed.cause)}",
+                          error=_ANSI.sub("", f"{failed.cause_type}: {message(failed.cause)}"),
                           incarnation=self.incarnation)
         self.summary.failures.append(failure)
         verdict = self.policy.decide(failed, len(self.summary.failures))

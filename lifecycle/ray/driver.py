@@ -18,21 +18,17 @@ for its node.
 
 from __future__ import annotations
 
-import math
-import re
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lifecycle.boundary import role_problem
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import ConfigError, EngineError, LifecycleError, shorten
+from lifecycle.machine import DriverState
 from lifecycle.phase import described
-from lifecycle.types import is_count
 from lifecycle.ray.controller import Controller
 from lifecycle.ray.policy import FailurePolicy, RunFailed, WorkerFailed
 from lifecycle.ray.run_report import (
@@ -45,83 +41,9 @@ from lifecycle.ray.run_report import (
     merge_traces,
     split_batch,
 )
+from lifecycle.ray.settings import DriverConfig, check_shared, merged, overrides_of, reachable, trainer_roles
 from lifecycle.ray.worker_group import WorkerGroup
 from lifecycle.ray.workers import ROLLOUT, RolloutWorker, TrainerWorker, WorkerSpec
-
-
-@dataclass(kw_only=True, slots=True)
-class DriverConfig:
-    """How the driver runs the job; the lifecycle config of each worker is separate."""
-
-    steps: int
-    """Train until this step (counting the steps of a run this one resumes)."""
-    save_every: int = 5
-    """Every trainer saves after each step divisible by this, and after the last step."""
-    max_failures: int = 3
-    """Restarts allowed; the failure after them gives up (`RunFailed`)."""
-    failure_policy: FailurePolicy | None = None
-    """Decides restart or give up; None: `FailurePolicy(max_failures=max_failures)`."""
-    rollouts: int = 1
-    """Rollout workers; the prompts of a step are split between them."""
-    address: str | None = None
-    """Ray cluster to join (`ray.init(address=...)`); None starts a local Ray for this driver."""
-    num_cpus: int | None = None
-    """CPUs of the local Ray; None lets Ray count them. Only without `address`."""
-    work_dir: str | None = None
-    """Folder for every worker's JSON logs (`logs/`) and the merged Chrome trace; None: none written."""
-    threads: int | None = None
-    """torch threads per worker process; None keeps Ray's OMP_NUM_THREADS."""
-    options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Ray actor options per role (`actor`, `critic`, `rollout`), e.g. {"actor": {"num_gpus": 1}}."""
-    call_timeout_s: float = 600.0
-    """A worker call that takes longer counts as a failure."""
-    poll_s: float = 1.0
-    """While it waits on workers, the driver asks them this often for phases past their watchdog budget."""
-    ray_init: dict[str, Any] = field(default_factory=dict)
-    """Further `ray.init` arguments (runtime_env, namespace, ...)."""
-
-    def __post_init__(self) -> None:
-        for key, low in (("steps", 1), ("save_every", 1), ("rollouts", 1), ("max_failures", 0)):
-            value = getattr(self, key)
-            if not is_count(value, low):
-                raise ConfigError(f"driver.{key}", f"must be an integer >= {low}, got {shorten(value)}")
-        for key in ("call_timeout_s", "poll_s"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"driver.{key}", f"must be a finite number of seconds > 0, got {shorten(value)}")
-        if self.failure_policy is not None and not isinstance(self.failure_policy, FailurePolicy):
-            raise ConfigError("driver.failure_policy", f"must be a FailurePolicy, got a "
-                                                       f"{type(self.failure_policy).__name__}")
-        if self.failure_policy is not None and self.failure_policy.max_failures != self.max_failures:
-            raise ConfigError("driver.max_failures", f"{self.max_failures} differs from driver.failure_policy."
-                                                     f"max_failures={self.failure_policy.max_failures}; the policy "
-                                                     "decides, so give both the same number")
-        if self.address is not None and self.num_cpus is not None:
-            raise ConfigError("driver.num_cpus", "sizes a local Ray, but driver.address joins an existing cluster; "
-                                                 "drop one of them")
-
-    @property
-    def policy(self) -> FailurePolicy:
-        return self.failure_policy or FailurePolicy(max_failures=self.max_failures)
-
-
-def _trainer_roles(roles: Any) -> list[str]:
-    """A recipe's trainer roles, as a list of distinct role names; `ConfigError` for a bare string
-    (each letter would be a role), a name no checkpoint folder can take, a repeat, or a name the
-    rollout workers go by (`rollout`, `rollout0`, ...), whose handles a trainer's would replace."""
-    if isinstance(roles, (str, bytes)) or not isinstance(roles, Sequence):
-        raise ConfigError("recipe.roles", f"must be a list of role names, got {shorten(roles)} "
-                                          f"({type(roles).__name__})")
-    roles = list(roles)
-    problems = [f"{shorten(role)}: {role_problem(role) if isinstance(role, str) else 'not a string'}"
-                for role in roles if not isinstance(role, str) or role_problem(role)]
-    problems += [f"{role!r}: the rollout workers' name" for role in roles
-                 if isinstance(role, str) and (role == ROLLOUT or re.fullmatch(f"{ROLLOUT}[0-9]+", role))]
-    problems += [f"{role!r}: given twice" for role in sorted({r for r in roles if roles.count(r) > 1}, key=str)]
-    if not roles or problems:
-        raise ConfigError("recipe.roles", "needs at least one trainer role, each a distinct role name that is not "
-                          f"the rollout's: {'; '.join(problems) or 'got none'}")
-    return list(roles)
 
 
 class DriverHooks:
@@ -159,19 +81,28 @@ class Driver(Controller):
         overrides: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """`config` is every worker's lifecycle config; `overrides` maps a role (or `rollout`) to
-        keys that differ for it, such as its own `checkpoint.pre_load.path`."""
+        keys that differ for it, such as its own `checkpoint.pre_load.path`. Keys the roles
+        must share cannot differ: `checkpoint.root` and `checkpoint.roles` between trainers (a
+        resume reads one step complete for all of them) and `engine.backend` between the policy
+        and the rollouts (the two ends of a sync)."""
+        if not isinstance(settings, DriverConfig):
+            raise ConfigError("settings", f"must be a DriverConfig, got {shorten(settings)}")
+        if hooks is not None and not isinstance(hooks, DriverHooks):
+            raise ConfigError("hooks", f"must be None or a DriverHooks, got {shorten(hooks)}")
         super().__init__(settings.policy)
         self.recipe = recipe
         self.settings = settings
         self.hooks = hooks or DriverHooks()
-        roles = _trainer_roles(getattr(recipe, "roles", None))
+        roles = trainer_roles(getattr(recipe, "roles", None))
         base = LifecycleConfig.coerce(config).to_dict()
         base["checkpoint"]["roles"] = roles
-        unknown = sorted(set(overrides or {}) - {*roles, ROLLOUT})
+        overrides = overrides_of(overrides, [*roles, ROLLOUT])
+        unknown = sorted(set(settings.options) - {*roles, ROLLOUT})
         if unknown:
-            raise ConfigError("overrides", f"roles {unknown} are not in the job; roles: {[*roles, ROLLOUT]}")
-        self.configs = {role: LifecycleConfig.from_dict(_merged(base, (overrides or {}).get(role, {}))).to_dict()
+            raise ConfigError("driver.options", f"roles {unknown} are not in the job; roles: {[*roles, ROLLOUT]}")
+        self.configs = {role: LifecycleConfig.from_dict(merged(base, overrides.get(role, {}))).to_dict()
                         for role in [*roles, ROLLOUT]}
+        check_shared(self.configs, roles)
         self.roles = roles
         self.group = WorkerGroup(call_timeout_s=settings.call_timeout_s, poll_s=settings.poll_s,
                                  options=settings.options, on_overdue=self._overdue)
@@ -246,9 +177,15 @@ class Driver(Controller):
         kwargs: dict[str, Any] = {"include_dashboard": False, **self.settings.ray_init}
         if self.settings.address is not None:
             kwargs["address"] = self.settings.address
+            reachable(self.settings.address)
         elif self.settings.num_cpus is not None:
             kwargs["num_cpus"] = self.settings.num_cpus
-        ray.init(**kwargs)
+        try:
+            ray.init(**kwargs)
+        except (ValueError, TypeError, RuntimeError, ConnectionError) as exc:
+            raise ConfigError("driver.ray_init" if not self.settings.address else "driver.address",
+                              f"ray.init({', '.join(f'{k}={shorten(v)}' for k, v in kwargs.items())}) failed: "
+                              f"{type(exc).__name__}: {shorten(str(exc), 300)}") from exc
         self._owns_ray = True
 
     def _spec(self, role: str, index: int = 0) -> WorkerSpec:
@@ -262,6 +199,7 @@ class Driver(Controller):
         """Build every worker, resume or init-load the trainers, sync the rollouts; returns the step."""
         self._init_ray()
         group = self.group
+        group.at = ("recover" if self.state is DriverState.RECOVERING else "start", group.at[1])
         with self._span("start", group.at[1]):
             group.start([(role, TrainerWorker, role, self._spec(role)) for role in self.roles]
                         + [(n, RolloutWorker, ROLLOUT, self._spec(ROLLOUT, i)) for i, n in enumerate(self.rollout_names)])
@@ -282,9 +220,10 @@ class Driver(Controller):
         with self._in("generate", step):
             prompts = group.gather([(policy, group[policy].prompts.remote(step))])[0]
             parts = split_batch(prompts, len(self.rollout_names))
+            names = self.rollout_names[:len(parts)]
             batch = merge_batches(group.gather([
-                (n, group[n].generate.remote(p, step, self.version)) for n, p in zip(self.rollout_names, parts)
-            ]))
+                (n, group[n].generate.remote(p, step, self.version)) for n, p in zip(names, parts)
+            ]), names)
         with self._in("score", step):
             for scored in group.gather([(r, group[r].score.remote(batch)) for r in self.roles]):
                 batch.update(scored)
@@ -364,15 +303,6 @@ class Driver(Controller):
         finally:
             self.summary.spans.append({"name": name, "step": step, "start": start, "end": time.time(),
                                        "incarnation": self.incarnation})
-
-
-def _merged(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """`base` with `override`'s keys replacing its own, section by section."""
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = _merged(base[key], value) if isinstance(value, Mapping) and isinstance(base.get(key), Mapping) \
-            else value
-    return out
 
 
 __all__ = ["Driver", "DriverConfig", "DriverHooks", "FailurePolicy", "RunFailed", "WorkerFailed"]

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from lifecycle.errors import LifecycleError, shorten
 from lifecycle.phase import TransitionRecord
 from lifecycle.trace import read_events, transition_event, write_trace_events
 
@@ -140,31 +142,69 @@ def fingerprint(value: Any) -> str:
 
 
 def split_batch(prompts: Any, parts: int) -> list[Any]:
-    """Split along the first dimension into `parts` nearly equal chunks (tensor or list)."""
+    """Split along the first dimension into `parts` nearly equal chunks (a tensor, a numpy
+    array, or a list or tuple); anything else is a `LifecycleError` naming its type."""
     if parts == 1:
         return [prompts]
-    if isinstance(prompts, torch.Tensor):
+    if isinstance(prompts, torch.Tensor) and prompts.dim() > 0:
         return list(torch.tensor_split(prompts, parts))
-    if isinstance(prompts, Sequence):
+    if isinstance(prompts, np.ndarray) and prompts.ndim > 0:
+        return list(np.array_split(prompts, parts))
+    if isinstance(prompts, (list, tuple)):
         size = -(-len(prompts) // parts)
         return [list(prompts[i:i + size]) for i in range(0, len(prompts), size)]
-    raise TypeError(f"cannot split prompts of type {type(prompts).__name__} between {parts} rollouts")
+    raise LifecycleError(f"the policy's prompts are a {type(prompts).__name__}, which cannot be split between "
+                         f"{parts} rollouts: return a tensor, a numpy array or a list (one item per prompt)")
 
 
-def merge_batches(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Join the rollouts' batches key by key: tensors concatenated, lists extended, numbers averaged."""
+def merge_batches(batches: Sequence[Any], names: Sequence[str] | None = None) -> dict[str, Any]:
+    """Join the rollouts' batches key by key: tensors and numpy arrays concatenated, lists and
+    tuples extended, real numbers (a rollout's mean) averaged. Batches that are no mappings of
+    the same keys, a key whose values are of different kinds, or of any other kind (a string,
+    a dict) are a `LifecycleError` naming the rollout and the key: nothing is joined by guess."""
+    names = list(names) if names is not None else [f"rollout{i}" for i in range(len(batches))]
+    for name, batch in zip(names, batches):
+        if not isinstance(batch, Mapping):
+            raise LifecycleError(f"{name}'s generate returned a {type(batch).__name__}; it returns a dict of the batch")
     if len(batches) == 1:
         return dict(batches[0])
-    merged: dict[str, Any] = {}
-    for key in batches[0]:
-        values = [b[key] for b in batches]
-        if isinstance(values[0], torch.Tensor):
-            merged[key] = torch.cat(values)
-        elif isinstance(values[0], list):
-            merged[key] = [item for v in values for item in v]
-        else:
-            merged[key] = sum(values) / len(values)
-    return merged
+    keys = list(batches[0])
+    for name, batch in zip(names[1:], batches[1:]):
+        if set(batch) != set(keys):
+            raise LifecycleError(f"{name}'s batch has keys {sorted(map(str, batch))}, {names[0]}'s "
+                                 f"{sorted(map(str, keys))}: every rollout returns the same keys")
+    return {key: _joined(key, [batch[key] for batch in batches], names) for key in keys}
+
+
+def _joined(key: Any, values: list[Any], names: Sequence[str]) -> Any:
+    kinds = {_kind(value) for value in values}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    try:
+        if kind == "tensor":
+            return torch.cat(values)
+        if kind == "array":
+            return np.concatenate(values)
+        if kind == "list":
+            return [item for value in values for item in value]
+        if kind == "number":
+            return sum(values) / len(values)
+    except (RuntimeError, ValueError) as exc:  # shapes that do not join
+        raise LifecycleError(f"batch key {key!r}: the rollouts' values do not join: {shorten(str(exc))}") from None
+    found = ", ".join(f"{name}: {type(value).__name__}" for name, value in zip(names, values))
+    raise LifecycleError(f"batch key {key!r} cannot be joined across rollouts ({found}): give tensors, numpy "
+                         "arrays or lists (one item per sample), or real numbers (averaged)")
+
+
+def _kind(value: Any) -> str | None:
+    if isinstance(value, torch.Tensor):
+        return "tensor" if value.dim() > 0 else None
+    if isinstance(value, np.ndarray):
+        return "array" if value.ndim > 0 else None
+    if isinstance(value, (list, tuple)):
+        return "list"
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return "number"
+    return None
 
 
 def merge_traces(folder: Path, out: Path, spans: Sequence[Mapping[str, Any]],

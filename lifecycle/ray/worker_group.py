@@ -22,6 +22,7 @@ from typing import Any
 
 import structlog
 
+from lifecycle.errors import ConfigError
 from lifecycle.ray.policy import FailureKind, WorkerFailed
 from lifecycle.ray.workers import WorkerSpec, process_start
 
@@ -60,7 +61,12 @@ class WorkerGroup:
         for name, cls, role, spec in workers:
             options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0,
                                        **self.options.get(role, {})}
-            self.handles[name] = ray.remote(concurrency_groups={WATCH: 1})(cls).options(**options).remote(spec)
+            actor = ray.remote(concurrency_groups={WATCH: 1})(deferred(cls))
+            try:
+                actor = actor.options(**options)
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"driver.options.{role}", f"Ray refused these actor options: {exc}") from None
+            self.handles[name] = actor.remote(spec)
         names = list(self.handles)
         processes = dict(zip(names, self.gather([(n, self.handles[n].process.remote()) for n in names])))
         self.pids = {name: pid for name, (pid, _) in processes.items()}
@@ -70,6 +76,7 @@ class WorkerGroup:
         for name, (pid, started) in processes.items():
             if nodes[name] == here:
                 self.track(name, pid, started)
+        self.gather([(n, self.handles[n].build.remote()) for n in names])
 
     def track(self, name: str, pid: int, started: int | None) -> bool:
         """Hold a pidfd of worker `name`'s process (`pid`, which started at `started`, as the worker
@@ -214,6 +221,24 @@ class WorkerGroup:
         return None
 
 
+def deferred(cls: type) -> type:
+    """`cls` as a Ray actor builds it: constructed in a first call, `build()`, not in Ray's creation
+    task. An error there reaches the driver as itself (a `ConfigError` ends the run, as
+    `FailurePolicy.fatal` says), where one raised by the creation task kills the actor and
+    reaches it as a death carrying only the error's text, which the policy retries. The pid and
+    node are asked for before the build, so a build that hangs can be killed."""
+
+    class Deferred(cls):  # type: ignore[valid-type,misc]
+        def __init__(self, spec: WorkerSpec) -> None:  # noqa: D107 - the build comes later
+            self._spec = spec
+
+        def build(self) -> None:
+            cls.__init__(self, self._spec)
+
+    Deferred.__name__, Deferred.__qualname__ = cls.__name__, cls.__qualname__
+    return Deferred
+
+
 def _pidfd(pid: int, started: int | None) -> int | str:
     """A pidfd of the process at `pid` if it started at `started`; else why none is held."""
     if started is None:
@@ -259,4 +284,4 @@ def _wait_exit(pidfds: Sequence[int], timeout_s: float) -> list[int]:
     return [fd for fd in pidfds if fd in alive]
 
 
-__all__ = ["WATCH", "OverdueSink", "WorkerGroup"]
+__all__ = ["WATCH", "OverdueSink", "WorkerGroup", "deferred"]

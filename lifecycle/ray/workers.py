@@ -31,6 +31,7 @@ import torch
 from lifecycle.core import Lifecycle
 from lifecycle.errors import EngineError, LifecycleError
 from lifecycle.machine import RolloutState
+from lifecycle.phase import guarded
 from lifecycle.rollout import RolloutWeights
 from lifecycle.trace import EventLog, TraceFile
 from lifecycle.types import Parts, SaveInfo
@@ -104,11 +105,14 @@ class OverdueInbox:
         self._reports: deque[dict[str, Any]] = deque(maxlen=keep)
 
     def __call__(self, event: str, **fields: Any) -> None:
-        structlog.get_logger().warning(event, **fields)
-        stacks: dict[str, str] = fields.pop("stacks", {})
+        """Keep the driver's copy first, then log: a log sink that fails (a full disk) costs the
+        line, not the report."""
+        stacks: dict[str, str] = fields.get("stacks", {})
         frames = next(iter(stacks.values()), "").rstrip().splitlines()  # the phase's own thread comes first
         where = next((line.strip() for line in reversed(frames) if line.lstrip().startswith("File ")), "")
-        self._reports.append({"worker": self.worker, **fields, "where": where, "at": time.time()})
+        kept = {key: value for key, value in fields.items() if key != "stacks"}
+        self._reports.append({"worker": self.worker, **kept, "where": where, "at": time.time()})
+        guarded(structlog.get_logger().warning, event, **fields)
 
     def drain(self) -> list[dict[str, Any]]:
         """The reports since the last call, oldest first (thread-safe: deque pops are atomic)."""
@@ -157,7 +161,8 @@ class _Worker:
     def overdue_reports(self) -> list[dict[str, Any]]:
         """This worker's phases past their watchdog budget since the last call. The driver calls
         it in the `watch` concurrency group: it runs on a thread of its own, beside the phase."""
-        return self.inbox.drain()
+        inbox: OverdueInbox | None = self.__dict__.get("inbox")  # None while the worker builds (`deferred`)
+        return [] if inbox is None else inbox.drain()
 
     def close(self) -> Any:
         """Close the lifecycle (waits for a save in flight) and the trace log."""

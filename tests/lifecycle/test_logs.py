@@ -128,6 +128,22 @@ def test_an_event_log_appends_each_transition_and_a_torn_last_line_is_left_out(
     assert [(e["name"], e["args"]["step"]) for e in events if e["ph"] == "X"] == [("train_step", 1), ("train_step", 2)]
 
 
+def test_an_event_log_shows_a_phase_in_flight_by_its_begin_event(lc: Lifecycle, tmp_path: Path) -> None:
+    """A worker killed or hung inside a phase never writes its complete event; the begin, written
+    as the phase starts, says which phase it was in."""
+    path = tmp_path / "worker.jsonl"
+    log = EventLog(path, role="actor", rank=0)
+    lc.add_observer(TraceFile(log))
+    lc.init_load()
+    with lc.train_step(1):
+        events = read_events(path)  # what a process killed here leaves
+        assert [(e["ph"], e["name"]) for e in events if e["ph"] != "M"] == \
+            [("i", "init_load began"), ("X", "init_load"), ("i", "train_step began")]
+        assert events[-1]["args"] == {"src": "READY", "state": "TRAINING"}
+    log.close()
+    assert [e["name"] for e in read_events(path) if e["ph"] != "M"][-1] == "train_step"
+
+
 def test_chrome_trace_has_one_complete_event_per_transition(lc: Lifecycle, tmp_path: Path) -> None:
     lc.init_load()
     with lc.train_step(1):

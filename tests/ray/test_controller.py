@@ -77,6 +77,7 @@ class FakeJob(Controller):
             self.saved = step
 
     def _close_group(self) -> None:
+        self._maybe_fail("close", self.saved)
         self.log.append("close")
 
     def _stop_group(self) -> None:
@@ -164,6 +165,17 @@ def test_a_worker_death_is_recovering_then_running_from_the_last_save() -> None:
     assert recover.path == (D.RUNNING, D.RECOVERING, D.RUNNING)
     assert recover.figures == {"worker": "actor", "phase": "train", "kind": "died", "incarnation": 1,
                                "resumed_at": 2}
+
+
+def test_a_worker_death_as_the_workers_close_is_recovered_like_one_in_a_step() -> None:
+    """The last step's save may still be committing as the workers close: a death then is
+    judged by the policy and recovered, never an unrecorded error of the finish."""
+    job = run({("close", 0, 4): death(5)})
+    assert triggers(job) == [("start", True), ("recover", True), ("finish", True)]
+    assert job.log == ["start0", "step1", "step2", "step3", "step4", "step5", "stop", "start1", "step5", "close"]
+    [failure] = job.summary.failures
+    assert (failure.step, failure.resumed_at) == (5, 4)
+    assert job.history[-1].path == (D.RUNNING, D.FINISHING, D.FINISHED)
 
 
 def test_more_failures_than_max_failures_is_errored() -> None:

@@ -282,3 +282,23 @@ def test_a_config_error_in_a_worker_ends_the_run_errored_without_a_restart(tmp_p
     assert (failed["worker"], failed["kind"], failed["decision"]) == ("critic", "raised", "give_up")
     assert not [r for r in logs if r["event"] == "driver.started" and r["incarnation"] > 0]
 
+
+
+class BadConfigInBuild(BigramRecipe):
+    def build(self, role: str) -> Parts:
+        if role == "critic":
+            raise ConfigError("recipe.critic_width", "must be > 0, got 0")
+        return super().build(role)
+
+
+def test_a_config_error_while_a_worker_builds_ends_the_run_without_a_restart(tmp_path: Path) -> None:
+    """Ray's creation task passes on only an error's text, as a death, which was retried to the
+    limit; the worker builds in its first call, so the ConfigError itself reaches the policy."""
+    job = driver(tmp_path, BadConfigInBuild(), DriverHooks(), steps=3)
+    with pytest.raises(RunFailed, match="ConfigError is not retryable") as info:
+        job.run()
+    assert job.state is DriverState.ERRORED and job.incarnation == 0
+    assert [(r.trigger, r.ok) for r in job.history] == [("start", False)]
+    assert info.value.failure is not None and isinstance(info.value.failure.error, ConfigError)
+    [failure] = job.summary.failures
+    assert (failure.worker, failure.phase, failure.step) == ("critic", "start", 0)

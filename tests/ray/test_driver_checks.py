@@ -6,13 +6,15 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from structlog.testing import capture_logs
 
-from lifecycle.errors import ConfigError
+from lifecycle.errors import ConfigError, LifecycleError
 from lifecycle.ray.driver import Driver, DriverConfig
 from lifecycle.ray.policy import RunFailed
-from lifecycle.ray.run_report import merge_traces
+from lifecycle.ray.run_report import merge_batches, merge_traces, split_batch
 
 
 def test_the_driver_config_refuses_values_of_the_wrong_kind_naming_the_key() -> None:
@@ -94,3 +96,97 @@ def test_the_driver_takes_numpy_counts_and_any_sequence_of_roles() -> None:
         roles = Roles(["actor", "critic"])
 
     assert Driver(Recipe(), {}, DriverConfig(steps=1)).roles == ["actor", "critic"]
+
+
+class _Job:
+    roles = ["actor", "critic"]
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"threads": -1}, "driver.threads"), ({"threads": "4"}, "driver.threads"), ({"num_cpus": -3}, "driver.num_cpus"),
+    ({"work_dir": 5}, "driver.work_dir"), ({"address": 5}, "driver.address"), ({"address": " "}, "driver.address"),
+    ({"options": {"actor": 5}}, "driver.options"), ({"options": [("actor", {})]}, "driver.options"),
+    ({"ray_init": "x"}, "driver.ray_init"), ({"ray_init": {1: 2}}, "driver.ray_init"),
+])
+def test_the_driver_config_refuses_settings_ray_would_reject_later_naming_the_key(kwargs: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        DriverConfig(steps=1, **kwargs)
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize("args, key", [
+    (({"steps": 2},), "settings"), ((None,), "settings"),
+    ((DriverConfig(steps=1), 5), "hooks"),
+    ((DriverConfig(steps=1), None, {"actor": 5}), "overrides"),
+    ((DriverConfig(steps=1), None, [("actor", {})]), "overrides"),
+    ((DriverConfig(steps=1), None, {"nobody": {}}), "overrides"),
+    ((DriverConfig(steps=1, options={"actr": {"num_gpus": 1}}),), "driver.options"),
+])
+def test_the_driver_refuses_arguments_of_the_wrong_kind_naming_them(args: tuple, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Driver(_Job(), {}, *args)
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize("override, key", [
+    ({"actor": {"checkpoint": {"root": "/elsewhere"}}}, "overrides.checkpoint.root"),
+    ({"critic": {"checkpoint": {"roles": ["critic"]}}}, "overrides.checkpoint.roles"),
+    ({"rollout": {"engine": {"backend": "shm"}}}, "overrides.engine.backend"),
+])
+def test_an_override_that_splits_what_the_roles_share_is_refused(override: dict, key: str, tmp_path: Path) -> None:
+    """A trainer saving under a root of its own never completes a step with the others (every
+    recovery restarted from step 0); a rollout of another engine than the policy fails every sync."""
+    config = {"checkpoint": {"root": str(tmp_path)}, "engine": {"backend": "gloo"}}
+    with pytest.raises(ConfigError) as info:
+        Driver(_Job(), config, DriverConfig(steps=1), None, override)
+    assert info.value.key == key
+
+
+def test_per_role_overrides_of_keys_roles_need_not_share_are_taken(tmp_path: Path) -> None:
+    config = {"checkpoint": {"root": str(tmp_path)}}
+    job = Driver(_Job(), config, DriverConfig(steps=1), None,
+                 {"critic": {"checkpoint": {"keep_last": 5}}, "rollout": {"engine": {"timeout_s": 30}}})
+    assert job.configs["critic"]["checkpoint"]["keep_last"] == 5
+    assert job.configs["rollout"]["engine"]["timeout_s"] == 30
+
+
+def test_a_ray_address_that_nothing_answers_is_refused_at_once_not_retried_for_minutes() -> None:
+    pytest.importorskip("ray")
+    from backends.base import free_port
+
+    job = Driver(_Job(), {}, DriverConfig(steps=1, address=f"127.0.0.1:{free_port('127.0.0.1')}"))
+    with pytest.raises(ConfigError, match="nothing answered") as info:
+        job._init_ray()
+    assert info.value.key == "driver.address" and not job._owns_ray
+
+
+@pytest.mark.parametrize("batches, match", [
+    ([{"r": torch.ones(2)}, {"rewards": torch.ones(2)}], "keys"),
+    ([{"r": torch.ones(2)}, {"r": "text"}], "cannot be joined"),
+    ([{"r": "a"}, {"r": "b"}], "cannot be joined"),
+    ([{"r": {"x": 1}}, {"r": {"x": 2}}], "cannot be joined"),
+    ([{"r": True}, {"r": False}], "cannot be joined"),
+    ([{"r": torch.ones(2, 3)}, {"r": torch.ones(2, 4)}], "do not join"),
+    ([{"r": 1.0}, [1.0]], "returned a list"),
+])
+def test_rollout_batches_that_do_not_join_are_refused_naming_the_key_or_rollout(batches: list, match: str) -> None:
+    with pytest.raises(LifecycleError, match=match):
+        merge_batches(batches, ["rollout0", "rollout1"])
+
+
+def test_rollout_batches_join_per_sample_values_and_average_numbers() -> None:
+    """Per-sample values of every kind are joined (numpy arrays were averaged, element by element,
+    across the rollouts: a batch of half the samples, each reward the mean of two)."""
+    merged = merge_batches([{"t": torch.tensor([1, 2]), "a": np.array([1.0, 2.0]), "l": [1], "p": (2,), "m": 1.0},
+                            {"t": torch.tensor([3]), "a": np.array([3.0]), "l": [3], "p": (4,), "m": 2}])
+    assert merged["t"].tolist() == [1, 2, 3] and merged["a"].tolist() == [1.0, 2.0, 3.0]
+    assert merged["l"] == [1, 3] and merged["p"] == [2, 4] and merged["m"] == 1.5
+
+
+def test_prompts_split_between_rollouts_by_their_first_dimension_or_are_refused() -> None:
+    assert [p.tolist() for p in split_batch(np.arange(5), 2)] == [[0, 1, 2], [3, 4]]
+    assert [p.tolist() for p in split_batch(torch.arange(4), 2)] == [[0, 1], [2, 3]]
+    assert split_batch(("a", "b", "c"), 2) == [["a", "b"], ["c"]]
+    for prompts in ({"ids": [1, 2]}, "abc", torch.tensor(3)):
+        with pytest.raises(LifecycleError, match="cannot be split"):
+            split_batch(prompts, 2)

@@ -1,0 +1,171 @@
+"""The driver's settings and the checks of what it is given: `DriverConfig`, a recipe's roles,
+per-role config overrides and a Ray address (`lifecycle.ray.driver` runs the job)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lifecycle.boundary import role_problem
+from lifecycle.errors import ConfigError, shorten
+from lifecycle.ray.policy import FailurePolicy
+from lifecycle.ray.workers import ROLLOUT
+from lifecycle.types import is_count
+
+
+@dataclass(kw_only=True, slots=True)
+class DriverConfig:
+    """How the driver runs the job; the lifecycle config of each worker is separate."""
+
+    steps: int
+    """Train until this step (counting the steps of a run this one resumes)."""
+    save_every: int = 5
+    """Every trainer saves after each step divisible by this, and after the last step."""
+    max_failures: int = 3
+    """Restarts allowed; the failure after them gives up (`RunFailed`)."""
+    failure_policy: FailurePolicy | None = None
+    """Decides restart or give up; None: `FailurePolicy(max_failures=max_failures)`."""
+    rollouts: int = 1
+    """Rollout workers; the prompts of a step are split between them."""
+    address: str | None = None
+    """Ray cluster to join (`ray.init(address=...)`); None starts a local Ray for this driver."""
+    num_cpus: int | None = None
+    """CPUs of the local Ray; None lets Ray count them. Only without `address`."""
+    work_dir: str | None = None
+    """Folder for every worker's JSON logs (`logs/`) and the merged Chrome trace; None: none written."""
+    threads: int | None = None
+    """torch threads per worker process; None keeps Ray's OMP_NUM_THREADS."""
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Ray actor options per role (`actor`, `critic`, `rollout`), e.g. {"actor": {"num_gpus": 1}}."""
+    call_timeout_s: float = 600.0
+    """A worker call that takes longer counts as a failure."""
+    poll_s: float = 1.0
+    """While it waits on workers, the driver asks them this often for phases past their watchdog budget."""
+    ray_init: dict[str, Any] = field(default_factory=dict)
+    """Further `ray.init` arguments (runtime_env, namespace, ...)."""
+
+    def __post_init__(self) -> None:
+        for key, low in (("steps", 1), ("save_every", 1), ("rollouts", 1), ("max_failures", 0)):
+            value = getattr(self, key)
+            if not is_count(value, low):
+                raise ConfigError(f"driver.{key}", f"must be an integer >= {low}, got {shorten(value)}")
+        for key in ("call_timeout_s", "poll_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"driver.{key}", f"must be a finite number of seconds > 0, got {shorten(value)}")
+        if self.failure_policy is not None and not isinstance(self.failure_policy, FailurePolicy):
+            raise ConfigError("driver.failure_policy", f"must be a FailurePolicy, got a "
+                                                       f"{type(self.failure_policy).__name__}")
+        if self.failure_policy is not None and self.failure_policy.max_failures != self.max_failures:
+            raise ConfigError("driver.max_failures", f"{self.max_failures} differs from driver.failure_policy."
+                                                     f"max_failures={self.failure_policy.max_failures}; the policy "
+                                                     "decides, so give both the same number")
+        for key, low in (("threads", 1), ("num_cpus", 0)):
+            value = getattr(self, key)
+            if value is not None and not is_count(value, low):
+                raise ConfigError(f"driver.{key}", f"must be None or an integer >= {low}, got {shorten(value)}")
+        if self.address is not None and not (isinstance(self.address, str) and self.address.strip()):
+            raise ConfigError("driver.address", f"must be None or a Ray address ('auto', 'host:port'), got "
+                                                f"{shorten(self.address)}")
+        if self.work_dir is not None and not isinstance(self.work_dir, (str, os.PathLike)):
+            raise ConfigError("driver.work_dir", f"must be None or a path, got {shorten(self.work_dir)}")
+        for key in ("options", "ray_init"):
+            value = getattr(self, key)
+            if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+                raise ConfigError(f"driver.{key}", f"must be a dict with string keys, got {shorten(value)}")
+        bad = {role: value for role, value in self.options.items() if not isinstance(value, Mapping)}
+        if bad:
+            raise ConfigError("driver.options", f"maps a role to its Ray actor options, e.g. {{'actor': "
+                                                f"{{'num_gpus': 1}}}}; got {shorten(bad)}")
+        if self.address is not None and self.num_cpus is not None:
+            raise ConfigError("driver.num_cpus", "sizes a local Ray, but driver.address joins an existing cluster; "
+                                                 "drop one of them")
+
+    @property
+    def policy(self) -> FailurePolicy:
+        return self.failure_policy or FailurePolicy(max_failures=self.max_failures)
+
+
+def trainer_roles(roles: Any) -> list[str]:
+    """A recipe's trainer roles, as a list of distinct role names; `ConfigError` for a bare string
+    (each letter would be a role), a name no checkpoint folder can take, a repeat, or a name the
+    rollout workers go by (`rollout`, `rollout0`, ...), whose handles a trainer's would replace."""
+    if isinstance(roles, (str, bytes)) or not isinstance(roles, Sequence):
+        raise ConfigError("recipe.roles", f"must be a list of role names, got {shorten(roles)} "
+                                          f"({type(roles).__name__})")
+    roles = list(roles)
+    problems = [f"{shorten(role)}: {role_problem(role) if isinstance(role, str) else 'not a string'}"
+                for role in roles if not isinstance(role, str) or role_problem(role)]
+    problems += [f"{role!r}: the rollout workers' name" for role in roles
+                 if isinstance(role, str) and (role == ROLLOUT or re.fullmatch(f"{ROLLOUT}[0-9]+", role))]
+    problems += [f"{role!r}: given twice" for role in sorted({r for r in roles if roles.count(r) > 1}, key=str)]
+    if not roles or problems:
+        raise ConfigError("recipe.roles", "needs at least one trainer role, each a distinct role name that is not "
+                          f"the rollout's: {'; '.join(problems) or 'got none'}")
+    return list(roles)
+
+
+CONNECT_TIMEOUT_S = 10.0
+"""How long the driver tries to reach a `host:port` Ray address before refusing it (Ray itself
+retries for minutes)."""
+
+
+def reachable(address: str) -> None:
+    """A `host:port` (or `ray://host:port`) address answers a TCP connect within
+    `CONNECT_TIMEOUT_S`, else a `ConfigError`; `auto`, `local` and other forms are left to Ray."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConfigError("driver.address", f"{address}: nothing answered within {CONNECT_TIMEOUT_S:g} s "
+                                            f"({exc.strerror or type(exc).__name__}); is the Ray head running "
+                                            "there?") from exc
+
+
+def overrides_of(overrides: Any, roles: list[str]) -> Mapping[str, Mapping[str, Any]]:
+    """`overrides` checked: None, or a mapping of the job's roles to mappings of config keys."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, Mapping) or not all(isinstance(value, Mapping) for value in overrides.values()):
+        raise ConfigError("overrides", f"maps a role to its own config keys, e.g. {{'actor': {{'checkpoint': "
+                                       f"{{'pre_load': {{'path': ...}}}}}}}}; got {shorten(overrides)}")
+    unknown = sorted(map(str, set(overrides) - set(roles)))
+    if unknown:
+        raise ConfigError("overrides", f"roles {unknown} are not in the job; roles: {roles}")
+    return overrides
+
+
+_SHARED = (("checkpoint", "root"), ("checkpoint", "roles"))
+"""Keys every trainer must share: one root, one list of roles, so a resume finds a step complete for all."""
+
+
+def check_shared(configs: Mapping[str, Mapping[str, Any]], roles: list[str]) -> None:
+    """Refuse overrides that split what the roles share (they would fail or restart from step 0 at
+    every recovery, not at once): `_SHARED` between trainers, `engine.backend` between the policy
+    trainer and the rollouts."""
+    pairs = [(section, key, roles) for section, key in _SHARED] + [("engine", "backend", [roles[0], ROLLOUT])]
+    for section, key, who in pairs:
+        values = {role: configs[role][section][key] for role in who}
+        if len({repr(value) for value in values.values()}) > 1:
+            raise ConfigError(f"overrides.{section}.{key}", f"differs between {', '.join(who)} "
+                                                            f"({shorten(values)}); they must share it: set it in "
+                                                            "the config all roles take, not per role")
+
+
+def merged(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `override`'s keys replacing its own, section by section."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merged(base[key], value) if isinstance(value, Mapping) and isinstance(base.get(key), Mapping) \
+            else value
+    return out
+
+
+__all__ = ["DriverConfig", "check_shared", "merged", "overrides_of", "reachable", "trainer_roles"]
