@@ -14,41 +14,184 @@ load call only), whose unpickler hands out only the DCP metadata classes, `torch
 torch dtypes and layouts: a crafted file is refused before anything in it runs, verified by the
 manifest or not. `common.pt` is read by Megatron with `torch.load`'s default `weights_only=True`.
 Entries DCP stores as bytes (the layers' `_extra_state`) are read with `torch.load`'s
-`weights_only=True` first, and refused when that refuses them.
+`weights_only=True` first, and refused when that refuses them. A stored tensor that no rank's
+load asks for is refused rather than left behind, and the parameters that had no optimizer
+state when saved (frozen, unused) are named in `optimizer.json` (`stateless`) and get none back.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import json
-from collections.abc import Mapping
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingConfig
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     make_sharded_optimizer_tensor,
 )
+from megatron.core.dist_checkpointing.strategies import torch as mcore_dcp
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from backends.base import DIST_CKPT_CAPABILITIES, FormatBackend, FormatCapabilities, current_rank
+from backends.base import DIST_CKPT_CAPABILITIES, FormatBackend, FormatCapabilities
+from backends.dcp_metadata import MetadataReader
 from backends.megatron import (
-    bridge_of,
+    CheckedBytesPlanner,
     MegatronModel,
+    agree,
     as_megatron_model,
+    bridge_of,
     chunks_of,
-    load_sharded,
-    save_sharded,
+    cpu_safe,
+    in_process_write_results,
+    library_errors,
+    on_rank0,
     sharded_model_state,
     write_hf_export,
     write_transformer_config,
 )
-from lifecycle.errors import CheckpointError
+from lifecycle.boundary import open_regular, read_bytes
+from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import decode, encode, read_optimizer_json
-from lifecycle.optim_state import check_param_groups, check_scheduler_state
+from lifecycle.optim_state import check_param_groups, check_scheduler_state, state_keys, step_problem
+from lifecycle.phase import temporarily
 
 OPTIM_JSON = "optimizer.json"
 _STATE = "optimizer_state"
+MAX_METADATA_JSON = 64 * 1024
+"""Megatron's `metadata.json` names four backends and versions: a few hundred bytes."""
+
+
+def save_sharded(state: dict[str, Any], folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    if any(folder.iterdir()):
+        raise CheckpointError(f"{folder}: dist_checkpointing writes only into an empty folder")
+    with library_errors("megatron dist_checkpointing save", folder), cpu_safe(), in_process_write_results(), \
+            _WRITERS.die_with_parent():
+        dist_checkpointing.save(state, str(folder))
+
+
+class _WriterForks:
+    """Megatron's torch_dist writer forks processes that write the shards; a rank killed by
+    SIGKILL mid-save left them running for good. While a save runs, a child forked by this
+    process asks the kernel to kill it when its parent dies (Linux's PR_SET_PDEATHSIG), and
+    exits at once if the parent died before it could ask. The hook is registered once and does
+    nothing outside a save."""
+
+    _PR_SET_PDEATHSIG = 1
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._saves = 0
+        self._parent = 0
+
+    @contextmanager
+    def die_with_parent(self) -> Iterator[None]:
+        if not sys.platform.startswith("linux"):
+            yield
+            return
+        _register_fork_hook()
+        with self._lock:
+            self._saves, self._parent = self._saves + 1, os.getpid()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._saves -= 1
+
+    def after_fork_in_child(self) -> None:
+        if self._saves <= 0:
+            return
+        self._saves = 0  # this child's own children are not writers of this save
+        ctypes.CDLL(None, use_errno=True).prctl(self._PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != self._parent:
+            os._exit(1)
+
+
+_WRITERS = _WriterForks()
+
+
+@cache
+def _register_fork_hook() -> None:
+    os.register_at_fork(after_in_child=_WRITERS.after_fork_in_child)
+
+
+def load_sharded(state: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Megatron's torch_dist load, with DCP's pickled `.metadata` read by `backends.dcp_metadata`.
+
+    The metadata is read and checked first, so a refusal is raised as itself, naming the file
+    (inside the load, DCP would catch it, warn, and retry with `__<rank>.metadata`). For the
+    call only, Megatron's reader factory hands out the reader that read it (DCP then plans with
+    that very object) and its planner is `CheckedBytesPlanner`; both are put back in `finally`.
+    Megatron loads only the keys asked for: a stored tensor no rank asks for (a separate output
+    layer read into a model with tied embeddings) is refused, not dropped (`_mismatch_problem`).
+    """
+    _check_folder(folder)
+    reader = MetadataReader(folder)
+    stored = reader.read_metadata().state_dict_metadata
+    optimizer_keys = {_is_optimizer_key(v.key) for v in nested_values(state) if hasattr(v, "key")}
+
+    def readers(checkpoint_dir: str | Path, cache_metadata: bool = False) -> MetadataReader:
+        """Megatron's `_get_filesystem_reader(checkpoint_dir, cache_metadata)`; ours always caches."""
+        return reader if Path(checkpoint_dir) == folder else MetadataReader(checkpoint_dir)
+
+    with library_errors("megatron dist_checkpointing load", folder), cpu_safe(), \
+            temporarily(mcore_dcp, _get_filesystem_reader=readers, MCoreLoadPlanner=CheckedBytesPlanner):
+        loaded, unasked, absent = dist_checkpointing.load(state, str(folder), strict=StrictHandling.RETURN_ALL)
+    dropped = sorted(k for k in unasked if (not optimizer_keys or _is_optimizer_key(k) in optimizer_keys)
+                     and isinstance(stored.get(k), TensorStorageMetadata))
+    agree(_mismatch_problem(folder, dropped, sorted(absent)))
+    return loaded
+
+
+def _is_optimizer_key(key: str) -> bool:
+    """Megatron-LM keeps an optimizer's state beside the weights: a model load leaves it alone, and
+    an optimizer load the weights (a load that asks for nothing leaves no stored tensor alone)."""
+    return key.startswith("optimizer")
+
+
+def _mismatch_problem(folder: Path, dropped: list[str], absent: list[str]) -> str | None:
+    if absent:
+        return f"{folder}: holds no {shorten(absent, 300)}, which this load asks for"
+    if dropped:
+        return (f"{folder}: holds tensors this load has no place for: {shorten(dropped, 300)} (a separate output "
+                "layer for a model with tied embeddings, or another architecture); refusing to drop them")
+    return None
+
+
+def _check_folder(folder: Path) -> None:
+    """`metadata.json` and `common.pt`, checked before Megatron opens them: a missing, special
+    (a FIFO blocks the read) or oversized file is refused naming it; megatron-core read a 1 GB
+    metadata.json whole and a missing common.pt raised an AttributeError of its own."""
+    path = folder / "metadata.json"
+    if not path.exists():
+        raise CheckpointError(f"{folder}: not a Megatron dist checkpoint (no metadata.json)")
+    text = read_bytes(path, MAX_METADATA_JSON, "Megatron metadata.json", follow=True)
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not valid JSON: {exc}") from exc
+    fields = {f.name: {"str": str, "int": int}.get(f.type, f.type) for f in dataclasses.fields(CheckpointingConfig)}
+    if not isinstance(doc, dict) or not isinstance(doc.get("sharded_backend"), str) or any(
+            k not in fields or type(v) is not fields[k] for k, v in doc.items()):
+        raise CheckpointError(f"{path}: must map {', '.join(fields)} to strings and integers (sharded_backend "
+                              f"required), found {shorten(doc, 200)}")
+    open_regular(folder / "common.pt", follow=True).close()
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -77,14 +220,13 @@ def _common_step(state: dict[int, dict[str, Any]], folder: Path) -> float | None
 
 
 def _sharded_torch_state(
-    optimizer: torch.optim.Optimizer, model: Any, folder: Path, state_keys: list[str]
+    optimizer: torch.optim.Optimizer, placement: dict[int, Any], folder: Path, state_keys: list[str]
 ) -> dict[str, dict[str, Any]]:
-    """Per-parameter tensors of a torch optimizer as ShardedTensors shaped like their params;
-    on load, `state_keys` names the tensors to allocate for every parameter."""
-    placement = _placement(optimizer, model, folder)
-    params = _params(optimizer)
+    """Per-parameter tensors of a torch optimizer as ShardedTensors shaped like their params
+    (zeros for a parameter without state, which `stateless` names in optimizer.json); on load,
+    `state_keys` names the tensors to allocate for every parameter."""
     sharded: dict[str, dict[str, Any]] = {}
-    for i, param in enumerate(params):
+    for i, param in enumerate(_params(optimizer)):
         own = optimizer.state.get(param, {})
         tensors = {k: own[k] if k in own else torch.zeros_like(param) for k in state_keys}
         for key, value in tensors.items():
@@ -96,10 +238,71 @@ def _sharded_torch_state(
     return sharded
 
 
+def _place_of(sharded: Any) -> str:
+    """A parameter's place in the full model, the same at every TP / PP: its key and, for
+    layers stacked into one tensor, the layer's offsets."""
+    if isinstance(sharded, ShardedTensorFactory):
+        sharded = next(iter(nested_values(sharded.build())))
+    return f"{sharded.key}{list(sharded.global_offset[:sharded.prepend_axis_num])}"
+
+
+def _stateless_places(optimizer: torch.optim.Optimizer, placement: dict[int, Any]) -> list[str]:
+    """Where the parameters without optimizer state (frozen or unused so far) sit, on every rank:
+    restored with zero moments and the common step, their next update would differ from the
+    uninterrupted run's. A collective: every rank calls it."""
+    import torch.distributed as dist
+
+    mine = sorted({_place_of(placement[i]) for i, p in enumerate(_params(optimizer)) if not optimizer.state.get(p)})
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return mine
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return sorted(set().union(*every))
+
+
+def _stateful(optimizer: torch.optim.Optimizer, placement: dict[int, Any], saved: dict[str, Any],
+              where: str) -> list[bool]:
+    """Which parameters had state when saved; a save without `stateless` (older) kept it for all."""
+    stateless = saved.get("stateless", [])
+    if not isinstance(stateless, list) or not all(isinstance(p, str) for p in stateless):
+        raise CheckpointError(f"{where}: stateless must list parameter places, found {shorten(stateless, 120)}")
+    gone = set(stateless)
+    return [bool(saved.get("state_keys")) and _place_of(placement[i]) not in gone
+            for i in range(len(_params(optimizer)))]
+
+
+def _check_saved_state(optimizer: torch.optim.Optimizer, groups: list[Any], stateful: list[bool], saved: dict[str, Any],
+                       where: str) -> None:
+    """`state_keys` exactly the tensors the optimizer's step reads (`lifecycle.optim_state`'s
+    table, by the saved groups' settings), `step` a whole number >= 0: a NaN step made every
+    weight NaN, a key too few failed the next step with a raw KeyError."""
+    keys, step = saved.get("state_keys"), saved.get("step")
+    if not isinstance(keys, list) or not all(isinstance(k, str) and k != "step" for k in keys) \
+            or len(set(keys)) != len(keys):
+        raise CheckpointError(f"{where}: state_keys must list distinct state names, found {shorten(keys, 120)}")
+    needed: set[str] = set()
+    flags = iter(stateful)
+    for group, saved_group in zip(optimizer.param_groups, groups):
+        if any([next(flags) for _ in group["params"]]):
+            needed |= state_keys(optimizer, saved_group)
+    if needed - {"step"} and set(keys) != needed - {"step"}:
+        raise CheckpointError(f"{where}: state_keys {shorten(keys, 120)} are not the "
+                              f"{sorted(needed - {'step'})} its step reads")
+    if step is None and not ("step" in needed and any(stateful)):
+        return
+    problem = step_problem(step)
+    if problem is None and not float(step).is_integer():
+        problem = f"must be a whole number of steps, found {step!r}"
+    if problem:
+        raise CheckpointError(f"{where}: step {problem}")
+
+
 def _write_json(doc: dict[str, Any], folder: Path) -> None:
-    if current_rank() == 0:
+    def write() -> None:
         text = json.dumps({"format_version": 1, **encode(doc, where=str(folder / OPTIM_JSON))}, indent=1)
         (folder / OPTIM_JSON).write_text(text + "\n", encoding="utf-8")
+
+    on_rank0(write, OPTIM_JSON, folder)
 
 
 class DistCkptBackend(FormatBackend):
@@ -123,11 +326,14 @@ class DistCkptBackend(FormatBackend):
         """Megatron writes the shards itself, unhashed: no digest to hand on."""
         chunks = chunks_of(model)
         save_sharded(sharded_model_state(chunks), folder)
-        if current_rank() == 0:
+
+        def write() -> None:
             write_transformer_config(chunks[0].config, folder)
             bridge = getattr(model, "bridge", None)
             if bridge is not None:
                 bridge.hf_config.save_pretrained(str(folder))
+
+        on_rank0(write, "model config", folder)
         return {}
 
     def load_model(self, model: Any, folder: Path, *, expected: Mapping[str, str] | None = None) -> set[str]:
@@ -153,10 +359,12 @@ class DistCkptBackend(FormatBackend):
             return {}
         state = optimizer.state_dict()["state"]
         keys = sorted({k for s in state.values() for k in s if k != "step"})
-        save_sharded({_STATE: _sharded_torch_state(optimizer, model, folder, keys)}, folder)
+        placement = _placement(optimizer, model, folder)
+        stateless = _stateless_places(optimizer, placement)
+        save_sharded({_STATE: _sharded_torch_state(optimizer, placement, folder, keys)}, folder)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
         _write_json({"optimizer": {"kind": "torch", "state_keys": keys, "step": _common_step(state, folder),
-                                   "param_groups": groups}, "lr_scheduler": sched}, folder)
+                                   "stateless": stateless, "param_groups": groups}, "lr_scheduler": sched}, folder)
         return {}
 
     def load_optimizer(
@@ -187,15 +395,16 @@ class DistCkptBackend(FormatBackend):
 
 
 def _load_torch_optimizer(optimizer: torch.optim.Optimizer, model: Any, folder: Path, saved: dict[str, Any]) -> None:
+    where = f"{folder / OPTIM_JSON}: does not fit the optimizer"
     groups = saved.get("param_groups")
-    check_param_groups(optimizer, groups, f"{folder / OPTIM_JSON}: does not fit the optimizer", ids=None)
-    template = {_STATE: _sharded_torch_state(optimizer, model, folder, list(saved["state_keys"]))}
-    loaded = load_sharded(template, folder)[_STATE]
-    step = saved.get("step")
-    state: dict[int, dict[str, Any]] = {}
-    for i, tensors in loaded.items():
-        state[int(i)] = {**tensors, **({"step": torch.tensor(float(step))} if step is not None else {})}
+    check_param_groups(optimizer, groups, where, ids=None)
+    placement = _placement(optimizer, model, folder)
+    stateful = _stateful(optimizer, placement, saved, where)
+    _check_saved_state(optimizer, groups, stateful, saved, where)
+    keys, step = saved["state_keys"], saved.get("step")
+    loaded = load_sharded({_STATE: _sharded_torch_state(optimizer, placement, folder, keys)}, folder).get(_STATE, {})
+    state = {int(i): {**tensors, **({"step": torch.tensor(float(step))} if step is not None else {})}
+             for i, tensors in loaded.items() if stateful[int(i)]}
     current = optimizer.state_dict()["param_groups"]
     merged = [{**hyper, "params": group["params"]} for hyper, group in zip(groups, current)]
     optimizer.load_state_dict({"state": state, "param_groups": merged})
-

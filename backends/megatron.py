@@ -4,8 +4,9 @@ megatron-core and mbridge are imported here and in those two modules only, so a 
 never uses a Megatron format never pays for (or needs) them. The CPU patches (what megatron-core
 and mbridge assume of CUDA, made CPU-safe) are applied only when CUDA is absent, only around the call that
 needs them, and registered with the running lifecycle phase so they are undone even if the
-call never returns normally. A load swaps Megatron's DCP reader factory the same way, so its
-pickled `.metadata` is read by `backends.dcp_metadata`'s restricted unpickler.
+call never returns normally. `backends.dist_ckpt`'s load swaps Megatron's DCP reader factory
+the same way, so its pickled `.metadata` is read by `backends.dcp_metadata`'s restricted
+unpickler, and its planner for `CheckedBytesPlanner`.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import json
 import os
 import pickle
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies import (
     filesystem_async as mcore_fs_async,
 )
@@ -32,13 +33,13 @@ from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 
 from backends.base import current_rank, failed_ranks
-from backends.dcp_metadata import MetadataReader
 from backends.hf import write_hf_folder
 from backends.hf_config import bridge_view, config_dtype
-from lifecycle.errors import CheckpointError, ConfigError
+from lifecycle.errors import CheckpointError, ConfigError, shorten
 from lifecycle.phase import DELETE, temporarily
 
 TRANSFORMER_CONFIG = "transformer_config.json"
+_T = TypeVar("_T")
 _ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                 "kv_channels", "normalization", "gated_linear_unit", "add_qkv_bias", "qk_layernorm")
 
@@ -197,6 +198,9 @@ def init_parallel(tp: int, pp: int) -> None:
     """Megatron's process groups for this TP / PP, over the already-initialised default group."""
     import torch.distributed as dist
 
+    for name, size in (("tp", tp), ("pp", pp)):
+        if type(size) is not int or size < 1:
+            raise ConfigError(f"parallel.{name}", f"must be an integer >= 1, got {shorten(size)}")
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("parallel", "initialise torch.distributed first (gloo on CPU, nccl on GPU), "
                           f"with a world size that is a multiple of tp*pp = {tp * pp}")
@@ -271,16 +275,9 @@ def library_errors(what: str, folder: Path) -> Iterator[None]:
         ranks = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in exc.failures.items())
         raise CheckpointError(f"{folder}: {what} failed: {ranks}") from exc
     except (CheckpointingException, SafetensorError, OSError, RuntimeError, ValueError, KeyError, TypeError,
-            AttributeError) as exc:  # TypeError, AttributeError: a metadata.json of another shape
+            AttributeError, IndexError, EOFError, pickle.UnpicklingError) as exc:
+        # TypeError, AttributeError: a metadata.json of another shape; the last three: a damaged common.pt
         raise CheckpointError(f"{folder}: {what} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def save_sharded(state: dict[str, Any], folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    if any(folder.iterdir()):
-        raise CheckpointError(f"{folder}: dist_checkpointing writes only into an empty folder")
-    with library_errors("megatron dist_checkpointing save", folder), cpu_safe(), in_process_write_results():
-        dist_checkpointing.save(state, str(folder))
 
 
 @contextmanager
@@ -297,7 +294,7 @@ def in_process_write_results() -> Iterator[None]:
         yield
 
 
-class _CheckedBytesPlanner(mcore_dcp.MCoreLoadPlanner):
+class CheckedBytesPlanner(mcore_dcp.MCoreLoadPlanner):
     """Megatron's load planner, but an entry DCP stored as bytes (a layer's `_extra_state`) is
     read with `torch.load(weights_only=True)` instead of DCP's `weights_only=False`, and a
     refusal is a CheckpointError. The object is stored where DCP's own `load_bytes` stores it."""
@@ -314,26 +311,26 @@ class _CheckedBytesPlanner(mcore_dcp.MCoreLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def load_sharded(state: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """Megatron's torch_dist load, with DCP's pickled `.metadata` read by `backends.dcp_metadata`.
+def on_rank0(write: Callable[[], _T], what: str, folder: Path) -> _T | None:
+    """`write()` on rank 0 alone (None elsewhere), then every rank learns whether it failed.
 
-    The metadata is read and checked first, so a refusal is raised as itself, naming the file
-    (inside the load, DCP would catch it, warn, and retry with `__<rank>.metadata`). For the
-    call only, Megatron's reader factory hands out the reader that read it (DCP then plans with
-    that very object) and its planner is `_CheckedBytesPlanner`; both are put back in `finally`.
+    Rank 0 writes what no other rank holds (the HF files, the JSON beside the shards) while its
+    peers move on into the next collective (the optimizer's gathers): a rank 0 that hit a full
+    disk would give up and leave them waiting there until the process group's timeout. Rank 0
+    raises its own error (a `CheckpointError` naming `folder`), the others one naming rank 0.
     """
-    if not (folder / "metadata.json").is_file():
-        raise CheckpointError(f"{folder}: not a Megatron dist checkpoint (no metadata.json)")
-    reader = MetadataReader(folder)
-    reader.read_metadata()
-
-    def readers(checkpoint_dir: str | Path, cache_metadata: bool = False) -> MetadataReader:
-        """Megatron's `_get_filesystem_reader(checkpoint_dir, cache_metadata)`; ours always caches."""
-        return reader if Path(checkpoint_dir) == folder else MetadataReader(checkpoint_dir)
-
-    with library_errors("megatron dist_checkpointing load", folder), cpu_safe(), \
-            temporarily(mcore_dcp, _get_filesystem_reader=readers, MCoreLoadPlanner=_CheckedBytesPlanner):
-        return dist_checkpointing.load(state, str(folder))
+    result = None
+    if current_rank() == 0:
+        try:
+            result = write()
+        except BaseException as exc:
+            failed_ranks(True)
+            if isinstance(exc, (CheckpointError, ConfigError)) or not isinstance(exc, Exception):
+                raise
+            raise CheckpointError(f"{folder}: {what} failed: {type(exc).__name__}: {exc}") from exc
+    if failed_ranks(False):
+        raise CheckpointError(f"{folder}: rank 0 failed to write the {what} (see its error)")
+    return result
 
 
 def agree(problem: str | None) -> None:
@@ -393,8 +390,11 @@ def write_hf_export(model: Any, folder: Path) -> dict[str, str]:
         if current_rank() != 0:
             for _ in weights:
                 pass
-            return {}
-        state = {name: tensor.cpu() for name, tensor in weights}
-    digests = write_hf_folder(state, folder, config=bridge.hf_config)
-    write_transformer_config(chunks[0].config, folder)
-    return digests
+        state = {name: tensor.cpu() for name, tensor in weights}  # empty on other ranks: consumed above
+
+    def write() -> dict[str, str]:
+        digests = write_hf_folder(state, folder, config=bridge.hf_config)
+        write_transformer_config(chunks[0].config, folder)
+        return digests
+
+    return on_rank0(write, "HF export", folder) or {}

@@ -516,7 +516,8 @@ def _dist_ckpt_bytes_entry_exploit(rank: int, world_size: int, tmp: Path) -> dic
     from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.dist_checkpointing.strategies import torch as mcore_dcp
 
-    from backends.megatron import cpu_safe, load_sharded, save_sharded
+    from backends.dist_ckpt import load_sharded, save_sharded
+    from backends.megatron import cpu_safe
 
     marker = tmp / "pwned"
     save_sharded({"extra": ShardedObject("extra", {"step": 3}, (1,), (0,), replica_id=0)}, tmp / "good")

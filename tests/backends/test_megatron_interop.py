@@ -227,3 +227,109 @@ def test_save_at_tp2_kill_then_resume_at_tp1_restores_weights_optimizer_and_step
         assert result["differ"] == []
         assert result["opt_steps"] == [2.0]
         assert result["sched_epoch"] == 2 and result["lr"] == [0.0025]
+
+
+def _refusals_and_stateless_resume(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    """One rank: an untied checkpoint into a tied model; a frozen parameter's missing state
+    through save and load; crafted optimizer.json fields."""
+    import transformers
+
+    from backends.dist_ckpt import DistCkptBackend
+    from backends.megatron import build_model
+    from lifecycle.errors import CheckpointError
+
+    backend, out = DistCkptBackend(), {}
+    model = build_model(tmp / "hf", tp=1)
+    model.bridge.load_weights(model.chunks, str(tmp / "hf"))
+    backend.save_model(model, tmp / "untied")
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=0.01)
+    for _ in range(2):
+        for p in params[:-1]:
+            p.grad = torch.full_like(p, 0.01)
+        optimizer.step()
+    backend.save_optimizer(optimizer, None, tmp / "optim", model=model)
+    again = torch.optim.AdamW(params, lr=0.01)
+    backend.load_optimizer(again, None, tmp / "optim", model=model)
+    out["frozen_state"] = sorted(again.state.get(params[-1], {}))
+    out["trained_step"] = float(again.state[params[0]]["step"])
+    doc = json.loads((tmp / "optim" / "optimizer.json").read_text())
+    for name, edit in {"nan": {"step": {"__float__": "nan"}}, "huge": {"step": 10**400}, "negative": {"step": -5},
+                       "fraction": {"step": 0.5}, "string": {"step": "7"}, "true": {"step": True},
+                       "keys_one": {"state_keys": ["exp_avg"]}, "keys_none": {"state_keys": None}}.items():
+        (tmp / "optim" / "optimizer.json").write_text(json.dumps({**doc, "optimizer": {**doc["optimizer"], **edit}}))
+        try:
+            backend.load_optimizer(torch.optim.AdamW(params, lr=0.01), None, tmp / "optim", model=model)
+            out[name] = "loaded"
+        except CheckpointError as exc:
+            out[name] = str(exc)
+    config = transformers.AutoConfig.from_pretrained(str(tmp / "hf"))
+    config.tie_word_embeddings = True
+    try:
+        backend.load_model(build_model(config, tp=1), tmp / "untied")
+        out["tied"] = "loaded"
+    except CheckpointError as exc:
+        out["tied"] = str(exc)
+    return out
+
+
+def test_dist_ckpt_refuses_dropped_tensors_and_crafted_optimizer_json_and_keeps_a_frozen_param_stateless(
+    tmp_path: Path,
+) -> None:
+    """An output layer was dropped silently by a tied model's load; a parameter without state
+    came back with zero moments and the common step; a NaN, huge, negative, fractional or
+    non-number step or a state key too few loaded and failed (or poisoned) the next step."""
+    make_hf_checkpoint(tmp_path / "hf")
+    [out] = run_ranks(_refusals_and_stateless_resume, tmp_path, world_size=1, timeout_s=120)
+    assert out["frozen_state"] == [] and out["trained_step"] == 2.0
+    where = f"{tmp_path / 'optim' / 'optimizer.json'}: does not fit the optimizer: "
+    for name in ("nan", "huge", "negative", "fraction", "string", "true"):
+        assert out[name].startswith(where + "step must be"), (name, out[name])
+    assert out["keys_one"] == where + "state_keys ['exp_avg'] are not the ['exp_avg', 'exp_avg_sq'] its step reads"
+    assert out["keys_none"].startswith(where + "state_keys must list")
+    assert out["tied"].startswith(f"{tmp_path / 'untied'}: holds tensors this load has no place for: "
+                                  "['output_layer.weight']")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 200 KiB tmpfs, unmounted after the test: room for the run's folders, not for the weights."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _save_on_a_full_disk(rank: int, world_size: int, tmp: Path) -> str:
+    from backends.megatron import build_model
+    from lifecycle import Lifecycle
+    from lifecycle.errors import CheckpointError
+
+    model = build_model(tmp / "hf", tp=2)
+    optimizer = torch.optim.AdamW(list(model.parameters()), lr=0.01)
+    cfg = {"checkpoint": {"root": str(tmp / "small" / "ckpt"), "save": {"format": "mbridge"},
+                          "pre_load": {"path": str(tmp / "hf")}}}
+    lc = Lifecycle(cfg, role="actor", model=model, optimizer=optimizer)
+    lc.init_load()
+    train_steps(lc, model, optimizer, steps=(1,))
+    try:
+        lc.save(1)
+    except CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_full_disk_on_rank0_fails_an_mbridge_save_on_every_rank_at_once(tmp_path: Path, small_disk: Path) -> None:
+    """Rank 0 alone writes the HF files: on ENOSPC it gave up while rank 1 waited in the optimizer
+    save's gather until the process group's timeout (30 s here), then both failed with raw errors."""
+    make_hf_checkpoint(tmp_path / "hf")
+    first, second = run_ranks(_save_on_a_full_disk, tmp_path, timeout_s=60)
+    assert "HF export failed: OSError: [Errno 28] No space left on device" in first
+    assert "rank 0 failed to write the HF export" in second

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import pickle
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -140,3 +142,107 @@ def test_a_metadata_json_of_another_shape_fails_the_load_as_a_checkpoint_error(t
     with pytest.raises(CheckpointError, match=rf"{tmp_path}: load failed: {type(raised).__name__}"):
         with megatron.library_errors("load", tmp_path):
             raise raised
+
+
+@pytest.mark.parametrize(("tp", "pp", "key"), [(0, 1, "parallel.tp"), (-1, 1, "parallel.tp"), (1, 0, "parallel.pp"),
+                                               (True, 1, "parallel.tp")])
+def test_a_tp_or_pp_below_one_is_a_config_error_naming_it(tp: int, pp: int, key: str) -> None:
+    """tp=0 raised ZeroDivisionError, tp=-1 megatron's AssertionError."""
+    with pytest.raises(ConfigError, match=rf"{key}.*must be an integer >= 1"):
+        megatron.init_parallel(tp, pp)
+
+
+def _dist_folder(tmp_path: Path, metadata: str | None = '{"sharded_backend": "torch_dist"}',
+                 common: bytes | None = b"x") -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    if metadata is not None:
+        (folder / "metadata.json").write_text(metadata)
+    if common is not None:
+        (folder / "common.pt").write_bytes(common)
+    return folder
+
+
+@pytest.mark.parametrize(("metadata", "needle"), [
+    ("[1]", "metadata.json: must map sharded_backend"),
+    ('{"sharded_backend": "torch_dist", "sharded_backend_version": NaN}', "metadata.json: must map"),
+    ('{"sharded_backend": "torch_dist", "x": 1}', "metadata.json: must map"),
+    ("\xff garbage", "metadata.json: not valid JSON"),
+], ids=["list", "nan-version", "unknown-key", "garbage"])
+def test_a_metadata_json_megatron_cannot_use_is_refused_naming_it(tmp_path: Path, metadata: str, needle: str) -> None:
+    from backends.dist_ckpt import load_sharded
+    from lifecycle import CheckpointError
+
+    with pytest.raises(CheckpointError, match=needle):
+        load_sharded({}, _dist_folder(tmp_path, metadata))
+
+
+def test_a_huge_metadata_json_is_refused_unread(tmp_path: Path) -> None:
+    """A 1 GB sparse metadata.json took 2.4 GB of memory before megatron refused it."""
+    from backends.dist_ckpt import load_sharded
+    from lifecycle import CheckpointError
+
+    folder = _dist_folder(tmp_path)
+    with open(folder / "metadata.json", "r+b") as fh:
+        fh.truncate(10**9)
+    with pytest.raises(CheckpointError, match=r"metadata.json is larger than 65536 bytes"):
+        load_sharded({}, folder)
+
+
+def test_a_missing_or_special_common_pt_is_refused_naming_it(tmp_path: Path) -> None:
+    """Missing, megatron-core raised AttributeError ('str' has no 'iterdir'); a FIFO blocked."""
+    import os
+
+    from backends.dist_ckpt import load_sharded
+    from lifecycle import CheckpointError
+
+    folder = _dist_folder(tmp_path, common=None)
+    with pytest.raises(CheckpointError, match=rf"{folder / 'common.pt'}: file missing"):
+        load_sharded({}, folder)
+    os.mkfifo(folder / "common.pt")
+    with pytest.raises(CheckpointError, match=r"common.pt: a FIFO, not a regular file"):
+        load_sharded({}, folder)
+
+
+@pytest.mark.parametrize("raised", [EOFError(), IndexError("pop from empty list"),
+                                    pickle.UnpicklingError("invalid load key")])
+def test_a_damaged_common_pt_fails_the_load_as_a_checkpoint_error_naming_the_folder(tmp_path: Path,
+                                                                                    raised: Exception) -> None:
+    from lifecycle import CheckpointError
+
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}: load failed: {type(raised).__name__}"):
+        with megatron.library_errors("load", tmp_path):
+            raise raised
+
+
+def test_a_rank0_write_that_fails_is_a_checkpoint_error_naming_the_folder(tmp_path: Path) -> None:
+    from lifecycle import CheckpointError
+
+    def full_disk() -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}: HF export failed: OSError.*No space left"):
+        megatron.on_rank0(full_disk, "HF export", tmp_path)
+    assert megatron.on_rank0(lambda: 5, "HF export", tmp_path) == 5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_forked_during_a_dist_ckpt_save_dies_with_its_parent_and_no_other_child_does() -> None:
+    """Megatron's writer processes outlived a rank killed by SIGKILL mid-save."""
+    import ctypes
+    import os
+    import signal
+
+    from backends.dist_ckpt import _WRITERS
+
+    def child_death_signal() -> int:
+        pid = os.fork()
+        if pid == 0:
+            got = ctypes.c_int(-1)
+            ctypes.CDLL(None).prctl(2, ctypes.byref(got), 0, 0, 0)  # PR_GET_PDEATHSIG
+            os._exit(got.value)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    with _WRITERS.die_with_parent():
+        assert child_death_signal() == signal.SIGKILL
+    assert child_death_signal() == 0
