@@ -19,6 +19,7 @@ nor mbridge: it reads the config object it is given.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,9 +99,62 @@ def bridge_attributes(config: Any) -> dict[str, Any]:
     return supplied
 
 
+POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads")
+"""Sizes a model needs at least one of: at 0 Megatron divides by it or builds an embedding of
+no rows, which loads any checkpoint's tensors into nothing."""
+
+SILU_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mixtral", "mimo", "deepseek_v3",
+                              "glm4_moe"})
+"""Architectures whose bridge takes mbridge's base config, which hard-codes SiLU whatever
+`hidden_act` says."""
+SILU_NAMES = frozenset({"silu", "swish"})
+
+BRIDGE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+"""The parameter dtypes Megatron builds a model in."""
+
+
+def _size_problems(config: Any) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    for name in POSITIVE_SIZES:
+        value = getattr(config, name, None)
+        if value is not None and not (type(value) is int and value > 0):
+            problems.append((name, f"must be a positive integer, got {shorten(value)}"))
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if not problems and type(heads) is int and type(kv) is int and heads % kv:
+        problems.append(("num_key_value_heads", f"{kv} does not divide num_attention_heads {heads}"))
+    return problems
+
+
+def check_config(config: Any) -> None:
+    """Refuse, naming the key, an HF config the bridge would build into a model other than the
+    one transformers builds from it, or would fail on with a raw error: a size of 0, a RoPE base
+    that is not a positive number (NaN frequencies), an activation the bridge replaces by SiLU, a
+    parameter dtype Megatron cannot train in. Attributes the config lacks are left to the bridge."""
+    problems = _size_problems(config)
+    theta = bridge_attributes(config).get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is not None and not (isinstance(theta, (int, float)) and not isinstance(theta, bool)
+                                  and math.isfinite(theta) and theta > 0):
+        problems.append(("rope_theta", f"must be a finite positive number, got {shorten(theta)}"))
+    act = getattr(config, "hidden_act", None)
+    if getattr(config, "model_type", None) in SILU_MODEL_TYPES and act is not None and act not in SILU_NAMES:
+        problems.append(("hidden_act", (f"{shorten(act)}: mbridge builds a {config.model_type} model with SiLU "
+                                        "whatever the config says, so it would not be this model")))
+    dtype = config_dtype(config)
+    if dtype is not None and dtype not in BRIDGE_DTYPES:
+        allowed = ", ".join(sorted(str(d) for d in BRIDGE_DTYPES))
+        problems.append(("dtype", f"{dtype}: Megatron builds parameters in {allowed} only"))
+    if problems:
+        key, message = problems[0]
+        more = "".join(f"; {k}: {m}" for k, m in problems[1:])
+        raise ConfigError(f"{KEY}.{key}", message + more)
+
+
 def bridge_view(config: Any) -> Temporary:
     """`config` with the attributes mbridge reads, for a `with` block (and at the latest until
-    the running phase ends); a transformers-4 config is left untouched."""
+    the running phase ends); a transformers-4 config is left untouched. A config the bridge
+    cannot build faithfully is refused first (`check_config`)."""
+    check_config(config)
     return temporarily(config, **bridge_attributes(config))
 
 

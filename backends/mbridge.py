@@ -8,10 +8,12 @@ form; it is written in Megatron's sharded format by the `dist_ckpt` backend's co
 
 from __future__ import annotations
 
-import json
+import copy
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
+
+import torch
 
 from backends.base import MBRIDGE_CAPABILITIES, FormatBackend, FormatCapabilities
 from backends.dist_ckpt import DistCkptBackend
@@ -27,40 +29,93 @@ from backends.megatron import (
 )
 from backends.hf import _weight_files
 from backends.safetensors_io import read_header
-from lifecycle.errors import CheckpointError
+from lifecycle.boundary import lstat, read_bytes
+from lifecycle.errors import CheckpointError, shorten
+from lifecycle.jsontree import parse_json
 
 _ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "tie_word_embeddings")
+CONFIG_LIMIT = 16 * 1024**2
+"""A model's config.json is kilobytes; anything past this is not one."""
+
+
+def _saved_config(bridge: Any, path: Path) -> dict[str, Any]:
+    """What transformers makes of the folder's config.json, read into the model's config class:
+    `save_pretrained` leaves out values equal to the class defaults, and a class may derive one
+    key from another (Llama's num_key_value_heads). Read bounded, never blocking on a FIFO;
+    anything but a JSON object with a model_type is a CheckpointError naming the file."""
+    saved = parse_json(read_bytes(path, CONFIG_LIMIT, "config.json", follow=True), path)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path}: must be a JSON object, found {type(saved).__name__}")
+    if "model_type" not in saved:
+        raise CheckpointError(f"{path}: has no model_type, so nothing says which architecture it is")
+    cls = type(bridge.hf_config)
+    try:
+        read = cls.from_dict(saved).to_dict()
+    except Exception as exc:  # noqa: BLE001 - transformers' own refusal of a hostile value, as one line
+        raise CheckpointError(f"{path}: {cls.__name__} cannot read it: {type(exc).__name__}: "
+                              f"{shorten(str(exc), 300)}") from None
+    return {**read, "model_type": saved["model_type"]}
 
 
 def _architecture_problem(bridge: Any, folder: Path) -> str | None:
     path = folder / "config.json"
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if lstat(path) is None:
         return f"{folder}: not an HF folder (no config.json)"
-    except (OSError, ValueError) as exc:
-        return f"{path}: not valid JSON: {exc}"
+    saved = _saved_config(bridge, path)
     mine = bridge.hf_config.to_dict()
-    differ = [f"{k}: checkpoint {saved.get(k)!r}, model {mine.get(k)!r}"
-              for k in _ARCH_KEYS if k in saved and saved.get(k) != mine.get(k)]
+    differ = [f"{k}: checkpoint {shorten(saved.get(k))}, model {shorten(mine.get(k))}"
+              for k in _ARCH_KEYS if k in mine and saved.get(k) != mine.get(k)]
     return f"{path}: another architecture than the model's:\n  " + "\n  ".join(differ) if differ else None
 
 
-def _stored_names(folder: Path) -> set[str]:
-    """Every tensor name the folder's weight files hold (the index's, else each file's header)."""
-    return {name for path, names in _weight_files(folder) for name in (names or read_header(path)[0])}
+def _stored_shapes(folder: Path) -> dict[str, list[int]]:
+    """Every tensor the folder's weight files hold -> its shape, from the headers (the truth,
+    not the index's claims)."""
+    return {name: entry["shape"] for path, _ in _weight_files(folder)
+            for name, entry in read_header(path).tensors.items()}
 
 
-def _missing_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None:
-    """HF tensors this rank's chunks will ask the bridge for that the folder does not hold."""
+def _expected_shapes(bridge: Any) -> dict[str, tuple[int, ...]] | None:
+    """The shape transformers gives each HF tensor of this config, built on the meta device (no
+    memory is allocated); None for an architecture no causal-LM auto class builds."""
+    import transformers
+
+    config = copy.deepcopy(bridge.hf_config)
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
+        try:
+            with torch.device("meta"):
+                model = auto.from_config(config)
+        except (ValueError, KeyError):  # the auto class does not map this config
+            continue
+        return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    return None
+
+
+def _wanted_names(bridge: Any, chunks: list[Any]) -> set[str]:
+    """The HF tensors this rank's chunks will ask the bridge for."""
     wanted: set[str] = set()
     for chunk in chunks:
         for local, global_name in bridge._weight_name_mapping_mcore_local_to_global(chunk).items():
             if "_extra_state" not in local:
                 wanted.update(bridge._weight_name_mapping_mcore_to_hf(global_name))
-    missing = sorted(wanted - _stored_names(folder))
-    return f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}" if missing else None
+    return wanted
+
+
+def _tensors_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None:
+    """Tensors the bridge will read that the folder lacks or holds in another shape than
+    transformers builds for this config: the bridge would stop in a scatter on one rank while
+    its TP peers wait for it, or concatenate a misplaced split (gate/up, q/k/v) without a word."""
+    wanted, stored = _wanted_names(bridge, chunks), _stored_shapes(folder)
+    if missing := sorted(wanted - stored.keys()):
+        return f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}"
+    expected = _expected_shapes(bridge) or {}
+    wrong = [f"{name}: {list(stored[name])}, expected {list(expected[name])}" for name in sorted(wanted)
+             if name in expected and tuple(stored[name]) != expected[name]]
+    if wrong:
+        return (f"{folder}: tensors of another shape than this config's model has:\n  "
+                + "\n  ".join(wrong[:10]) + ("\n  ..." if len(wrong) > 10 else ""))
+    return None
 
 
 def _load_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None:
@@ -68,7 +123,7 @@ def _load_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None:
     try:
         if not any(folder.glob("*.safetensors")):
             return f"{folder}: no .safetensors files (pickled .bin weights are not read)"
-        return _architecture_problem(bridge, folder) or _missing_problem(bridge, chunks, folder)
+        return _architecture_problem(bridge, folder) or _tensors_problem(bridge, chunks, folder)
     except CheckpointError as exc:
         return str(exc)
 

@@ -17,6 +17,7 @@ import gc
 import multiprocessing as mp
 import os
 import shutil
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from backends.base import free_port
-from lifecycle.errors import ConfigError, LifecycleError
+from lifecycle.boundary import lstat, os_errors, read_bytes, special_files
+from lifecycle.errors import CheckpointError, ConfigError, LifecycleError
 from lifecycle.procgroup import end_group, exited, lead_own_group
 
 FORMATS = ("hf", "dist_ckpt")
@@ -71,6 +73,16 @@ def max_ranks() -> int:
     return max(64, 4 * (os.cpu_count() or 1))
 
 
+def _check_special(folder: Path, key: str) -> None:
+    """A FIFO (or socket, device) among the folder's files would block every rank that opens it."""
+    try:
+        odd = special_files(folder)
+    except CheckpointError as exc:
+        raise ConfigError(key, str(exc)) from None
+    if odd:
+        raise ConfigError(key, "; ".join(odd))
+
+
 def check(job: ConvertJob) -> tuple[str, Path]:
     """Every error that needs no process group, before any process starts."""
     if job.to not in FORMATS:
@@ -82,10 +94,16 @@ def check(job: ConvertJob) -> tuple[str, Path]:
                                        f"more than the {most} this machine can hold (4 per CPU, at least 64)")
     if not job.src.is_dir():
         raise ConfigError("SRC", f"{job.src}: not a folder")
+    _check_special(job.src, "SRC")
+    if job.hf_config is not None and job.hf_config.is_dir():
+        _check_special(job.hf_config, "--hf-config")
     fmt = source_format(job.src)
     if fmt == job.to:
         raise ConfigError("--to", f"{job.src} is already {fmt}; both formats load at any TP / PP, so there "
                                   "is nothing to convert")
+    if (st := lstat(job.dst)) is not None and stat.S_ISLNK(st.st_mode):
+        raise ConfigError("DST", f"{job.dst}: a symlink; the converted folder is renamed into place, which a "
+                                 "symlink cannot take: name the folder itself")
     if job.dst.exists() and (not job.dst.is_dir() or any(job.dst.iterdir())):
         raise ConfigError("DST", f"{job.dst}: exists and is not an empty folder; nothing was written")
     arch = architecture(job, fmt)
@@ -98,12 +116,11 @@ CONFIG_LIMIT = 16 * 1024**2
 
 
 def check_architecture(config: Path, src: Path) -> None:
-    """The config every rank builds its model from, read before any starts: a JSON object, and
-    its embedding (vocab_size x hidden_size, where it has both) no more elements than SRC has
-    bytes. A config of another model, or a crafted one, would else make every rank allocate it
-    (50M x 64 is 13 GB) before a single weight is compared."""
-    from lifecycle.boundary import read_bytes
-    from lifecycle.jsontree import parse_json
+    """The config every rank builds its model from, read before any starts: a JSON object whose
+    sizes are positive integers, and whose parameters (`parameter_floor`) are no more than SRC
+    has bytes on disk. A config of another model, or a crafted one, would else make every rank
+    allocate it (a 50M x 64 embedding is 13 GB) before a single weight is compared."""
+    from lifecycle.jsontree import parse_json  # imports torch: not for `--help`
 
     try:
         data = parse_json(read_bytes(config, CONFIG_LIMIT, "config.json", follow=True), config)
@@ -111,17 +128,40 @@ def check_architecture(config: Path, src: Path) -> None:
         raise ConfigError("--hf-config", str(exc)) from None
     if not isinstance(data, dict):
         raise ConfigError("--hf-config", f"{config}: must be a JSON object, found {type(data).__name__}")
-    sizes = {key: data[key] for key in ("vocab_size", "hidden_size") if key in data}
+    sizes = {key: data[key] for key in SIZE_KEYS if data.get(key) is not None}
     if any(not (type(v) is int and v > 0) for v in sizes.values()):
-        raise ConfigError("--hf-config", f"{config}: vocab_size and hidden_size must be positive integers, "
-                                         f"found {sizes}")
-    if len(sizes) < 2:
-        return
-    held = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
-    if (wanted := sizes["vocab_size"] * sizes["hidden_size"]) > held:
-        raise ConfigError("--hf-config", f"{config}: its embedding alone is {wanted} elements "
-                                         f"({sizes['vocab_size']} x {sizes['hidden_size']}), more than the "
-                                         f"{held} bytes {src} holds: the config of another model?")
+        raise ConfigError("--hf-config", f"{config}: {', '.join(sizes)} must be positive integers, found {sizes}")
+    if (wanted := parameter_floor(sizes)) > (held := allocated_bytes(src)):
+        raise ConfigError("--hf-config", f"{config}: its model has at least {wanted} parameters "
+                                         f"({', '.join(f'{k} {v}' for k, v in sizes.items())}), more than the "
+                                         f"{held} bytes {src} holds on disk: the config of another model?")
+
+
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim")
+
+
+def parameter_floor(sizes: dict[str, int]) -> int:
+    """Parameters a decoder of these sizes has at least: one embedding, and per layer the query
+    and output projections and a gated MLP (k, v, norms, biases and experts only add to it).
+    A size the config lacks counts nothing, so the floor stays below the model's real count."""
+    hidden, layers = sizes.get("hidden_size", 0), sizes.get("num_hidden_layers", 0)
+    heads = sizes.get("num_attention_heads", 0)
+    head_dim = sizes.get("head_dim") or (hidden // heads if heads else 0)
+    attention = 2 * hidden * heads * head_dim
+    mlp = 3 * hidden * sizes.get("intermediate_size", 0)
+    return sizes.get("vocab_size", 0) * hidden + layers * (attention + mlp)
+
+
+def allocated_bytes(src: Path) -> int:
+    """Bytes SRC's files take on disk (blocks, not sizes: a sparse file holds none of its
+    length); symlinked files counted at their target, symlinked folders not followed."""
+    total = 0
+    with os_errors("cannot walk the source folder", src):
+        for path in src.rglob("*"):
+            st = path.stat() if path.is_file() else None
+            total += st.st_blocks * 512 if st is not None else 0
+    return total
 
 
 def _say(rank: int, out: TextIO, started: float, message: str | Callable[[], str]) -> None:

@@ -112,7 +112,8 @@ def test_what_cannot_be_derived_is_refused_naming_the_key_and_nothing_is_set(con
 def test_a_real_config_reads_rope_theta_in_the_block_and_is_as_before_after_it() -> None:
     """On transformers 5 the value comes from rope_parameters, on 4 it is the config's own."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2Config(vocab_size=256, hidden_size=64, num_attention_heads=4, rope_theta=500_000.0)
+    config = transformers.Qwen2Config(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     rope_theta=500_000.0)
     before = config.to_dict()
     with bridge_view(config):
         assert config.rope_theta == 500_000.0
@@ -166,3 +167,46 @@ def test_a_checkpoint_saved_in_float32_gives_float32_on_either_major(tmp_path: P
     transformers = pytest.importorskip("transformers")
     make_hf_checkpoint(tmp_path)
     assert config_dtype(transformers.AutoConfig.from_pretrained(str(tmp_path))) is torch.float32
+
+
+class Tf5Model(Tf5Config):
+    """A transformers-5 config of the tiny qwen2 model, one attribute overridable."""
+
+    def __init__(self, **fields: Any) -> None:
+        super().__init__(rope_type="default", rope_theta=fields.pop("rope_theta", 10_000.0))
+        self.model_type, self.hidden_act, self.dtype = "qwen2", "silu", torch.float32
+        self.vocab_size, self.hidden_size, self.intermediate_size = 256, 64, 128
+        self.num_hidden_layers, self.num_attention_heads, self.num_key_value_heads = 2, 4, 2
+        vars(self).update(fields)
+
+
+@pytest.mark.parametrize(("fields", "key"), [
+    ({"rope_theta": float("nan")}, "hf_config.rope_theta"),
+    ({"rope_theta": -5.0}, "hf_config.rope_theta"),
+    ({"rope_theta": "big"}, "hf_config.rope_theta"),
+    ({"hidden_act": "gelu"}, "hf_config.hidden_act"),
+    ({"vocab_size": 0}, "hf_config.vocab_size"),
+    ({"num_attention_heads": 0}, "hf_config.num_attention_heads"),
+    ({"num_hidden_layers": 0}, "hf_config.num_hidden_layers"),
+    ({"num_key_value_heads": 3}, "hf_config.num_key_value_heads"),
+    ({"dtype": torch.int64}, "hf_config.dtype"),
+    ({"dtype": torch.float8_e4m3fn}, "hf_config.dtype"),
+], ids=["rope-nan", "rope-negative", "rope-string", "gelu-for-qwen2", "vocab-0", "heads-0", "layers-0",
+        "kv-heads-not-dividing", "int64", "float8"])
+def test_a_config_the_bridge_would_build_wrong_or_crash_on_is_refused_naming_the_key(
+    fields: dict[str, Any], key: str,
+) -> None:
+    """Before: NaN rotary frequencies, SiLU in place of GELU and an embedding of no rows were
+    built without a word; 0 heads or layers and an int64 dtype raised raw ZeroDivisionError and
+    RuntimeError from inside Megatron."""
+    config = Tf5Model(**fields)
+    before = dict(vars(config))
+    with pytest.raises(ConfigError) as info:
+        bridge_view(config)
+    assert info.value.key == key and vars(config) == before
+
+
+def test_the_tiny_model_config_passes_the_checks() -> None:
+    config = Tf5Model()
+    with bridge_view(config):
+        assert config.rope_theta == 10_000.0

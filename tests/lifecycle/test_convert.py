@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -71,7 +73,7 @@ def test_converter_refuses_a_non_empty_destination_and_a_same_format_target(tmp_
     ("{not json", "not valid JSON"),
     ("[]", "must be a JSON object, found list"),
     ('{"vocab_size": "many", "hidden_size": 64}', "must be positive integers"),
-    ('{"vocab_size": 50000000, "hidden_size": 64}', "its embedding alone is 3200000000 elements"),
+    ('{"vocab_size": 50000000, "hidden_size": 64}', "has at least 3200000000 parameters"),
 ], ids=["not-json", "a-list", "a-string-size", "another-models-size"])
 def test_a_config_json_no_rank_could_build_from_is_refused_before_any_starts(
     tmp_path: Path, config: str, says: str,
@@ -83,6 +85,48 @@ def test_a_config_json_no_rank_could_build_from_is_refused_before_any_starts(
     with pytest.raises(ConfigError, match=says) as info:
         check(ConvertJob(src=hf, dst=tmp_path / "out", to="dist_ckpt"))
     assert info.value.key == "--hf-config" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("key", "value"), [("intermediate_size", 400_000), ("num_hidden_layers", 100_000)])
+def test_a_config_whose_layers_outweigh_the_source_on_disk_is_refused_even_beside_a_sparse_file(
+    tmp_path: Path, key: str, value: int,
+) -> None:
+    """Before: only vocab_size x hidden_size was bounded, by the files' lengths, so a 400000-wide
+    MLP (each rank grew to GBs) passed, and a 1 TB sparse file made any config pass."""
+    hf = make_hf_checkpoint(tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, key: value}))
+    with open(hf / "padding.bin", "wb") as fh:
+        fh.truncate(10**12)
+    with pytest.raises(ConfigError, match="more than the [0-9]+ bytes .* holds on disk") as info:
+        check(ConvertJob(src=hf, dst=tmp_path / "out", to="dist_ckpt"))
+    assert info.value.key == "--hf-config"
+
+
+def test_a_fifo_in_the_source_is_refused_before_any_rank_would_block_on_it(tmp_path: Path) -> None:
+    """Before: a FIFO common.pt, or a FIFO config.json beside --hf-config, blocked every rank forever."""
+    hf = make_hf_checkpoint(tmp_path / "hf")
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    (dist / "metadata.json").write_text("{}")
+    os.mkfifo(dist / "common.pt")
+    shutil.copytree(hf, tmp_path / "fifo_config")
+    (tmp_path / "fifo_config" / "config.json").unlink()
+    os.mkfifo(tmp_path / "fifo_config" / "config.json")
+    for src, to, name in ((dist, "hf", "common.pt"), (tmp_path / "fifo_config", "dist_ckpt", "config.json")):
+        with pytest.raises(ConfigError, match=f"{name}: a FIFO, not a regular file") as info:
+            check(ConvertJob(src=src, dst=tmp_path / "out", to=to, hf_config=hf))
+        assert info.value.key == "SRC"
+
+
+def test_a_destination_that_is_a_symlink_is_refused_before_anything_is_converted(tmp_path: Path) -> None:
+    """Before: every rank converted, then the final rename failed with ENOTDIR."""
+    hf = make_hf_checkpoint(tmp_path / "hf")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    with pytest.raises(ConfigError, match="a symlink") as info:
+        check(ConvertJob(src=hf, dst=tmp_path / "link", to="dist_ckpt"))
+    assert info.value.key == "DST"
 
 
 def test_a_corrupt_source_fails_every_rank_with_the_file_named_and_no_destination(tmp_path: Path) -> None:
