@@ -14,10 +14,10 @@ phase without a budget costs nothing and one with a budget costs a lock and a di
 The thread is Python and needs the GIL to report. A phase stuck in native code that holds the
 GIL (a C extension spinning or blocked without releasing it) would silence it, so the process's
 `faulthandler` timer is the backstop: armed for `backstop_s` after the nearest deadline and
-moved on whenever the thread reports, it fires only when the thread could not, and writes every
+moved on whenever the thread reports, it fires when the thread could not, and writes every
 thread's stack to stderr from C. It is the process's one `faulthandler.dump_traceback_later`
-timer: set `WATCHDOG.backstop_s = None` where something else (pytest's `faulthandler_timeout`)
-uses it.
+timer, so it is off until the application turns it on (`WATCHDOG.backstop_s = BACKSTOP_S`; the
+Ray workers do), where nothing else (pytest's `faulthandler_timeout`) uses that timer.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ class Watchdog:
     def backstop_s(self, seconds: float | None) -> None:
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, numbers.Real)
                                     or not MIN_BUDGET_S <= seconds <= MAX_BUDGET_S):
-            raise LifecycleError(f"the watchdog's backstop_s is None or a number of seconds in "
-                                 f"{MIN_BUDGET_S}..{MAX_BUDGET_S:g}, got {shorten(seconds)}")
+            raise ConfigError("backstop_s", f"must be None or a number of seconds in {MIN_BUDGET_S}..{MAX_BUDGET_S:g}, "
+                                            f"got {shorten(seconds)}")
         with self._cond:
             self._backstop_s = None if seconds is None else float(seconds)
             self._set_backstop(self._backstop_due())
@@ -147,8 +147,12 @@ class Watchdog:
                 self._cond.notify()
 
     def unwatch(self, key: int) -> None:
+        """Stop watching the phase `key`. The backstop moves only if it would now fire before
+        the nearest deadline of the phases left (`_keep_backstop`); when none is left, the thread
+        stops it after a moment (at least a backstop before it could fire)."""
         with self._cond:
             self._watched.pop(key, None)
+            self._keep_backstop()
             if not self._watched:
                 self._cond.notify()  # the thread lingers a moment, stops the backstop and ends
 
@@ -179,8 +183,10 @@ class Watchdog:
         """Set the timer to fire at `fires_at`, or stop it (None); with the lock held. A process
         whose standard error has no descriptor goes without it."""
         try:
-            if fires_at is not None:
-                faulthandler.dump_traceback_later(max(fires_at - self._clock(), MIN_BUDGET_S), file=_STDERR_FD)
+            if fires_at is not None:  # never sooner than a backstop from now: the thread gets its time to report
+                now, backstop = self._clock(), self._backstop_s or MIN_BUDGET_S
+                fires_at = max(fires_at, now + backstop)
+                faulthandler.dump_traceback_later(fires_at - now, file=_STDERR_FD)
             elif self._fires_at is not None:
                 faulthandler.cancel_dump_traceback_later()
             self._fires_at = fires_at
@@ -192,18 +198,24 @@ class Watchdog:
         timer as running without its thread, and its exit (or its own cancel) would wait for it
         forever."""
         self._cond.acquire()
-        self._set_backstop(None)
+        try:
+            self._set_backstop(None)
+        except BaseException:
+            self._cond.release()
+            raise
 
     def _after_fork_in_parent(self) -> None:
-        self._keep_backstop()
-        self._cond.release()
+        try:
+            self._keep_backstop()
+        finally:
+            self._cond.release()
 
     def _after_fork_in_child(self) -> None:
-        """The child has only the forking thread: it keeps that thread's phases and no other's
-        (which would be reported as overdue in it), and starts its own thread when it next watches."""
-        me = threading.get_ident()
+        """The child watches nothing of its parent's: a worker forked inside a phase (a data
+        loader's, a writer's) never returns into it, and its own thread would report it overdue
+        for good. It starts a thread of its own when it next watches."""
         self._cond = threading.Condition(threading.Lock())
-        self._watched = {key: entry for key, entry in self._watched.items() if entry.thread == me}
+        self._watched = {}
         self._thread, self._fires_at = None, None
 
     def _run(self) -> None:
@@ -270,5 +282,7 @@ os.register_at_fork(before=_each(Watchdog._before_fork), after_in_parent=_each(W
 _STDERR_FD = 2
 """Where the backstop writes: the process's standard error, whatever `sys.stderr` is now."""
 
-WATCHDOG = Watchdog(backstop_s=BACKSTOP_S)
-"""The process's watchdog, used by every `Phase` with a budget; its `faulthandler` backstop is on."""
+WATCHDOG = Watchdog()
+"""The process's watchdog, used by every `Phase` with a budget. Its `faulthandler` backstop is
+off: a library does not take the process's one timer; an application turns it on
+(`WATCHDOG.backstop_s = BACKSTOP_S`, as the Ray workers do)."""

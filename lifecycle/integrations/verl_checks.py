@@ -67,8 +67,11 @@ def _resolved(config: Any, where: str) -> Any:
     try:
         return OmegaConf.to_container(config, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as error:
-        full_key = getattr(error, "full_key", None)
-        key = join(where, str(full_key)) if full_key else where
+        full_key = str(getattr(error, "full_key", None) or "")
+        node = str(config._get_full_key(None) or "")  # a sub-node (verl passes actor.checkpoint): keys from its root
+        if node and full_key.startswith(node):
+            full_key = full_key[len(node):].lstrip(".")
+        key = join(where, full_key) if full_key else where
         if isinstance(error, MissingMandatoryValue):
             raise ConfigError(key, "missing ('???' in the OmegaConf config); give it a value") from None
         problem = (str(error).splitlines() or [type(error).__name__])[0]

@@ -183,7 +183,8 @@ class Driver(Controller):
         try:
             ray.init(**kwargs)
         except (ValueError, TypeError, RuntimeError, ConnectionError) as exc:
-            raise ConfigError("driver.ray_init" if not self.settings.address else "driver.address",
+            raise ConfigError("driver.ray_init" if self.settings.ray_init or not self.settings.address
+                              else "driver.address",
                               f"ray.init({', '.join(f'{k}={shorten(v)}' for k, v in kwargs.items())}) failed: "
                               f"{type(exc).__name__}: {shorten(str(exc), 300)}") from exc
         self._owns_ray = True

@@ -143,14 +143,14 @@ def fingerprint(value: Any) -> str:
 
 def split_batch(prompts: Any, parts: int) -> list[Any]:
     """Split along the first dimension into `parts` nearly equal chunks (a tensor, a numpy
-    array, or a list or tuple); anything else is a `LifecycleError` naming its type."""
+    array, or a sequence such as a list); anything else is a `LifecycleError` naming its type."""
     if parts == 1:
         return [prompts]
     if isinstance(prompts, torch.Tensor) and prompts.dim() > 0:
         return list(torch.tensor_split(prompts, parts))
     if isinstance(prompts, np.ndarray) and prompts.ndim > 0:
         return list(np.array_split(prompts, parts))
-    if isinstance(prompts, (list, tuple)):
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
         size = -(-len(prompts) // parts)
         return [list(prompts[i:i + size]) for i in range(0, len(prompts), size)]
     raise LifecycleError(f"the policy's prompts are a {type(prompts).__name__}, which cannot be split between "
@@ -187,7 +187,7 @@ def _joined(key: Any, values: list[Any], names: Sequence[str]) -> Any:
         if kind == "list":
             return [item for value in values for item in value]
         if kind == "number":
-            return sum(values) / len(values)
+            return sum(float(value) for value in values) / len(values)
     except (RuntimeError, ValueError) as exc:  # shapes that do not join
         raise LifecycleError(f"batch key {key!r}: the rollouts' values do not join: {shorten(str(exc))}") from None
     found = ", ".join(f"{name}: {type(value).__name__}" for name, value in zip(names, values))
@@ -196,10 +196,14 @@ def _joined(key: Any, values: list[Any], names: Sequence[str]) -> Any:
 
 
 def _kind(value: Any) -> str | None:
+    if isinstance(value, torch.Tensor) and value.ndim == 0:  # a rollout's mean (`rewards.mean()`): a number
+        return "number" if not (value.dtype.is_complex or value.dtype == torch.bool) else None
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return "number" if np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating) else None
     if isinstance(value, torch.Tensor):
-        return "tensor" if value.dim() > 0 else None
+        return "tensor"
     if isinstance(value, np.ndarray):
-        return "array" if value.ndim > 0 else None
+        return "array"
     if isinstance(value, (list, tuple)):
         return "list"
     if isinstance(value, numbers.Real) and not isinstance(value, bool):

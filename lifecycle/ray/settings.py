@@ -123,10 +123,13 @@ def reachable(address: str) -> None:
         return
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as exc:
-        raise ConfigError("driver.address", f"{address}: nothing answered within {CONNECT_TIMEOUT_S:g} s "
-                                            f"({exc.strerror or type(exc).__name__}); is the Ray head running "
-                                            "there?") from exc
+    except TimeoutError:
+        raise ConfigError("driver.address", f"{address}: nothing answered within {CONNECT_TIMEOUT_S:g} s; is the "
+                                            "Ray head running there?") from None
+    except (OSError, UnicodeError, ValueError) as exc:  # refused, no such host, a name IDNA cannot encode
+        why = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
+        raise ConfigError("driver.address", f"{address}: cannot connect ({shorten(why, 200)}); is the Ray head "
+                                            "running there?") from None
 
 
 def overrides_of(overrides: Any, roles: list[str]) -> Mapping[str, Mapping[str, Any]]:

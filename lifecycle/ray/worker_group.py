@@ -58,14 +58,15 @@ class WorkerGroup:
         """Create one actor per (name, class, role, spec); learn each one's pid and node."""
         import ray
 
+        actors = []  # every role's options checked before any actor starts
         for name, cls, role, spec in workers:
             options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0,
                                        **self.options.get(role, {})}
-            actor = ray.remote(concurrency_groups={WATCH: 1})(deferred(cls))
             try:
-                actor = actor.options(**options)
+                actors.append((name, ray.remote(concurrency_groups={WATCH: 1})(deferred(cls)).options(**options), spec))
             except (ValueError, TypeError) as exc:
                 raise ConfigError(f"driver.options.{role}", f"Ray refused these actor options: {exc}") from None
+        for name, actor, spec in actors:
             self.handles[name] = actor.remote(spec)
         names = list(self.handles)
         processes = dict(zip(names, self.gather([(n, self.handles[n].process.remote()) for n in names])))

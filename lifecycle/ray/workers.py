@@ -35,7 +35,7 @@ from lifecycle.phase import guarded
 from lifecycle.rollout import RolloutWeights
 from lifecycle.trace import EventLog, TraceFile
 from lifecycle.types import Parts, SaveInfo
-from lifecycle.watchdog import WATCHDOG
+from lifecycle.watchdog import BACKSTOP_S, WATCHDOG
 
 if TYPE_CHECKING:
     from backends.engines import WeightSync
@@ -175,6 +175,7 @@ def setup_process(spec: WorkerSpec) -> None:
     """Threads and logging of a worker process: the application's choices, made by its entry point."""
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
+    WATCHDOG.backstop_s = BACKSTOP_S  # a phase stuck holding the GIL leaves its stacks in the worker's stderr
     if spec.log_dir is not None:
         from lifecycle.logging import configure
 

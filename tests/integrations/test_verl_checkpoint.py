@@ -652,3 +652,15 @@ def test_the_adapter_imports_and_saves_without_verl(tmp_path: Path) -> None:
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert CheckpointStore(tmp_path).validate(1, ROLE, deep=True) == []
+
+
+def test_a_missing_value_in_the_sub_node_verl_passes_is_named_from_that_node() -> None:
+    """verl hands over `actor_rollout_ref.actor.checkpoint`, a node of its whole config, whose
+    errors name keys from the config's root."""
+    from omegaconf import OmegaConf
+
+    root = OmegaConf.create({"actor_rollout_ref": {"actor": {"checkpoint": {"save_contents": ["model"],
+                                                                            "async_save": "???"}}}})
+    with pytest.raises(ConfigError, match="missing") as refused:
+        manager(checkpoint_config=root.actor_rollout_ref.actor.checkpoint)
+    assert refused.value.key == "checkpoint_config.async_save"

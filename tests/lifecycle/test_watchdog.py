@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from lifecycle import Lifecycle
 from lifecycle.config import LifecycleConfig
-from lifecycle.errors import ConfigError, LifecycleError
+from lifecycle.errors import ConfigError
 from lifecycle.testing import MemoryCheckpointer
 from lifecycle.types import Parts, Progress, SaveInfo
 from lifecycle.watchdog import WATCHDOG, Watchdog, _Watched
@@ -208,11 +208,11 @@ def test_a_child_forked_in_a_watched_phase_exits_through_finalization(tmp_path: 
 
 def test_the_backstop_takes_none_or_a_budget_and_refuses_anything_else() -> None:
     watchdog = Watchdog()
-    assert watchdog.backstop_s is None and WATCHDOG.backstop_s == 5.0
+    assert watchdog.backstop_s is None and WATCHDOG.backstop_s is None  # a library leaves the timer alone
     watchdog.backstop_s = 2
     assert watchdog.backstop_s == 2.0
     for bad in (0, -1.0, float("nan"), float("inf"), True, "5"):
-        with pytest.raises(LifecycleError, match="backstop_s"):
+        with pytest.raises(ConfigError, match="backstop_s"):
             watchdog.backstop_s = bad  # type: ignore[assignment]
     assert watchdog.backstop_s == 2.0
 
@@ -237,18 +237,68 @@ def test_phase_after_phase_keeps_one_backstop_setting_and_the_thread_stops_it_on
     held): fifty budgeted steps set it once, and it is stopped once, after the last."""
     import lifecycle.watchdog as watchdog_module
 
+    _wait_for_the_thread_to_end()  # a real timer an earlier test left set is stopped first
     timer = _Timer()
     monkeypatch.setattr(watchdog_module, "faulthandler", timer)
+    monkeypatch.setattr(WATCHDOG, "backstop_s", 5.0)
     lc = _lifecycle(train_step_s=100.0)
     for step in range(1, 51):
         with lc.train_step(step):
             pass
+    _wait_for_the_thread_to_end()
+    assert len(timer.set) == 1 and 100.0 < timer.set[0] <= 105.0
+    assert timer.stopped == 1 and WATCHDOG._fires_at is None
+
+
+def _wait_for_the_thread_to_end() -> None:
     deadline = time.monotonic() + HANG_GUARD_S
     while WATCHDOG._thread is not None:
         assert time.monotonic() < deadline, "the watchdog thread did not end"
         time.sleep(0.01)
-    assert len(timer.set) == 1 and 100.0 < timer.set[0] <= 105.0
-    assert timer.stopped == 1 and WATCHDOG._fires_at is None
+
+
+def test_a_short_phase_ending_beside_a_long_one_moves_the_backstop_to_the_long_ones_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left at the short phase's deadline, the timer would fire while the long phase is within
+    its budget."""
+    import lifecycle.watchdog as watchdog_module
+
+    _wait_for_the_thread_to_end()
+    timer = _Timer()
+    monkeypatch.setattr(watchdog_module, "faulthandler", timer)
+    monkeypatch.setattr(WATCHDOG, "backstop_s", 5.0)
+    long, short = _lifecycle(save_s=100.0), _lifecycle(train_step_s=1.0)
+    save = long.checkpointer.save
+    long.checkpointer.save = lambda *args: (short_step(), save(*args))[1]  # type: ignore[method-assign]
+
+    def short_step() -> None:
+        with short.train_step(1):
+            assert 5.0 < timer.set[-1] <= 6.0  # the short phase's deadline is the nearest
+        assert 100.0 < timer.set[-1] <= 105.0  # ended: the long one's is
+
+    long.save(1)
+    assert long.history[-1].ok
+    _wait_for_the_thread_to_end()
+
+
+def test_a_child_forked_inside_a_phase_watches_none_of_its_parents_phases() -> None:
+    """A data loader's worker forked inside a step never returns into it: kept, the child's
+    thread reported the parent's step overdue for good."""
+    import os
+
+    lc = _lifecycle(train_step_s=100.0)
+    with lc.train_step(1):
+        assert WATCHDOG.watching == 1
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, str(WATCHDOG.watching).encode())
+            os._exit(0)
+        os.close(write)
+        seen = os.read(read, 16)
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert seen == b"0"
 
 
 def _sink_down(event: str, **fields: object) -> None:

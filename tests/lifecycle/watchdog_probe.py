@@ -1,7 +1,7 @@
 """Run by `test_watchdog.py` in a child process: a phase stuck in a way the watchdog's Python
-thread cannot or can report, with the backstop moved to 0.5 s after the deadline.
+thread cannot or can report, with the backstop on, 1 s after the deadline.
 
-    python watchdog_probe.py gil      # stuck in native code holding the GIL for 2 s
+    python watchdog_probe.py gil      # stuck in native code holding the GIL for 3 s
     python watchdog_probe.py sleep    # stuck 1.5 s with the GIL free: the thread reports
     python watchdog_probe.py fork     # forks in the phase; the child exits through finalization
 """
@@ -19,7 +19,7 @@ from lifecycle.watchdog import WATCHDOG
 
 
 def stuck_holding_the_gil() -> None:
-    ctypes.PyDLL(None).sleep(2)  # a PyDLL call keeps the GIL: no Python thread runs meanwhile
+    ctypes.PyDLL(None).sleep(3)  # a PyDLL call keeps the GIL: no Python thread runs meanwhile
 
 
 def stuck_with_the_gil_free() -> None:
@@ -42,14 +42,14 @@ def fork_and_reap() -> None:
 
 
 def main(case: str) -> None:
-    WATCHDOG.backstop_s = 0.5
+    WATCHDOG.backstop_s = 1.0
     lc = Lifecycle({"watchdog": {"train_step_s": 0.2}}, role="actor", rank=0, world_size=1,
                    checkpointer=MemoryCheckpointer())
     lc.init_load()
     work = {"gil": stuck_holding_the_gil, "sleep": stuck_with_the_gil_free, "fork": fork_and_reap}[case]
     with lc.train_step(1):
         work()
-    time.sleep(1.0)  # past the backstop, had it stayed armed after the phase
+    time.sleep(1.5)  # past the backstop, had it stayed set after the phase
     print("phase ended", flush=True)
 
 

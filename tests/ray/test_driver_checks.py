@@ -155,9 +155,13 @@ def test_a_ray_address_that_nothing_answers_is_refused_at_once_not_retried_for_m
     from backends.base import free_port
 
     job = Driver(_Job(), {}, DriverConfig(steps=1, address=f"127.0.0.1:{free_port('127.0.0.1')}"))
-    with pytest.raises(ConfigError, match="nothing answered") as info:
+    with pytest.raises(ConfigError, match="cannot connect") as info:
         job._init_ray()
     assert info.value.key == "driver.address" and not job._owns_ray
+    for address in ("a..b:6379", f"{'x' * 70}.example:6379"):  # names the IDNA codec refuses
+        with pytest.raises(ConfigError) as info:
+            Driver(_Job(), {}, DriverConfig(steps=1, address=address))._init_ray()
+        assert info.value.key == "driver.address"
 
 
 @pytest.mark.parametrize("batches, match", [
@@ -181,12 +185,54 @@ def test_rollout_batches_join_per_sample_values_and_average_numbers() -> None:
                             {"t": torch.tensor([3]), "a": np.array([3.0]), "l": [3], "p": (4,), "m": 2}])
     assert merged["t"].tolist() == [1, 2, 3] and merged["a"].tolist() == [1.0, 2.0, 3.0]
     assert merged["l"] == [1, 3] and merged["p"] == [2, 4] and merged["m"] == 1.5
+    means = merge_batches([{"t": torch.tensor(1.0), "a": np.float32(2.0)}, {"t": torch.tensor(3.0), "a": np.array(4.0)}])
+    assert means == {"t": 2.0, "a": 3.0}  # a rollout's mean as a 0-d tensor or array is a number
 
 
 def test_prompts_split_between_rollouts_by_their_first_dimension_or_are_refused() -> None:
     assert [p.tolist() for p in split_batch(np.arange(5), 2)] == [[0, 1, 2], [3, 4]]
     assert [p.tolist() for p in split_batch(torch.arange(4), 2)] == [[0, 1], [2, 3]]
     assert split_batch(("a", "b", "c"), 2) == [["a", "b"], ["c"]]
+    assert split_batch(range(3), 2) == [[0, 1], [2]]
     for prompts in ({"ids": [1, 2]}, "abc", torch.tensor(3)):
         with pytest.raises(LifecycleError, match="cannot be split"):
             split_batch(prompts, 2)
+
+
+def test_actor_options_ray_refuses_are_a_config_error_naming_the_role_before_any_actor_starts() -> None:
+    pytest.importorskip("ray")
+    from lifecycle.ray.worker_group import WorkerGroup
+    from lifecycle.ray.workers import TrainerWorker, WorkerSpec
+
+    group = WorkerGroup(call_timeout_s=5, poll_s=1, options={"critic": {"num_cpu": 1}}, on_overdue=lambda *a: None)
+    specs = [(role, TrainerWorker, role, WorkerSpec(role=role, recipe=None, config={})) for role in ("actor", "critic")]
+    with pytest.raises(ConfigError, match="num_cpu") as info:
+        group.start(specs)
+    assert info.value.key == "driver.options.critic" and group.handles == {}
+
+
+def test_a_worker_failure_record_carries_no_terminal_colour_codes() -> None:
+    """Ray colours the worker's name in its error text; logs and the summary are plain text."""
+    from lifecycle.ray.controller import Controller
+    from lifecycle.ray.policy import FailureKind, FailurePolicy, WorkerFailed
+
+    error = RuntimeError("\x1b[36mray::TrainerWorker.train()\x1b[39m (pid=7) boom")
+    failure, _ = Controller(FailurePolicy())._judge(WorkerFailed("actor", "train", 3, error, FailureKind.RAISED))
+    assert failure.error == "RuntimeError: ray::TrainerWorker.train() (pid=7) boom"
+
+
+def test_a_workers_overdue_report_is_kept_for_the_driver_when_its_log_sink_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import structlog
+
+    from lifecycle.ray.workers import OverdueInbox
+
+    class Full:
+        def warning(self, *args: object, **kwargs: object) -> None:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(structlog, "get_logger", lambda *a: Full())
+    inbox = OverdueInbox("actor")
+    inbox("lifecycle.phase_overdue", trigger="train_step", step=1, stacks={"main": '  File "x.py", line 1, in f\n'})
+    [report] = inbox.drain()
+    assert (report["worker"], report["trigger"], report["where"]) == ("actor", "train_step", 'File "x.py", line 1, in f')

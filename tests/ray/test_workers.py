@@ -21,6 +21,14 @@ from lifecycle.watchdog import WATCHDOG
 from tests.ray.recipe import DigitsRecipe
 
 
+@pytest.fixture(autouse=True)
+def _backstop_left_off() -> Any:
+    """A worker built in this process turns the process's watchdog backstop on, as its entry
+    point; the tests after these do not run under it."""
+    yield
+    WATCHDOG.backstop_s = None
+
+
 def spec(tmp_path: Path, role: str, **watchdog: float) -> WorkerSpec:
     config = {"checkpoint": {"root": str(tmp_path / "ckpt"), "roles": ["actor"]},
               "engine": {"bucket_bytes": 1 << 18, "timeout_s": 20}, "watchdog": watchdog}
@@ -122,7 +130,8 @@ def test_workers_sharing_a_process_share_its_one_watchdog_thread(tmp_path: Path)
             assert _stuck_until_reported(worker), "each worker's report reaches its own inbox"
     after = {t for t in threading.enumerate() if t.name == "lifecycle-watchdog"}
     assert len(after - before) <= 1 and all(worker.watchdog is WATCHDOG for worker in workers)
-    assert WATCHDOG.watching == 0 and WATCHDOG._thread in after | {None}  # it ends once nothing is watched
+    assert WATCHDOG.watching == 0 and WATCHDOG._thread in after | {None}  # it ends soon after nothing is watched
+    assert WATCHDOG.backstop_s is not None  # a worker's process has the faulthandler backstop on
 
 
 def test_a_rollouts_weights_errors_name_its_index_and_it_reports_its_process(tmp_path: Path) -> None:
