@@ -35,6 +35,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from backends.base import current_rank, failed_ranks
 from backends.hf import write_hf_folder
 from backends.hf_config import bridge_view, config_dtype
+from lifecycle.boundary import read_bytes
 from lifecycle.errors import CheckpointError, ConfigError, shorten
 from lifecycle.phase import DELETE, temporarily
 
@@ -231,8 +232,14 @@ def build_model(
     this TP / PP. Weights are initialised, not loaded: init-load or resume fills them."""
     from transformers import AutoConfig, PretrainedConfig
 
-    if not isinstance(hf_config, PretrainedConfig):
-        hf_config = AutoConfig.from_pretrained(os.fspath(hf_config))
+    if not isinstance(hf_config, PretrainedConfig):  # a FIFO refused unread, transformers' refusals typed
+        source = Path(hf_config)
+        try:
+            read_bytes(source / "config.json", 16 * 1024**2, "config.json", follow=True)
+            hf_config = AutoConfig.from_pretrained(os.fspath(source))
+        except (CheckpointError, OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError("hf_config", f"{source}: no model config transformers can read: "
+                                           f"{type(exc).__name__}: {shorten(str(exc), 300)}") from None
     init_parallel(tp, pp)
     on_gpu = torch.cuda.is_available()
     if on_gpu:

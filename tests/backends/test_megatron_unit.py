@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -246,3 +247,17 @@ def test_a_child_forked_during_a_dist_ckpt_save_dies_with_its_parent_and_no_othe
     with _WRITERS.die_with_parent():
         assert child_death_signal() == signal.SIGKILL
     assert child_death_signal() == 0
+
+
+@pytest.mark.parametrize("config", ['{"model_type": "no_such_model"}', '{"hidden_size": 8}', "[1, 2]", "not json",
+                                    None])
+def test_build_model_refuses_a_folder_without_a_config_transformers_reads_naming_it(
+        tmp_path: Path, config: str | None) -> None:
+    """Raw ValueError/OSError from AutoConfig before; a FIFO config.json (None here) blocked the read."""
+    if config is None:
+        os.mkfifo(tmp_path / "config.json")
+    else:
+        (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ConfigError, match=str(tmp_path)) as info:
+        megatron.build_model(tmp_path, tp=1, pp=1)
+    assert info.value.key == "hf_config"
