@@ -48,6 +48,14 @@ class ConfigError(LifecycleError, ValueError):
         return type(self), (self.key, self.message)
 
 
+def check_callable(key: str, value: object, signature: str, *, optional: bool = True) -> None:
+    """`ConfigError` naming `key` unless `value` can be called (or is None, when `optional`):
+    an argument the machine calls later is refused when it is given, not when first called."""
+    if not (callable(value) or (optional and value is None)):
+        raise ConfigError(key, f"must be {'None or ' if optional else ''}a callable {signature}, got "
+                               f"{shorten(value)} ({type(value).__name__})")
+
+
 class CheckpointError(LifecycleError):
     """A checkpoint is missing, incomplete, corrupt, or does not match the model."""
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lifecycle.errors import ConfigError, EngineError, LifecycleError, shorten
+from lifecycle.errors import EngineError, LifecycleError, check_callable, shorten
 from lifecycle.machine import ROLLOUT, RolloutState
 from lifecycle.phase import Observer, Phase
 from lifecycle.stateful import Stateful
@@ -47,12 +47,8 @@ class RolloutWeights(Stateful[RolloutState]):
                  on_overdue: Emit | None = None) -> None:
         super().__init__(ROLLOUT, role=role, rank=rank, observers=observers, history_limit=history_limit,
                          watchdog=watchdog, on_overdue=on_overdue)
-        if not callable(load):
-            raise ConfigError("load", f"must be a callable load(named_tensors), got {shorten(load)} "
-                                      f"({type(load).__name__})")
-        if budget is not None and not callable(budget):
-            raise ConfigError("budget", f"must be None or a callable budget(trigger) -> seconds or None, got "
-                                        f"{shorten(budget)} ({type(budget).__name__})")
+        check_callable("load", load, "load(named_tensors)", optional=False)
+        check_callable("budget", budget, "budget(trigger) -> seconds or None")
         self._load = load
         self._budgets = budget
         self._version = 0

@@ -23,7 +23,7 @@ import structlog
 from transitions import MachineError
 
 from lifecycle.boundary import check_step
-from lifecycle.errors import CheckpointError, ConfigError, InvalidTransition, LifecycleError, shorten
+from lifecycle.errors import CheckpointError, ConfigError, InvalidTransition, LifecycleError, check_callable, shorten
 from lifecycle.phase import Observer, Phase, Temporary, TransitionRecord, described, guarded
 from lifecycle.table import Table
 from lifecycle.types import is_count
@@ -235,9 +235,7 @@ def _check_watching(watchdog: object, on_overdue: object) -> None:
     if watchdog is not None and not all(callable(getattr(watchdog, name, None)) for name in ("watch", "unwatch")):
         raise ConfigError("watchdog", "must be None or a Watchdog (an object with watch() and unwatch() methods), "
                                       f"got {shorten(watchdog)} ({type(watchdog).__name__})")
-    if on_overdue is not None and not callable(on_overdue):
-        raise ConfigError("on_overdue", "must be None or a callable emit(event, **fields), "
-                                        f"got {shorten(on_overdue)} ({type(on_overdue).__name__})")
+    check_callable("on_overdue", on_overdue, "emit(event, **fields)")
 
 
 def _figure_fields(figures: dict[Any, Any], fixed: dict[str, Any]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from typing import Any
 
 import structlog
 
-from lifecycle.errors import ConfigError, LifecycleError, shorten
+from lifecycle.errors import ConfigError, LifecycleError, check_callable, shorten
 from lifecycle.phase import described, guarded
 
 __all__ = ["WATCHDOG", "Emit", "Watchdog", "thread_stacks"]
@@ -93,12 +93,8 @@ class Watchdog:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, emit: Emit | None = None,
                  backstop_s: float | None = None) -> None:
-        if not callable(clock):
-            raise ConfigError("clock", f"must be a callable returning seconds, got {shorten(clock)} "
-                                       f"({type(clock).__name__})")
-        if emit is not None and not callable(emit):
-            raise ConfigError("emit", f"must be None or a callable emit(event, **fields), got {shorten(emit)} "
-                                      f"({type(emit).__name__})")
+        check_callable("clock", clock, "clock() -> seconds", optional=False)
+        check_callable("emit", emit, "emit(event, **fields)")
         self._clock = clock
         self._emit = emit
         self._cond = threading.Condition(threading.Lock())
