@@ -256,10 +256,14 @@ def _placement_problem(name: str, path: Path, mapped: Mapping[str, Path]) -> str
 
 
 def only_tensors(state: Mapping[str, Any], folder: Path) -> None:
-    """Refuse a model whose state holds a module's non-tensor extra state, naming it."""
+    """Refuse a model whose state holds a module's non-tensor extra state, or a meta tensor
+    (no data to write), naming it."""
     if odd := next((n for n, t in state.items() if not isinstance(t, torch.Tensor)), None):
         raise CheckpointError(f"{folder}: model entry {odd!r} is a {type(state[odd]).__name__}, not a tensor; "
                               "safetensors holds tensors only (no pickle)")
+    if meta := next((n for n, t in state.items() if t.device.type == "meta"), None):
+        raise CheckpointError(f"{folder}: model entry {meta!r} is a meta tensor, which holds no data; "
+                              "materialise it (to_empty and initialise, or load) before saving")
 
 
 def _fit_problem(name: str, entry: Mapping[str, Any], want: torch.Tensor | None) -> str | None:

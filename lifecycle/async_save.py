@@ -24,10 +24,12 @@ the next step cannot overwrite a weight still being read, and no source is freed
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -57,7 +59,7 @@ class HostCopier:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._used: dict[str, torch.Tensor] = {}
-        self._storages: dict[tuple[str, int], torch.Tensor] = {}
+        self._storages: dict[tuple[str, int, int], torch.Tensor] = {}
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """id(original) -> (original, copy); holding the original keeps its id from being reused."""
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -137,17 +139,25 @@ class HostCopier:
         seen = self._views.get(id(t))
         if seen is not None:
             return seen[1]
-        if t.numel() == 0 or t.device.type == "meta":
+        if t.device.type == "meta":
+            raise CheckpointError(f"{key}: a meta tensor holds no data; materialise it before saving")
+        if t.numel() == 0:
             view = torch.empty(t.shape, dtype=t.dtype)
         else:
             host = self._storage(t, key)
+            reach = (t.storage_offset() + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1) * t.itemsize
+            if reach > host.numel():  # never a view past its copy (it would read other memory as weights)
+                raise CheckpointError(f"{key}: the tensor reaches {reach} bytes into its storage, which holds "
+                                      f"{host.numel()}")
             view = torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.shape, t.stride())
         self._views[id(t)] = (t, view)
         return view
 
     def _storage(self, t: torch.Tensor, key: str) -> torch.Tensor:
         storage = t.untyped_storage()
-        ident = (str(t.device), storage.data_ptr())
+        # By address and size: two storages may start at one address (a numpy view's tensor) and
+        # hold different lengths; each is copied whole, never one read through the other's copy.
+        ident = (str(t.device), storage.data_ptr(), storage.nbytes())
         host = self._storages.get(ident)
         if host is not None:
             return host
@@ -271,10 +281,33 @@ class PendingSave(SaveInfo):
     """Resolves to the committed SaveInfo, or raises what the background write raised."""
 
     def wait(self, timeout: float | None = None) -> SaveInfo:
-        return self.committed.result(timeout)
+        """The committed save's figures. A failed background write is a `CheckpointError` naming
+        the step (a collective's raw error included: a peer killed mid-write), and a wait past
+        `timeout` seconds a `CheckpointError` saying the save is still in flight."""
+        try:
+            return self.committed.result(timeout)
+        except FutureTimeout:
+            raise CheckpointError(f"async save of step {self.step} is still in flight after {timeout:g} s; it goes "
+                                  "on (wait again, or lc.close() to wait for it)") from None
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"async save of step {self.step} failed before its commit, so it was not "
+                                  f"published: {type(exc).__name__}: {exc}") from exc
 
     def figures(self) -> dict[str, Any]:
         return {**SaveInfo.figures(self), "async": True, "stall_s": round(self.seconds, 6)}
+
+
+def _world_timeout(dist: Any) -> timedelta | None:
+    """The default group's timeout, which the commit's own group keeps (a new group would take
+    torch's default, 30 minutes for gloo: a stalled peer held the survivor's wait that long)."""
+    try:
+        default = dist.distributed_c10d._get_default_group()
+        return next(default._get_backend(torch.device(kind)).options._timeout for kind in ("cpu", "cuda")
+                    if torch.device(kind) in default._device_types)
+    except (AttributeError, RuntimeError, StopIteration, ValueError):  # another torch, or no such backend
+        return None
 
 
 class AsyncSaver:
@@ -300,6 +333,7 @@ class AsyncSaver:
     def save(self, job: SaveJob, parts: Parts, progress: Progress) -> PendingSave:
         """Return once the state is copied; `committed` resolves when the background commit is done."""
         now = [c for c in job.writer.wanted if not CONTENTS[c].copied_for_async]
+        collective = self.saver.at.collective()
         later = [c for c in job.writer.wanted if c not in now]
         try:
             store = self._background_store()
@@ -310,7 +344,9 @@ class AsyncSaver:
 
         def write_and_commit() -> SaveInfo:
             try:
+                self._check_group(job.step, collective)
                 written = self.saver.write(job, staged.folder, staged.also, progress, later, group=self._group)
+                self._check_group(job.step, collective)
                 return self.saver.commit(job, staged.written | written, store)
             finally:
                 job.release()
@@ -323,6 +359,19 @@ class AsyncSaver:
         return PendingSave(step=job.step, path=self.saver.at.store().role_dir(job.step, self.saver.at.role),
                            contents=list(job.writer.wanted), backend=job.writer.name, bytes=self.copier.bytes,
                            seconds=time.perf_counter() - job.started, committed=committed)
+
+    @staticmethod
+    def _check_group(step: int, collective: bool) -> None:
+        """A save begun across ranks goes on only while their process group exists: once it is
+        destroyed, a rank would take itself for the only one (rank 0, writing what rank 0 alone
+        writes) and skip the agreement its peers wait in. Wait for the save (`lc.close()`, or
+        the `PendingSave`'s `wait()`) before `destroy_process_group`."""
+        if collective:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise CheckpointError(f"async save of step {step}: the process group was destroyed while it was "
+                                      "in flight; wait for it (lc.close()) before destroy_process_group()")
 
     def wait(self, *, raise_failure: bool = True) -> SaveInfo | None:
         """Block until the save in flight (if any) has committed; its failure is raised once."""
@@ -340,7 +389,7 @@ class AsyncSaver:
         if self._commit_store is None:
             import torch.distributed as dist
 
-            group = self._group = dist.new_group(backend="gloo")
+            group = self._group = dist.new_group(backend="gloo", timeout=_world_timeout(dist))
             self._commit_store = CheckpointStore(store.root, rank=store.rank, world_size=world_size,
                                                  barrier=partial(dist.barrier, group=group),
                                                  agree=agree_fn(self.saver.at.collective(), group))

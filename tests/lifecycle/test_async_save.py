@@ -500,3 +500,68 @@ def test_an_interrupted_wait_keeps_the_save_in_flight_and_its_failure_for_the_ne
     with pytest.raises(CheckpointError, match=r"async save of step 7 \(role actor\) failed before its commit"):
         saver.wait()
     saver.close()
+
+
+def test_two_storages_at_one_address_are_each_copied_whole(tmp_path: Path) -> None:
+    """A tensor made from a numpy view of a parameter starts at the parameter's address with a
+    shorter storage: keyed by address alone, the parameter was laid over the short copy and
+    other heap memory was committed as its weights (checksums and all)."""
+    from safetensors.torch import load_file
+
+    model, child = nn.Module(), nn.Module()
+    child.big = nn.Parameter(torch.arange(64, dtype=torch.float32))
+    model.register_buffer("small", torch.from_numpy(child.big.detach().numpy()[:4]))  # met first
+    model.child = child
+    lc = Lifecycle({"checkpoint": {"root": str(tmp_path), "save": {"async": True}}}, role="actor", model=model)
+    lc.init_load()
+    lc.save(1).wait()
+    lc.close()
+    saved = load_file(str(tmp_path / "global_step_1" / "actor" / "model" / "model.safetensors"))
+    assert torch.equal(saved["child.big"], child.big.detach()) and torch.equal(saved["small"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_meta_tensor_is_refused_by_name_not_saved_as_whatever_memory_held(tmp_path: Path, asynchronous: bool) -> None:
+    model = nn.Linear(2, 2)
+    model.register_buffer("late", torch.empty(4, device="meta"))
+    lc = Lifecycle({"checkpoint": {"root": str(tmp_path), "save": {"async": asynchronous}}}, role="actor", model=model)
+    lc.init_load()
+    with pytest.raises(CheckpointError, match="late.*meta tensor"):
+        lc.save(1)
+    assert CheckpointStore(tmp_path).newest_complete(["actor"]) is None
+
+
+def test_a_pending_saves_wait_raises_typed_errors_naming_the_step() -> None:
+    from concurrent.futures import Future
+
+    from lifecycle.async_save import AsyncSaver
+
+    failed: Future[Any] = Future()
+    failed.set_exception(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    pending = PendingSave(step=4, path=Path("x"), bytes=0, seconds=0.0, contents=["model"], backend="hf",
+                          committed=failed)
+    with pytest.raises(CheckpointError, match="step 4 failed before its commit.*Connection reset"):
+        pending.wait()
+    with pytest.raises(CheckpointError, match="step 4 is still in flight after 0.01 s"):
+        dataclasses.replace(pending, committed=Future()).wait(0.01)
+    with pytest.raises(CheckpointError, match="process group was destroyed"):
+        AsyncSaver._check_group(4, collective=True)  # no group here: destroyed under a save begun across ranks
+    AsyncSaver._check_group(4, collective=False)
+
+
+def test_the_commit_group_keeps_the_world_groups_timeout() -> None:
+    """A new group takes torch's default (30 minutes for gloo): a peer stalled in its background
+    write held the survivor's wait that long, past the timeout the job set."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from backends.base import free_port
+    from lifecycle.async_save import _world_timeout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=25))
+    try:
+        assert _world_timeout(dist) == datetime.timedelta(seconds=25)
+    finally:
+        dist.destroy_process_group()
