@@ -29,14 +29,12 @@ from backends.megatron import (
 )
 from backends.hf import _weight_files
 from backends.safetensors_io import read_header
-from lifecycle.boundary import lstat, read_bytes
+from lifecycle.boundary import lstat
 from lifecycle.errors import CheckpointError, shorten
-from lifecycle.jsontree import parse_json
+from lifecycle.jsontree import read_config_json
 
 _ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "tie_word_embeddings")
-CONFIG_LIMIT = 16 * 1024**2
-"""A model's config.json is kilobytes; anything past this is not one."""
 
 
 def _saved_config(bridge: Any, path: Path) -> dict[str, Any]:
@@ -44,7 +42,7 @@ def _saved_config(bridge: Any, path: Path) -> dict[str, Any]:
     `save_pretrained` leaves out values equal to the class defaults, and a class may derive one
     key from another (Llama's num_key_value_heads). Read bounded, never blocking on a FIFO;
     anything but a JSON object with a model_type is a CheckpointError naming the file."""
-    saved = parse_json(read_bytes(path, CONFIG_LIMIT, "config.json", follow=True), path)
+    saved = read_config_json(path)
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path}: must be a JSON object, found {type(saved).__name__}")
     if "model_type" not in saved:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from backends.base import current_rank, failed_ranks
 from backends.hf import write_hf_folder
 from backends.hf_config import bridge_view, config_dtype
-from lifecycle.boundary import read_bytes
+from lifecycle.jsontree import read_config_json
 from lifecycle.errors import CheckpointError, ConfigError, shorten
 from lifecycle.phase import DELETE, temporarily
 
@@ -235,7 +235,7 @@ def build_model(
     if not isinstance(hf_config, PretrainedConfig):  # a FIFO refused unread, transformers' refusals typed
         source = Path(hf_config)
         try:
-            read_bytes(source / "config.json", 16 * 1024**2, "config.json", follow=True)
+            read_config_json(source / "config.json")
             hf_config = AutoConfig.from_pretrained(os.fspath(source))
         except (CheckpointError, OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError("hf_config", f"{source}: no model config transformers can read: "

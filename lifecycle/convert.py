@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from backends.base import free_port
-from lifecycle.boundary import lstat, os_errors, read_bytes, special_files
+from lifecycle.boundary import lstat, os_errors, special_files
 from lifecycle.errors import CheckpointError, ConfigError, LifecycleError
 from lifecycle.procgroup import end_group, exited, lead_own_group
 
@@ -111,7 +111,6 @@ def check(job: ConvertJob) -> tuple[str, Path]:
     return fmt, arch
 
 
-CONFIG_LIMIT = 16 * 1024**2
 """A model's config.json is kilobytes; anything past this is not one."""
 
 
@@ -120,10 +119,10 @@ def check_architecture(config: Path, src: Path) -> None:
     sizes are positive integers, and whose parameters (`parameter_floor`) are no more than SRC
     has bytes on disk. A config of another model, or a crafted one, would else make every rank
     allocate it (a 50M x 64 embedding is 13 GB) before a single weight is compared."""
-    from lifecycle.jsontree import parse_json  # imports torch: not for `--help`
+    from lifecycle.jsontree import read_config_json  # imports torch: not for `--help`
 
     try:
-        data = parse_json(read_bytes(config, CONFIG_LIMIT, "config.json", follow=True), config)
+        data = read_config_json(config)
     except LifecycleError as exc:
         raise ConfigError("--hf-config", str(exc)) from None
     if not isinstance(data, dict):

@@ -21,6 +21,8 @@ from lifecycle.errors import CheckpointError
 JSON_LIMIT = 256 * 1024**2
 """Bytes a checkpoint's JSON file may have: optimizer structure and dataloader positions take
 kilobytes to a few megabytes; a larger file is refused unread rather than parsed into memory."""
+CONFIG_JSON_LIMIT = 16 * 1024**2
+"""Bytes a model's `config.json` may have: it is kilobytes; anything past this is not one."""
 MAX_DEPTH = 64
 """Levels of nesting `encode` and `decode` follow. Optimizer, scheduler and dataloader states
 nest a handful deep (optimizer -> state -> parameter -> key -> value); 64 is far beyond any of
@@ -55,6 +57,13 @@ def read_json(path: Path, limit: int = JSON_LIMIT) -> Any:
     """A JSON file of a checkpoint; missing, special (a FIFO), too large or malformed is a
     CheckpointError naming it. Opened through `lifecycle.boundary`: never a symlink, never blocks."""
     return parse_json(read_bytes(path, limit, "the JSON file"), path)
+
+
+def read_config_json(path: Path) -> Any:
+    """A model's `config.json`, parsed: read bounded, through a symlink (an HF cache snapshot is
+    all links) but never blocking on a FIFO (`boundary.read_bytes`); a `CheckpointError` naming
+    it for every way that fails."""
+    return parse_json(read_bytes(path, CONFIG_JSON_LIMIT, "config.json", follow=True), path)
 
 
 def parse_json(raw: bytes, path: Path) -> Any:

@@ -12,6 +12,7 @@ Ray is imported inside the methods only.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import select
@@ -222,6 +223,7 @@ class WorkerGroup:
         return None
 
 
+@functools.cache
 def deferred(cls: type) -> type:
     """`cls` as a Ray actor builds it: constructed in a first call, `build()`, not in Ray's creation
     task. An error there reaches the driver as itself (a `ConfigError` ends the run, as

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.disk import small_tmpfs
 from tests.backends.dist_util import run_ranks
 from tests.backends.megatron_util import hf_tensors, make_hf_checkpoint, same_tensors, train_steps, weights_and_moments
 
@@ -294,17 +295,8 @@ def test_dist_ckpt_refuses_dropped_tensors_and_crafted_optimizer_json_and_keeps_
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Any:
     """A 200 KiB tmpfs, unmounted after the test: room for the run's folders, not for the weights."""
-    import subprocess
-
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small", "200k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def _save_on_a_full_disk(rank: int, world_size: int, tmp: Path) -> str:

@@ -22,6 +22,7 @@ from lifecycle.checksum import ALGORITHM, file_digest
 from lifecycle.manifest import MANIFEST
 from lifecycle.report import MAX_LINES, inspect_root, verify_root
 from lifecycle.store import TRACKER, CheckpointStore
+from tests.disk import small_tmpfs
 from tests.guards import within
 from tests.lifecycle.hostile import (
     ROLE,
@@ -251,15 +252,8 @@ def test_an_unreadable_root_is_a_checkpoint_error_naming_it(tmp_path: Path) -> N
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs, unmounted after the test."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.mark.parametrize("fmt", ["hf", "torch_dcp"])
