@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -180,20 +181,35 @@ class Progress(DriverHooks):
         print(f"[{time.perf_counter() - self.started:6.1f}s] {text}", flush=True)
 
 
-def main() -> None:
+def _count(text: str) -> int:
+    """An argparse type for steps and CPUs: an integer >= 1."""
+    if not text.isascii() or not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--save-every", type=int, default=5)
-    parser.add_argument("--fail-at", type=int, default=23, help="step whose training the kill interrupts")
+    parser.add_argument("--steps", type=_count, default=60)
+    parser.add_argument("--save-every", type=_count, default=5)
+    parser.add_argument("--fail-at", type=_count, help="step whose training the kill interrupts (default: 23, or "
+                        "none when --steps is under 23)")
     parser.add_argument("--no-failure", action="store_true", help="do not kill a worker")
-    parser.add_argument("--victim", default="actor", help="worker to kill: actor, critic or rollout0")
+    parser.add_argument("--victim", default="actor", choices=["actor", "critic", "rollout0"], help="worker to kill")
     parser.add_argument("--sync-save", action="store_true", help="save synchronously (default: async save)")
     parser.add_argument("--root", type=Path, help="run folder (default: a new temp folder)")
     parser.add_argument("--models", type=Path, default=MODELS, help="where the tiny models are made and kept")
     parser.add_argument("--address", help="Ray cluster to join (default: start a local Ray)")
-    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray")
-    parser.add_argument("--stall-at", type=int, help="step whose actor update stalls past watchdog.train_step_s")
-    args = parser.parse_args()
+    parser.add_argument("--num-cpus", type=_count, default=2, help="CPUs of the local Ray")
+    parser.add_argument("--stall-at", type=_count, help="step whose actor update stalls past watchdog.train_step_s")
+    args = parser.parse_args(argv)
+    if args.fail_at is None and not args.no_failure:
+        args.fail_at, args.no_failure = (23, False) if args.steps >= 23 else (None, True)
+    if not args.no_failure and args.fail_at > args.steps:
+        parser.error(f"--fail-at {args.fail_at} is past --steps {args.steps}: no worker would be killed "
+                     "(give a --fail-at within the run, or --no-failure)")
+    if args.stall_at is not None and args.stall_at > args.steps:
+        parser.error(f"--stall-at {args.stall_at} is past --steps {args.steps}: no update would stall")
     root = args.root or Path(tempfile.mkdtemp(prefix="ppo-toy-"))
     (root / "logs").mkdir(parents=True, exist_ok=True)
     configure(json=True, file=open(root / "logs" / "driver.jsonl", "a", buffering=1))

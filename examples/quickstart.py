@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -63,9 +64,10 @@ def build(root: Path) -> tuple[Lifecycle, Batches]:
     return lc, batches
 
 
-def train(lc: Lifecycle, batches: Batches, until: int, save_every: int) -> float:
+def train(lc: Lifecycle, batches: Batches, until: int, save_every: int) -> dict[str, torch.Tensor]:
+    """Train to step `until`, saving every `save_every` steps; returns the weights the last save held."""
     model, optimizer = lc.parts.model, lc.parts.optimizer
-    loss = float("nan")
+    saved: dict[str, torch.Tensor] = {}
     for step in range(lc.progress.step + 1, until + 1):
         with lc.train_step(step):
             x, y = batches.next()
@@ -79,16 +81,15 @@ def train(lc: Lifecycle, batches: Batches, until: int, save_every: int) -> float
         if step % save_every == 0:
             info = lc.save(step)
             print(f"  saved step {step} -> {info.path} ({info.bytes / 1e6:.2f} MB, {info.gbps:.2f} GB/s)")
-    return loss
+            saved = {name: t.clone() for name, t in model.state_dict().items()}
+    return saved
 
 
 def first_run(root: Path, steps: int, save_every: int) -> None:
     lc, batches = build(root)
     print(f"[process 1] {lc}: init-load, train {steps} steps, save every {save_every}")
     lc.init_load()
-    train(lc, batches, steps, save_every)
-    expected = {name: t.clone() for name, t in lc.parts.model.state_dict().items()}
-    torch.save(expected, root / "expected_weights.pt")
+    torch.save(train(lc, batches, steps, save_every), root / "expected_weights.pt")
     lc.export_chrome_trace(root / "trace_process1.json")
     lc.close()
 
@@ -112,13 +113,24 @@ def second_run(root: Path, steps: int, save_every: int) -> None:
               f"{str(record.step):>4}  {record.duration_s:.4f}")
 
 
-def main() -> None:
+def _count(text: str) -> int:
+    """An argparse type for --steps and --save-every: an integer >= 1."""
+    if not text.isascii() or not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, help="working folder (default: a new temp folder)")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--root", type=Path, help="working folder, created when missing (default: a new temp folder)")
+    parser.add_argument("--steps", type=_count, default=6)
+    parser.add_argument("--save-every", type=_count, default=2, help="at most --steps: the second process "
+                        "resumes from the last save")
     parser.add_argument("--phase", choices=["first", "second"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.save_every > args.steps:
+        parser.error(f"--save-every {args.save_every} > --steps {args.steps}: nothing would be saved, "
+                     "so the second process would have nothing to resume")
     root = args.root or Path(tempfile.mkdtemp(prefix="lifecycle-quickstart-"))
     root.mkdir(parents=True, exist_ok=True)
     if args.phase:
@@ -129,7 +141,8 @@ def main() -> None:
     for phase in ("first", "second"):
         cmd = [sys.executable, __file__, "--root", str(root), "--steps", str(args.steps),
                "--save-every", str(args.save_every), "--phase", phase]
-        subprocess.run(cmd, check=True)
+        if (code := subprocess.run(cmd, check=False).returncode) != 0:
+            raise SystemExit(f"the {phase} process failed (exit code {code}): see its output above")
     records = [json.loads(line) for line in (root / "log_second.jsonl").read_text().splitlines()]
     resumed = next(r for r in records if r.get("trigger") == "resume")
     print(f"\nresume record: {json.dumps({k: resumed[k] for k in ('trigger', 'src', 'dst', 'ok', 'step')})}")

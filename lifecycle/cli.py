@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
-from lifecycle.boundary import os_error
+from lifecycle.boundary import MAX_STEP, os_error, role_problem
 from lifecycle.errors import LifecycleError
 from lifecycle.machine import MACHINES
 from lifecycle.types import plain_digits
@@ -78,10 +78,20 @@ def _root(text: str) -> Path:
 
 
 def _step(text: str) -> int:
-    """A step argument in plain ASCII digits (int() would also take '2_0' and '٢')."""
-    if (number := plain_digits(text)) is None:
+    """A step argument in plain ASCII digits (int() would also take '2_0' and '٢'), at most `MAX_STEP`."""
+    if not (text.isascii() and text.isdigit()):
         raise argparse.ArgumentTypeError(f"{printable(text[:40])!r} is not a step number (digits 0-9)")
+    if (number := plain_digits(text.lstrip("0") or "0")) is None:  # more digits than a step folder holds
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise argparse.ArgumentTypeError(f"{shown} is out of range: a step is at most {MAX_STEP}")
     return number
+
+
+def _role(text: str) -> str:
+    """A --roles name, refused while parsing as the library refuses it: before any step is read."""
+    if problem := role_problem(text):
+        raise argparse.ArgumentTypeError(printable(problem))
+    return text
 
 
 class _Roles(argparse.Action):
@@ -102,12 +112,12 @@ def _parser() -> argparse.ArgumentParser:
     roles_help = "roles a complete step must hold (default: every role found on disk)"
     inspect = sub.add_parser("inspect", help="table of steps and roles: contents, format, size, complete or why not")
     inspect.add_argument("root", type=_root)
-    inspect.add_argument("--roles", nargs="+", action=_Roles, help=roles_help)
+    inspect.add_argument("--roles", nargs="+", type=_role, action=_Roles, help=roles_help)
     inspect.set_defaults(run=_inspect)
     verify = sub.add_parser("verify", help="re-check sizes and checksums; exit 0 only when all is well")
     verify.add_argument("root", type=_root)
     verify.add_argument("--step", type=_step, help="only this step (default: every step)")
-    verify.add_argument("--roles", nargs="+", action=_Roles, help=roles_help)
+    verify.add_argument("--roles", nargs="+", type=_role, action=_Roles, help=roles_help)
     verify.set_defaults(run=_verify)
     convert = sub.add_parser("convert", help="HF safetensors <-> Megatron dist checkpoint, on tp*pp local processes")
     convert.add_argument("src", type=Path, help="an HF folder or a dist checkpoint folder")
@@ -128,16 +138,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(errors="backslashreplace")
+    quoted = [str(value) for value in vars(args).values() if isinstance(value, Path)]
     try:
         return run(args)
     except LifecycleError as exc:
-        _error(str(exc))
+        _error(str(exc), quoted)
         return 2
     except OSError as exc:  # a path the commands did not wrap themselves: still a line, not a traceback
-        _error(str(os_error(exc, args.command)))
+        _error(str(os_error(exc, args.command)), quoted)
         return 2
 
 
-def _error(message: str) -> None:
-    """`error: message` on stderr, each of its lines printable."""
-    print("error: " + "\n".join(map(printable, message.split("\n"))), file=sys.stderr)
+def _error(message: str, quoted: Sequence[str] = ()) -> None:
+    """`error: message` on stderr, each of its own lines printable. The library starts each line
+    after the first with an indent; any other line break, and every one inside a path given on
+    the command line (`quoted`), is escaped rather than let forge a line of its own."""
+    for text in quoted:
+        message = message.replace(text, printable(text))
+    print("error: " + "\n  ".join(map(printable, message.split("\n  "))), file=sys.stderr)

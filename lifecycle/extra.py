@@ -30,15 +30,22 @@ ALLOWED = frozenset({EXTRA_JSON, RNG_FILE})
 _PROGRESS_INTS = ("step", "epoch", "consumed_samples", "weights_version")
 
 
-def save_extra(folder: Path, progress: Progress, dataloader: Any = None) -> dict[str, str]:
-    """Write extra.json and rng.safetensors into `folder` (created when missing); returns the
-    digest rng.safetensors was written with, for the manifest."""
-    where = str(folder / EXTRA_JSON)
+def checked_user(progress: Progress, where: str) -> Any:
+    """`progress.user` encoded as extra.json holds it, once `progress` passed the checks a save
+    makes (`CheckpointError` naming `where` otherwise)."""
     try:
         user = encode(progress.user, where=where)
     except NotSerializable as exc:
         raise CheckpointError(f"{where}: Progress.user is not JSON-serialisable at {exc.key}") from exc
     check_progress(progress, where)
+    return user
+
+
+def save_extra(folder: Path, progress: Progress, dataloader: Any = None) -> dict[str, str]:
+    """Write extra.json and rng.safetensors into `folder` (created when missing); returns the
+    digest rng.safetensors was written with, for the manifest."""
+    where = str(folder / EXTRA_JSON)
+    user = checked_user(progress, where)
     doc = {
         "format_version": 1,
         "progress": {**{k: int(getattr(progress, k)) for k in _PROGRESS_INTS}, "user": user},

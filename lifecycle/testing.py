@@ -18,9 +18,10 @@ from dataclasses import replace
 from pathlib import Path
 from collections.abc import Sequence
 from enum import Enum
-from typing import Any, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator
 
-from lifecycle.errors import ConfigError
+from lifecycle.errors import ConfigError, shorten
+from lifecycle.jsontree import decode
 from lifecycle.phase import GLOBAL_OBSERVERS, Observer, TransitionRecord
 from lifecycle.stateful import Stateful
 from lifecycle.types import Parts, Progress, SaveInfo, updating
@@ -31,18 +32,29 @@ class InjectedFailure(RuntimeError):
 
 
 class _FailureSwitch:
-    """Where a stand-in fails: always at `fail_at` phases, once at phases given to `fail_next`."""
+    """Where a stand-in fails: always at `fail_at` phases, once at phases given to `fail_next`.
+
+    Each phase named must be one of the stand-in's `PHASES`: a misspelt one would never fire,
+    and the test meant to see the failure would pass without it."""
+
+    PHASES: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, fail_at: Iterable[str] = ()) -> None:
         if isinstance(fail_at, str):  # set("save") would be {'s', 'a', 'v', 'e'}
             raise ConfigError("fail_at", f"fail_at takes a collection of phase names, got the string {fail_at!r}: "
                                          f"write fail_at={{{fail_at!r}}}")
-        self.fail_at = set(fail_at)
+        self.fail_at = {self._phase("fail_at", phase) for phase in fail_at}
         self._once: set[str] = set()
         self.calls: list[tuple[str, Any]] = []
 
+    def _phase(self, key: str, phase: object) -> str:
+        if not isinstance(phase, str) or phase not in self.PHASES:
+            raise ConfigError(key, f"{type(self).__name__} has no phase {shorten(phase)}; "
+                                   f"its phases are {', '.join(self.PHASES)}")
+        return phase
+
     def fail_next(self, phase: str) -> None:
-        self._once.add(phase)
+        self._once.add(self._phase("fail_next", phase))
 
     def hit(self, phase: str, arg: Any = None) -> None:
         self.calls.append((phase, arg))
@@ -68,12 +80,23 @@ def _holder(parts: Parts, name: str) -> Any:
     return stateful_loader(part) if name == "dataloader" else part
 
 
+def _as_on_disk(progress: Progress, where: str) -> Progress:
+    """`progress` through the checks and the encoding of a disk checkpoint's extra.json: what a
+    disk save refuses fails here too, and `user` comes back as a resume from disk gives it."""
+    from lifecycle.extra import checked_user
+
+    return replace(progress, user=decode(checked_user(progress, where), where=where))
+
+
 class MemoryCheckpointer(_FailureSwitch):
     """A Checkpointer holding checkpoints in memory; phases: load_initial, save, commit, resume.
 
     A failure at `commit` happens after the state was copied but before it is kept, like a
     crash between write and commit on disk: the previous checkpoint stays the newest.
+    `Progress` is refused where a disk checkpoint refuses it, and kept as one would read it back.
     """
+
+    PHASES = ("load_initial", "save", "commit", "resume")
 
     def __init__(self, *, fail_at: Iterable[str] = (), initial: dict[str, Any] | None = None) -> None:
         super().__init__(fail_at)
@@ -89,7 +112,7 @@ class MemoryCheckpointer(_FailureSwitch):
     def save(self, step: int, parts: Parts, progress: Progress) -> SaveInfo:
         self.hit("save", step)
         snapshot = {name: _snapshot(_holder(parts, name)) for name in _PARTS}
-        snapshot["progress"] = replace(progress, user=copy.deepcopy(progress.user))
+        snapshot["progress"] = _as_on_disk(progress, f"memory/global_step_{step}")
         self.hit("commit", step)
         self.saved[step] = snapshot
         return SaveInfo(step=step, path=Path(f"memory/global_step_{step}"), contents=["model"], backend="memory")
@@ -142,6 +165,8 @@ class MemoryRollout:
 
 class MemoryEngine(_FailureSwitch):
     """A WeightSyncer that copies in process; phases: pause, transfer, apply, resume."""
+
+    PHASES = ("pause", "transfer", "apply", "resume")
 
     def sync(self, named_tensors: Iterator[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
         self.hit("pause", version)

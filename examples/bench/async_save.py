@@ -27,10 +27,13 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from record import Figure, add_write_docs, write_docs
+from record import (
+    Figure, add_write_docs, existing_folder, non_negative_float, positive_float, positive_int, write_docs,
+)
 from save_load import Blob, tensor_sizes
 
 from lifecycle import Lifecycle, SaveInfo
@@ -92,17 +95,19 @@ def run(mode: str, fmt: str, sizes: list[int], root: Path, saves: int, step_s: f
     return stalls
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=1.0, help="state size (default 1 GiB)")
-    parser.add_argument("--tensors", type=int, default=200)
-    parser.add_argument("--saves", type=int, default=4, help="saves measured per mode, after a warm-up save")
-    parser.add_argument("--step-s", type=float, default=5.0, help="compute per training step between saves")
+    parser.add_argument("--gib", type=positive_float, default=1.0, help="state size (default 1 GiB)")
+    parser.add_argument("--tensors", type=positive_int, default=200)
+    parser.add_argument("--saves", type=positive_int, default=4, help="saves measured per mode, after a warm-up save")
+    parser.add_argument("--step-s", type=non_negative_float, default=5.0,
+                        help="compute per training step between saves")
     parser.add_argument("--format", default="hf", choices=["hf", "torch_dcp"])
-    parser.add_argument("--dir", type=Path, help="work folder (default: a temp folder, removed after)")
+    parser.add_argument("--dir", type=existing_folder,
+                        help="an existing work folder, kept after (default: a temp folder, removed after)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the parameters live")
     add_write_docs(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-from record import Figure, add_write_docs, write_docs  # noqa: E402
+from record import Figure, add_write_docs, existing_folder, positive_int, write_docs  # noqa: E402
 
 from tests.backends.dist_util import run_ranks  # noqa: E402
 
@@ -123,21 +123,22 @@ def _ranks_see(device: str) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=2816)
-    parser.add_argument("--vocab", type=int, default=16384)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--hidden", type=positive_int, default=1024)
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--intermediate", type=positive_int, default=2816)
+    parser.add_argument("--vocab", type=positive_int, default=16384)
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model is built")
-    parser.add_argument("--tp", type=int, help="TP size, one rank each (default: 2 on cpu, the GPU count on cuda)")
+    parser.add_argument("--tp", type=positive_int, help="TP size, one rank each (default: 2 on cpu, the GPU count on cuda)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the HF checkpoint's dtype, which the Megatron model takes")
-    parser.add_argument("--profile", type=Path, metavar="DIR",
-                        help="after the timed loads, profile one more of each (cProfile; rank 0's calls) into DIR")
+    parser.add_argument("--profile", type=existing_folder, metavar="DIR",
+                        help="after the timed loads, profile one more of each (cProfile; rank 0's calls) into DIR, "
+                             "an existing folder")
     add_write_docs(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     tp = args.tp or (torch.cuda.device_count() if args.device == "cuda" else 2)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import subprocess
 import sys
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +42,69 @@ class Figure:
 
 
 _load_at_start: str | None = None
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type for a count (tensors, repeats, rounds): an integer of at least `low`, so a
+    value the bench cannot run with is refused with a message, not met as a traceback later."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return count
+
+
+positive_int = at_least(1)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type for a size (GiB, MiB): a finite number > 0."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type for a duration that may be none (seconds of compute): a finite number >= 0."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def existing_folder(text: str) -> Path:
+    """An argparse type for a folder the bench writes into: it must exist (a mistyped path is
+    refused rather than created)."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing folder (create it first)")
+    return path
+
+
+def file_in_existing_folder(text: str) -> Path:
+    """An argparse type for a file written at the end of a run (a plot): its folder must exist,
+    or the run's minutes of measuring end in an error."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    existing_folder(str(path.parent))
+    return path
 
 
 def add_write_docs(parser: argparse.ArgumentParser) -> None:

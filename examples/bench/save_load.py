@@ -16,11 +16,12 @@ import argparse
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable
 
 import torch
-from record import Figure, add_write_docs, write_docs
+from record import Figure, add_write_docs, existing_folder, positive_float, positive_int, write_docs
 
 from lifecycle import Lifecycle
 
@@ -116,17 +117,18 @@ RAW = {("hf", "save"): "`safetensors.torch.save_file`", ("hf", "load"): "`load_f
        ("torch_dcp", "save"): "`dcp.save`", ("torch_dcp", "load"): "`dcp.load`"}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--tensors", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--formats", nargs="+", default=["hf", "torch_dcp"])
+    parser.add_argument("--gib", type=positive_float, default=1.0)
+    parser.add_argument("--tensors", type=positive_int, default=200)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--formats", nargs="+", choices=["hf", "torch_dcp"], default=["hf", "torch_dcp"])
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                         help="checkpoint.load.verify: check every checksum on resume")
-    parser.add_argument("--dir", type=Path, help="work folder (default: a temp folder, removed after)")
+    parser.add_argument("--dir", type=existing_folder,
+                        help="an existing work folder, kept after (default: a temp folder, removed after)")
     add_write_docs(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = tensor_sizes(int(args.gib * 1024**3), args.tensors)
     nbytes = 4 * sum(sizes)
     work = args.dir or Path(tempfile.mkdtemp(prefix="bench-save-load-"))

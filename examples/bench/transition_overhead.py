@@ -12,9 +12,10 @@ import argparse
 import enum
 import os
 import time
+from collections.abc import Sequence
 from typing import Callable
 
-from record import Figure, add_write_docs, write_docs
+from record import Figure, add_write_docs, at_least, positive_int, write_docs
 from transitions import Machine
 
 from lifecycle import Lifecycle
@@ -60,12 +61,13 @@ def _full_transition() -> Callable[[int], float]:
     return run
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--n", type=int, default=20_000, help="transitions per round")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--n", type=at_least(2), default=20_000,
+                        help="transitions per round (at least 2: the bare machine goes there and back)")
+    parser.add_argument("--rounds", type=positive_int, default=7)
     add_write_docs(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with open(os.devnull, "w") as sink:
         configure(json=True, file=sink)
         bare, full = _bare_trigger(), _full_transition()

@@ -28,18 +28,18 @@ import ctypes
 import multiprocessing as mp
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from record import Figure, add_write_docs, write_docs
+from record import Figure, add_write_docs, at_least, file_in_existing_folder, positive_float, positive_int, write_docs
 
 from backends.base import free_port
 from backends.engines import CheckpointEngine, CheckpointEngineRegistry, Rendezvous, flatten_parameters, receive_into
+from backends.engines.options import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES
 from lifecycle.config import APPLY_MODES
 
 HOST = "127.0.0.1"
@@ -276,12 +276,13 @@ def _shares(shares: dict[str, float]) -> str:
     return f"{text}; hash {shares['hash']:.0%} alongside, on the checksum worker" if "hash" in shares else text
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gib", type=float, default=1.0, help="total weight bytes, in GiB")
-    parser.add_argument("--tensors", type=int, default=4096)
-    parser.add_argument("--bucket-mib", type=float, default=64.0, help="engine.bucket_bytes, in MiB")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--gib", type=positive_float, default=1.0, help="total weight bytes, in GiB")
+    parser.add_argument("--tensors", type=at_least(3), default=4096,
+                        help="how many tensors (at least 3: two embedding-like ones and the rest)")
+    parser.add_argument("--bucket-mib", type=positive_float, default=64.0, help="engine.bucket_bytes, in MiB")
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                         help="engine.verify: checksum every bucket")
     parser.add_argument("--apply", choices=APPLY_MODES,
@@ -294,23 +295,29 @@ def main() -> None:
     parser.add_argument("--into", action="store_true",
                         help="the receiver's tensors flattened too, and gloo lands each bucket straight in them "
                              "(receive_into(into=...); implies --flat and --apply streamed)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per process")
+    parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads(), help="torch threads per process")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the cuda_ipc engine against one device-to-device copy, on one GPU "
                              "(weight_sync_cuda.py; atomic and streamed, or --apply flip)")
     parser.add_argument("--scale", action="store_true",
                         help="gloo and shm against their baselines over sizes (at --tensors tensors) and tensor "
                              "counts (at --gib GiB), with each side's peak memory (weight_sync_scale.py)")
-    parser.add_argument("--sizes", type=float, nargs="+", metavar="GIB",
+    parser.add_argument("--sizes", type=positive_float, nargs="+", metavar="GIB",
                         help="--scale: the sizes of the size sweep, in GiB (default 0.25 1 2)")
-    parser.add_argument("--counts", type=int, nargs="+", metavar="N",
+    parser.add_argument("--counts", type=at_least(3), nargs="+", metavar="N",
                         help="--scale: the tensor counts of the count sweep (default 256 4096 65536)")
-    parser.add_argument("--plot", type=Path, metavar="FILE.png",
+    parser.add_argument("--plot", type=file_in_existing_folder, metavar="FILE.png",
                         help="--scale: draw GB/s against size and against tensor count to FILE.png (matplotlib)")
     add_write_docs(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.total = int(args.gib * 2**30) // 4 * 4
     args.bucket = int(args.bucket_mib * 2**20)
+    if not MIN_BUCKET_BYTES <= args.bucket <= MAX_BUCKET_BYTES:
+        parser.error(f"--bucket-mib {args.bucket_mib}: engine.bucket_bytes must be in "
+                     f"{MIN_BUCKET_BYTES}..{MAX_BUCKET_BYTES} bytes, got {args.bucket}")
+    if not args.scale and args.tensors > args.total // 4:
+        parser.error(f"--tensors {args.tensors} in --gib {args.gib}: at most one tensor per float32 "
+                     f"({args.total // 4} of them)")
     if args.into:
         clash = [f"--{key} {value}" for key, value, fits in (("apply", args.apply, (None, "streamed")),
                                                                ("device", args.device, ("cpu",))) if value not in fits]

@@ -251,10 +251,6 @@ def run(args: argparse.Namespace, points: Sequence[Point]) -> dict[Point, Row]:
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.sizes = args.sizes or list(SIZES_GIB)
     args.counts = args.counts or list(COUNTS)
-    if args.repeat < 1:
-        parser.error(f"--repeat {args.repeat}: --scale needs at least one timed round")
-    if min(args.sizes) <= 0:
-        parser.error(f"--sizes: {min(args.sizes)} GiB is not a size")
     if not os.path.isdir("/dev/shm"):
         parser.error("--scale needs /dev/shm: shm's buckets would be files elsewhere, and count as library code")
     if args.plot is not None:

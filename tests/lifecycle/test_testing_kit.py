@@ -111,3 +111,43 @@ def test_memory_checkpointer_fail_at_a_bare_string_is_refused_not_split_into_let
 
     with pytest.raises(ConfigError, match="write fail_at={'save'}"):
         MemoryCheckpointer(fail_at="save")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: MemoryCheckpointer(fail_at={"comit"}),
+    lambda: MemoryCheckpointer().fail_next("Save"),
+    lambda: MemoryEngine(fail_at={"transfer", "load_weights"}),
+    lambda: MemoryEngine().fail_next(None),  # type: ignore[arg-type]
+], ids=["typo", "case", "engine_other_phase", "not_a_string"])
+def test_a_failure_point_the_stand_in_does_not_have_is_refused_listing_the_ones_it_has(make) -> None:  # type: ignore[no-untyped-def]
+    """A misspelt point was accepted and never fired: the test meant to see it failed passed."""
+    from lifecycle.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="has no phase .*; its phases are (load_initial|pause), "):
+        make()
+
+
+@pytest.mark.parametrize("user", [{"seen": {1, 2}}, {"t": torch.tensor(1.5)}], ids=["set", "tensor"])
+def test_memory_checkpointer_refuses_progress_user_a_disk_checkpoint_refuses(user: dict) -> None:  # type: ignore[type-arg]
+    from lifecycle.errors import CheckpointError
+
+    lc = _lc(checkpointer=MemoryCheckpointer())
+    lc.init_load()
+    lc.progress.user.update(user)
+    with pytest.raises(CheckpointError, match="Progress.user is not JSON-serialisable at (seen|t)"):
+        lc.save(1)
+    assert lc.state is S.FAILED and not lc.checkpointer.saved  # type: ignore[attr-defined]
+
+
+def test_memory_checkpointer_gives_progress_user_back_as_a_disk_resume_would() -> None:
+    import numpy as np
+
+    ckpt = MemoryCheckpointer()
+    lc = _lc(checkpointer=ckpt)
+    lc.init_load()
+    lc.progress.user.update({"pair": (1, 2), "n": np.int64(3), "x": float("inf")})
+    lc.save(1)
+    again = _lc(checkpointer=ckpt)
+    assert again.resume() == 1
+    user = again.progress.user
+    assert user == {"pair": (1, 2), "n": 3, "x": float("inf")} and type(user["n"]) is int
