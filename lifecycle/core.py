@@ -51,6 +51,8 @@ class Lifecycle(Stateful[State]):
         super().__init__(TRAINER, role=role, rank=rank, observers=observers, history_limit=history_limit,
                          watchdog=watchdog, on_overdue=on_overdue)
         _check_plugins(checkpointer, engine)
+        if engine is None:
+            _check_apply(self.config, model)
         self.parts = Parts(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader)
         self.progress = Progress()
         if checkpointer is None:
@@ -174,6 +176,26 @@ def _check_plugins(checkpointer: object, engine: object) -> None:
             raise ConfigError(name, f"must be None or a {protocol.__name__} (an object with "
                                     f"{', '.join(f'{method}()' for method in methods)}), "
                                     f"got {shorten(value)} ({type(value).__name__})")
+
+
+def _check_apply(config: LifecycleConfig, model: Any) -> None:
+    """`ConfigError` naming `engine.apply` when the engine `engine.backend` names does not take
+    that mode, which would otherwise fail the first sync (the engine is built then) instead of
+    the construction. The class says which modes it takes (`CheckpointEngine.applies`); it is
+    loaded only for a mode that not every engine takes."""
+    from backends.engines.base import CheckpointEngine
+
+    apply = config.engine.apply
+    if apply in CheckpointEngine.applies():
+        return
+    from backends.engines.registry import ENGINES, CheckpointEngineRegistry
+    from backends.engines.sync import device_type
+
+    name = CheckpointEngineRegistry.resolve(config.engine.backend, device_type(model))
+    takes = ENGINES.get(name, "engine.backend").applies()
+    if apply not in takes:
+        raise ConfigError("engine.apply", f"engine.backend {name!r} does not take {apply!r}; it takes "
+                                          f"{', '.join(map(repr, takes))}")
 
 
 def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -10,9 +10,7 @@ the core.
 from __future__ import annotations
 
 import sys
-import threading
 import time
-import weakref
 from contextvars import ContextVar, Token
 from enum import Enum
 from functools import cache
@@ -23,27 +21,10 @@ from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from lifecycle.errors import LifecycleError, shorten
 from lifecycle.table import DONE, FAIL, Table
+from lifecycle.temporary import DELETE, Temporary
 
 if TYPE_CHECKING:
     from lifecycle.stateful import Stateful
-
-
-class _Delete:
-    """Sentinel: `lc.temporarily(obj, attr=DELETE)` removes `attr` for the phase."""
-
-    _instance: _Delete | None = None
-
-    def __new__(cls) -> _Delete:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "DELETE"
-
-
-DELETE = _Delete()
-_MISSING = object()
 
 
 class TransitionRecord(NamedTuple):
@@ -85,103 +66,9 @@ GLOBAL_OBSERVERS: list[Observer] = []
 """Observers of every Lifecycle in the process (what `testing.capture_transitions()` uses)."""
 
 
-class Temporary:
-    """Attributes changed for the rest of a phase; also a context manager to restore sooner.
-
-    Changes of one attribute nest: restoring one also settles every change made to the same
-    attribute after it (they were made on top of it), so restores in any order, from any
-    thread, leave the value the first of them found, never one set in between."""
-
-    __slots__ = ("_obj", "_saved", "_restored", "__weakref__")
-
-    def __init__(self, obj: object, attrs: dict[str, Any]) -> None:
-        self._obj = obj
-        self._saved: list[tuple[str, Any]] = []
-        self._restored: set[str] = set()
-        with _NESTED_LOCK:
-            try:
-                for name, value in attrs.items():
-                    self._saved.append((name, getattr(obj, name, _MISSING)))
-                    _push(obj, name, self)
-                    if value is DELETE:
-                        if hasattr(obj, name):
-                            delattr(obj, name)
-                    else:
-                        setattr(obj, name, value)
-            except BaseException:
-                self.restore()
-                raise
-
-    def restore(self) -> None:
-        """Put every attribute back as it was, last changed first; idempotent. Every attribute
-        gets its turn: the first error is raised once all were tried."""
-        errors: list[BaseException] = []
-        with _NESTED_LOCK:
-            for name, old in reversed(self._saved):
-                if name in self._restored:
-                    continue
-                for later in _pop(self._obj, name, self):  # made on top of this one: settled by it
-                    later._restored.add(name)
-                self._restored.add(name)
-                try:
-                    if old is _MISSING:
-                        if hasattr(self._obj, name):
-                            delattr(self._obj, name)
-                    else:
-                        setattr(self._obj, name, old)
-                except BaseException as exc:  # noqa: BLE001 - the other attributes still get theirs
-                    errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def __repr__(self) -> str:
-        names = ", ".join(name for name, _ in self._saved)
-        return f"restore {type(self._obj).__name__}.{{{names}}}"
-
-    def __enter__(self) -> Temporary:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
-
-
-_NESTED: dict[tuple[int, str], list[weakref.ref[Temporary]]] = {}
-"""The changes of each (object id, attribute) not yet restored, oldest first. Held weakly: a
-change dropped unrestored (outside a phase, without `with`) pins neither itself nor its object;
-its dead entry is pruned when its key is next used, or by `_push` when the table grows."""
-_NESTED_LOCK = threading.RLock()
-"""Held while a change is made or restored (a setter that makes a change of its own re-enters)."""
-_PRUNE_AT = 1024
-
-
-def _alive(key: tuple[int, str]) -> list[weakref.ref[Temporary]]:
-    return [ref for ref in _NESTED.get(key, ()) if ref() is not None]
-
-
-def _push(obj: object, name: str, change: Temporary) -> None:
-    if len(_NESTED) >= _PRUNE_AT:
-        for key in [key for key in _NESTED if not _alive(key)]:
-            del _NESTED[key]
-    key = (id(obj), name)
-    _NESTED[key] = [*_alive(key), weakref.ref(change)]
-
-
-def _pop(obj: object, name: str, change: Temporary) -> list[Temporary]:
-    """Drop `change` of obj.name and the changes made after it; those, live ones only."""
-    key = (id(obj), name)
-    stack = _alive(key)
-    mine = next((i for i, ref in enumerate(stack) if ref() is change), None)
-    later = [] if mine is None else [c for ref in stack[mine + 1:] if (c := ref()) is not None]
-    stack = stack if mine is None else stack[:mine]
-    if stack:
-        _NESTED[key] = stack
-    else:
-        _NESTED.pop(key, None)
-    return later
-
-
 RUNNING_UNDOS: ContextVar[list[Callable[[], object]] | None] = ContextVar("lifecycle_undos", default=None)
-"""The undo stack of the phase running in this context; set by `Phase`, read by `temporarily`."""
+"""The undo stack of the phase running in this context; set by `Phase`, read by `temporarily`.
+Reset as the undos start to run: a change made inside an undo joins no stack."""
 
 
 def temporarily(obj: object, **attrs: Any) -> Temporary:
@@ -200,7 +87,8 @@ def temporarily(obj: object, **attrs: Any) -> Temporary:
 
 def run_undos(undos: list[Callable[[], object]], trigger: str) -> list[BaseException]:
     """Run a phase's undos last-in-first-out; a failing undo is logged and never stops the rest,
-    an interrupt (`KeyboardInterrupt`, `SystemExit`) included: the caller raises it after."""
+    an interrupt (`KeyboardInterrupt`, `SystemExit`) included, even one raised while its failure
+    is logged: each is handed back, never raised, for the caller to raise after."""
     errors: list[BaseException] = []
     while undos:
         undo = undos.pop()
@@ -208,8 +96,11 @@ def run_undos(undos: list[Callable[[], object]], trigger: str) -> list[BaseExcep
             undo()
         except BaseException as exc:  # noqa: BLE001 - every undo must get its turn
             errors.append(exc)
-            guarded(structlog.get_logger().error, "lifecycle.undo_failed", trigger=trigger, undo=shorten(undo, 200),
-                    error=shorten(exc, 500))
+            try:
+                guarded(structlog.get_logger().error, "lifecycle.undo_failed", trigger=trigger,
+                        undo=shorten(undo, 200), error=shorten(exc, 500))
+            except BaseException as lost:  # noqa: BLE001 - Ctrl-C while the line is written: raised after the rest
+                errors.append(lost)
     return errors
 
 
@@ -335,25 +226,18 @@ class Phase:
     def _end(self, exc: BaseException | None) -> BaseException | None:
         """Undos, then done or fail, then the record, each whatever the one before raised; what
         leaves the phase: the work's own error, unless an undo was interrupted (Ctrl-C stops the
-        caller even when the work failed too), or, for work that succeeded, an undo's failure."""
+        caller even when the work failed too), or, for work that succeeded, an undo's failure.
+
+        The machine lets go of the phase before its undos run, so an undo that registers another
+        (`on_exit`, `temporarily`) is refused like a call outside any phase: it could never end."""
         lc = self.lc
-        try:
-            undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
-        finally:
-            if self._watched:
-                lc._watchdog.unwatch(id(self))
-            if lc._phase is self:  # an instant phase's machine may be another thread's phase's already
-                lc._phase = None
-            self._reset_context()
-        interrupt = next((e for e in undo_errors if not isinstance(e, Exception)), None) if undo_errors else None
-        error: BaseException | None = exc
-        if interrupt is not None and (exc is None or isinstance(exc, Exception)):
-            error = interrupt
-        elif error is None and undo_errors:
-            error = LifecycleError(
-                f"{self.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's "
-                f"objects are not as they were (role {lc.role}); first: {shorten(undo_errors[0], 500)}")
-            error.__cause__ = undo_errors[0]
+        if lc._phase is self:  # an instant phase's machine may be another thread's phase's already
+            lc._phase = None
+        _reset(self._undo_token)
+        undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
+        interrupt = self._unwatch()
+        _reset(*self._tokens)
+        error = _outcome(self, exc, undo_errors)
         try:
             if error is None:  # before the move out: no other phase may start and read the progress meanwhile
                 lc._ended(self)
@@ -362,17 +246,51 @@ class Phase:
                 lc._tell(src, self.dst, FAIL if error is not None else DONE)
         finally:
             lc._record(self, error)
+        if interrupt is not None:
+            raise interrupt
         return error
 
-    def _reset_context(self) -> None:
-        """The phase's context variables back as they were; a phase ended in another context
-        than it began in (another asyncio task) cannot reset them there, and still ends."""
-        tokens = [self._undo_token, *self._tokens] if self._undo_token is not None else list(self._tokens)
-        for token in tokens:
+    def _unwatch(self) -> BaseException | None:
+        """Drop the phase's budget. A watchdog that raises is an observer's error: logged
+        (`lifecycle.watchdog_failed`), never the phase's outcome; an interrupt, its own or the
+        log line's, is handed back to be raised once the machine has left the working state."""
+        if not self._watched:
+            return None
+        lc = self.lc
+        try:
             try:
+                lc._watchdog.unwatch(id(self))
+            except Exception as exc:  # noqa: BLE001 - logged; the phase ends as its work did
+                guarded(lc._log.error, "lifecycle.watchdog_failed", trigger=self.trigger, role=lc.role,
+                        rank=lc.rank, step=self.step, error=described(exc))
+        except BaseException as exc:  # noqa: BLE001 - raised by `_end` once the machine is settled
+            return exc
+        return None
+
+
+def _outcome(phase: Phase, exc: BaseException | None, undo_errors: list[BaseException]) -> BaseException | None:
+    """The error a phase ends with (see `Phase._end`)."""
+    interrupt = next((e for e in undo_errors if not isinstance(e, Exception)), None)
+    if interrupt is not None and (exc is None or isinstance(exc, Exception)):
+        return interrupt
+    if exc is None and undo_errors:
+        error = LifecycleError(
+            f"{phase.trigger!r} finished but {len(undo_errors)} undo(s) failed, so the worker's objects are not "
+            f"as they were (role {phase.lc.role}); first: {shorten(undo_errors[0], 500)}")
+        error.__cause__ = undo_errors[0]
+        return error
+    return exc
+
+
+def _reset(*tokens: Token[Any] | None) -> None:
+    """Context variables back as they were; a phase ended in another context than it began in
+    (another asyncio task) cannot reset them there, and still ends."""
+    for token in tokens:
+        try:
+            if token is not None:
                 token.var.reset(token)
-            except (ValueError, RuntimeError):  # "created in a different Context", or used already
-                pass
+        except (ValueError, RuntimeError):  # "created in a different Context", or used already
+            pass
 
 
 def _unknown(lc: object, trigger: object) -> str:

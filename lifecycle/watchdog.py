@@ -8,6 +8,11 @@ logs it and keeps a copy for its driver). It never interrupts the work: a hung c
 for the engine's own timeout or the driver to end; the record is what tells a person where it
 hung.
 
+An emitter runs on a daemon thread of its own for each report, and the thread waits for it at
+most `EMIT_WAIT_S`: one that blocks (a driver that no longer answers) cannot silence the
+reports of the other machines of the process. Until it returns, that emitter is busy: its
+machine's reports go to the default warning instead, as they do when an emitter raises.
+
 The thread starts with the first budgeted phase and sleeps until the nearest deadline, so a
 phase without a budget costs nothing and one with a budget costs a lock and a dict entry.
 
@@ -78,6 +83,8 @@ _LONGEST_WAIT_S = 3600.0
 """The thread wakes at least hourly (a wait longer than the platform's limit raises)."""
 BACKSTOP_S = 5.0
 """How long after a deadline the thread has to report before `faulthandler` dumps the stacks."""
+EMIT_WAIT_S = 1.0
+"""How long the thread waits for an emitter before it reports the other phases due."""
 _LINGER_S = 1.0
 """How long the thread outlives the last phase it watched (at most half the backstop), so that
 phase after phase keeps one timer setting."""
@@ -99,6 +106,8 @@ class Watchdog:
         self._emit = emit
         self._cond = threading.Condition(threading.Lock())
         self._watched: dict[int, _Watched] = {}
+        self._busy: dict[int, Emit] = {}
+        """The emitters still running a report, by id (held, so no other callable takes that id)."""
         self._thread: threading.Thread | None = None
         self._fires_at: float | None = None
         """When the backstop's timer is set to fire (this watchdog's clock); None: not set."""
@@ -211,7 +220,7 @@ class Watchdog:
         loader's, a writer's) never returns into it, and its own thread would report it overdue
         for good. It starts a thread of its own when it next watches."""
         self._cond = threading.Condition(threading.Lock())
-        self._watched = {}
+        self._watched, self._busy = {}, {}
         self._thread, self._fires_at = None, None
 
     def _run(self) -> None:
@@ -247,19 +256,49 @@ class Watchdog:
                 self._set_backstop(self._backstop_due())
 
     def _report(self, entry: _Watched, now: float) -> None:
-        """Hand the report to the phase's emitter, else this watchdog's; one that raises hands it,
-        with its error, to the default warning; a failing default says once on stderr that a
-        record was lost (`phase.guarded`). None of them may kill the thread."""
+        """Hand the report to the phase's emitter, else this watchdog's; one that raises, is busy
+        or does not return in time hands it, with why, to the default warning; a failing default
+        says once on stderr that a record was lost (`phase.guarded`). None of them may kill the
+        thread."""
         fields = {**entry.fields, "elapsed_s": round(now - entry.start, 3), "budget_s": entry.budget_s,
                   "overdue": entry.overdue, "stacks": thread_stacks(skip=threading.get_ident(), first=entry.thread)}
         emit = entry.emit or self._emit
         if emit is not None:
+            failed = self._hand(emit, fields)
+            if failed is None:
+                return
+            fields = {**fields, "emitter": shorten(emit), "emitter_error": failed}  # new: a late emitter reads its own
+        guarded(structlog.get_logger().warning, "lifecycle.phase_overdue", **fields)
+
+    def _hand(self, emit: Emit, fields: dict[str, Any]) -> str | None:
+        """Run `emit` on a thread of its own, waiting `EMIT_WAIT_S` at most; why the report did
+        not reach it (its error, or it is busy), or None."""
+        with self._cond:
+            if id(emit) in self._busy:
+                return "busy: it has not returned from an earlier report"
+            self._busy[id(emit)] = emit
+        failed: list[str] = []
+        done = threading.Event()
+
+        def call() -> None:
             try:
                 emit("lifecycle.phase_overdue", **fields)
-                return
-            except Exception as exc:  # noqa: BLE001 - the report goes to the default warning instead
-                fields |= {"emitter": shorten(emit), "emitter_error": described(exc)}
-        guarded(structlog.get_logger().warning, "lifecycle.phase_overdue", **fields)
+            except BaseException as exc:  # noqa: BLE001 - the report goes to the default warning instead
+                failed.append(described(exc))
+            finally:
+                with self._cond:
+                    self._busy.pop(id(emit), None)
+                done.set()
+
+        try:
+            threading.Thread(target=call, name="lifecycle-overdue-emitter", daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had ("can't start new thread")
+            with self._cond:
+                self._busy.pop(id(emit), None)
+            return described(exc)
+        if not done.wait(EMIT_WAIT_S):
+            return f"busy: it has not returned within {EMIT_WAIT_S:g} s"
+        return failed[0] if failed else None
 
 
 _INSTANCES: weakref.WeakSet[Watchdog] = weakref.WeakSet()

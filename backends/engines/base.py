@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from backends.engines.options import (
-    DEFAULT_BUCKET_BYTES, ROLLOUT_DTYPES, EngineCapabilities, EngineOptions, EngineSource, shown,
+    APPLY_MODES, DEFAULT_BUCKET_BYTES, ROLLOUT_DTYPES, EngineCapabilities, EngineOptions, EngineSource, shown,
 )
 from lifecycle.errors import EngineError
 from lifecycle.types import MAX_VERSION, is_version
@@ -193,9 +193,9 @@ class CheckpointEngine:
         options = self._options(values) if options is None else options
         if found := options.problem():
             raise EngineError(f"{self.name} engine: {found[0]} {found[1]}")
-        if options.apply == "flip" and not self.capabilities.flips:
-            raise EngineError(f"{self.name} engine: does not take apply='flip' (gloo, nccl, hccl and shm do); "
-                              "use 'atomic' or 'streamed'")
+        if options.apply not in self.applies():
+            raise EngineError(f"{self.name} engine: does not take apply={options.apply!r}; it takes "
+                              f"{', '.join(map(repr, self.applies()))}")
         self.options = options
         self.bucket_bytes = options.bucket_bytes
         self.verify = options.verify
@@ -214,6 +214,12 @@ class CheckpointEngine:
             return cls.Options(**values)
         except TypeError as exc:
             raise EngineError(f"{cls.name} engine: {exc}") from None
+
+    @classmethod
+    def applies(cls) -> tuple[str, ...]:
+        """The `apply` modes this engine takes, read from its class (the config checks a mode
+        before any engine is built): `flip` only where its capabilities say it flips."""
+        return tuple(mode for mode in APPLY_MODES if mode != "flip" or cls.capabilities.flips)
 
     @classmethod
     def check_available(cls) -> None:

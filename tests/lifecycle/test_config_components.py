@@ -328,3 +328,21 @@ def test_engine_options_built_outside_the_config_refuse_a_flag_that_is_not_a_boo
     coercion: a truthy string such as "no" is refused by the options' own check."""
     assert EngineOptions(**{flag: "no"}, profile_dir="/p").problem() == (flag, "must be true or false, got 'no'")
     assert EngineOptions(verify=False, profile=False).problem() is None
+
+
+def test_an_apply_mode_the_named_engine_does_not_take_is_refused_when_the_lifecycle_is_built() -> None:
+    """`engine.apply: flip` with `naive` was taken, then failed the first sync and left the worker FAILED."""
+    from lifecycle import Lifecycle
+    from lifecycle.testing import MemoryCheckpointer, MemoryEngine
+
+    def build(backend: str, **kwargs: Any) -> Lifecycle:
+        return Lifecycle({"engine": {"backend": backend, "apply": "flip"}}, checkpointer=MemoryCheckpointer(),
+                         **kwargs)
+
+    with pytest.raises(ConfigError) as info:
+        build("naive")
+    assert info.value.key == "engine.apply"
+    assert "'naive'" in str(info.value) and "it takes 'atomic', 'streamed'" in str(info.value)
+    assert NaiveEngine.applies() == ("atomic", "streamed"), "the class says, read without building one"
+    build("gloo")  # an engine that flips
+    build("naive", engine=MemoryEngine())  # an engine given: the config's is never built

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import math
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -410,3 +411,76 @@ def test_the_watchdog_thread_ends_once_nothing_is_watched_so_watchdogs_leak_no_t
     dogs[0].watch(9, 60.0)  # and a later phase is watched again, by a thread of its own
     assert dogs[0]._thread is not None and dogs[0]._thread.is_alive()
     dogs[0].unwatch(9)
+
+
+def test_ctrl_c_while_an_undos_failure_is_logged_lets_the_other_undos_run_then_fails_the_phase_and_is_raised(
+) -> None:
+    """The interrupt left run_undos from its log line: the other undos were skipped and the
+    machine stayed in TRAINING with no record."""
+    def interrupt_on_undo_failed(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+        if event["event"] == "lifecycle.undo_failed":
+            raise KeyboardInterrupt("Ctrl-C while writing the line")
+        raise structlog.DropEvent
+
+    lc = make_lifecycle()
+    lc.init_load()
+    ran: list[str] = []
+    structlog.configure(processors=[interrupt_on_undo_failed], cache_logger_on_first_use=False)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with lc.train_step(1):
+                lc.on_exit(lambda: ran.append("first registered"))
+                lc.on_exit(lambda: 1 / 0)  # runs first, fails, and its line is interrupted
+    finally:
+        structlog.reset_defaults()
+    assert ran == ["first registered"] and lc.state is State.FAILED and lc._phase is None
+    assert [(r.trigger, r.ok) for r in lc.history] == [("init_load", True), ("train_step", False)]
+    assert "KeyboardInterrupt" in (lc.history[-1].error or "")
+
+
+class _UnwatchRaises(Watchdog):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+    def unwatch(self, key: int) -> None:
+        super().unwatch(key)
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("unwatch broke")], ids=repr)
+def test_a_watchdog_whose_unwatch_raises_leaves_the_phase_done_with_its_record(error: BaseException) -> None:
+    """The machine stayed in TRAINING for good: every later trigger, close included, was refused.
+    Like an observer's, the watchdog's error is logged and its interrupt raised once settled."""
+    lc = make_lifecycle(config={"watchdog": {"train_step_s": 60}}, watchdog=_UnwatchRaises(error))
+    lc.init_load()
+    with capture_logs() as logs:
+        with pytest.raises(KeyboardInterrupt) if isinstance(error, KeyboardInterrupt) else nullcontext():
+            with lc.train_step(1):
+                pass
+    assert lc.state is State.READY and lc._phase is None
+    assert [(r.trigger, r.ok) for r in lc.history] == [("init_load", True), ("train_step", True)]
+    failed = [r for r in logs if r["event"] == "lifecycle.watchdog_failed"]
+    assert len(failed) == (0 if isinstance(error, KeyboardInterrupt) else 1)
+    assert all("unwatch broke" in r["error"] and r["trigger"] == "train_step" for r in failed)
+    lc.close()
+    assert lc.state is State.CLOSED
+
+
+def test_an_undo_that_registers_another_undo_is_refused_naming_the_state() -> None:
+    """An undo that called `on_exit` from inside itself was run too: re-registering itself, forever."""
+    lc = make_lifecycle()
+    lc.init_load()
+    runs: list[int] = []
+
+    def again() -> None:
+        runs.append(1)
+        if len(runs) < 3:  # bounded, so that the old code ran it thrice instead of hanging the test
+            lc.on_exit(again)
+
+    with pytest.raises(LifecycleError, match="undo") as info:
+        with lc.train_step(1):
+            lc.on_exit(again)
+    assert runs == [1] and lc.state is State.FAILED
+    cause = info.value.__cause__
+    assert isinstance(cause, LifecycleError) and "on_exit()" in str(cause) and "state is TRAINING" in str(cause)

@@ -358,3 +358,45 @@ def test_a_watchdog_built_from_an_argument_it_cannot_call_is_refused_naming_it(k
     with pytest.raises(ConfigError) as info:
         Watchdog(**kwargs)  # type: ignore[arg-type]
     assert info.value.key == key and str(info.value).startswith(f"{key}: ")
+
+
+def test_an_emitter_that_blocks_silences_neither_the_other_machines_nor_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one thread called each emitter inline: one whose driver no longer answered kept every
+    other machine of the process from leaving a record of its hang."""
+    import lifecycle.watchdog as watchdog
+
+    monkeypatch.setattr(watchdog, "EMIT_WAIT_S", 0.05)
+    release, called = threading.Event(), threading.Event()
+    b_reports: list[dict] = []
+
+    def stuck(event: str, **fields: object) -> None:
+        called.set()
+        release.wait(HANG_GUARD_S)
+
+    dog = Watchdog()
+    cfg = {"watchdog": {"train_step_s": 0.05}}
+    a = Lifecycle(cfg, role="a", checkpointer=MemoryCheckpointer(), watchdog=dog, on_overdue=stuck)
+    b = Lifecycle(cfg, role="b", checkpointer=MemoryCheckpointer(), watchdog=dog,
+                  on_overdue=lambda event, **fields: b_reports.append(fields))
+    a.init_load()
+    b.init_load()
+    try:
+        with capture_logs() as logs:
+            with a.train_step(1):
+                assert called.wait(HANG_GUARD_S), "a's emitter was never called"
+                with b.train_step(1):
+                    deadline = time.monotonic() + HANG_GUARD_S
+                    while not b_reports or not _fallbacks(logs, "a"):
+                        assert time.monotonic() < deadline, "b's report or a's default warning never came"
+                        time.sleep(0.01)
+    finally:
+        release.set()
+    assert {r["role"] for r in b_reports} == {"b"}
+    assert all(r["emitter_error"].startswith("busy") for r in _fallbacks(logs, "a"))
+    assert a.history[-1].ok and b.history[-1].ok
+
+
+def _fallbacks(logs: list[dict], role: str) -> list[dict]:
+    """The overdue reports of `role` that went to the default warning instead of its emitter."""
+    return [r for r in _records(logs, "lifecycle.phase_overdue") if r["role"] == role and "emitter_error" in r]
