@@ -290,6 +290,11 @@ class EngineConfig(Section, EngineOptions):
                                    f"{shorten(str(exc))}") from exc
         if where is not None:
             raise ConfigError(join(self._prefix, where), str(why))
+        if self.backend != AUTO and self.apply == "flip":  # the only mode some engines do not take
+            takes = (engine or ENGINES.get(self.backend, key)).applies()
+            if self.apply not in takes:
+                raise ConfigError(join(self._prefix, "apply"), f"{what} does not take {self.apply!r}; it takes "
+                                                               f"{', '.join(map(repr, takes))}")
 
     def options_for(self, options: type[O]) -> O:
         """The options of an engine whose `Options` class is `options`: this section's values."""

@@ -345,4 +345,6 @@ def test_an_apply_mode_the_named_engine_does_not_take_is_refused_when_the_lifecy
     assert "'naive'" in str(info.value) and "it takes 'atomic', 'streamed'" in str(info.value)
     assert NaiveEngine.applies() == ("atomic", "streamed"), "the class says, read without building one"
     build("gloo")  # an engine that flips
-    build("naive", engine=MemoryEngine())  # an engine given: the config's is never built
+    build("auto", engine=MemoryEngine())  # an engine given: the config's is never built
+    with pytest.raises(ConfigError, match="engine 'naive' does not take 'flip'"):
+        LifecycleConfig.from_dict({"engine": {"backend": "naive", "apply": "flip"}})  # a named engine: the config says
