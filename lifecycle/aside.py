@@ -46,15 +46,23 @@ def set_aside(store: CheckpointStore, step: int, marker: str, why: str) -> Path 
     return aside
 
 
-def quarantine(store: CheckpointStore, step: int, problems: Sequence[str]) -> Path | None:
+def quarantine(store: CheckpointStore, step: int, problems: Sequence[str], roles: Sequence[str]) -> Path | None:
     """Rename a damaged step aside (`global_step_N.damaged-<time>`); nothing is deleted.
 
-    None when it is gone already: another role or rank set it aside first."""
+    A tracker naming it is pointed at the step resume tries next (the newest older one
+    committed for every role of `roles`), as after a rollback. None when it is gone already:
+    another role or rank set it aside first."""
     aside = set_aside(store, step, DAMAGED, "damaged")
     if aside is not None:
         structlog.get_logger().error("checkpoint.step_quarantined", step=step, path=str(aside),
                                      files=list(problems[:MAX_LOGGED]), more=max(0, len(problems) - MAX_LOGGED),
                                      action="resuming the next newest complete step")
+        try:
+            older = store.newest_committed(roles, below=step)
+        except CheckpointError:
+            older = None
+        if older is not None:
+            tracker_back_to(store, older)
     return aside
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -18,8 +20,8 @@ from typing import Protocol
 from lifecycle.boundary import kind, lstat, os_error, parse_step, role_problem, step_name_problem
 from lifecycle.errors import CheckpointError
 from lifecycle.manifest import MANIFEST, read_manifest_file
-from lifecycle.retention import TRASH
-from lifecycle.store import REPLACED, TRACKER, CheckpointStore
+from lifecycle.retention import REPLACED, TRASH, only_copy, replaced_copies
+from lifecycle.store import TRACKER, CheckpointStore
 from lifecycle.writer_lock import LOCK_PREFIX
 
 
@@ -78,6 +80,10 @@ class Survey:
     """Entries that look like checkpoint data but cannot be one (padded names, symlinks, unreadable)."""
     ignored: list[str] = field(default_factory=list)
     """Entries that are none of this library's business."""
+    replaced: list[str] = field(default_factory=list)
+    """Role folders a re-commit moved aside (`root/.replaced-*`) and left there."""
+    removed: list[str] = field(default_factory=list)
+    """Steps and role folders that went while they were read (retention, a rollback): not damage."""
 
 
 def survey(store: CheckpointStore, roles: list[str] | None) -> Survey:
@@ -102,6 +108,9 @@ def survey(store: CheckpointStore, roles: list[str] | None) -> Survey:
     for step in found.steps:
         try:
             entries = sorted(os.scandir(store.step_dir(step)), key=lambda e: e.name)
+        except FileNotFoundError:
+            found.removed.append(f"{store.step_dir(step)}: removed while it was read")
+            continue
         except OSError as exc:
             found.wrong.append(str(os_error(exc, "cannot list", store.step_dir(step))))
             continue
@@ -121,7 +130,32 @@ def survey(store: CheckpointStore, roles: list[str] | None) -> Survey:
     found.wrong += [f"{path}: a folder no save committed (no manifest in any step): junk, or a role whose every "
                     "step lost its manifest (a job with that role would start fresh); name it with --roles to "
                     "check it as one" for name, path in stray if name not in found.roles]
+    found.replaced = [f"{path}: {_replaced_note(store, step, role)}" for step, role, path in replaced_copies(store)]
     return found
+
+
+def _replaced_note(store: CheckpointStore, step: int, role: str) -> str:
+    if only_copy(store, step, role):
+        return (f"the only committed copy of step {step}, role {role} (a re-commit was interrupted between its "
+                "renames); the next resume, or save of that role, puts it back")
+    return f"a replaced copy of step {step}, role {role}; the next save removes it"
+
+
+def checked(store: CheckpointStore, step: int, role: str,
+            check: Callable[[int, str], list[str]]) -> tuple[list[str], bool]:
+    """`check(step, role)` of one role folder, and whether that folder (or its step, listed a
+    moment before) went while it was checked: retention, a rollback or a fallback moved it, which
+    is no damage. A folder that changed while checked (a re-commit) is checked once more; one
+    missing from the start stays a problem."""
+    first = now = store.identity(step, [role])
+    for _ in range(2):
+        before = now
+        problems = check(step, role)
+        now = store.identity(step, [role])
+        if not problems or now == before:
+            break
+    gone = bool(problems) and now == (None,) and (first != now or not os.path.lexists(store.step_dir(step)))
+    return problems, gone
 
 
 def _holds_manifest(entry: os.DirEntry[str]) -> bool:
@@ -147,8 +181,13 @@ def _kind(entry: os.DirEntry[str]) -> str:
         return "file that cannot be examined"
 
 
-def role_row(store: CheckpointStore, step: int, role: str) -> RoleRow:
-    problems = tuple(store.validate(step, role, deep=False))
+def role_row(store: CheckpointStore, step: int, role: str, found: Survey) -> RoleRow | None:
+    """One row of the table; None, noted in `found.removed`, for a folder that went while read."""
+    listed, gone = checked(store, step, role, partial(store.validate, deep=False))
+    if gone:
+        found.removed.append(f"{store.role_dir(step, role)}: removed while it was read")
+        return None
+    problems = tuple(listed)
     try:
         data = read_manifest_file(store.role_dir(step, role))
     except CheckpointError:
@@ -184,6 +223,8 @@ def _root_notes(found: Survey, out: Out) -> None:
     for lines, title, what in (
         (found.damaged, "set aside as damaged ({}; resume never reads them; inspect, then remove)", "damaged steps"),
         (found.superseded, "superseded by a rollback ({}; resume never reads them)", "superseded steps"),
+        (found.replaced, "left aside by a re-commit ({})", "replaced folders"),
+        (found.removed, "removed while being read ({}; retention or a rollback at work; not damage)", "removed"),
         (found.wrong, "wrong ({})", "wrong entries"),
         (found.ignored, "ignored ({})", "ignored entries"),
     ):
@@ -205,7 +246,7 @@ def inspect_root(root: Path, roles: list[str] | None, out: Out) -> int:
     folder of any step is damaged and nothing in the root is wrong, else 1."""
     store = _open_root(root)
     found = survey(store, roles)
-    rows = [role_row(store, step, role) for step in found.steps for role in found.roles]
+    rows = [row for step in found.steps for role in found.roles if (row := role_row(store, step, role, found))]
     out.write(f"{'step':>8}  {'role':<10} {'complete':<8}  {'contents':<30} {'format':<10} {'size':>10} files\n")
     if len(rows) > MAX_ROWS:  # the newest rows: what resume reads; the older ones only counted
         older, shown = rows[:-MAX_ROWS], rows[-MAX_ROWS:]
@@ -229,16 +270,17 @@ def inspect_root(root: Path, roles: list[str] | None, out: Out) -> int:
     except CheckpointError as exc:
         out.write(f"tracker: unreadable ({exc})\n")
         return 1
-    lost = tracker is not None and tracker not in found.steps
+    lost = tracker is not None and tracker not in found.steps and tracker not in store.steps()  # or saved since
     if lost:
         note = (" (WRONG: no such step on disk; this library's resume reads the steps on disk, but a trainer "
                 "that reads the tracker, as verl does, would start fresh)")
     else:
         note = "" if tracker is None or tracker == newest else " (resume ignores it: it reads the steps on disk)"
     out.write(f"tracker: {tracker}{note}\n")
-    complete = bool(found.steps) and not any(row.problems for row in rows if row.step == newest)
+    there = [step for step in found.steps if os.path.lexists(store.step_dir(step))]
+    complete = bool(there) and not any(row.problems for row in rows if row.step == newest)
     damaged = any(row.damaged for row in rows)  # an older committed step too: a fallback would need it
-    fine = complete and newest == found.steps[-1] and not damaged and not lost
+    fine = complete and newest == there[-1] and not damaged and not lost
     return 0 if fine and not found.wrong and not found.damaged else 1
 
 
@@ -298,14 +340,17 @@ def verify_root(root: Path, step: int | None, roles: list[str] | None, out: Out,
         for role in found.roles:
             quiet = failures >= MAX_ROWS  # past that many failed folders, each is only counted
             progress = _ProgressLine(f"{store.step_dir(number).name}/{role}", _Muted() if quiet else err)
-            problems = store.verify(number, role, progress)
+            problems, gone = checked(store, number, role, partial(store.verify, progress=progress))
+            if gone:
+                found.removed.append(f"{store.role_dir(number, role)}: removed while it was read")
+                continue
             if not (quiet and problems):
                 progress.close(not problems)
                 _bounded(problems, out, "    ", "problems")
             failures += bool(problems)
     if failures > MAX_ROWS:
         out.write(f"... and {failures - MAX_ROWS} more role folders failed, not shown\n")
-    checked = len(steps) * len(found.roles)
-    out.write(f"{checked - failures} of {checked} role folders verified\n")
+    read = len(steps) * len(found.roles) - len(found.removed)
+    out.write(f"{read - failures} of {read} role folders verified\n")
     _root_notes(found, out)
     return 0 if failures == 0 and not found.wrong and not found.damaged else 1

@@ -11,15 +11,17 @@ Every role and rank must land on the same step. Ranks agree through the process 
 worst outcome of any rank holds for all). Roles in other processes agree through the disk:
 with `fallback` each role checks every role's folder of a step, not only its own, so each
 reaches the same verdict on the same bytes, and a step one role renames aside is gone for all.
+A step that changes while it is checked (a role committing it again) is no damage: checked again.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -32,10 +34,12 @@ from lifecycle.contents import CONTENTS, Reading, has_state
 from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint, shorten
 from lifecycle.manifest import MANIFEST, NewerFormat, check_folder, checksum_of, read_manifest_file
 from lifecycle.role import RoleRank
-from lifecycle.store import CheckpointStore
+from lifecycle.store import CheckpointStore, Identity
 from lifecycle.types import Content, Parts, Progress
 
 HashFn = Callable[[Parts], str | None]
+_T = TypeVar("_T")
+FLUX_CHECKS, FLUX_WAIT_S = 5, 0.2  # checks of a step changing while checked (a commit in flight), the pause
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,18 +98,23 @@ class Resumer:
 
     def _auto(self, parts: Parts, model_hash: str | None, *, fallback: bool) -> Resumed | None:
         store = self.at.store()
+        if self.at.rank == 0:
+            store.restore_replaced(self.at.roles)
         below: int | None = None
         set_aside: list[str] = []
+        checks = FLUX_CHECKS
         while True:
             step = self._agreed_step(store.newest_committed(self.at.roles, below=below))
             if step is None:
                 break
-            folder = store.role_dir(step, self.at.role)
+            folder, before = store.role_dir(step, self.at.role), store.identity(step, self.at.roles)
             try:
                 return Resumed(step, folder, self._one(parts, folder, step, model_hash, fallback=fallback))
             except DamagedCheckpoint as exc:
-                aside = self._set_aside(store, step, exc.problems)
-                set_aside.append(f"step {step}, now {aside or 'set aside by rank 0'}:\n    "
+                checks -= 1
+                if self._in_flux(store, step, before, checks, exc):
+                    continue
+                set_aside.append(f"step {step}, {self._set_aside(store, step, exc.problems)}:\n    "
                                  + "\n    ".join(exc.problems[:10]))
                 below = step
         earlier = store.quarantined()
@@ -118,19 +127,28 @@ class Resumer:
             )
         return None
 
-    def _set_aside(self, store: CheckpointStore, step: int, problems: list[str]) -> Path | None:
+    def _set_aside(self, store: CheckpointStore, step: int, problems: list[str]) -> str:
         """Rank 0 renames the damaged step aside; every rank learns whether it could, so none
-        walks on to the next step's collectives while rank 0 has stopped."""
-        aside, error = None, None
-        if self.at.rank == 0:
-            try:
-                aside = store.quarantine(step, problems)
-            except CheckpointError as failure:
-                error = failure
-        if self._agree(Verdict.REFUSED if error is not None else Verdict.OK) is not Verdict.OK:
-            raise error or CheckpointError(f"{store.step_dir(step)}: damaged, and rank 0 could not set it aside "
-                                           "(see its error)")
-        return aside
+        walks on to the next step's collectives while rank 0 has stopped. Returns where it went."""
+        folder = store.step_dir(step)
+        aside = self._all_or_none(lambda: store.quarantine(step, problems, self.at.roles) if self.at.rank == 0
+                                  else None, f"{folder}: damaged, and rank 0 could not set it aside",
+                                  what=f"{folder}: damaged, and cannot be set aside")
+        return ("set aside by rank 0" if self.at.rank != 0 else f"now {aside}" if aside
+                else "gone before it could be set aside (by another role, or removed)")
+
+    def _in_flux(self, store: CheckpointStore, step: int, before: Identity, checks: int, exc: Exception) -> bool:
+        """Whether the damage found in `step` is a commit in flight (see `CheckpointStore.in_flux`):
+        then resume waits a moment and checks the step again, and never sets it aside; a step
+        still changing after `FLUX_CHECKS` checks stops resume. Rank 0 looks; all agree."""
+        moving = self.at.rank == 0 and store.in_flux(step, self.at.roles, before)
+        if self._agree(Verdict.DAMAGED if moving else Verdict.OK) is Verdict.OK:
+            return False
+        if checks <= 0:
+            raise CheckpointError(f"{store.step_dir(step)}: changed while resume checked it, {FLUX_CHECKS} times (a "
+                                  f"commit in flight, or a copy left aside that cannot be put back):\n  {exc}")
+        time.sleep(FLUX_WAIT_S)
+        return True
 
     def _supersede(self, resumed: Resumed) -> None:
         """A resume by path into this run's own root is a rollback: the steps past it are set
@@ -147,26 +165,30 @@ class Resumer:
         raises stops them all before any of them waits in a collective."""
         if not self.config.resume.strict:
             return None
-        found, error = None, None
-        try:
-            found = self._model_hash(parts)
-        except Exception as failure:  # a caller's hash function: any type, reported typed
-            error = CheckpointError(f"the model-config hash cannot be computed: {type(failure).__name__}: {failure}")
-        if self._agree(Verdict.REFUSED if error is not None else Verdict.OK) is not Verdict.OK:
-            raise error or CheckpointError("another rank cannot compute the model-config hash (see its error)")
-        return found
+        return self._all_or_none(lambda: self._model_hash(parts), "another rank cannot compute the model-config "
+                                 "hash", what="the model-config hash cannot be computed")
 
     def _agreed_path(self) -> tuple[Path, int]:
         """`resume.path` resolved on every rank; one rank that cannot stops them all."""
+        path = Path(str(self.config.resume.path))
+        found = self._all_or_none(lambda: self._resolve_path(path), f"{path}: another rank cannot read resume.path",
+                                  what=f"{path}: cannot read resume.path")
+        assert found is not None
+        return found
+
+    def _all_or_none(self, work: Callable[[], _T], failed_elsewhere: str, *, what: str) -> _T | None:
+        """`work()` on this rank; an error it raises on any rank stops every rank (the others with
+        `failed_elsewhere`), before any of them waits in a later collective. One not ours (a
+        caller's hash function may raise any type) is reported typed, as `what`."""
         found, error = None, None
         try:
-            found = self._resolve_path(Path(str(self.config.resume.path)))
+            found = work()
         except CheckpointError as failure:
             error = failure
+        except Exception as failure:
+            error = CheckpointError(f"{what}: {type(failure).__name__}: {failure}")
         if self._agree(Verdict.REFUSED if error is not None else Verdict.OK) is not Verdict.OK:
-            raise error or CheckpointError(f"{self.config.resume.path}: another rank cannot read resume.path "
-                                           "(see its error)")
-        assert found is not None
+            raise error or CheckpointError(f"{failed_elsewhere} (see its error)")
         return found
 
     def _agreed_step(self, found: int | None) -> int | None:
@@ -238,11 +260,8 @@ class Resumer:
         if self.at.collective() and self.at.rank != 0:
             return []
         store = self.at.store()
-        problems: list[str] = []
-        for role in self.at.roles:
-            if role != self.at.role:
-                problems += store.validate(step, role, deep=deep)
-        return problems
+        return [problem for role in self.at.roles if role != self.at.role
+                for problem in store.validate(step, role, deep=deep)]
 
     def _checked_while_loading(self, manifest: dict[str, Any], parts: Parts) -> dict[str, str]:
         """The files whose checks wait for their content's load (role-folder path: digest).

@@ -3,22 +3,29 @@
 A step is first renamed out of sight (`root/.trash-*`), so a half-removed step never looks
 like a damaged one, then removed. Whatever cannot be removed (a file held open on a network
 filesystem, a folder without write permission) is logged as `checkpoint.retention_failed`
-and left for the next save's sweep.
+and left for the next save's sweep. So is a role folder a re-commit replaced
+(`root/.replaced-<step>-<role>-*`), unless it is the only committed copy of its role's step (a
+crash between the two renames of a re-commit on a filesystem that cannot swap two folders in
+one step, see `exchange`): the next resume, or save of that role, puts that back (`put_back`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import os
+import re
 import shutil
 import sys
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from lifecycle.boundary import lstat, role_problem
+from lifecycle.boundary import lstat, real_dir, role_problem
 from lifecycle.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -27,6 +34,12 @@ if TYPE_CHECKING:
 TRASH = ".trash-"
 STAGING = ".staging-"
 """`global_step_N/.staging-<role>`: a save of that role not committed yet (the store's name for it)."""
+REPLACED = ".replaced-"
+"""`root/.replaced-<step>-<role>-<hex>`: a committed role folder a re-commit moved away (see `exchange`)."""
+_REPLACED_RE = re.compile(r"\.replaced-(0|[1-9][0-9]{0,17})-(.+)-[0-9a-f]{8}")
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_CANNOT_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
 def trash_path(root: Path, name: str) -> Path:
@@ -51,31 +64,104 @@ def rmtree(path: Path) -> None:
         shutil.rmtree(path, onerror=vanished_ok)
 
 
-def sweep(root: Path, entries: Iterable[os.DirEntry[str]]) -> None:
-    """Remove the `.trash-*` entries of `root` that earlier removals left."""
-    for entry in entries:
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    """glibc's `renameat2` (2.28 and later); None elsewhere (musl before 1.2.5, macOS)."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return function
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap `a` and `b` in one step (`renameat2(RENAME_EXCHANGE)`), so a re-commit never leaves
+    a moment without a committed folder at `b`; False, changing nothing, where the system or
+    the filesystem cannot (the caller renames twice then)."""
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _CANNOT_EXCHANGE:
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(a), None, os.fspath(b))
+
+
+def replaced_copies(store: CheckpointStore, role: str | None = None) -> list[tuple[int, str, Path]]:
+    """The root's `.replaced-` folders (of `role` alone, when given): step, role, path; none when
+    the root cannot be listed."""
+    try:
+        entries = store.entries()
+    except CheckpointError:
+        return []
+    found = [(int(m[1]), m[2], Path(e.path)) for e in entries
+             if (m := _REPLACED_RE.fullmatch(e.name)) and e.is_dir(follow_symlinks=False)]
+    return [(step, name, path) for step, name, path in found
+            if role_problem(name) is None and role in (None, name)]
+
+
+def only_copy(store: CheckpointStore, step: int, role: str) -> bool:
+    """Whether a `.replaced-` folder of `role`'s `step` is that role's only committed copy: a
+    crash between the two renames of a re-commit left its role folder missing. True when that
+    cannot be told, so nothing removes it."""
+    try:
+        return lstat(store.role_dir(step, role)) is None
+    except CheckpointError:
+        return True
+
+
+def put_back(store: CheckpointStore, role: str) -> None:
+    """Under `role`'s writer lock (no commit of it in flight): rename each `.replaced-` copy that
+    is its step's only committed copy back into place, so resume reads it again. Where its step
+    folder is gone (set aside, removed), it is left, and `inspect` lists it."""
+    log = structlog.get_logger()
+    for step, _, path in replaced_copies(store, role):
+        try:
+            if not only_copy(store, step, role) or not real_dir(store.step_dir(step), "a step folder"):
+                continue
+            os.rename(path, store.role_dir(step, role))
+        except (OSError, CheckpointError) as exc:
+            log.error("checkpoint.replaced_not_restored", step=step, role=role, path=str(path), error=str(exc))
+            continue
+        log.warning("checkpoint.replaced_restored", step=step, role=role, path=str(store.role_dir(step, role)),
+                    reason="a re-commit of this step was interrupted between its two renames")
+
+
+def sweep(store: CheckpointStore) -> None:
+    """Remove the `.trash-*` entries of the root that earlier removals left, and the `.replaced-`
+    folders whose role folder is committed again (never the only committed copy of a step)."""
+    for entry in store.entries():
         if entry.name.startswith(TRASH):
             try:
                 rmtree(Path(entry.path))
             except OSError as exc:
                 structlog.get_logger().warning("checkpoint.retention_failed", path=entry.path, error=str(exc),
                                                action="left for the next save to remove")
+    for step, role, path in replaced_copies(store):
+        if not only_copy(store, step, role):
+            remove(store, path, step)
 
 
-def apply_retention(store: CheckpointStore, keep_last: int | None, roles: Sequence[str], protect: set[int]) -> list[int]:
-    """Prune the steps older than the newest `keep_last` complete ones; None or < 1 keeps all.
+def apply_retention(
+    store: CheckpointStore, keep_last: int | None, roles: Sequence[str], protect: set[int], role: str,
+) -> list[int]:
+    """Prune `role`'s part of the steps older than the newest `keep_last` complete ones (complete
+    for every role of `roles`); None or < 1 keeps all.
 
-    Pruning a step removes the folders of `roles` in it (and their staging folders), and the
-    step folder itself, with whatever else it holds (the trainer's `data.pt`, a crashed save's
-    leftovers), only once no folder of another role remains in it: each role's retention is its
-    own, as verl's own managers' is, and one role's `keep_last` never removes another role's
-    only checkpoint. Steps newer than the oldest kept one stay even when incomplete: another
-    role may still be writing them. Steps set aside (damaged, superseded) are not steps and are
-    never touched. Returns the steps pruned.
+    Pruning a step removes `role`'s folder in it (and its staging folder), and the step folder
+    itself, with whatever else it holds (the trainer's `data.pt`, a crashed save's leftovers),
+    only once no folder of any other role remains in it: each role's retention is its own, as
+    verl's own managers' is, and one role's `keep_last` never removes another role's
+    checkpoint, whatever `roles` lists. Steps newer than the oldest kept one stay even when
+    incomplete: another role may still be writing them. Steps set aside (damaged, superseded)
+    are not steps and are never touched. Returns the steps pruned.
     """
     log = structlog.get_logger()
     try:
-        sweep(store.root, store.entries())
+        sweep(store)
         if keep_last is None or keep_last < 1:
             return []
         all_steps = store.steps()
@@ -83,19 +169,19 @@ def apply_retention(store: CheckpointStore, keep_last: int | None, roles: Sequen
     except CheckpointError as exc:
         log.warning("checkpoint.retention_failed", path=str(store.root), error=str(exc))
         return []
-    if len(complete) <= keep_last:
+    if len(complete) < keep_last:
         return []
-    oldest_kept = complete[-keep_last]
+    oldest_kept = complete[-keep_last]  # older steps are incomplete, or another role's retention made them so
     pruned = [step for step in all_steps
-              if step < oldest_kept and step not in protect and _prune(store, step, roles)]
+              if step < oldest_kept and step not in protect and _prune(store, step, role)]
     if pruned:
         log.info("checkpoint.retention", root=str(store.root), deleted=pruned, keep_last=keep_last,
-                 protected=sorted(protect), roles=list(roles))
+                 protected=sorted(protect), role=role)
     return pruned
 
 
-def _prune(store: CheckpointStore, step: int, roles: Sequence[str]) -> bool:
-    """Remove `roles`' part of `step`, or the whole step when no other role's folder remains;
+def _prune(store: CheckpointStore, step: int, role: str) -> bool:
+    """Remove `role`'s part of `step`, or the whole step when no other role's folder remains;
     whether anything went."""
     folder = store.step_dir(step)
     try:
@@ -107,10 +193,10 @@ def _prune(store: CheckpointStore, step: int, roles: Sequence[str]) -> bool:
         structlog.get_logger().warning("checkpoint.retention_failed", step=step, path=str(folder), error=str(exc),
                                        action="left for the next save to remove")
         return False
-    ours = {*roles, *(f"{STAGING}{role}" for role in roles)}
+    ours = {role, f"{STAGING}{role}"}
     if not any(is_dir and name not in ours and _role_folder(name) for name, is_dir in entries):
-        return _remove(store, folder, step)
-    removed = [_remove(store, folder / name, step) for name, _ in entries if name in ours]
+        return remove(store, folder, step)
+    removed = [remove(store, folder / name, step) for name, _ in entries if name in ours]
     return any(removed)
 
 
@@ -120,7 +206,7 @@ def _role_folder(name: str) -> bool:
     return role_problem(name.removeprefix(STAGING)) is None
 
 
-def _remove(store: CheckpointStore, path: Path, step: int) -> bool:
+def remove(store: CheckpointStore, path: Path, step: int) -> bool:
     """Rename `path` into the trash, then remove it; whether it is gone from where it was."""
     log = structlog.get_logger()
     try:

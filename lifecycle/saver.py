@@ -144,7 +144,7 @@ class Saver:
         except BaseException:
             self.discard(job)()
             raise
-        store.apply_retention(self.at.config.checkpoint.keep_last, self.at.roles, {job.step})
+        store.apply_retention(self.at.config.checkpoint.keep_last, self.at.roles, {job.step}, role=self.at.role)
         size = count = 0
         try:
             files = read_manifest_file(final)["files"]

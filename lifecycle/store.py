@@ -29,14 +29,16 @@ from lifecycle.manifest import (
     write_json_atomic,
     write_text_atomic,
 )
-from lifecycle.retention import STAGING, apply_retention, rmtree, trash_path
+from lifecycle.retention import (
+    REPLACED, STAGING, apply_retention, exchange, only_copy, put_back, remove, replaced_copies, rmtree,
+)
 from lifecycle.writer_lock import WriterLock
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TRACKER_LIMIT = 64
 """The tracker holds one step number: anything longer is not a tracker."""
-REPLACED = ".replaced-"
-"""`root/.replaced-*`: a committed role folder while a re-commit of its step replaces it."""
+Identity = tuple[tuple[int, int] | None, ...]
+"""What a step's role folders are (inode and change time, None where missing), to tell a change."""
 Agree = Callable[[bool], int]
 """Every rank says whether it failed; returns how many ranks did (all ranks call it)."""
 
@@ -97,8 +99,9 @@ class CheckpointStore:
     def staging(self, step: int, role: str, lock: WriterLock | None = None, roles: Sequence[str] = ()) -> Path:
         """Inside the step folder, so the final rename never crosses a filesystem.
 
-        Rank 0 takes `lock` first, refuses a step below the newest one committed for every role
-        of `roles` (see `check_not_behind`), then clears whatever stands at the staging path. With an
+        Rank 0 takes `lock` first (and puts back what a crashed re-commit of `role` left aside, see
+        `put_back`), refuses a step below the newest one committed for every role of `roles` (see
+        `check_not_behind`), then clears whatever stands at the staging path. With an
         `agree` function every rank learns whether rank 0 managed, before any rank writes, so
         no rank writes into a folder that is not this save's; with a plain barrier, rank 0
         still reaches it when it failed, so its peers never wait for it here.
@@ -112,6 +115,7 @@ class CheckpointStore:
                     self.root.mkdir(parents=True, exist_ok=True)
                     if lock is not None:
                         lock.acquire()
+                        put_back(self, role)
                     self.check_not_behind(step, role, roles)
                     if not real_dir(self.step_dir(step), "a step folder"):
                         self.step_dir(step).mkdir(exist_ok=True)
@@ -220,31 +224,30 @@ class CheckpointStore:
                                   model_config_hash=model_config_hash, meta=meta, fsync=fsync, digests=digests)
         write_json_atomic(staging / MANIFEST, manifest)
         final = self.role_dir(step, role)
-        old = self.root / f"{REPLACED}{step}-{role}-{uuid.uuid4().hex[:8]}" if lstat(final) is not None else None
-        if old is not None:
-            os.rename(final, old)  # not a .trash- name: if the rename below fails and so does putting
-        try:                       # it back, no sweep may remove the only committed copy
+        if lstat(final) is None:
             os.rename(staging, final)
-        except OSError:
-            if old is not None:
+            old = None
+        elif exchange(staging, final):
+            old = staging  # the replaced folder, now under the staging name
+        else:  # two renames; a crash between them leaves the only committed copy at `old`, which
+            old = self.root / f"{REPLACED}{step}-{role}-{uuid.uuid4().hex[:8]}"  # `put_back` restores
+            os.rename(final, old)
+            try:
+                os.rename(staging, final)
+            except OSError:
                 os.rename(old, final)  # the step keeps the folder it had
-            raise
+                raise
         self._after_rename(step, final, old)
 
     def _after_rename(self, step: int, final: Path, old: Path | None) -> None:
         """Committed already: make the rename durable and drop the folder it replaced, best effort."""
-        log = structlog.get_logger()
         try:
             fsync_dir(final.parent)
         except OSError as exc:
-            log.error("checkpoint.commit_not_durable", step=step, path=str(final.parent), error=str(exc))
+            structlog.get_logger().error("checkpoint.commit_not_durable", step=step, path=str(final.parent),
+                                         error=str(exc))
         if old is not None:
-            try:
-                os.rename(old, trash := trash_path(self.root, old.name))
-                rmtree(trash)
-            except OSError as exc:
-                log.warning("checkpoint.retention_failed", step=step, path=str(old), error=str(exc),
-                            action="left for the next save to remove")
+            remove(self, old, step)
 
     def _advance_tracker(self, step: int, roles: list[str]) -> None:
         """Point at `step` once it is complete, unless the tracker names a newer complete step.
@@ -314,17 +317,58 @@ class CheckpointStore:
     def newest_committed(self, roles: Sequence[str], below: int | None = None) -> int | None:
         """Newest step (older than `below`, when given) in which every role's folder holds a
         manifest, whatever the manifest and the files hold now: resume judges those next (a
-        role folder only ever appears with its manifest, by the commit's rename)."""
+        role folder only ever appears with its manifest, by the commit's rename). A role whose
+        committed copy is in a `.replaced-` folder (see `put_back`) counts as committed."""
+        aside = {(step, role) for step, role, _ in replaced_copies(self)}
         for step in reversed(self.steps()):
             if below is not None and step >= below:
                 continue
-            if roles and all(lstat(self.role_dir(step, role) / MANIFEST) is not None for role in roles):
+            if roles and all(lstat(self.role_dir(step, role) / MANIFEST) is not None or (step, role) in aside
+                             for role in roles):
                 return step
         return None
 
-    def quarantine(self, step: int, problems: Sequence[str]) -> Path | None:
+    def restore_replaced(self, roles: Sequence[str]) -> None:
+        """Before a resume: `put_back` the committed copies of `roles` that a crashed re-commit
+        left aside, each under its role's writer lock; a role whose lock is held is being saved
+        now, and its writer puts its own copy back. Best effort: resume counts a copy left aside
+        as committed, and never takes its step for damage (`in_flux`)."""
+        for role in {role for step, role, _ in replaced_copies(self) if role in roles and only_copy(self, step, role)}:
+            lock = self.writer_lock(role)
+            try:
+                lock.acquire()
+            except CheckpointError:
+                continue
+            try:
+                put_back(self, role)
+            finally:
+                lock.release()
+
+    def identity(self, step: int, roles: Sequence[str]) -> Identity:
+        """What the role folders of `step` are now: a commit, a rename or a removal changes it."""
+        found: list[tuple[int, int] | None] = []
+        for role in roles:
+            try:
+                st = os.lstat(self.role_dir(step, role))
+                found.append((st.st_ino, st.st_ctime_ns))
+            except OSError:
+                found.append(None)
+        return tuple(found)
+
+    def in_flux(self, step: int, roles: Sequence[str], before: Identity) -> bool:
+        """Whether `step` changed since `before`, or a role's folder is missing while that role's
+        save (its staging folder) or its committed copy (`.replaced-`) is there: a commit in
+        flight, never damage to set aside."""
+        if self.identity(step, roles) != before:
+            return True
+        aside = {(s, role) for s, role, _ in replaced_copies(self)}
+        return any(only_copy(self, step, role)
+                   and ((step, role) in aside or os.path.lexists(self.step_dir(step) / f"{STAGING}{role}"))
+                   for role in roles)
+
+    def quarantine(self, step: int, problems: Sequence[str], roles: Sequence[str]) -> Path | None:
         """Rename a damaged step aside (see `lifecycle.aside.quarantine`); nothing is deleted."""
-        return quarantine(self, step, problems)
+        return quarantine(self, step, problems, roles)
 
     def supersede(self, newer_than: int) -> list[Path]:
         """Rename aside every step newer than `newer_than` (see `lifecycle.aside.supersede`)."""
@@ -347,7 +391,9 @@ class CheckpointStore:
             self.root.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.tracker_path, f"{int(step)}\n")
 
-    def apply_retention(self, keep_last: int | None, roles: Sequence[str], protect: set[int]) -> list[int]:
-        """Prune `roles`' folders of the steps older than the newest `keep_last` complete ones, and
-        a step folder once no other role's folder remains in it (see `lifecycle.retention`)."""
-        return apply_retention(self, keep_last, roles, protect) if self.rank == 0 else []
+    def apply_retention(self, keep_last: int | None, roles: Sequence[str], protect: set[int], *,
+                        role: str) -> list[int]:
+        """Prune `role`'s folders of the steps older than the newest `keep_last` ones complete for
+        `roles`, and a step folder once no other role's folder remains in it (see
+        `lifecycle.retention`)."""
+        return apply_retention(self, keep_last, roles, protect, check_role(role)) if self.rank == 0 else []

@@ -113,10 +113,10 @@ class LifecycleCheckpointManager:
     `latest_checkpointed_iteration.txt` itself after every role and its `data.pt` are saved,
     except under async_save, where this manager writes it once a step is complete for
     `checkpoint.roles`, so list every role that saves there (`[actor, critic]`), else the
-    tracker may name a step whose critic never committed. Retention prunes the folders of
-    `checkpoint.roles` (this role's alone when it is empty, as verl's own managers do): with the
-    roles listed, each role's `max_ckpt_to_keep` prunes every listed role's folders, so give
-    them the same value (verl's `remove_previous_ckpt_in_save` does).
+    tracker may name a step whose critic never committed. Retention is per role, as in verl's
+    own managers: each role's `max_ckpt_to_keep` prunes that role's folders alone (counting the
+    steps complete for every role of `checkpoint.roles`), so the actor's `max_ckpt_to_keep: 1`
+    never removes the critic's checkpoints.
     """
 
     def __init__(

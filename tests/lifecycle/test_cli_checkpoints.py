@@ -7,12 +7,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lifecycle import Lifecycle
 from lifecycle.report import inspect_root, verify_root
+from lifecycle.store import CheckpointStore
 
 
 class _Terminal(io.StringIO):
@@ -206,3 +208,54 @@ def test_a_root_that_is_a_file_is_named_as_one_and_roles_given_twice_are_checked
     assert result.returncode == 2 and "a regular file, not a checkpoint root folder" in result.stderr
     result = _cli("verify", str(root), "--roles", "actor", "actor")
     assert result.returncode == 0 and "2 of 2 role folders verified" in result.stdout
+
+
+def _moves_aside_while_read(monkeypatch: pytest.MonkeyPatch, method: str, step: int, whole_step: bool) -> None:
+    """The first check of `step`'s actor folder finds it gone: retention (or a rollback) moved
+    it into the trash a moment after the root was listed."""
+    real = getattr(CheckpointStore, method)
+
+    def check(self: CheckpointStore, at: int, role: str, *args: Any, **kwargs: Any) -> list[str]:
+        target = self.step_dir(at) if whole_step else self.role_dir(at, role)
+        if (at, role) == (step, "actor") and target.exists():
+            target.rename(self.root / f".trash-{target.name}-0123abcd")
+        return real(self, at, role, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, method, check)
+
+
+@pytest.mark.parametrize("whole_step", [True, False])
+def test_a_step_removed_while_verify_reads_it_is_reported_removed_not_damaged(
+    root: Path, monkeypatch: pytest.MonkeyPatch, whole_step: bool
+) -> None:
+    """Before: verify said 'role folder missing' or 'file missing' and exited 1 while retention ran."""
+    _moves_aside_while_read(monkeypatch, "verify", 1, whole_step)
+    out = io.StringIO()
+    assert verify_root(root, None, None, out, io.StringIO()) == 0, out.getvalue()
+    assert "global_step_1/actor: removed while it was read" in out.getvalue()
+    assert "missing" not in out.getvalue()
+
+
+def test_a_step_removed_while_inspect_reads_it_is_reported_removed_not_damaged(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _moves_aside_while_read(monkeypatch, "validate", 2, whole_step=True)
+    out = io.StringIO()
+    assert inspect_root(root, None, out) == 0, out.getvalue()
+    assert "removed while being read (2;" in out.getvalue() and "missing" not in out.getvalue()
+    assert "resume picks step: 1" in out.getvalue()
+
+
+def test_inspect_lists_copies_a_re_commit_left_aside(root: Path) -> None:
+    """Before: `.replaced-*` folders were hidden as housekeeping, though nothing removed them."""
+    import shutil
+
+    shutil.copytree(root / "global_step_1" / "critic", root / ".replaced-1-critic-0123abcd")
+    (root / "global_step_2" / "actor").rename(root / ".replaced-2-actor-89abcdef")
+    out = io.StringIO()
+    assert inspect_root(root, None, out) == 1
+    text = out.getvalue()
+    assert "left aside by a re-commit (2)" in text
+    assert ".replaced-1-critic-0123abcd: a replaced copy of step 1, role critic; the next save removes it" in text
+    assert ".replaced-2-actor-89abcdef: the only committed copy of step 2, role actor" in text
+    assert "resume picks step: 2" in text

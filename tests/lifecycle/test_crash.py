@@ -264,6 +264,58 @@ def test_sigkill_at_each_commit_point_resumes_the_newest_published_step(tmp_path
         assert assert_resumes_newest_published(root, disk, child.committed) == expected
 
 
+RECOMMIT_CHILD = """\
+import os, shutil, signal, sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+import lifecycle.store as store_mod
+root, step = Path(sys.argv[1]), int(sys.argv[2])
+store_mod.exchange = lambda a, b: False  # a filesystem without RENAME_EXCHANGE: the commit renames twice
+rename = os.rename
+
+def rename_then_die(src, dst):
+    rename(src, dst)
+    if Path(dst).name.startswith(store_mod.REPLACED):
+        os.kill(os.getpid(), signal.SIGKILL)  # between the two renames
+
+os.rename = rename_then_die
+store = store_mod.CheckpointStore(root)
+manifest = store.read_manifest(step, {role!r})
+staging = store.staging(step, {role!r}, store.writer_lock({role!r}))
+shutil.copytree(store.role_dir(step, {role!r}), staging, dirs_exist_ok=True)
+(staging / "manifest.json").unlink()
+store.commit(step, {role!r}, contents={{k: v["backend"] for k, v in manifest["contents"].items()}},
+             folders={{k: v["folder"] for k, v in manifest["contents"].items()}}, parallel=manifest["parallel"])
+"""
+
+
+def test_sigkill_between_the_renames_of_a_re_commit_resumes_the_step_it_replaced(tmp_path: Path) -> None:
+    """Without RENAME_EXCHANGE a re-commit renames the committed folder aside, then the new one
+    in. Before: a SIGKILL between the two left the only copy of step 2 in `.replaced-*`, which
+    resume never read: it went back to step 1 (or started fresh, with keep_last 1)."""
+    lc, model = lifecycle_at(tmp_path)
+    lc.init_load()
+    for step in (1, 2):
+        fill(model, step)
+        lc.save(step)
+    lc.close()
+    script = tmp_path / "recommit.py"
+    script.write_text(RECOMMIT_CHILD.format(repo=str(REPO), role=ROLE))
+    child = Child.spawn([str(script), str(tmp_path), "2"], tmp_path / "recommit.stderr", CHILD_TIMEOUT_S, cwd=REPO,
+                        stdin=None)
+    assert child.finish() == -signal.SIGKILL, (tmp_path / "recommit.stderr").read_text()
+    assert not (tmp_path / "global_step_2" / ROLE).exists() and list(tmp_path.glob(".replaced-2-actor-*"))
+    lc, model = lifecycle_at(tmp_path)
+    with capture_logs() as logs:
+        assert lc.resume() == 2
+    assert wrong_weights(model, 2) == []
+    assert [r["step"] for r in logs if r["event"] == "checkpoint.replaced_restored"] == [2]
+    assert not list(tmp_path.glob(".replaced-*"))
+    fill(model, 3)
+    lc.save(3)
+    assert CheckpointStore(tmp_path).validate(3, ROLE, deep=True) == []
+
+
 def saved_step_one(root: Path) -> tuple[Lifecycle, nn.Module]:
     """A READY lifecycle whose step 1 (weights filled with 1s) is committed."""
     lc, model = lifecycle_at(root)

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from structlog.testing import capture_logs
 
-from lifecycle import CheckpointError, State
+from lifecycle import CheckpointError, State, resumer
 from lifecycle.report import inspect_root, verify_root
+from lifecycle.store import CheckpointStore
 from tests.lifecycle.hostile import ROLE, Net, has_weights_of, lifecycle_at, run_unprivileged, saved_run
 
 WEIGHTS = "model/model.safetensors"
@@ -190,3 +192,81 @@ def test_inspect_and_verify_list_the_steps_set_aside_and_verify_fails_while_any_
 
     shutil.rmtree(aside)
     assert verify_root(tmp_path, None, None, io.StringIO(), io.StringIO()) == 0
+
+
+def test_after_a_fallback_the_tracker_names_the_step_resumed(tmp_path: Path) -> None:
+    """Before: the tracker still named the step set aside, and verl, which reads the tracker,
+    would start fresh."""
+    saved_run(tmp_path)
+    damage(tmp_path, "flipped")
+    assert lifecycle_at(tmp_path).resume() == 1
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_a_damaged_step_gone_before_it_is_set_aside_is_not_said_to_be_set_aside_by_rank_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved_run(tmp_path, steps=(1,))
+    damage(tmp_path, "flipped", step=1)
+    real_quarantine = CheckpointStore.quarantine
+
+    def another_role_first(self: CheckpointStore, step: int, *args: Any) -> Path | None:
+        self.step_dir(step).rename(tmp_path / f"global_step_{step}.damaged-by-another-role")
+        return real_quarantine(self, step, *args)
+
+    monkeypatch.setattr(CheckpointStore, "quarantine", another_role_first)
+    with pytest.raises(CheckpointError, match="no undamaged checkpoint") as refused:
+        lifecycle_at(tmp_path).resume()
+    assert "rank 0" not in str(refused.value) and "gone before it could be set aside" in str(refused.value)
+
+
+def into_the_gap(monkeypatch: pytest.MonkeyPatch, root: Path, step: int, role: str, *, back_after: int) -> Path:
+    """The checks of `role`'s folder of `step` meet it renamed aside by a re-commit without
+    RENAME_EXCHANGE (the first of its two renames), and back after `back_after` checks."""
+    folder, aside = role_folder(root, step, role), root / f".replaced-{step}-{role}-0123abcd"
+    checks = []
+    real_validate = CheckpointStore.validate
+
+    def validate(self: CheckpointStore, at: int, name: str, *, deep: bool) -> list[str]:
+        if (at, name) == (step, role):
+            checks.append(at)
+            if len(checks) == 1:
+                folder.rename(aside)
+            elif len(checks) > back_after and aside.exists():
+                aside.rename(folder)
+        return real_validate(self, at, name, deep=deep)
+
+    monkeypatch.setattr(CheckpointStore, "validate", validate)
+    return aside
+
+
+def test_a_role_folder_missing_while_its_re_commit_is_in_flight_is_checked_again_not_set_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The actor re-commits step 2 while the critic resumes. Before: the critic took the gap for
+    damage, set the good step aside for both roles and resumed step 1."""
+    roles = ("actor", "critic")
+    saved_run(tmp_path, roles=roles)
+    into_the_gap(monkeypatch, tmp_path, 2, "actor", back_after=1)
+    critic = lifecycle_at(tmp_path, role="critic", roles=list(roles))
+    assert critic.resume() == 2 and has_weights_of(critic.parts.model, 2)
+    assert not set_aside(tmp_path, 2)
+
+
+def test_a_copy_left_aside_while_its_writer_holds_the_lock_stops_resume_and_sets_nothing_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    roles = ("actor", "critic")
+    saved_run(tmp_path, roles=roles)
+    aside = into_the_gap(monkeypatch, tmp_path, 2, "actor", back_after=99)
+    monkeypatch.setattr(resumer, "FLUX_WAIT_S", 0.01)
+    writer = CheckpointStore(tmp_path).writer_lock("actor")
+    writer.acquire()  # the actor's writer, at work
+    with pytest.raises(CheckpointError, match="changed while resume checked it"):
+        lifecycle_at(tmp_path, role="critic", roles=list(roles)).resume()
+    assert aside.exists() and not set_aside(tmp_path, 2)
+    writer.release()  # its writer died: the next resume puts its copy back
+    monkeypatch.undo()
+    critic = lifecycle_at(tmp_path, role="critic", roles=list(roles))
+    assert critic.resume() == 2 and has_weights_of(critic.parts.model, 2)
+    assert not aside.exists() and not set_aside(tmp_path, 2)

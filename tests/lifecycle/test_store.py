@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from datetime import datetime
 from pathlib import Path
@@ -14,6 +15,7 @@ from lifecycle.errors import CheckpointError, ConfigError
 import xxhash
 
 from lifecycle.checksum import ALGORITHM, PIECE_BYTES, PLAIN, file_digest
+from lifecycle import retention
 from lifecycle.store import TRACKER, CheckpointStore
 
 MANIFEST_KEYS = {"format_version", "step", "role", "created_at", "contents", "parallel",
@@ -151,6 +153,85 @@ def test_recommitting_a_step_replaces_the_old_folder(tmp_path: Path) -> None:
     assert store.validate(1, "actor", deep=True) == []
 
 
+def exchange_works(tmp_path: Path) -> bool:
+    (a := tmp_path / "exchange-a").mkdir()
+    (b := tmp_path / "exchange-b").mkdir()
+    try:
+        return retention.exchange(a, b)
+    finally:
+        a.rmdir()
+        b.rmdir()
+
+
+def test_a_re_commit_exchanges_the_folders_so_no_moment_lacks_a_committed_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the old folder was renamed away first, and a crash before the second rename left
+    step 1 with no committed folder at all."""
+    if not exchange_works(tmp_path):
+        pytest.skip("this filesystem cannot exchange two folders (RENAME_EXCHANGE)")
+    store = CheckpointStore(tmp_path)
+    commit(store, 1, files={"model/old.bin": b"old"})
+    renamed: list[str] = []
+    real_rename = os.rename
+    monkeypatch.setattr(os, "rename", lambda src, dst: (renamed.append(Path(dst).name), real_rename(src, dst))[1])
+    monkeypatch.setattr(CheckpointStore, "_after_rename", lambda *args: None)  # a crash right after the commit
+    commit(store, 1, files={"model/new.bin": b"new"})
+    assert not [name for name in renamed if name.startswith(".replaced-")]
+    assert store.validate(1, "actor", deep=True) == [] and (store.role_dir(1, "actor") / "model/new.bin").exists()
+    assert (store.step_dir(1) / ".staging-actor/model/old.bin").exists(), "the replaced copy, left by the crash"
+    monkeypatch.undo()
+    commit(store, 1, files={"model/newer.bin": b"newer"})
+    assert sorted(p.name for p in store.step_dir(1).iterdir()) == ["actor"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".trash-", ".replaced-"))]
+
+
+def crash_between_renames(store: CheckpointStore, step: int, role: str = "actor") -> Path:
+    """What a crash leaves between the two renames of a re-commit without RENAME_EXCHANGE."""
+    aside = store.root / f".replaced-{step}-{role}-0123abcd"
+    store.role_dir(step, role).rename(aside)
+    return aside
+
+
+def test_the_next_save_puts_back_a_committed_copy_a_crashed_re_commit_left_aside(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    commit(store, 1)
+    commit(store, 2, files={"model/two.bin": b"two"})
+    aside = crash_between_renames(store, 2)
+    assert store.newest_committed(["actor"]) == 2, "a reader counts the copy aside as committed"
+    lock = store.writer_lock("actor")
+    store.staging(3, "actor", lock)
+    lock.release()
+    assert not aside.exists() and store.validate(2, "actor", deep=True) == []
+    assert (store.role_dir(2, "actor") / "model/two.bin").read_bytes() == b"two"
+
+
+def test_a_resume_puts_back_a_copy_left_aside_unless_its_roles_writer_is_at_work(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    commit(store, 2)
+    aside = crash_between_renames(store, 2)
+    writer = store.writer_lock("actor")
+    writer.acquire()
+    store.restore_replaced(["actor", "critic"])
+    assert aside.exists(), "a writer holds the lock: its own commit is in flight"
+    writer.release()
+    store.restore_replaced(["actor", "critic"])
+    assert not aside.exists() and store.validate(2, "actor", deep=True) == []
+
+
+def test_the_sweep_removes_replaced_copies_but_never_the_only_committed_one(tmp_path: Path) -> None:
+    """Before: `.replaced-*` folders were never removed, though the log said the next save would."""
+    store = CheckpointStore(tmp_path)
+    commit(store, 1)
+    commit(store, 2)
+    only = crash_between_renames(store, 2)
+    leftover = tmp_path / ".replaced-1-actor-89abcdef"
+    shutil.copytree(store.role_dir(1, "actor"), leftover)
+    store.apply_retention(None, ["actor"], protect=set(), role="actor")
+    assert not leftover.exists() and only.exists()
+    assert store.validate(1, "actor", deep=True) == []
+
+
 def test_steps_lists_numeric_step_folders_only(tmp_path: Path) -> None:
     for name in ("global_step_10", "global_step_2", "global_step_abc", "global_step_1x", ".staging"):
         (tmp_path / name).mkdir()
@@ -272,7 +353,7 @@ def make_steps(store: CheckpointStore, complete: list[int], incomplete: list[int
 def test_retention_keeps_newest_complete_steps(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     make_steps(store, [1, 2, 3, 4, 5], [])
-    assert store.apply_retention(2, ["actor"], protect=set()) == [1, 2, 3]
+    assert store.apply_retention(2, ["actor"], protect=set(), role="actor") == [1, 2, 3]
     assert store.steps() == [4, 5]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
@@ -280,14 +361,14 @@ def test_retention_keeps_newest_complete_steps(tmp_path: Path) -> None:
 def test_retention_never_deletes_a_protected_step(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     make_steps(store, [1, 2, 3, 4], [])
-    assert store.apply_retention(1, ["actor"], protect={2}) == [1, 3]
+    assert store.apply_retention(1, ["actor"], protect={2}, role="actor") == [1, 3]
     assert store.steps() == [2, 4]
 
 
 def test_retention_keeps_incomplete_newer_steps_and_drops_older_ones(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     make_steps(store, [2, 3, 5], [1, 4, 6])
-    assert store.apply_retention(2, ["actor"], protect=set()) == [1, 2]
+    assert store.apply_retention(2, ["actor"], protect=set(), role="actor") == [1, 2]
     assert store.steps() == [3, 4, 5, 6]
 
 
@@ -297,9 +378,41 @@ def test_retention_counts_only_steps_complete_for_every_role(tmp_path: Path) -> 
     for step in (1, 2, 3):
         commit(store, step, "actor", roles=roles)
     commit(store, 1, "critic", roles=roles)
-    assert store.apply_retention(1, roles, protect=set()) == []
+    assert store.apply_retention(1, roles, protect=set(), role="actor") == []
     commit(store, 2, "critic", roles=roles)
-    assert store.apply_retention(1, roles, protect=set()) == [1]
+    assert store.apply_retention(1, roles, protect=set(), role="actor") == [1]
+    assert sorted(p.name for p in store.step_dir(1).iterdir()) == ["critic"]
+
+
+def test_retention_of_a_role_listing_every_role_never_removes_another_roles_folders(tmp_path: Path) -> None:
+    """Both roles list `checkpoint.roles: [actor, critic]`; the actor keeps 1, the critic keeps all:
+    the actor's retention removed the critic's checkpoints too."""
+    store = CheckpointStore(tmp_path)
+    roles = ["actor", "critic"]
+    for step in (1, 2, 3, 4):
+        commit(store, step, "critic", roles=roles)
+        commit(store, step, "actor", roles=roles)
+        store.apply_retention(1, roles, protect={step}, role="actor")
+    assert store.steps() == [1, 2, 3, 4]
+    assert [sorted(p.name for p in store.step_dir(step).iterdir()) for step in (1, 2, 3)] == [["critic"]] * 3
+    assert all(store.validate(step, "critic", deep=True) == [] for step in (1, 2, 3, 4))
+    assert store.is_complete(4, roles)
+    assert store.apply_retention(1, roles, protect=set(), role="critic") == [1, 2, 3]
+    assert store.steps() == [4]
+
+
+def test_retention_of_two_roles_keeping_one_each_leaves_one_step(tmp_path: Path) -> None:
+    """Each role prunes its own part; a step the other role pruned already is no longer complete,
+    and must not be counted as kept, else the second role's folders pile up forever."""
+    store = CheckpointStore(tmp_path)
+    roles = ["actor", "critic"]
+    for step in (1, 2, 3, 4):
+        for role in ("critic", "actor"):
+            commit(store, step, role, roles=roles)
+            store.apply_retention(1, roles, protect={step}, role=role)
+    assert store.steps() == [3, 4] and sorted(p.name for p in store.step_dir(3).iterdir()) == ["critic"]
+    assert store.apply_retention(1, roles, protect=set(), role="critic") == [3]
+    assert store.steps() == [4] and store.is_complete(4, roles)
 
 
 def test_retention_tolerates_a_folder_vanishing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -307,7 +420,7 @@ def test_retention_tolerates_a_folder_vanishing(tmp_path: Path, monkeypatch: pyt
     make_steps(store, [2, 3], [])
     real_steps = store.steps
     monkeypatch.setattr(store, "steps", lambda: [1, *real_steps()])
-    assert store.apply_retention(1, ["actor"], protect=set()) == [2]
+    assert store.apply_retention(1, ["actor"], protect=set(), role="actor") == [2]
 
 
 def test_retention_prunes_only_its_roles_folders_while_another_role_still_holds_the_step(tmp_path: Path) -> None:
@@ -318,13 +431,13 @@ def test_retention_prunes_only_its_roles_folders_while_another_role_still_holds_
         commit(store, step, "actor")
         commit(store, step, "critic")
         (store.step_dir(step) / "data.pt").write_bytes(b"trainer")
-    assert store.apply_retention(1, ["actor"], protect=set()) == [1, 2]
+    assert store.apply_retention(1, ["actor"], protect=set(), role="actor") == [1, 2]
     assert store.steps() == [1, 2, 3]
     for step in (1, 2):
         assert sorted(p.name for p in store.step_dir(step).iterdir()) == ["critic", "data.pt"]
         assert store.validate(step, "critic", deep=True) == []
-    assert store.apply_retention(1, ["actor"], protect=set()) == [], "nothing of the actor's is left to prune"
-    assert store.apply_retention(1, ["critic"], protect=set()) == [1, 2]
+    assert store.apply_retention(1, ["actor"], protect=set(), role="actor") == [], "nothing of the actor's is left to prune"
+    assert store.apply_retention(1, ["critic"], protect=set(), role="critic") == [1, 2]
     assert store.steps() == [3] and not [p for p in tmp_path.iterdir() if p.name.startswith(".trash-")]
 
 
@@ -338,7 +451,7 @@ def test_retention_keeps_a_step_holding_another_roles_uncommitted_folder(tmp_pat
     (store.step_dir(1) / "critic" / "model_world_size_1_rank_0.pt").write_bytes(b"verl's own")
     (store.step_dir(2) / ".staging-critic").mkdir()
     (store.step_dir(2) / ".staging-actor").mkdir()  # this role's crashed save: pruned with its folder
-    assert store.apply_retention(1, ["actor"], protect=set()) == [1, 2]
+    assert store.apply_retention(1, ["actor"], protect=set(), role="actor") == [1, 2]
     assert sorted(p.name for p in store.step_dir(1).iterdir()) == ["critic"]
     assert sorted(p.name for p in store.step_dir(2).iterdir()) == [".staging-critic"]
 
@@ -346,9 +459,9 @@ def test_retention_keeps_a_step_holding_another_roles_uncommitted_folder(tmp_pat
 def test_retention_off_and_on_other_ranks(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     make_steps(store, [1, 2, 3], [])
-    assert store.apply_retention(None, ["actor"], protect=set()) == []
+    assert store.apply_retention(None, ["actor"], protect=set(), role="actor") == []
     other = CheckpointStore(tmp_path, rank=1, world_size=2, barrier=lambda: None)
-    assert other.apply_retention(1, ["actor"], protect=set()) == []
+    assert other.apply_retention(1, ["actor"], protect=set(), role="actor") == []
     assert store.steps() == [1, 2, 3]
 
 
