@@ -273,7 +273,7 @@ class EngineConfig(Section, EngineOptions):
         and asked for its `problem()`: an engine's own cross-field rule fails here, not at the
         first sync. `auto` takes only the keys every engine does; a built-in named without keys
         of its own is not imported."""
-        from backends.engines.registry import ENGINES
+        from backends.engines.registry import ENGINES, CheckpointEngineRegistry
 
         key = join(self._prefix, "backend")
         named = self.backend != AUTO and (self.options or ENGINES.builtin(self.backend) is None)
@@ -290,11 +290,8 @@ class EngineConfig(Section, EngineOptions):
                                    f"{shorten(str(exc))}") from exc
         if where is not None:
             raise ConfigError(join(self._prefix, where), str(why))
-        if self.backend != AUTO and self.apply == "flip":  # the only mode some engines do not take
-            takes = (engine or ENGINES.get(self.backend, key)).applies()
-            if self.apply not in takes:
-                raise ConfigError(join(self._prefix, "apply"), f"{what} does not take {self.apply!r}; it takes "
-                                                               f"{', '.join(map(repr, takes))}")
+        if self.backend != AUTO and (problem := CheckpointEngineRegistry.apply_problem(self.backend, self.apply)):
+            raise ConfigError(join(self._prefix, "apply"), problem)
 
     def options_for(self, options: type[O]) -> O:
         """The options of an engine whose `Options` class is `options`: this section's values."""

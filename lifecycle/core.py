@@ -179,23 +179,19 @@ def _check_plugins(checkpointer: object, engine: object) -> None:
 
 
 def _check_apply(config: LifecycleConfig, model: Any) -> None:
-    """`ConfigError` naming `engine.apply` when the engine `engine.backend` names does not take
-    that mode, which would otherwise fail the first sync (the engine is built then) instead of
-    the construction. The class says which modes it takes (`CheckpointEngine.applies`); it is
-    loaded only for a mode that not every engine takes."""
+    """`ConfigError` naming `engine.apply` when the engine `auto` picks for the model's device
+    does not take that mode (a named engine's config checks it already), which would otherwise
+    fail the first sync (the engine is built then) instead of the construction."""
     from backends.engines.base import CheckpointEngine
-
-    apply = config.engine.apply
-    if apply in CheckpointEngine.applies():
-        return
-    from backends.engines.registry import ENGINES, CheckpointEngineRegistry
+    from backends.engines.options import AUTO
+    from backends.engines.registry import CheckpointEngineRegistry as Engines
     from backends.engines.sync import device_type
 
-    name = CheckpointEngineRegistry.resolve(config.engine.backend, device_type(model))
-    takes = ENGINES.get(name, "engine.backend").applies()
-    if apply not in takes:
-        raise ConfigError("engine.apply", f"engine.backend {name!r} does not take {apply!r}; it takes "
-                                          f"{', '.join(map(repr, takes))}")
+    if config.engine.backend != AUTO or config.engine.apply in CheckpointEngine.applies():
+        return  # the mode every engine takes: `auto` need not pick one yet
+    name = Engines.resolve(AUTO, device_type(model))
+    if problem := Engines.apply_problem(name, config.engine.apply):
+        raise ConfigError("engine.apply", f"engine.backend 'auto' picks {name!r} for this model: {problem}")
 
 
 def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -93,3 +93,16 @@ class CheckpointEngineRegistry:
             supported = ", ".join(f"{device} -> {name}" for device, name in DEVICE_BACKENDS.items())
             raise ConfigError(_KEY, f"backend 'auto' has no checkpoint engine for device type {device_type!r}; "
                                     f"supported device types: {supported}; or name an engine") from None
+
+    @staticmethod
+    def apply_problem(name: str, apply: str) -> str | None:
+        """Why the engine `name` (registered, or `pkg.module:Class`) does not take `engine.apply:
+        apply`, or None. Its class says which modes it takes (`CheckpointEngine.applies`), and is
+        loaded only for a mode that not every engine takes (`flip`)."""
+        from backends.engines.base import CheckpointEngine
+
+        if apply in CheckpointEngine.applies():
+            return None
+        takes = ENGINES.get(name, _KEY).applies()
+        return None if apply in takes else \
+            f"engine {name!r} does not take {apply!r}; it takes {', '.join(map(repr, takes))}"
