@@ -3,8 +3,10 @@
 Both are renames inside the root (`global_step_N.damaged-<time>`, `global_step_N.superseded-<time>`),
 so nothing is lost: whatever a step folder holds (another role's staging folder while its
 writer is still at work, a folder written by another trainer's own checkpoint manager, the
-trainer's `data.pt`) is moved with it, whole. No later resume and no retention takes a step set
-aside for its own; the command-line inspector lists them.
+trainer's `data.pt`) is moved with it, whole, and so are the step's copies a re-commit left in
+the root (`.replaced-<step>-*`, see `lifecycle.retention`): left there, they would be taken for
+a later step of that number's. No later resume and no retention takes a step set aside for its
+own; the command-line inspector lists them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import structlog
 
 from lifecycle.boundary import STEP_PREFIX, lstat, os_error, parse_step
 from lifecycle.errors import CheckpointError
+from lifecycle.retention import replaced_copies
 
 if TYPE_CHECKING:
     from lifecycle.store import CheckpointStore
@@ -43,7 +46,21 @@ def set_aside(store: CheckpointStore, step: int, marker: str, why: str) -> Path 
         return None
     except OSError as exc:
         raise os_error(exc, f"{why}, and cannot be set aside", folder) from exc
+    _move_copies(store, step, aside)
     return aside
+
+
+def _move_copies(store: CheckpointStore, step: int, aside: Path) -> None:
+    """Move `step`'s `.replaced-` copies into `aside`: a role's only committed copy (its folder
+    missing there) back in its place, so the step is set aside whole; any other by its name."""
+    for _, role, path in (copy for copy in replaced_copies(store) if copy[0] == step):
+        try:
+            os.rename(path, aside / (role if lstat(aside / role) is None else path.name))
+        except FileNotFoundError:
+            continue  # put back or removed meanwhile
+        except (OSError, CheckpointError) as exc:
+            structlog.get_logger().error("checkpoint.replaced_not_moved", step=step, path=str(path), error=str(exc),
+                                         action="its step is gone from the root: the next save's sweep removes it")
 
 
 def quarantine(store: CheckpointStore, step: int, problems: Sequence[str], roles: Sequence[str]) -> Path | None:

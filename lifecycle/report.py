@@ -20,7 +20,7 @@ from typing import Protocol
 from lifecycle.boundary import kind, lstat, os_error, parse_step, role_problem, step_name_problem
 from lifecycle.errors import CheckpointError
 from lifecycle.manifest import MANIFEST, read_manifest_file
-from lifecycle.retention import REPLACED, TRASH, only_copy, replaced_copies
+from lifecycle.retention import REPLACED, STAGING, TRASH, only_copy, orphaned, replaced_copies
 from lifecycle.store import TRACKER, CheckpointStore
 from lifecycle.writer_lock import LOCK_PREFIX
 
@@ -82,6 +82,11 @@ class Survey:
     """Entries that are none of this library's business."""
     replaced: list[str] = field(default_factory=list)
     """Role folders a re-commit moved aside (`root/.replaced-*`) and left there."""
+    staging: list[str] = field(default_factory=list)
+    """Staging folders (`global_step_N/.staging-<role>`): a save in progress, or a crash's leftover."""
+    incomplete: list[str] = field(default_factory=list)
+    """Role folders missing from a step older than the one resume picks: never committed, or pruned
+    by that role's own retention (see `older_gap`); shown, not wrong."""
     removed: list[str] = field(default_factory=list)
     """Steps and role folders that went while they were read (retention, a rollback): not damage."""
 
@@ -116,6 +121,8 @@ def survey(store: CheckpointStore, roles: list[str] | None) -> Survey:
             continue
         for entry in entries:
             if entry.name.startswith("."):
+                if entry.name.startswith(STAGING) and role_problem(entry.name.removeprefix(STAGING)) is None:
+                    found.staging.append(_staging_note(entry))
                 continue
             if role_problem(entry.name):
                 found.wrong.append(f"{entry.path}: not a role name; ignored")
@@ -135,10 +142,36 @@ def survey(store: CheckpointStore, roles: list[str] | None) -> Survey:
 
 
 def _replaced_note(store: CheckpointStore, step: int, role: str) -> str:
+    try:
+        gone = orphaned(store, step)
+    except CheckpointError:
+        gone = False
+    if gone:
+        return f"orphaned: a replaced copy of step {step}, role {role}, whose step is gone; the next save removes it"
     if only_copy(store, step, role):
         return (f"the only committed copy of step {step}, role {role} (a re-commit was interrupted between its "
-                "renames); the next resume, or save of that role, puts it back")
+                "renames); the next resume, or save, of that role puts it back")
     return f"a replaced copy of step {step}, role {role}; the next save removes it"
+
+
+def _staging_note(entry: os.DirEntry[str]) -> str:
+    role = entry.name.removeprefix(STAGING)
+    what = ("holds a manifest: the copy a re-commit replaced (a crash right after the swap), or a save killed "
+            "just before its commit" if _holds_manifest(entry) else "a save in progress, or one a crash cut short")
+    return f"{entry.path}: {what}; the next resume, or save, of role {role} removes it"
+
+
+def older_gap(store: CheckpointStore, step: int, role: str, newest: int | None) -> str | None:
+    """Why `role`'s folder of `step` is missing without being wrong: the step is older than
+    `newest` (the one resume picks), so the role never committed it (a crash between roles) or
+    its own retention pruned it first (a role that saves first holds one folder more than its
+    `keep_last` until its next save, never removing another role's folder). None otherwise."""
+    try:
+        if newest is None or step >= newest or lstat(store.role_dir(step, role)) is not None:
+            return None
+    except CheckpointError:
+        return None  # a folder that cannot be examined: the check reports it
+    return f"{store.role_dir(step, role)}: not committed (an older step than {newest}, which resume picks)"
 
 
 def checked(store: CheckpointStore, step: int, role: str,
@@ -224,6 +257,8 @@ def _root_notes(found: Survey, out: Out) -> None:
         (found.damaged, "set aside as damaged ({}; resume never reads them; inspect, then remove)", "damaged steps"),
         (found.superseded, "superseded by a rollback ({}; resume never reads them)", "superseded steps"),
         (found.replaced, "left aside by a re-commit ({})", "replaced folders"),
+        (found.staging, "staging folders ({}; saves in progress, or left by a crash; not damage)", "staging folders"),
+        (found.incomplete, "incomplete older steps ({}; not wrong)", "missing role folders"),
         (found.removed, "removed while being read ({}; retention or a rollback at work; not damage)", "removed"),
         (found.wrong, "wrong ({})", "wrong entries"),
         (found.ignored, "ignored ({})", "ignored entries"),
@@ -324,8 +359,9 @@ class _ProgressLine:
 
 def verify_root(root: Path, step: int | None, roles: list[str] | None, out: Out,
                 err: Out = sys.stderr) -> int:
-    """Deep-check sizes and checksums; 0 only when every checked role verifies and the root
-    holds nothing wrong and no step set aside as damaged."""
+    """Deep-check sizes and checksums; 0 only when every checked role folder verifies (one missing
+    from a step older than the one resume picks is listed, not checked: `older_gap`), the root
+    holds nothing wrong and no step is set aside as damaged."""
     store = _open_root(root)
     found = survey(store, roles)
     steps = found.steps if step is None else [step]
@@ -336,8 +372,15 @@ def verify_root(root: Path, step: int | None, roles: list[str] | None, out: Out,
         _root_notes(found, out)
         return 1
     failures = 0
+    try:
+        newest = store.newest_committed(found.roles)
+    except CheckpointError:
+        newest = None  # each folder's own check says why
     for number in steps:
         for role in found.roles:
+            if (gap := older_gap(store, number, role, newest)) is not None:
+                found.incomplete.append(gap)
+                continue
             quiet = failures >= MAX_ROWS  # past that many failed folders, each is only counted
             progress = _ProgressLine(f"{store.step_dir(number).name}/{role}", _Muted() if quiet else err)
             problems, gone = checked(store, number, role, partial(store.verify, progress=progress))
@@ -350,7 +393,7 @@ def verify_root(root: Path, step: int | None, roles: list[str] | None, out: Out,
             failures += bool(problems)
     if failures > MAX_ROWS:
         out.write(f"... and {failures - MAX_ROWS} more role folders failed, not shown\n")
-    read = len(steps) * len(found.roles) - len(found.removed)
+    read = len(steps) * len(found.roles) - len(found.removed) - len(found.incomplete)
     out.write(f"{read - failures} of {read} role folders verified\n")
     _root_notes(found, out)
     return 0 if failures == 0 and not found.wrong and not found.damaged else 1

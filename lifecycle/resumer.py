@@ -9,14 +9,15 @@ stops resume, and so does running out of steps once any step was set aside.
 
 Every role and rank must land on the same step. Ranks agree through the process group (the
 worst outcome of any rank holds for all). Roles in other processes agree through the disk:
-with `fallback` each role checks every role's folder of a step, not only its own, so each
-reaches the same verdict on the same bytes, and a step one role renames aside is gone for all.
-A step that changes while it is checked (a role committing it again) is no damage: checked again.
+with `fallback` each role checks every role's folder of a step, so each reaches the same
+verdict on the same bytes, and a step one role renames aside is gone for all. A step that
+changes while it is checked (a role committing it again) is no damage: it is checked again.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
@@ -99,10 +100,9 @@ class Resumer:
     def _auto(self, parts: Parts, model_hash: str | None, *, fallback: bool) -> Resumed | None:
         store = self.at.store()
         if self.at.rank == 0:
-            store.restore_replaced(self.at.roles)
+            store.tidy(self.at.role)
         below: int | None = None
-        set_aside: list[str] = []
-        checks = FLUX_CHECKS
+        set_aside, waits = list[str](), Counter[int]()  # waits: per step, for a commit in flight only
         while True:
             step = self._agreed_step(store.newest_committed(self.at.roles, below=below))
             if step is None:
@@ -111,8 +111,8 @@ class Resumer:
             try:
                 return Resumed(step, folder, self._one(parts, folder, step, model_hash, fallback=fallback))
             except DamagedCheckpoint as exc:
-                checks -= 1
-                if self._in_flux(store, step, before, checks, exc):
+                if self._in_flux(store, step, before, waits[step], exc):
+                    waits[step] += 1
                     continue
                 set_aside.append(f"step {step}, {self._set_aside(store, step, exc.problems)}:\n    "
                                  + "\n    ".join(exc.problems[:10]))
@@ -120,11 +120,9 @@ class Resumer:
         earlier = store.quarantined()
         if set_aside or earlier:
             found = "\n  ".join(set_aside) if set_aside else "earlier: " + ", ".join(earlier)
-            raise CheckpointError(
-                f"{store.root}: no undamaged checkpoint is left to resume from; resume refuses rather than start "
-                f"fresh over damaged ones (repair or remove them, or set resume.mode to disable to start "
-                f"fresh). Set aside as damaged:\n  {found}"
-            )
+            raise CheckpointError(f"{store.root}: no undamaged checkpoint is left to resume from; resume refuses "
+                                  "rather than start fresh over damaged ones (repair or remove them, or set "
+                                  f"resume.mode to disable to start fresh). Set aside as damaged:\n  {found}")
         return None
 
     def _set_aside(self, store: CheckpointStore, step: int, problems: list[str]) -> str:
@@ -137,28 +135,28 @@ class Resumer:
         return ("set aside by rank 0" if self.at.rank != 0 else f"now {aside}" if aside
                 else "gone before it could be set aside (by another role, or removed)")
 
-    def _in_flux(self, store: CheckpointStore, step: int, before: Identity, checks: int, exc: Exception) -> bool:
+    def _in_flux(self, store: CheckpointStore, step: int, before: Identity, waited: int, exc: Exception) -> bool:
         """Whether the damage found in `step` is a commit in flight (see `CheckpointStore.in_flux`):
         then resume waits a moment and checks the step again, and never sets it aside; a step
-        still changing after `FLUX_CHECKS` checks stops resume. Rank 0 looks; all agree."""
+        still changing after `FLUX_CHECKS` checks of it stops resume. Rank 0 looks; all agree."""
         moving = self.at.rank == 0 and store.in_flux(step, self.at.roles, before)
         if self._agree(Verdict.DAMAGED if moving else Verdict.OK) is Verdict.OK:
             return False
-        if checks <= 0:
+        if waited >= FLUX_CHECKS - 1:
             raise CheckpointError(f"{store.step_dir(step)}: changed while resume checked it, {FLUX_CHECKS} times (a "
-                                  f"commit in flight, or a copy left aside that cannot be put back):\n  {exc}")
+                                  "commit in flight, or a role's copy a crashed re-commit left aside, which that "
+                                  f"role's own resume or save puts back: resume that role first):\n  {exc}")
         time.sleep(FLUX_WAIT_S)
         return True
 
     def _supersede(self, resumed: Resumed) -> None:
-        """A resume by path into this run's own root is a rollback: the steps past it are set
-        aside (best effort, rank 0), so neither retention nor a crash-restart takes that
-        abandoned line for the new one. A step from another root leaves this root alone."""
-        if self.config.checkpoint.root is None or self.at.rank != 0:
-            return
-        store = self.at.store()
-        if same_folder(resumed.folder.parent, store.step_dir(resumed.step)):
-            store.supersede(resumed.step)
+        """A resume by path into this run's own root is a rollback: the steps past it are set aside
+        (best effort, rank 0), so nothing takes that abandoned line for the new one; another root's
+        step leaves this root alone."""
+        if self.config.checkpoint.root is not None and self.at.rank == 0:
+            store = self.at.store()
+            if same_folder(resumed.folder.parent, store.step_dir(resumed.step)):
+                store.supersede(resumed.step)
 
     def _agreed_hash(self, parts: Parts) -> str | None:
         """The running model's config hash (with `resume.strict`); a rank whose hash function
@@ -171,16 +169,14 @@ class Resumer:
     def _agreed_path(self) -> tuple[Path, int]:
         """`resume.path` resolved on every rank; one rank that cannot stops them all."""
         path = Path(str(self.config.resume.path))
-        found = self._all_or_none(lambda: self._resolve_path(path), f"{path}: another rank cannot read resume.path",
-                                  what=f"{path}: cannot read resume.path")
-        assert found is not None
-        return found
+        return self._all_or_none(lambda: self._resolve_path(path), f"{path}: another rank cannot read resume.path",
+                                 what=f"{path}: cannot read resume.path")
 
-    def _all_or_none(self, work: Callable[[], _T], failed_elsewhere: str, *, what: str) -> _T | None:
+    def _all_or_none(self, work: Callable[[], _T], failed_elsewhere: str, *, what: str) -> _T:
         """`work()` on this rank; an error it raises on any rank stops every rank (the others with
         `failed_elsewhere`), before any of them waits in a later collective. One not ours (a
         caller's hash function may raise any type) is reported typed, as `what`."""
-        found, error = None, None
+        error: CheckpointError | None = None
         try:
             found = work()
         except CheckpointError as failure:
@@ -189,7 +185,7 @@ class Resumer:
             error = CheckpointError(f"{what}: {type(failure).__name__}: {failure}")
         if self._agree(Verdict.REFUSED if error is not None else Verdict.OK) is not Verdict.OK:
             raise error or CheckpointError(f"{failed_elsewhere} (see its error)")
-        return found
+        return found  # bound: a rank whose work raised reported it, and every rank raised above
 
     def _agreed_step(self, found: int | None) -> int | None:
         """Ranks that saw the disk at different moments take the oldest step any of them saw."""
@@ -238,9 +234,8 @@ class Resumer:
     def _load_verified(
         self, parts: Parts, manifest: Any, folder: Path, step: int, later: dict[str, str],
     ) -> tuple[Progress, Verdict, list[str]]:
-        """Load, handing the readers the digests of `later` (see `_checked_while_loading`), then
-        hash those they did not verify; a failure is damage when a full check of the folder
-        now finds something wrong with its files, else a refusal."""
+        """Load, handing the readers the digests of `later` (see `_checked_while_loading`), then hash
+        those they did not verify; a failure is damage when a full check finds a bad file, else a refusal."""
         try:
             with os_errors(f"cannot read step {step}", folder):
                 progress, verified = self._load(parts, manifest, folder, step, later)
@@ -264,16 +259,12 @@ class Resumer:
                 for problem in store.validate(step, role, deep=deep)]
 
     def _checked_while_loading(self, manifest: dict[str, Any], parts: Parts) -> dict[str, str]:
-        """The files whose checks wait for their content's load (role-folder path: digest).
-
-        Only of the contents this resume reads with a format that checks files as it reads them
-        (`verifies_reads`): their digests go to its reader, so their bytes are read once, and
-        whichever it does not return as verified is hashed right after the load. Any other
-        format's files are verified before anything reads them, so a damaged step never
-        overwrites the model. Only `.safetensors` files (reading one unverified runs nothing in
-        it), and only digests of the current `ALGORITHM`, the one readers compute: older
-        manifests are hashed first.
-        """
+        """The files whose checks wait for their content's load (role-folder path: digest): the
+        `.safetensors` files (reading one unverified runs nothing in it) of the contents read with
+        a format that checks as it reads (`verifies_reads`), digests of the current `ALGORITHM`
+        only. Their reader gets the digests, so their bytes are read once; whichever it did not
+        verify is hashed right after the load. Any other file is verified before anything reads
+        it, so a damaged step never overwrites the model."""
         reads = self._reads(parts)
         prefixes = tuple(_prefix(entry) for name, entry in manifest["contents"].items()
                          if name in reads and CONTENTS[name].by_format and self._verifies_reads(entry["backend"]))
@@ -287,10 +278,9 @@ class Resumer:
         return [name for name in wanted if name in CONTENTS and has_state(CONTENTS[name], parts)]
 
     def _unnamed_path(self, name: str) -> bool:
-        """Whether a manifest's format `name` is a module path (`pkg.module:Class`) that this
-        worker's config does not name: the checkpoint's own word is never imported (a crafted
-        `this:X` would run a module on resume). Names (built in, registered, or an installed
-        package's entry point) and the configured paths are looked up as usual."""
+        """Whether a manifest's format `name` is a module path (`pkg.module:Class`) this worker's
+        config does not name: a checkpoint's own word is never imported (a crafted `this:X` would
+        run a module on resume). Names, and the configured paths, are looked up as usual."""
         ckpt = self.config.checkpoint
         return IMPORT_PATH.fullmatch(name) is not None and name not in {
             _value(ckpt.load_format), _value(ckpt.save.format), _value(ckpt.pre_load_format)}

@@ -6,7 +6,9 @@ filesystem, a folder without write permission) is logged as `checkpoint.retentio
 and left for the next save's sweep. So is a role folder a re-commit replaced
 (`root/.replaced-<step>-<role>-*`), unless it is the only committed copy of its role's step (a
 crash between the two renames of a re-commit on a filesystem that cannot swap two folders in
-one step, see `exchange`): the next resume, or save of that role, puts that back (`put_back`).
+one step, see `exchange`): the next resume, or save of that role, puts that back (`tidy`). One
+whose step folder is gone (pruned) is an orphan, which the sweep removes: no later step of that
+number may take it for its own (setting a step aside moves its copies with it).
 """
 
 from __future__ import annotations
@@ -105,18 +107,42 @@ def replaced_copies(store: CheckpointStore, role: str | None = None) -> list[tup
 
 def only_copy(store: CheckpointStore, step: int, role: str) -> bool:
     """Whether a `.replaced-` folder of `role`'s `step` is that role's only committed copy: a
-    crash between the two renames of a re-commit left its role folder missing. True when that
-    cannot be told, so nothing removes it."""
+    crash between the two renames of a re-commit left its role folder missing. False for an
+    orphan, whose step folder is gone (see `orphaned`); True when that cannot be told, so
+    nothing removes it."""
     try:
-        return lstat(store.role_dir(step, role)) is None
+        return not orphaned(store, step) and lstat(store.role_dir(step, role)) is None
     except CheckpointError:
         return True
 
 
+def orphaned(store: CheckpointStore, step: int) -> bool:
+    """Whether the step folder of a `.replaced-` copy is gone (pruned, or removed by hand): no
+    step takes the copy back, and the sweep removes it."""
+    return lstat(store.step_dir(step)) is None
+
+
+def left_staging(store: CheckpointStore, role: str) -> list[tuple[int, Path]]:
+    """`role`'s staging folders, in every step: step, path."""
+    return [(step, path) for step in store.steps()
+            if os.path.lexists(path := store.step_dir(step) / f"{STAGING}{role}")]
+
+
+def tidy(store: CheckpointStore, role: str) -> None:
+    """Under `role`'s writer lock, so no save of `role` is in flight (its staging folders are
+    written only while its rank 0 holds that lock): `put_back` its only committed copies, then
+    remove its staging folders a crash left in any step (a save that never committed, or the
+    copy an `exchange` replaced, manifest and all)."""
+    put_back(store, role)
+    for step, path in left_staging(store, role):
+        if remove(store, path, step):
+            structlog.get_logger().info("checkpoint.staging_removed", step=step, role=role, path=str(path),
+                                        reason="left by a save that crashed before or right after its commit")
+
+
 def put_back(store: CheckpointStore, role: str) -> None:
     """Under `role`'s writer lock (no commit of it in flight): rename each `.replaced-` copy that
-    is its step's only committed copy back into place, so resume reads it again. Where its step
-    folder is gone (set aside, removed), it is left, and `inspect` lists it."""
+    is its step's only committed copy back into place, so resume reads it again."""
     log = structlog.get_logger()
     for step, _, path in replaced_copies(store, role):
         try:
@@ -132,7 +158,8 @@ def put_back(store: CheckpointStore, role: str) -> None:
 
 def sweep(store: CheckpointStore) -> None:
     """Remove the `.trash-*` entries of the root that earlier removals left, and the `.replaced-`
-    folders whose role folder is committed again (never the only committed copy of a step)."""
+    folders whose role folder is committed again or whose step is gone (never the only
+    committed copy of a step)."""
     for entry in store.entries():
         if entry.name.startswith(TRASH):
             try:

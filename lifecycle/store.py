@@ -30,7 +30,7 @@ from lifecycle.manifest import (
     write_text_atomic,
 )
 from lifecycle.retention import (
-    REPLACED, STAGING, apply_retention, exchange, only_copy, put_back, remove, replaced_copies, rmtree,
+    REPLACED, STAGING, apply_retention, exchange, left_staging, only_copy, remove, replaced_copies, rmtree, tidy,
 )
 from lifecycle.writer_lock import WriterLock
 
@@ -99,10 +99,10 @@ class CheckpointStore:
     def staging(self, step: int, role: str, lock: WriterLock | None = None, roles: Sequence[str] = ()) -> Path:
         """Inside the step folder, so the final rename never crosses a filesystem.
 
-        Rank 0 takes `lock` first (and puts back what a crashed re-commit of `role` left aside, see
-        `put_back`), refuses a step below the newest one committed for every role of `roles` (see
-        `check_not_behind`), then clears whatever stands at the staging path. With an
-        `agree` function every rank learns whether rank 0 managed, before any rank writes, so
+        Rank 0 takes `lock` first (and tidies what crashed saves of `role` left, see
+        `lifecycle.retention.tidy`), refuses a step below the newest one committed for every role
+        of `roles` (see `check_not_behind`), then clears whatever stands at the staging path. With
+        an `agree` function every rank learns whether rank 0 managed, before any rank writes, so
         no rank writes into a folder that is not this save's; with a plain barrier, rank 0
         still reaches it when it failed, so its peers never wait for it here.
         """
@@ -115,7 +115,7 @@ class CheckpointStore:
                     self.root.mkdir(parents=True, exist_ok=True)
                     if lock is not None:
                         lock.acquire()
-                        put_back(self, role)
+                        tidy(self, role)
                     self.check_not_behind(step, role, roles)
                     if not real_dir(self.step_dir(step), "a step folder"):
                         self.step_dir(step).mkdir(exist_ok=True)
@@ -328,21 +328,21 @@ class CheckpointStore:
                 return step
         return None
 
-    def restore_replaced(self, roles: Sequence[str]) -> None:
-        """Before a resume: `put_back` the committed copies of `roles` that a crashed re-commit
-        left aside, each under its role's writer lock; a role whose lock is held is being saved
-        now, and its writer puts its own copy back. Best effort: resume counts a copy left aside
-        as committed, and never takes its step for damage (`in_flux`)."""
-        for role in {role for step, role, _ in replaced_copies(self) if role in roles and only_copy(self, step, role)}:
-            lock = self.writer_lock(role)
-            try:
-                lock.acquire()
-            except CheckpointError:
-                continue
-            try:
-                put_back(self, role)
-            finally:
-                lock.release()
+    def tidy(self, role: str) -> None:
+        """Before a resume: what crashed saves of `role` left, tidied under its writer lock (see
+        `lifecycle.retention.tidy`); skipped while another process holds it. Never another role's:
+        taking its lock would refuse a save of it starting then as a second writer's."""
+        if not (replaced_copies(self, role) or left_staging(self, role)):
+            return
+        lock = self.writer_lock(role)
+        try:
+            lock.acquire()
+        except CheckpointError:
+            return
+        try:
+            tidy(self, role)
+        finally:
+            lock.release()
 
     def identity(self, step: int, roles: Sequence[str]) -> Identity:
         """What the role folders of `step` are now: a commit, a rename or a removal changes it."""

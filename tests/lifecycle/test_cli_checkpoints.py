@@ -259,3 +259,47 @@ def test_inspect_lists_copies_a_re_commit_left_aside(root: Path) -> None:
     assert ".replaced-1-critic-0123abcd: a replaced copy of step 1, role critic; the next save removes it" in text
     assert ".replaced-2-actor-89abcdef: the only committed copy of step 2, role actor" in text
     assert "resume picks step: 2" in text
+
+
+def test_inspect_lists_a_replaced_copy_whose_step_is_gone_as_orphaned_never_as_an_only_copy(root: Path) -> None:
+    """Before: a copy of a step since pruned was called that step's only committed copy, to be put back."""
+    import shutil
+
+    shutil.copytree(root / "global_step_1" / "critic", root / ".replaced-7-critic-0123abcd")
+    out = io.StringIO()
+    assert inspect_root(root, None, out) == 0, out.getvalue()
+    assert ".replaced-7-critic-0123abcd: orphaned: a replaced copy of step 7, role critic" in out.getvalue()
+    assert "only committed copy" not in out.getvalue()
+
+
+def test_inspect_lists_staging_folders_with_or_without_a_manifest_as_leftovers_not_wrong(root: Path) -> None:
+    """Before: the copy a crash right after a re-commit's exchange left in `.staging-<role>` was not mentioned."""
+    import shutil
+
+    shutil.copytree(root / "global_step_1" / "actor", root / "global_step_1" / ".staging-actor")
+    (root / "global_step_2" / ".staging-critic").mkdir()
+    out = io.StringIO()
+    assert inspect_root(root, None, out) == 0, out.getvalue()
+    text = out.getvalue()
+    assert "staging folders (2; saves in progress, or left by a crash; not damage)" in text
+    assert "global_step_1/.staging-actor: holds a manifest" in text
+    assert "global_step_2/.staging-critic: a save in progress, or one a crash cut short" in text
+
+
+def test_verify_passes_with_a_role_missing_from_an_older_step_and_fails_when_the_newest_lacks_one(root: Path) -> None:
+    """Each role prunes only its own folders, so between saves the role that saves first holds one
+    step more than keep_last, without the other role's folder. Before: verify said 'critic: role
+    folder missing' and exited 1."""
+    import shutil
+
+    shutil.rmtree(root / "global_step_1" / "critic")
+    out = io.StringIO()
+    assert verify_root(root, None, None, out, io.StringIO()) == 0, out.getvalue()
+    assert "3 of 3 role folders verified" in out.getvalue() and "missing" not in out.getvalue()
+    assert "incomplete older steps (1; not wrong)" in out.getvalue()
+    assert "global_step_1/critic: not committed (an older step than 2, which resume picks)" in out.getvalue()
+    assert inspect_root(root, None, io.StringIO()) == 0
+    shutil.rmtree(root / "global_step_2" / "critic")
+    out = io.StringIO()
+    assert verify_root(root, None, ["actor", "critic"], out, io.StringIO()) == 1
+    assert "global_step_2/critic: role folder missing" in out.getvalue()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -314,6 +315,21 @@ def test_sigkill_between_the_renames_of_a_re_commit_resumes_the_step_it_replaced
     fill(model, 3)
     lc.save(3)
     assert CheckpointStore(tmp_path).validate(3, ROLE, deep=True) == []
+
+
+def test_the_copy_a_crash_right_after_a_re_commits_exchange_leaves_is_removed_by_the_next_resume(
+    tmp_path: Path,
+) -> None:
+    """The exchange puts the replaced folder, manifest and all, at `.staging-<role>`, and a kill
+    before its removal leaves it there. Before: it stayed until that step was saved again or
+    pruned, and inspect did not mention it."""
+    lc, model = saved_step_one(tmp_path)
+    lc.close()
+    leftover = tmp_path / "global_step_1" / f".staging-{ROLE}"
+    shutil.copytree(tmp_path / "global_step_1" / ROLE, leftover)  # what the kill leaves
+    lc, model = lifecycle_at(tmp_path)
+    assert lc.resume() == 1 and wrong_weights(model, 1) == []
+    assert not leftover.exists() and sorted(p.name for p in (tmp_path / "global_step_1").iterdir()) == [ROLE]
 
 
 def saved_step_one(root: Path) -> tuple[Lifecycle, nn.Module]:

@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 from lifecycle import CheckpointError, State, resumer
 from lifecycle.report import inspect_root, verify_root
 from lifecycle.store import CheckpointStore
+from lifecycle.writer_lock import WriterLock
 from tests.lifecycle.hostile import ROLE, Net, has_weights_of, lifecycle_at, run_unprivileged, saved_run
 
 WEIGHTS = "model/model.safetensors"
@@ -253,20 +254,42 @@ def test_a_role_folder_missing_while_its_re_commit_is_in_flight_is_checked_again
     assert not set_aside(tmp_path, 2)
 
 
-def test_a_copy_left_aside_while_its_writer_holds_the_lock_stops_resume_and_sets_nothing_aside(
+def test_another_roles_copy_left_aside_waits_for_that_roles_own_resume_and_its_lock_is_never_taken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The actor's re-commit of step 2 died between its two renames. Before: the critic's resume
+    took the actor's writer lock to put the actor's copy back, and an actor save starting at that
+    moment was refused as a second writer's. Now the critic waits for it, stops rather than set
+    the step aside, and the actor's own resume puts it back."""
     roles = ("actor", "critic")
     saved_run(tmp_path, roles=roles)
-    aside = into_the_gap(monkeypatch, tmp_path, 2, "actor", back_after=99)
+    aside = role_folder(tmp_path, 2, "actor").rename(tmp_path / ".replaced-2-actor-0123abcd")
     monkeypatch.setattr(resumer, "FLUX_WAIT_S", 0.01)
-    writer = CheckpointStore(tmp_path).writer_lock("actor")
-    writer.acquire()  # the actor's writer, at work
+    taken: list[str] = []
+    real_acquire = WriterLock.acquire
+    monkeypatch.setattr(WriterLock, "acquire", lambda lock: (taken.append(lock.role), real_acquire(lock))[1])
     with pytest.raises(CheckpointError, match="changed while resume checked it"):
         lifecycle_at(tmp_path, role="critic", roles=list(roles)).resume()
-    assert aside.exists() and not set_aside(tmp_path, 2)
-    writer.release()  # its writer died: the next resume puts its copy back
+    assert "actor" not in taken and aside.exists() and not set_aside(tmp_path, 2)
     monkeypatch.undo()
+    assert lifecycle_at(tmp_path, role="actor", roles=list(roles)).resume() == 2 and not aside.exists()
     critic = lifecycle_at(tmp_path, role="critic", roles=list(roles))
     assert critic.resume() == 2 and has_weights_of(critic.parts.model, 2)
-    assert not aside.exists() and not set_aside(tmp_path, 2)
+    assert not set_aside(tmp_path, 2)
+
+
+def test_damaged_steps_set_aside_leave_a_step_in_flux_its_own_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: every damaged step set aside used up one of the checks meant for a step changing
+    while checked, so after FLUX_CHECKS - 1 of them a step merely mid-commit stopped resume at
+    once, with no wait."""
+    roles = ("actor", "critic")
+    saved_run(tmp_path, steps=(1, 2, 3), roles=roles)
+    damage(tmp_path, "flipped", step=3)
+    into_the_gap(monkeypatch, tmp_path, 2, "actor", back_after=1)
+    monkeypatch.setattr(resumer, "FLUX_CHECKS", 2)
+    monkeypatch.setattr(resumer, "FLUX_WAIT_S", 0.01)
+    critic = lifecycle_at(tmp_path, role="critic", roles=list(roles))
+    assert critic.resume() == 2 and has_weights_of(critic.parts.model, 2)
+    assert set_aside(tmp_path, 3) and not set_aside(tmp_path, 2)

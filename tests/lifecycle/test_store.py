@@ -17,6 +17,7 @@ import xxhash
 from lifecycle.checksum import ALGORITHM, PIECE_BYTES, PLAIN, file_digest
 from lifecycle import retention
 from lifecycle.store import TRACKER, CheckpointStore
+from lifecycle.writer_lock import WriterLock
 
 MANIFEST_KEYS = {"format_version", "step", "role", "created_at", "contents", "parallel",
                  "model_config_hash", "versions", "files", "meta"}
@@ -206,17 +207,85 @@ def test_the_next_save_puts_back_a_committed_copy_a_crashed_re_commit_left_aside
     assert (store.role_dir(2, "actor") / "model/two.bin").read_bytes() == b"two"
 
 
-def test_a_resume_puts_back_a_copy_left_aside_unless_its_roles_writer_is_at_work(tmp_path: Path) -> None:
+def test_a_resume_puts_back_its_roles_copy_unless_its_writer_is_at_work_and_never_takes_another_roles_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the actor's resume took the critic's writer lock to put the critic's copy back,
+    and a critic save starting at that moment was refused as a second writer's."""
     store = CheckpointStore(tmp_path)
-    commit(store, 2)
-    aside = crash_between_renames(store, 2)
+    for role in ("actor", "critic"):
+        commit(store, 2, role)
+    mine, theirs = crash_between_renames(store, 2, "actor"), crash_between_renames(store, 2, "critic")
     writer = store.writer_lock("actor")
     writer.acquire()
-    store.restore_replaced(["actor", "critic"])
-    assert aside.exists(), "a writer holds the lock: its own commit is in flight"
+    store.tidy("actor")
+    assert mine.exists(), "a writer holds the lock: its own commit is in flight"
     writer.release()
-    store.restore_replaced(["actor", "critic"])
-    assert not aside.exists() and store.validate(2, "actor", deep=True) == []
+    taken: list[str] = []
+    real_acquire = WriterLock.acquire
+    monkeypatch.setattr(WriterLock, "acquire", lambda lock: (taken.append(lock.role), real_acquire(lock))[1])
+    store.tidy("actor")
+    assert taken == ["actor"] and not mine.exists() and store.validate(2, "actor", deep=True) == []
+    assert theirs.exists(), "the critic's own resume or save puts its copy back"
+    store.tidy("critic")
+    assert not theirs.exists() and store.validate(2, "critic", deep=True) == []
+
+
+def test_a_resume_removes_its_roles_staging_folders_a_crash_left_in_any_step(tmp_path: Path) -> None:
+    """A crash right after a re-commit's exchange leaves the replaced copy, manifest and all, in
+    `.staging-<role>`. Before: it stayed until that step was saved again or pruned (with keep_last
+    unset, for ever)."""
+    store = CheckpointStore(tmp_path)
+    for step in (1, 2):
+        commit(store, step)
+    shutil.copytree(store.role_dir(1, "actor"), store.step_dir(1) / ".staging-actor")  # the exchange's old copy
+    (store.step_dir(2) / ".staging-actor").mkdir()  # a save killed mid-write
+    (store.step_dir(2) / ".staging-critic").mkdir()  # another role's: its own resume decides
+    writer = store.writer_lock("actor")
+    writer.acquire()
+    store.tidy("actor")
+    assert (store.step_dir(1) / ".staging-actor").exists(), "a writer holds the lock: a save may be in flight"
+    writer.release()
+    store.tidy("actor")
+    assert [sorted(p.name for p in store.step_dir(step).iterdir()) for step in (1, 2)] == [
+        ["actor"], [".staging-critic", "actor"]]
+    assert all(store.validate(step, "actor", deep=True) == [] for step in (1, 2))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".trash-")]
+
+
+def test_a_rollback_takes_a_steps_replaced_copies_with_it_so_a_new_step_of_that_number_never_gets_them(
+    tmp_path: Path,
+) -> None:
+    """Before: the critic's `.replaced-5-*` copy stayed in the root after a rollback to step 3 set
+    step 5 aside; the critic's next save put that old copy into the new line's step 5, next to
+    the actor's new folder, and resume read the two lines mixed as one complete step."""
+    store = CheckpointStore(tmp_path)
+    roles = ["actor", "critic"]
+    for step in (3, 5):
+        for role in roles:
+            commit(store, step, role, roles=roles, files={"model/w.bin": f"{role}-old-{step}".encode()})
+    crash_between_renames(store, 5, "critic")
+    [aside] = store.supersede(3)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".replaced-")]
+    assert (aside / "critic" / "model/w.bin").read_bytes() == b"critic-old-5", "set aside whole"
+    commit(store, 5, "actor", roles=roles, files={"model/w.bin": b"actor-new-5"})
+    lock = store.writer_lock("critic")
+    store.staging(5, "critic", lock, roles)
+    lock.release()
+    assert not store.role_dir(5, "critic").exists() and not store.is_complete(5, roles)
+    assert store.newest_committed(roles) == 3
+
+
+def test_the_sweep_removes_an_orphaned_replaced_copy_whose_step_is_gone(tmp_path: Path) -> None:
+    """Before: a copy whose step folder was gone counted as that step's only committed copy, so
+    nothing removed it, and a later step of that number took it back as its own."""
+    store = CheckpointStore(tmp_path)
+    commit(store, 1)
+    commit(store, 2)
+    orphan = crash_between_renames(store, 1)
+    shutil.rmtree(store.step_dir(1))  # pruned, or removed by hand
+    store.apply_retention(None, ["actor"], protect=set(), role="actor")
+    assert not orphan.exists() and store.steps() == [2]
 
 
 def test_the_sweep_removes_replaced_copies_but_never_the_only_committed_one(tmp_path: Path) -> None:
@@ -401,9 +470,13 @@ def test_retention_of_a_role_listing_every_role_never_removes_another_roles_fold
     assert store.steps() == [4]
 
 
-def test_retention_of_two_roles_keeping_one_each_leaves_one_step(tmp_path: Path) -> None:
-    """Each role prunes its own part; a step the other role pruned already is no longer complete,
-    and must not be counted as kept, else the second role's folders pile up forever."""
+def test_retention_of_two_roles_keeping_one_each_holds_one_more_folder_of_the_first_saver_until_its_next_save(
+    tmp_path: Path,
+) -> None:
+    """Each role prunes its own part, never the other's: the critic, saving first, still holds
+    step 3 once the actor pruned its part of it (keep_last + 1 of its folders), and prunes it at
+    its next save. A step the other role pruned already is no longer complete, and must not be
+    counted as kept, else the second role's folders pile up forever."""
     store = CheckpointStore(tmp_path)
     roles = ["actor", "critic"]
     for step in (1, 2, 3, 4):
