@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from backends.engines.base import Incoming
+from backends.engines.slots import refilled
 from lifecycle.errors import EngineError
+
+
+_UNKEPT = ("which a rollout cannot keep as its weights; set engine.apply to 'flip' (on both sides for shm) or copy "
+           "them in load_weights; nothing was adopted")
 
 
 def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
@@ -26,17 +31,17 @@ def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
     The tensors must have the module's shapes, dtypes and devices: a rollout that wants another
     dtype asks the sender for it (`engine.rollout_dtype`). A tensor not in the module is an
     `EngineError` naming it; so is a tied tensor sent under two names (two values for one
-    tensor), and, with `complete` (the default), a parameter or persistent buffer the sync left
-    out (a tied one counts as sent under any of its names): one left out would keep viewing
-    the set it was adopted from, which a later flip sync overwrites. Pass `complete=False`
+    tensor), a view of a buffer the engine refills (an atomic or streamed sync's, however the
+    tensors were handed on: renamed by a generator, say), and, with `complete` (the default),
+    a parameter or persistent buffer the sync left out (a tied one counts as sent under any of
+    its names): one left out would keep viewing the set it was adopted from, which a later
+    flip sync overwrites. Pass `complete=False`
     only for weights not served from a sync. Autograd and a parameter's identity are
     untouched (only `.data` changes).
     """
     if isinstance(named_tensors, Incoming):
         if not named_tensors.adoptable:  # views the engine writes over next (or the sender's own tensors)
-            raise EngineError("adopt_weights: this sync hands out tensors the engine reuses, which a rollout cannot "
-                              "keep as its weights; set engine.apply to 'flip' (on both sides for shm) or copy them "
-                              "in load_weights; nothing was adopted")
+            raise EngineError(f"adopt_weights: this sync hands out tensors the engine reuses, {_UNKEPT}")
         named_tensors.adopted = False  # until every tensor is rebound: a flip engine then counts its set served
     owned: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     owned.update(module.named_buffers(remove_duplicate=False))
@@ -53,6 +58,8 @@ def adopt_weights(module: nn.Module, named_tensors: Iterable[tuple[str, torch.Te
             raise EngineError(f"adopt_weights: {name!r} arrives as {tuple(tensor.shape)} {tensor.dtype} on "
                               f"{tensor.device}; the rollout holds {tuple(mine.shape)} {mine.dtype} on {mine.device}; "
                               "nothing was adopted")
+        if refilled(tensor):
+            raise EngineError(f"adopt_weights: {name!r} arrives as a view of a buffer the engine refills, {_UNKEPT}")
         pending[id(mine)] = (name, mine, tensor)
     if complete:
         served = {name: tensor for name, tensor in module.state_dict(keep_vars=True).items()

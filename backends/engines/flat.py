@@ -20,44 +20,28 @@ A layout holds only while nothing gives a parameter new `.data`: `load_state_dic
 assign=True)`, `model.to(...)` to another dtype or device, `share_memory()`, FSDP wrapping.
 Every check here reads the parameters as they are now, so after such a change they say "not
 flat" (`contiguous_layout` returns None, `FlatLayout.describes` False), never a stale layout.
-Flattening again after `assign=True` replaced every parameter rebuilds the layout.
+Flattening again rebuilds the layout: the parameters still in a storage flattening made move
+out of it together (nothing else sees it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
+from backends.engines.named import Model, Named, is_model, named_pairs
 from backends.engines.plan import ALIGN, align
-from backends.engines.sources import memory_problem, place
+from backends.engines.sources import memory_problem, outside_storage, place
 from lifecycle.errors import EngineError
 
 GroupKey = tuple[torch.device, torch.dtype]
-
-
-class Parametrized(Protocol):
-    """A model that names its parameters and buffers as an `nn.Module` does (`MegatronModel`)."""
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]: ...
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]: ...
-
-
-Model = nn.Module | Parametrized
-Named = Model | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
-"""A model (its parameters, tied names included), `named_parameters()` pairs, or a state dict."""
-
-
-def is_model(value: object) -> bool:
-    """Whether `value` is an `nn.Module`, or names its parameters and buffers as one does."""
-    return isinstance(value, nn.Module) or all(callable(getattr(value, method, None))
-                                               for method in ("named_parameters", "named_buffers"))
+_MADE: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+"""Storages `_rehome` made: only the parameters moved into them (and layouts) view them."""
 
 
 class FlattenRefused(EngineError):
@@ -180,9 +164,11 @@ def flatten_parameters(model: Model) -> FlatLayout:
     returns an equal layout.
 
     Refused (`FlattenRefused`, naming the parameter) before anything moves: sparse, quantized,
-    nested or tensor-subclass (DTensor) parameters, meta tensors, dtypes a plan cannot carry, and
-    a parameter that shares its storage with another tensor (a larger tensor it is a view of, a
-    buffer, another parameter object) when its group must move: moving it would cut it off.
+    nested or tensor-subclass (DTensor) parameters, meta tensors, lazy parameters not yet
+    initialized, dtypes a plan cannot carry, a storage freed or shrunk under a parameter, and a
+    parameter that shares its storage with another tensor (a larger tensor it is a view of, a
+    buffer, another parameter object) when its group must move: moving it would cut it off. A
+    storage flattening made is not shared that way: its parameters move out of it together.
     """
     if not is_model(model):
         raise FlattenRefused(f"flatten_parameters takes a model (an nn.Module, or one that names its parameters and "
@@ -199,8 +185,9 @@ def flatten_parameters(model: Model) -> FlatLayout:
         if group is not None and group.aligned:
             found[key] = group
             continue
+        movers = {f"parameter {entry.name!r}" for entry in members}
         for entry in members:
-            _check_private(entry, owners, key)
+            _check_private(entry, owners, movers, key)
         moves.append((key, members))
     for key, members in moves:
         found[key] = _rehome(key, members)
@@ -239,25 +226,6 @@ class _Entry:
     aliases: list[str]
 
 
-def named_pairs(named: Named) -> Iterable[tuple[str, Any]]:
-    """(name, tensor) pairs of a mapping, a model (every name of a tied parameter), or pairs as
-    given; `EngineError` naming the type of anything else, or the first item that is no pair."""
-    if isinstance(named, Mapping):
-        return named.items()
-    if is_model(named):
-        return named.named_parameters(remove_duplicate=False)  # type: ignore[union-attr]
-    if isinstance(named, (str, bytes, torch.Tensor)) or not isinstance(named, Iterable):
-        raise EngineError(f"expected a model, a state dict or (name, tensor) pairs, got a {type(named).__name__}")
-    return _pairs(named)
-
-
-def _pairs(items: Iterable[Any]) -> Iterator[tuple[str, Any]]:
-    for i, item in enumerate(items):
-        if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise EngineError(f"item {i} is a {type(item).__name__}, not a (name, tensor) pair")
-        yield item[0], item[1]
-
-
 def _entries(named: Iterable[tuple[str, Any]], *, by_place: bool) -> list[_Entry]:
     """One entry per distinct tensor object; with `by_place` also one per place in memory, so a
     state dict's two detached views of one tied parameter are one entry."""
@@ -293,6 +261,9 @@ def kind_problem(tensor: torch.Tensor) -> str | None:
 
 def _check_movable_kind(name: str, tensor: torch.Tensor) -> None:
     problem = kind_problem(tensor)
+    if problem is None and (held := outside_storage(tensor)) is not None:
+        problem = (f"reads past its storage's {held} bytes: freed or shrunk (untyped_storage().resize_, as FSDP "
+                   "frees unsharded parameters); give it its memory back first")
     if problem is not None:
         raise FlattenRefused(f"cannot flatten parameter {name!r}: it {problem}")
 
@@ -313,18 +284,22 @@ def _storage_owners(entries: list[_Entry], model: Model) -> dict[int, list[str]]
     return owners
 
 
-def _check_private(entry: _Entry, owners: dict[int, list[str]], key: GroupKey) -> None:
-    """Refuse to move a parameter whose storage anything else sees: it would be cut off from it."""
+def _check_private(entry: _Entry, owners: dict[int, list[str]], movers: set[str], key: GroupKey) -> None:
+    """Refuse to move a parameter whose storage anything else sees: it would be cut off from it.
+    In a storage flattening made, only the parameters moving with it (`movers`) see it."""
     tensor = entry.tensor
     if not tensor.numel():
         return
-    others = [o for o in owners[_storage_ptr(tensor)] if o != f"parameter {entry.name!r}"]
+    made = tensor.untyped_storage() in _MADE
+    others = [o for o in owners[_storage_ptr(tensor)] if o not in (movers if made else {f"parameter {entry.name!r}"})]
     device, dtype = key
     why = (f"cannot flatten parameter {entry.name!r}: the {dtype} parameters on {device} do not "
            f"already sit in one storage at {ALIGN}-byte aligned offsets, so they must move, and ")
     if others:
         raise FlattenRefused(why + f"it shares its storage with {', '.join(others[:3])}; moving it would cut "
                              "the two apart")
+    if made:
+        return
     whole, own = tensor.untyped_storage().nbytes(), tensor.numel() * tensor.element_size()
     if own > whole:  # a stride of 0: moving it gives each element bytes of its own
         raise FlattenRefused(why + f"it is an expanded view whose {own} bytes repeat its storage's {whole}; clone it")
@@ -347,7 +322,7 @@ def _describe(key: GroupKey, members: list[_Entry]) -> FlatGroup | None:
     for entry in members:
         tensor = entry.tensor
         inside = _storage_ptr(tensor) == storage.data_ptr()
-        if tensor.numel() and not (inside and tensor.is_contiguous()):
+        if tensor.numel() and not (inside and tensor.is_contiguous() and outside_storage(tensor) is None):
             return None
         slots.append(_slot(entry, tensor.storage_offset() * step if inside else 0))
     slots.sort(key=lambda s: (s.offset, s.nbytes))
@@ -380,6 +355,7 @@ def _rehome(key: GroupKey, members: list[_Entry]) -> FlatGroup:
         slots.append(slot)
         end = slot.end
     flat = torch.zeros(align(end) // step, dtype=dtype, device=device)
+    _MADE.add(flat.untyped_storage())
     group = FlatGroup(dtype, device, flat, tuple(slots))
     with torch.no_grad():
         for entry, slot in zip(members, slots):

@@ -16,13 +16,16 @@ at their offsets from one `ALIGN`-aligned base in one storage, each piece at the
 of the one before (as `plan.make_plan` lays them out, so the bytes between pieces are the
 alignment padding flattening leaves unused); bucket ranges must not overlap, and no other
 tensor of `into` (nor, for a module, any of its buffers) may share a byte with one; a name of
-`into` that is another name of a tensor the plan sends (tied weights) is that tensor. A plan
-that fails any of this is refused before a byte moves, with the reason, and the sender is told.
+`into` that is another name of a tensor the plan sends (tied weights) is that tensor; host memory
+a bucket lands in must be writable (not mapped read-only). A plan that fails any of this is
+refused before a byte moves, with the reason, and the sender is told.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
+import os
 
 import torch
 
@@ -32,6 +35,8 @@ from backends.engines.flat import Named, is_model, kind_problem, named_pairs
 from backends.engines.plan import Plan, PlanRefused, align
 from backends.engines.sources import Source, describe, outside_storage, place, span
 from lifecycle.errors import EngineError
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 class Landing:
@@ -124,11 +129,41 @@ def _slots(plan: Plan, tensors: dict[str, torch.Tensor], beside: list[tuple[str,
             raise PlanRefused(f"bucket {k} does not lie in one storage of the rollout at the plan's offsets "
                               f"(it holds {', '.join(probe.names(k)[:3])}); flatten both sides' models with "
                               "flatten_parameters, from the same model, or receive without into=")
+        _check_writable(k, region, plan, ordered)
         slots.append(Slot(head, region))
     unsent = [(name, tensor) for name, tensor in tensors.items()
               if tensor.numel() and places.get(place(tensor)) is None] + beside
     _check_apart(slots, unsent)
     return slots
+
+
+def _check_writable(k: int, region: torch.Tensor, plan: Plan, ordered: list[torch.Tensor]) -> None:
+    """`PlanRefused` naming the tensor bucket k would land on whose memory cannot be written."""
+    if writable(region):
+        return
+    bucket = plan.buckets[k]
+    name = next((plan.tensors[p.index].name for p in bucket if not writable(ordered[p.index])),
+                plan.tensors[bucket[0].index].name)
+    raise PlanRefused(f"bucket {k} would land on {name!r}, whose memory cannot be written (mapped read-only, as "
+                      "torch.frombuffer of a read-only buffer gives): give the rollout's weights memory of their own "
+                      "(clone, then flatten_parameters)")
+
+
+def writable(tensor: torch.Tensor) -> bool:
+    """Whether a host tensor's first and last bytes can be written, told without a signal: the
+    kernel copies each out to a pipe and back onto itself (the same value), failing with EFAULT
+    on memory mapped read-only, where a transport's receive would fail only once `timeout_s`
+    ran out. A tensor on a device, or empty, counts as writable."""
+    if tensor.device.type != "cpu" or not tensor.numel():
+        return True
+    low, high = span(tensor)
+    out, back = os.pipe()
+    try:
+        return all(_LIBC.write(back, ctypes.c_void_p(at), 1) == 1 and _LIBC.read(out, ctypes.c_void_p(at), 1) == 1
+                   for at in {low, high - 1})
+    finally:
+        os.close(out)
+        os.close(back)
 
 
 def _check_apart(slots: list[Slot], unsent: list[tuple[str, torch.Tensor]]) -> None:

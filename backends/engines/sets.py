@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from backends.engines.buckets import Layout
-from backends.engines.slots import SLOTS, Slot, join, joined_bytes
+from backends.engines.slots import SLOTS, Slot, join, joined_bytes, mark
 from backends.engines.plan import Plan
 
 Carve = Callable[[int, Plan], list[Slot]]
@@ -39,7 +39,9 @@ class WeightSets:
         """The set this sync lands in, once known."""
 
     def hold(self, memory: Sequence[torch.Tensor]) -> None:
-        """New memory for both sets: none of it is served yet."""
+        """New memory for both sets: none of it is served yet; views of it a rollout may keep (`slots.mark`)."""
+        for buffer in memory:
+            mark(buffer, keepable=True)
         self.memory, self.layouts = list(memory), [None] * SLOTS
         self.serving = self.target = None
 

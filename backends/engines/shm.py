@@ -4,7 +4,9 @@ The data plane is `shared.SharedSlotEngine`'s. The two shared buckets are files 
 reserved up front with `posix_fallocate` (a full /dev/shm is an error when the sync starts,
 not a SIGBUS half-way), kept from one sync to the next, and unlinked by the sender's
 `close()` or at its exit; files of a sender that was killed are removed by the next sender
-on this host.
+in its pid namespace on this host. A file's name carries its sender's pid namespace and pid:
+whether that pid lives can be told only in its own namespace, so files of others (another
+container sharing /dev/shm) are left alone.
 
 A receiver maps what the sender publishes read-write, so it maps nothing else: a published
 path must name a regular file (no link, no device) directly inside the receiver's own
@@ -80,7 +82,7 @@ class ShmEngine(SharedSlotEngine):
             raise EngineError(f"shm engine: {self.shm_dir} has {free} bytes free, its two shared "
                               f"{'weight sets' if self.apply == 'flip' else 'buckets'} need {size * SLOTS}; lower "
                               "engine.bucket_bytes (or leave apply 'flip') or give the container more shared memory")
-        token = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        token = f"{_PREFIX}ns{_PID_NS}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._paths = [str(self.shm_dir / f"{token}-{i}") for i in range(SLOTS)]
         self._unlink = weakref.finalize(self, _unlink, list(self._paths))
         return [_create_bucket(Path(path), size) for path in self._paths]
@@ -98,7 +100,20 @@ _PID_LIMIT = 1 << 22
 """Linux's pid_max is at most 2**22: a bigger number in a name is no process of this host."""
 
 
-_NAME = re.compile(re.escape(_PREFIX) + r"([0-9]{1,7})-[0-9a-f]{12}-[0-9]")
+_NAME = re.compile(re.escape(_PREFIX) + r"(?:ns([0-9]{1,20})-)?([0-9]{1,7})-[0-9a-f]{12}-[0-9]")
+"""A bucket's name: its sender's pid namespace (absent from names made before they had one), pid, token, slot."""
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace, by its inode; 0 where /proc cannot tell (a sender without
+    /proc then sweeps only files of senders that could not tell either)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_PID_NS = _pid_namespace()
 
 
 def _published(raw: bytes, folder: Path) -> list[Path]:
@@ -116,7 +131,7 @@ def _published(raw: bytes, folder: Path) -> list[Path]:
         if not (len(path) <= PATH_MAX and _NAME.fullmatch(Path(path).name)
                 and _same_folder(Path(path).parent, folder)):
             raise PlanRefused(f"{clip(repr(path), 200)} is not a bucket of this engine directly inside {folder} "
-                              f"(named {_PREFIX}<pid>-<token>-<slot>)")
+                              f"(named {_PREFIX}ns<pid namespace>-<pid>-<token>-<slot>)")
     return [folder / Path(path).name for path in paths]
 
 
@@ -194,6 +209,8 @@ def _unlink(paths: list[str]) -> None:
     for path in paths:
         try:
             Path(path).unlink(missing_ok=True)
+        except NotADirectoryError:  # shm_dir is no folder: no bucket was ever created in it
+            continue
         except OSError as exc:
             structlog.get_logger().warning("engine.shm_bucket_kept", path=path, error=str(exc))
 
@@ -204,6 +221,9 @@ def _remove_orphans(folder: Path) -> None:
     Housekeeping that must never fail a sync, in a folder others write to: it removes only
     this user's regular files named as this engine names its buckets (looked at with lstat,
     never through a link) whose sender is gone, and logs an entry it cannot remove and goes on.
+    Gone: of this pid namespace, and its pid names no process here; a pid of another namespace
+    says nothing here, so those files stay. A name without a namespace (made before names had
+    one) is judged by its pid, as it was then.
     """
     log = structlog.get_logger()
     try:
@@ -215,7 +235,7 @@ def _remove_orphans(folder: Path) -> None:
     try:
         for name in names:
             match = _NAME.fullmatch(name)
-            if match is None or _alive(int(match.group(1))):
+            if match is None or match.group(1) not in (None, str(_PID_NS)) or _alive(int(match.group(2))):
                 continue
             try:
                 info = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)

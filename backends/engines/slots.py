@@ -6,10 +6,15 @@ the bytes it uses, so a receiver tells a bucket of another sync or another place
 one it waits for before it hashes or hands out any of it (`receiver`). `join` carves one slot per
 bucket from one buffer, every bucket's data back to back and the headers after them, so a
 tensor split across buckets lies whole in the buffer (`buckets.Layout.unpack`).
+
+Every buffer slots are carved from is marked as the engine's memory (`mark`), refilled by later
+buckets or syncs, unless it holds a flip weight set (`sets.WeightSets.hold`), whose views a
+rollout may keep: `refilled` tells the two apart for any view of them, however it was handed on.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -23,6 +28,27 @@ SLOTS = 2
 MAGIC = 0x4C43_5753_0000_0002
 """Format 2: the checksum travels after the bucket, not in its header (format 1)."""
 _MASK = (1 << 64) - 1
+_MARKS: weakref.WeakKeyDictionary[torch.UntypedStorage, bool] = weakref.WeakKeyDictionary()
+"""Storages of engine buffers, by whether a rollout may keep views of them (a flip weight set);
+an entry goes with its storage (torch keeps one storage object while the memory lives)."""
+
+
+def mark(buffer: torch.Tensor, *, keepable: bool = False) -> None:
+    """Mark a buffer's storage as engine memory: refilled by later buckets or syncs (slots,
+    staging), unless `keepable` (a flip weight set), which no carving of it undoes."""
+    storage = buffer.untyped_storage()
+    if keepable:
+        _MARKS[storage] = True
+    else:
+        _MARKS.setdefault(storage, False)
+
+
+def refilled(tensor: torch.Tensor) -> bool:
+    """Whether a tensor views engine memory that later buckets or syncs overwrite (not a flip
+    weight set): a rollout cannot keep it as its weights (`adopt_weights`)."""
+    if type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        return False  # a subclass with no memory of its own (a DTensor): no engine hands one out
+    return _MARKS.get(tensor.untyped_storage()) is False
 
 
 def slot_bytes(data_bytes: int) -> int:
@@ -45,7 +71,11 @@ class Slot(NamedTuple):
 
 def as_slots(buffers: Iterable[torch.Tensor]) -> list[Slot]:
     """Each buffer one slot: its header, then its data (`slot_bytes`)."""
-    return [Slot(buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]) for buffer in buffers]
+    slots = []
+    for buffer in buffers:
+        mark(buffer)
+        slots.append(Slot(buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]))
+    return slots
 
 
 def joined_bytes(sizes: Sequence[int]) -> int:
@@ -58,6 +88,7 @@ def join(sizes: Sequence[int], buffer: torch.Tensor) -> list[Slot]:
     bucket's data back to back, then the headers. A tensor split across buckets then lies whole
     in the buffer, so a receiver that keeps every bucket hands it out as one view
     (`Layout.unpack`)."""
+    mark(buffer)
     slots, at, heads = [], 0, sum(align(size) for size in sizes)
     for k, size in enumerate(sizes):
         head = buffer[heads + k * HEADER_BYTES:heads + (k + 1) * HEADER_BYTES]
@@ -79,5 +110,5 @@ def read_header(head: torch.Tensor) -> tuple[int, int, int, int]:
     return words[0], words[1], words[2], words[3]
 
 
-__all__ = ["HEADER_BYTES", "MAGIC", "SLOTS", "Slot", "as_slots", "join", "joined_bytes", "read_header", "slot_bytes",
-           "write_header"]
+__all__ = ["HEADER_BYTES", "MAGIC", "SLOTS", "Slot", "as_slots", "join", "joined_bytes", "mark", "read_header",
+           "refilled", "slot_bytes", "write_header"]

@@ -255,7 +255,10 @@ def outside_storage(tensor: torch.Tensor) -> int | None:
 def memory_problem(tensor: torch.Tensor) -> str | None:
     """Why a tensor's values are not plain strided memory a sync can copy, or None: a subclass
     that dispatches its own ops, another layout (sparse, mkldnn), a nested or quantized tensor,
-    the meta device (no data), or a dtype a plan cannot carry (sub-byte)."""
+    the meta device (no data), a lazy module's parameter or buffer before its first forward (no
+    shape yet), or a dtype a plan cannot carry (sub-byte)."""
+    if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):  # reading its shape raises
+        return "is an uninitialized lazy parameter or buffer (a Lazy* module): run a forward first"
     if type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:  # DTensor, a fake tensor: its
         # storage is not its values (a DTensor's data pointer is 0); a Parameter subclass's is
         return f"is a {type(tensor).__name__}, a tensor subclass, not plain tensor memory: send its local tensors"

@@ -243,6 +243,37 @@ def test_load_state_dict_with_assign_breaks_flatness_and_flattening_again_restor
     assert differing(model, state) == []  # assign=True made new Parameter objects, each its own slot
 
 
+def test_flattening_again_after_one_parameter_got_new_data_moves_the_rest_out_with_it() -> None:
+    """The parameters left in the storage flattening made share it only with each other: they
+    were refused as 'sharing storage' with one another."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    old = flatten_parameters(model)
+    model[1].weight.data = torch.randn(8, 8)
+    expected = snapshot(model)
+    again = flatten_parameters(model)
+    assert again.describes(model) and contiguous_layout(model) == again and again.groups[0].aligned
+    assert len(storages(model)) == 1 and again.groups[0].flat.data_ptr() != old.groups[0].flat.data_ptr()
+    assert differing(model, expected) == []
+
+
+def test_a_buffer_in_a_flattened_storage_still_keeps_its_parameter_from_moving() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    flatten_parameters(model)
+    model[0].register_buffer("mirror", model[0].weight.data)
+    model[1].weight.data = torch.randn(8, 8)
+    with pytest.raises(FlattenRefused, match=r"'0.weight'.*buffer '0.mirror'"):
+        flatten_parameters(model)
+
+
+def test_a_parameter_whose_storage_was_freed_is_refused_naming_it_not_taken_as_flat() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    flatten_parameters(model)
+    model[0].weight.untyped_storage().resize_(0)
+    assert contiguous_layout(model) is None
+    with pytest.raises(FlattenRefused, match=r"'0.weight'.*reads past its storage's 0 bytes: freed or shrunk"):
+        flatten_parameters(model)
+
+
 def test_load_state_dict_without_assign_copies_in_place() -> None:
     model = qwen2()
     layout = flatten_parameters(model)
@@ -327,6 +358,7 @@ def test_a_parameter_sharing_storage_with_a_buffer_is_refused_naming_both() -> N
 @pytest.mark.parametrize("param, why", [
     (nn.Parameter(torch.randn(3, 3).to_sparse()), "not a strided tensor"),
     (nn.Parameter(torch.empty(3, 3, device="meta")), "meta device"),
+    (nn.parameter.UninitializedParameter(), "uninitialized lazy parameter.*run a forward first"),
 ])
 def test_what_has_no_flat_place_is_refused_naming_the_parameter(param: nn.Parameter, why: str) -> None:
     module = with_private(("odd", param))

@@ -4,6 +4,9 @@ moves, and the sender is told."""
 
 from __future__ import annotations
 
+import mmap
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -332,6 +335,33 @@ def test_a_rollout_tensor_whose_storage_was_freed_after_a_landing_was_kept_is_re
     model.a.untyped_storage().resize_(0)
     with pytest.raises(PlanRefused, match="into= holds 'a', whose storage holds 0 bytes, fewer than it reads"):
         landing.layout_for(plan, plan.to_bytes(), model, torch.device("cpu"))
+
+
+def test_a_rollout_on_read_only_memory_is_refused_naming_the_tensor_not_left_to_time_out(tmp_path: Path) -> None:
+    """gloo's receive into memory mapped read-only fails inside gloo (EFAULT): both sides waited
+    the whole timeout_s."""
+    torch.manual_seed(0)
+    trainer, model = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    flatten_parameters(model)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(model.weight.untyped_storage()))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with path.open("rb") as file, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the buffer is not writable: the point here
+        memory = torch.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), dtype=torch.float32)
+    model.weight.data, model.bias.data = memory[:256].view(16, 16), memory[256:272]
+    sender, receiver = new_engine("gloo", timeout_s=60), new_engine("gloo", apply="streamed", timeout_s=60)
+    try:
+        run = sync_threads(sender, [receiver], list(trainer.named_parameters()), [ModelRollout(model)], into=[model],
+                           deadline_s=10)
+    finally:
+        receiver.close()
+        sender.close()
+    assert run.seconds < 10
+    assert isinstance(run.errors[0], EngineError)
+    assert "bucket 0 would land on 'weight', whose memory cannot be written" in str(run.errors[0])
+    assert isinstance(run.error, EngineError) and "refused the plan" in str(run.error)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
 
 @pytest.mark.parametrize(("into", "reason"), [
