@@ -163,7 +163,8 @@ class Incoming(Iterator[tuple[str, torch.Tensor]]):
 
 
 _SESSIONS = threading.Lock()
-"""Guards each engine's `_in_session` flag (a flag, not a lock per engine, keeps engines picklable)."""
+"""Guards each engine's `_in_session`: the id of the thread whose session is under way, or None (a
+plain value, not a lock per engine, keeps engines picklable)."""
 
 
 class CheckpointEngine:
@@ -270,8 +271,24 @@ class CheckpointEngine:
         self.topology = None
 
     def close(self) -> None:
-        """Release everything kept between syncs; the engine may be used again after."""
+        """Release everything kept between syncs; the engine may be used again after. Refused
+        while another thread's sync is under way (`_refuse_close`)."""
+        self._refuse_close()
         self.finalize()
+
+    def _refuse_close(self) -> None:
+        """An `EngineError` while another thread runs a session on this engine: closing tears down
+        what that sync reads and writes (its store, group, buckets and receiver), which failed it
+        with raw errors, or told the sender it failed while its rollout took the weights. The
+        session's own thread may close (its `finally` finalizes again, which is safe), and so may
+        anyone once that thread has ended."""
+        owner = self.__dict__.get("_in_session")
+        if not owner or owner == threading.get_ident():
+            return
+        thread = next((thread for thread in threading.enumerate() if thread.ident == owner), None)
+        if thread is not None:
+            raise EngineError(f"{self.name} engine: close() while a sync is under way on this engine (in thread "
+                              f"{thread.name!r}); close it once that sync has ended")
 
     @contextmanager
     def session(self, rendezvous: Rendezvous | None, rank: int) -> Iterator[Topology]:
@@ -282,7 +299,7 @@ class CheckpointEngine:
             if self.__dict__.get("_in_session"):
                 raise EngineError(f"{self.name} engine: a sync is under way on this engine already; one engine "
                                   "carries one sync at a time (give each concurrent sync an engine of its own)")
-            self._in_session = True
+            self._in_session = threading.get_ident()
         try:
             self.prepare()
             topology = self.build_topology(rendezvous, rank)
@@ -292,7 +309,7 @@ class CheckpointEngine:
             try:
                 self.finalize()
             finally:
-                self._in_session = False
+                self._in_session = None
 
     def remaining(self, what: str) -> float:
         """Seconds left of this sync; a `TransportError` naming `what` once none are."""

@@ -35,6 +35,7 @@ from lifecycle.errors import EngineError
 
 if TYPE_CHECKING:
     from backends.engines.base import CheckpointEngine
+    from backends.engines.link import StoreLink
 
 _POLL_S = 0.25
 _BLOCK_S = 1.0
@@ -131,22 +132,29 @@ _ANSWERS = ("accepted", "bound", "sets", "status", "target")
 
 
 class ControlStore:
-    """One sync's keys: every wait ends by the sync's deadline, every failure is a `TransportError`."""
+    """One sync's keys: every wait ends by the sync's deadline, every failure is a `TransportError`.
 
-    def __init__(self, engine: CheckpointEngine, base: Any, number: int, watch: Watch | None = None,
-                 failed: list[ControlStore] | None = None) -> None:
-        """`failed`: the sender's failed syncs whose keys its store still holds (see `close`)."""
-        import torch.distributed as dist
+    It reaches the store through its engine's link for each call (`StoreLink.store`), never holds
+    it: one kept after the engine closed (by the frames of a failed sync's exception) keeps no
+    store, and no port, alive."""
 
+    def __init__(self, engine: CheckpointEngine, link: StoreLink, number: int, watch: Watch | None = None) -> None:
         self.engine = engine
+        self.link = link
         self.number = number
         self.watch = watch
         """The sender's: its receivers on this host, whose death fails a wait for their keys (`liveness`)."""
-        self.store = dist.PrefixStore(f"sync{number}", base)
-        self.plans = dist.PrefixStore("plan", base)
-        """Plans by id, outside every sync's keys: a plan is posted once while it stays the same."""
         self._written: list[str] = []
-        self._failed = failed
+
+    @property
+    def store(self) -> Any:
+        """This sync's keys (`sync{n}/`), for one call."""
+        return self.link.store(f"sync{self.number}")
+
+    @property
+    def plans(self) -> Any:
+        """Plans by id, outside every sync's keys (a plan is posted once while it stays the same), for one call."""
+        return self.link.store("plan")
 
     def drop_at_close(self, keys: list[str]) -> None:
         """Keys others wrote (a process group's rendezvous) that the sender drops with its own."""
@@ -217,10 +225,11 @@ class ControlStore:
             raise TransportError(f"{self.engine.name} engine: rank {rank}: the sender formed no group: {why}")
 
     def _lost(self, what: str, exc: BaseException) -> TransportError:
+        self.link.broken = True  # a reply that did not come may yet: a receiver's next sync connects again
         return TransportError(f"{self.engine.name} engine: lost the rendezvous of sync {self.number} while "
                               f"{what}: {exc}")
 
-    def wait(self, keys: list[str], *, watch_closed: bool = False, store: Any = None) -> None:
+    def wait(self, keys: list[str], *, watch_closed: bool = False, prefix: str | None = None) -> None:
         """Block until every key is set, at most until the sync's deadline.
 
         With `watch_closed` (a receiver waiting on the sender), also stop once the sender has
@@ -229,25 +238,28 @@ class ControlStore:
         `_poll`. Blocking waits cut into short slices made torch log two warnings each time one
         ran out (eight lines a second while a receiver waited on a slow sender). A sender that
         watches receivers on its host (`watch`) waits in the same way, and stops once one of
-        them ended without setting its keys (`_ended`).
+        them ended without setting its keys (`_ended`). `prefix`: keys outside this sync's.
         """
         what = f"waiting for {_listed(keys)}"
-        store = self.store if store is None else store
         left = self.engine.remaining(what)
         watching = not watch_closed and self.watch is not None and self.watch.watching
         if watching:
             self._learn()
         try:
-            store.wait(keys, timedelta(seconds=min(left, _BLOCK_S) if watch_closed or watching else left))
+            self._keys(prefix).wait(keys, timedelta(seconds=min(left, _BLOCK_S) if watch_closed or watching else left))
         except STORE_ERRORS as exc:
             self.engine.remaining(what)
             if not (watch_closed or watching):
                 raise self._lost(what, exc) from exc
-            self._poll(store, keys, what, sender=watching)
-        if store is self.store:
+            self._poll(prefix, keys, what, sender=watching)
+        if prefix is None:
             self._written.extend(keys)
 
-    def _poll(self, store: Any, keys: list[str], what: str, *, sender: bool = False) -> None:
+    def _keys(self, prefix: str | None) -> Any:
+        """This sync's keys, or those under `prefix/`, for one call."""
+        return self.store if prefix is None else self.link.store(prefix)
+
+    def _poll(self, prefix: str | None, keys: list[str], what: str, *, sender: bool = False) -> None:
         """`wait` past its first `_BLOCK_S`: whether every key is set (`check`, which never blocks,
         so nothing is logged) after pauses of a fiftieth of the time waited, so a key is seen at
         most 2% late; and every `_POLL_S`, for a receiver, whether the sender closed the sync,
@@ -255,11 +267,11 @@ class ControlStore:
         start, looked = time.monotonic() - _BLOCK_S, 0.0
         while True:
             try:
-                if store.check(keys):
+                if self._keys(prefix).check(keys):
                     return
                 if time.monotonic() - looked >= _POLL_S:
                     looked = time.monotonic()
-                    why = self._ended(store, keys) if sender else self._closed()
+                    why = self._ended(keys) if sender else self._closed()
                     if why is not None:
                         raise TransportError(f"{self.engine.name} engine: {why} while "
                                              f"{'the sender' if sender else 'this receiver'} was {what}")
@@ -281,26 +293,26 @@ class ControlStore:
         except STORE_ERRORS as exc:
             raise self._lost("reading the receivers' pid", exc) from exc
 
-    def _ended(self, store: Any, keys: list[str]) -> str | None:
+    def _ended(self, keys: list[str]) -> str | None:
         """Why a wait for `keys` cannot end: a receiver on this host (`watch`) whose process
         ended without setting the keys it owes; None while there is none."""
         assert self.watch is not None
         self._learn()
         for rank, pid in self.watch.dead(keys).items():
-            if owed := [key for key in keys if rank_of(key) == rank and not store.check([key])]:
+            if owed := [key for key in keys if rank_of(key) == rank and not self.store.check([key])]:
                 return f"rank {rank} (pid {pid}, on this host) exited or was killed without setting {_listed(owed)}"
         return None
 
-    def resolve_plan(self, posted: bytes, kept: dict[str, bytes]) -> bytes:
-        """The plan a receiver's sync names (`referenced`): from `kept` (the bytes of the plans
-        it read before, by id), or read from the store and checked against its id, and kept;
-        `posted` itself when it is no reference."""
+    def resolve_plan(self, posted: bytes, kept: dict[str, bytes]) -> tuple[str, bytes]:
+        """The id and bytes of the plan a receiver's sync names (`referenced`): from `kept` (the
+        bytes of the plans it read before, by id), or read from the store and checked against its
+        id, and kept; `posted` itself when it is no reference."""
         ident = referenced(posted)
         if ident is None:
-            return posted
+            return plan_id(posted), posted
         raw = kept.get(ident)
         if raw is None:
-            self.wait([ident], watch_closed=True, store=self.plans)
+            self.wait([ident], watch_closed=True, prefix="plan")
             try:
                 raw = bytes(self.plans.get(ident))
             except STORE_ERRORS as exc:
@@ -310,7 +322,7 @@ class ControlStore:
             kept[ident] = raw
             for old in list(kept)[:-_KEPT_PLANS]:
                 del kept[old]
-        return raw
+        return ident, raw
 
     def closed_clean(self) -> bool:
         """Whether the sender closed this sync after every receiver answered that it took it."""
@@ -340,18 +352,16 @@ class ControlStore:
         self._written.extend(f"{key}/{rank}" for rank in topology.receivers for key in ("joined", "engine", "world", "pid"))
         try:
             self.store.set("closed", b"clean" if clean else b"1")
-            if not clean:
-                if self._failed is not None:  # with whatever its receivers wrote that it never waited for
-                    self._written.extend(f"{key}/{rank}" for rank in topology.receivers for key in _ANSWERS)
-                    self._written.extend(f"done/{key[6:]}/{rank}" for key in list(self._written)
-                                         if key.startswith("ready/") for rank in topology.receivers)
-                    self._failed.append(self)
+            if not clean:  # with whatever its receivers wrote that it never waited for
+                self._written.extend(f"{key}/{rank}" for rank in topology.receivers for key in _ANSWERS)
+                self._written.extend(f"done/{key[6:]}/{rank}" for key in list(self._written)
+                                     if key.startswith("ready/") for rank in topology.receivers)
+                self.link.failed.append(self)
                 return
-            for control in [*(self._failed or ()), self]:
+            for control in [*self.link.failed, self]:
                 for key in dict.fromkeys(control._written):
                     control.store.delete_key(key)
-            if self._failed is not None:
-                self._failed.clear()
+            self.link.failed.clear()
         except STORE_ERRORS as exc:
             structlog.get_logger().warning("engine.close_not_marked", engine=self.engine.name, sync=self.number,
                                            error=str(exc))

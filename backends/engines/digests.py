@@ -5,7 +5,8 @@ A bucket's checksum covers its data region, is computed while the bucket is on t
 travels after it (`pipeline`). The sender's checksum reads each piece it copied byte for byte where it
 copied it from (`Layout.pack` says where), so a bucket scribbled on between packing and the
 wire fails the check; on a device it is a word sum queued on the packing stream right behind
-the pack (`word_sums`, read once the transfer started by `fold`).
+the pack (`word_sums`, read once the transfer started by `fold`). Either is keyed by the sync's
+plan as it travels (`keyed`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ class Checksums:
             pool.shutdown(wait=True)
 
 
+def keyed(digest: int, plan: str) -> int:
+    """A bucket's checksum as it travels (`digest/{k}`) and is compared: keyed by the id of the plan
+    it was sent under (XORed with the id's first 64 bits, on a host and on a device alike), so a
+    receiver that took another plan than its sender posted (one someone else wrote to the store)
+    fails every bucket's check, even where the sender did not see which plan it took."""
+    return digest ^ int(plan[:16], 16)
+
+
 def done(digest: int) -> Future[int]:
     """A checksum computed already, as one under way is handed around."""
     future: Future[int] = Future()
@@ -127,4 +136,4 @@ def fold(sums: torch.Tensor) -> int:
     return ((a * 0x9E37_79B9_7F4A_7C15) & _MASK) ^ b
 
 
-__all__ = ["Checksums", "done", "fold", "settle", "word_sum_digest", "word_sums", "xxh3_digest", "xxh3_packed"]
+__all__ = ["Checksums", "done", "fold", "keyed", "settle", "word_sum_digest", "word_sums", "xxh3_digest", "xxh3_packed"]

@@ -25,8 +25,9 @@ only once its hash matches `digest/{k}`. What it does next is its `apply` mode:
 The small messages (plan, answers, checksums, shm's per-bucket signals) go through a
 `ControlStore`; a subclass supplies only the data plane: slots, start send / receive, wait.
 The receiver decides (`receiver.receivable`): it checks the plan against its own settings,
-allocates for it, and answers `accepted/{rank}`; the sender waits for every answer before
-bucket 0 moves, so a refused plan fails both sides at once and applies nothing. A receiver
+allocates for it, and answers `accepted/{rank}`, naming the plan it took; the sender waits for
+every answer before bucket 0 moves, so a refused plan (or one that is not the sender's) fails
+both sides at once and applies nothing. A receiver
 that rejects a bucket, or whose rollout stops reading, drains the rest without applying it
 and reports why (`status/{rank}`), so the sender fails with the reason, not a timeout.
 """
@@ -47,10 +48,10 @@ from backends.engines.base import (
 from backends.engines.buckets import Layout
 from backends.engines.slots import SLOTS, Slot, as_slots, join, joined_bytes, slot_bytes
 from backends.engines.sources import Source, describe, metas_of, pairs_of
-from backends.engines.digests import Checksums
+from backends.engines.digests import Checksums, keyed
 from backends.engines.flat import Named
 from backends.engines.inplace import Landing
-from backends.engines.control import ControlStore, answer, reference
+from backends.engines.control import ControlStore, answer, clip, echoed, reference
 from backends.engines.link import StoreLink
 from backends.engines.plan import Plan, PlanRefused, TensorMeta, align, check_plan, make_plan
 from backends.engines.receiver import Receiver, accept, receivable, receive_sizes
@@ -94,6 +95,8 @@ class BucketEngine(CheckpointEngine):
         """The sender's last tensors as `describe` found them, the rollout dtype then, and their plan metadata."""
         self._sent: int | None = None
         """The version this session sent, once `send_weights` was called (reset as a session opens)."""
+        self._plan = ""
+        """The id of the plan this sender's buckets go under, which keys their checksums (`digests.keyed`)."""
         self._landed = False
         """Whether `slots` are ranges of a rollout's storage (`into`), which no later receive may land in."""
         self._landing = Landing()
@@ -186,10 +189,14 @@ class BucketEngine(CheckpointEngine):
         if sources is None:  # describe stopped early; `_metas` has refused any tensor that is not plain
             held = list(map(torch.Tensor.untyped_storage, tensors))  # memory, so each has a storage
         self._sent = version  # from here the sync's keys are this send's: a retry in the session is refused
-        ident = self._link.publish(control, layout.raw)
+        ident = self._plan = self._link.publish(control, layout.raw)
         control.set("version", str(version))
         control.set("plan", reference(ident))
-        control.await_answers(topology.receivers, "accepted", f"refused the plan of weights v{version}")
+        answers = control.await_answers(topology.receivers, "accepted", f"refused the plan of weights v{version}")
+        if others := [f"rank {rank} accepted {clip(repr(echoed(raw, 'plan')), 40)}"
+                      for rank, raw in zip(topology.receivers, answers) if echoed(raw, "plan") != ident]:
+            raise EngineError(f"{self.name} engine: {'; '.join(others)}, not the plan {ident} of weights v{version} "
+                              "this sender posted (someone else wrote the sync's 'plan'); nothing was sent")
         layout = self._bind(layout)
         layout.bind_sources(sources)
         phases["plan"] = (sent := time.perf_counter()) - start
@@ -214,11 +221,12 @@ class BucketEngine(CheckpointEngine):
             raise EngineError(f"{self.name} engine: rank {topology.rank} received weights v{self._receiver.version} in "
                               "this session already; a session carries one sync: open a new one for the next")
         self._forget_landing()
-        sent, accepted, staging = accept(self, topology.rank, version, expected, into)
+        sent, ident, accepted, staging = accept(self, topology.rank, version, expected, into)
         layout = self._bind(accepted)
         incoming = Incoming(sent)
         incoming.adoptable = self.apply == "flip" or self._landed
-        self._receiver = Receiver(self, topology, layout, layout if staging is accepted else staging, sent, incoming)
+        self._receiver = Receiver(self, topology, layout, layout if staging is accepted else staging, sent, incoming,
+                                  ident)
         return incoming.feed(self._receiver.run())
 
     def refuse(self, reason: str) -> None:
@@ -259,7 +267,9 @@ class BucketEngine(CheckpointEngine):
 
     def close(self) -> None:
         """Finalize, give the buckets back (and any rollout's storage a landing kept), stop the
-        checksum worker, and leave the rendezvous store."""
+        checksum worker, and leave the rendezvous store; refused while another thread's sync is
+        under way (`_refuse_close`)."""
+        self._refuse_close()
         self.finalize()
         self._free_buckets()
         self._flip.forget()
@@ -364,7 +374,7 @@ class BucketEngine(CheckpointEngine):
         return send_bucket(self, layout, k, tensors, version, packed)
 
     def _send_digest(self, k: int, digest: int) -> None:
-        self._control().set(f"digest/{k}", f"{digest:016x}")
+        self._control().set(f"digest/{k}", f"{keyed(digest, self._plan):016x}")
 
     def _topology(self, sender: bool | None = None) -> Topology:
         topology = self.topology

@@ -23,7 +23,7 @@ from backends.engines.base import Incoming, Topology, TransportError, missing
 from backends.engines.buckets import Layout
 from backends.engines.flat import Named
 from backends.engines.slots import HEADER_BYTES, MAGIC, SLOTS, Slot, read_header
-from backends.engines.digests import settle
+from backends.engines.digests import keyed, settle
 from backends.engines.control import answer, clip, digits
 from backends.engines.plan import Plan, PlanRefused, parse_plan
 from lifecycle.errors import EngineError
@@ -41,11 +41,13 @@ def sent_version(raw: bytes) -> int:
 
 
 def accept(engine: BucketEngine, rank: int, version: int | None, expected: Collection[str] | None,
-           into: Named | None = None) -> tuple[int, Layout, Layout]:
+           into: Named | None = None) -> tuple[int, str, Layout, Layout]:
     """Take the sender's version and plan, or refuse them, and answer `accepted/{rank}` either
     way before any bucket moves: the sender waits for every answer (`ControlStore.await_answers`).
+    An acceptance names the plan's id, and the sender refuses one of another plan than it posted.
 
-    Returns the version, the layout, and where an atomic receive stages (`BucketEngine._staging`)."""
+    Returns the version, the plan's id, the layout, and where an atomic receive stages
+    (`BucketEngine._staging`)."""
     control, sent = engine._control(), None
     try:
         raw_version, posted = control.get_many(["version", "plan"], watch_closed=True)
@@ -56,7 +58,7 @@ def accept(engine: BucketEngine, rank: int, version: int | None, expected: Colle
             raise PlanRefused(f"into= lands every bucket in the rollout's weights as it arrives: that takes "
                               f"engine.apply 'streamed' (this receiver: {engine.apply!r}) on an engine whose "
                               f"capabilities say lands_in_place (this package's gloo, nccl and hccl; this is {engine.name})")
-        raw_plan = control.resolve_plan(posted, engine._plans)
+        ident, raw_plan = control.resolve_plan(posted, engine._plans)
         layout = engine._receive_layout(raw_plan, expected) if into is None else engine._land(raw_plan, expected, into)
         staging = engine._staging(layout) if engine.apply == "atomic" else layout
     except TransportError:
@@ -67,8 +69,8 @@ def accept(engine: BucketEngine, rank: int, version: int | None, expected: Colle
             what = "the sender's plan" if sent is None else f"the plan of weights v{sent}"
             raise EngineError(f"{engine.name} engine: rank {rank} refuses {what}: {exc}") from None
         raise
-    control.set(f"accepted/{rank}", answer(None))
-    return sent, layout, staging
+    control.set(f"accepted/{rank}", answer(None, plan=ident))
+    return sent, ident, layout, staging
 
 
 _DIGEST = re.compile(rb"[0-9a-f]{16}")
@@ -151,7 +153,8 @@ class Receiver:
     engine's `_staging`, prepared before the plan was accepted); `layout` itself when streamed."""
 
     def __init__(self, engine: BucketEngine, topology: Topology, layout: Layout, staging: Layout, version: int,
-                 incoming: Incoming) -> None:
+                 incoming: Incoming, plan: str) -> None:
+        """`plan`: the id of the plan this receiver accepted, which keys the checksums (`digests.keyed`)."""
         self.engine = engine
         self.rank = topology.rank
         self.layout = layout
@@ -159,6 +162,7 @@ class Receiver:
         self.plan = layout.plan
         self.version = version
         self.incoming = incoming
+        self.plan_id = plan
         self.inbox = Inbox(engine, layout.plan)
         self.checks: dict[int, Future[int]] = {}
         """Checksums under way, by bucket, until each is compared with the sender's."""
@@ -259,7 +263,7 @@ class Receiver:
             return
         with record_function(f"verify bucket {k}"):
             sent = self._sent_digest(k)
-            actual = check.result()
+            actual = keyed(check.result(), self.plan_id)
         if actual != sent:
             names = self.layout.names(k)
             held = clip(", ".join(names[:4])) + (f" and {len(names) - 4} more" if len(names) > 4 else "")

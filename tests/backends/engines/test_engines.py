@@ -318,6 +318,8 @@ def _odd_tensors() -> list[tuple[str, Any, str]]:
             ("mkldnn", torch.eye(3).to_mkldnn(), r"is not a strided tensor \(layout torch._mkldnn\)"),
             ("nested", torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "is a nested or quantized tensor"),
             ("meta", torch.empty(3, device="meta"), "is on the meta device, with no data"),
+            ("lazy", torch.nn.LazyLinear(3).weight,
+             r"is an uninitialized lazy parameter or buffer \(a Lazy\* module\): run a forward first"),
             ("not a tensor", [1.0, 2.0], "is a list, not a tensor"),
             ("tensor subclass", _Wrapped(torch.ones(3)),
              "is a _Wrapped, a tensor subclass, not plain tensor memory: send its local tensors"),
@@ -601,6 +603,35 @@ def test_a_second_session_on_an_engine_while_one_is_under_way_is_refused_and_the
     receiver.close()
 
 
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_close_from_another_thread_while_a_sync_is_under_way_is_refused_and_the_sync_completes(name: str) -> None:
+    """close() from another thread (a shutdown handler) tore the running sync down under it: a raw
+    KeyError, or a sender told the sync failed while its rollout took the weights (with flip, the
+    engine then lost track of the set its rollout serves). Both sides refuse it while their sync
+    runs; once it has ended, close() works, from any thread."""
+    options = {"apply": "flip"} if name == "shm" else {}
+    rdv, rollout = Rendezvous("127.0.0.1", free_port()), _Held()
+    sender, receiver = new_engine(name, timeout_s=60, **options), new_engine(name, timeout_s=60, apply="flip")
+    thread = threading.Thread(target=receive_into, args=(receiver, rollout, rdv), kwargs={"rank": 1}, daemon=True)
+    thread.start()
+    sending = threading.Thread(target=WeightSync(sender).sync, args=([("w", torch.ones(8))], rdv, 1), daemon=True)
+    sending.start()
+    try:
+        assert rollout.inside.wait(HANG_GUARD_S)
+        for engine in (receiver, sender):
+            with pytest.raises(EngineError, match=f"{name} engine: close\\(\\) while a sync is under way on this "
+                                                  "engine \\(in thread '.+'\\); close it once that sync has ended"):
+                engine.close()
+    finally:
+        rollout.release.set()
+        thread.join(HANG_GUARD_S)
+        sending.join(HANG_GUARD_S)
+    assert not thread.is_alive() and not sending.is_alive()
+    assert rollout.weights_version == 1 and torch.equal(rollout.serve()["w"], torch.ones(8))
+    sender.close()
+    receiver.close()
+
+
 @pytest.mark.parametrize("version", ["3", -1, True, 1.5, None, 10**19])
 def test_a_version_that_is_not_an_int_in_range_is_refused_by_the_sender_and_its_receiver_hears_at_once(
         version: Any) -> None:
@@ -848,6 +879,41 @@ def test_adopting_tensors_the_engine_reuses_is_refused_and_the_rollout_keeps_its
     assert isinstance(run.error, EngineError) and "rejected weights v1" in str(run.error)
     assert rollout.stale and rollout.weights_version == 0
     assert all(torch.equal(p, before[name]) for name, p in rollout_model.named_parameters())
+
+
+class _RenamingAdopter(AdoptingRollout):
+    """Adopts what a generator hands on, renamed: `adopt_weights` never sees the engine's `Incoming`."""
+
+    def load_weights(self, named_tensors: Any) -> None:
+        from backends.engines import adopt_weights
+
+        adopt_weights(self.model, ((name.removeprefix("module."), t) for name, t in named_tensors))
+
+
+@pytest.mark.parametrize("name, apply", [(name, apply) for name in ("gloo", "shm")
+                                         for apply in ("atomic", "streamed", "flip")])
+def test_tensors_handed_on_by_a_generator_are_adopted_from_a_flip_set_only(name: str, apply: str) -> None:
+    """The refusal once looked at the `Incoming` alone: renamed on the way, streamed views of the
+    two reused slots were adopted (2 of 12 tensors right, both sides reporting v1), and an
+    atomic sync's were changed by the next, failed, sync."""
+    torch.manual_seed(0)
+    trainer, model = (torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)]) for _ in range(2))
+    before = {key: p.detach().clone() for key, p in model.named_parameters()}
+    rollout = _RenamingAdopter(model)
+    sender, receiver = new_engine(name, apply=apply, bucket_bytes=4096), new_engine(name, apply=apply, bucket_bytes=4096)
+    run = sync_threads(sender, [receiver], [(f"module.{key}", p) for key, p in trainer.named_parameters()],
+                       [rollout], deadline_s=HANG_GUARD_S)
+    sender.close()
+    receiver.close()
+    got = dict(model.named_parameters())
+    if apply == "flip":
+        assert run.error is None and run.versions == [1], (run.error, run.errors)
+        assert all(torch.equal(got[key], p) for key, p in trainer.named_parameters())
+        return
+    assert isinstance(run.errors[0], EngineError), run.errors
+    assert re.search(r"adopt_weights: '0\.weight' arrives as a view of a buffer the engine refills", str(run.errors[0]))
+    assert isinstance(run.error, EngineError) and "rejected weights v1" in str(run.error)
+    assert rollout.stale and all(torch.equal(got[key], p) for key, p in before.items())
 
 
 def test_a_rollout_that_reads_every_tensor_then_aborts_takes_no_version_and_is_stale() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from backends.engines.link import StoreLink
 from backends.engines.shm import _PREFIX, ShmEngine
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
+from tests.backends.dist_util import free_port
 from tests.backends.engines.kit import (
     CLASSES,
     DEEP,
@@ -93,6 +95,76 @@ def test_a_latest_key_that_is_no_sync_number_fails_the_receiver_at_once_naming_k
     assert_kept_old_weights(rollout)
 
 
+def test_a_rank_claim_that_is_no_count_fails_the_receiver_at_once_naming_the_key() -> None:
+    """Someone wrote `joined/1` before rank 1 claimed it: torch's store cannot add to it and drops
+    the connection, which the receiver took for a lost one and retried until timeout_s, naming
+    nothing. The sender (a short timeout here) waits for it, as for `latest` above."""
+    overwritten, tried = threading.Event(), threading.Event()
+
+    class BadClaim(StoreLink):
+        def _open(self, rdv: Rendezvous, world: int) -> Any:
+            control = super()._open(rdv, world)
+            self.base.set(f"sync{self.number}/joined/1", b"x")
+            overwritten.set()
+            tried.wait(HANG_GUARD_S)
+            self.engine.deadline = min(self.engine.deadline, time.monotonic())
+            return control
+
+    class Late(CLASSES["gloo"]):  # type: ignore[valid-type,misc]
+        def init_process_group(self) -> None:
+            overwritten.wait(HANG_GUARD_S)
+            try:
+                super().init_process_group()
+            finally:
+                tried.set()
+
+    sender = new_engine("gloo", timeout_s=1.5)
+    sender._link = BadClaim(sender)  # type: ignore[attr-defined]
+    rollout = old_rollout()
+    run = sync_threads(sender, [Late(bucket_bytes=4096, timeout_s=TIMEOUT_S)], mixed_tensors(), [rollout])
+    assert run.seconds < HANG_GUARD_S
+    assert isinstance(run.errors[0], TransportError), run.errors[0]
+    assert re.match(r"gloo engine: sync 1 holds b'x' \(1 bytes\) under 'joined/1', not a count", str(run.errors[0]))
+    assert_kept_old_weights(rollout)
+
+
+class _Failing(MemoryRollout):
+    def load_weights(self, named_tensors: Any) -> None:
+        raise ValueError("boom")
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_close_frees_the_rendezvous_port_while_a_failed_syncs_exception_is_kept(name: str) -> None:
+    """A caller keeps a failed sync's exception (a log record, a run report): its frames hold the
+    sync's objects, which held the sender's store, and with it the port, after close()."""
+    port = free_port()
+    sender, receiver = new_engine(name), new_engine(name)
+    run = sync_threads(sender, [receiver], mixed_tensors(), [_Failing()], port=port)
+    kept = [run.error, run.errors[0]]
+    assert isinstance(kept[0], EngineError) and isinstance(kept[1], ValueError), kept
+    sender.close()
+    receiver.close()
+    again = sync_threads(new_engine(name), [new_engine(name)], mixed_tensors(1), port=port, version=2)
+    assert again.error is None and again.versions == [2], (again.error, again.errors)
+    assert kept[0].__traceback__ is not None
+
+
+def test_the_sender_listens_only_on_an_ip_address_its_rendezvous_names_and_stops_at_close() -> None:
+    """torch's own store listens on every interface; a sender for 127.0.0.1 is reachable there
+    alone (127.0.0.2 is the same host, another address), and close() frees the port at once."""
+    port = free_port()
+    sender, receiver = new_engine("gloo"), new_engine("gloo")
+    run = sync_threads(sender, [receiver], mixed_tensors(), port=port)
+    assert run.error is None and run.versions == [1]
+    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=1)
+    sender.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=1)
+    receiver.close()
+
+
 # -- a receiver's answers ---------------------------------------------------------------------
 
 HOSTILE_ANSWERS: dict[str, tuple[bytes, str]] = {
@@ -112,7 +184,7 @@ def test_a_hostile_answer_fails_the_sender_at_once_naming_the_rank_in_a_bounded_
     """The receiver accepts, but says so in bytes no honest receiver writes: the sender must
     name it, show at most SHOWN_CHARS of what it said, and close the sync so it ends too."""
     payload, reason = HOSTILE_ANSWERS[case]
-    monkeypatch.setattr(receiver_module, "answer", lambda error: payload)  # what `receiver.accept` answers the plan with
+    monkeypatch.setattr(receiver_module, "answer", lambda error, **said: payload)  # what `receiver.accept` answers the plan with
     rollout = old_rollout()
     run = sync_threads(new_engine(name, timeout_s=TIMEOUT_S), [new_engine(name, timeout_s=TIMEOUT_S)],
                        mixed_tensors(), [rollout])
@@ -181,6 +253,39 @@ def test_the_shm_orphan_sweep_skips_what_is_not_a_dead_senders_bucket_and_never_
         assert os.path.lexists(shm_dir / name), case
     assert outside.read_bytes() == b"keep me"
     sender.close()
+
+
+def test_the_shm_orphan_sweep_judges_a_pid_only_in_its_own_pid_namespace(tmp_path: Path) -> None:
+    """A sender in another pid namespace sharing shm_dir (another container's) has a pid that names
+    no process here: its live buckets were swept, and its next syncs refused."""
+    dead, ours = _dead_pid(), shm_module._PID_NS
+    mine = tmp_path / f"{_PREFIX}ns{ours}-{dead}-{'a' * 12}-0"
+    theirs = tmp_path / f"{_PREFIX}ns{ours + 1}-{dead}-{'b' * 12}-0"
+    unnamed = tmp_path / f"{_PREFIX}{dead}-{'c' * 12}-0"  # named before names had a namespace: judged by pid
+    for path in (mine, theirs, unnamed):
+        path.write_bytes(b"")
+    shm_module._remove_orphans(tmp_path)
+    assert [path.exists() for path in (mine, theirs, unnamed)] == [False, True, False]
+    sender = ShmEngine(shm_dir=tmp_path)
+    try:
+        sender._create(4096)
+        assert all(Path(path).name.startswith(f"{_PREFIX}ns{ours}-{os.getpid()}-") for path in sender._paths)
+        assert all(shm_module._NAME.fullmatch(Path(path).name) for path in sender._paths)
+    finally:
+        sender.close()
+    assert theirs.exists() and sorted(os.listdir(tmp_path)) == [theirs.name]
+
+
+def test_closing_a_sender_whose_shm_dir_is_a_plain_file_logs_no_bucket_kept(tmp_path: Path) -> None:
+    """No bucket could be created there, so none was kept: close() logged one warning per slot."""
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    sender = ShmEngine(shm_dir=plain)
+    with pytest.raises(EngineError, match="cannot create the shared bucket"):
+        sender._create(4096)
+    with capture_logs() as logs:
+        sender.close()
+    assert [log for log in logs if log["event"] == "engine.shm_bucket_kept"] == []
 
 
 def test_an_orphan_the_sweep_cannot_remove_is_logged_and_the_rest_are_removed(

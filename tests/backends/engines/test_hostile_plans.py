@@ -403,7 +403,7 @@ def test_an_unchanged_plan_is_posted_once_and_each_sync_names_it_by_its_id(name:
 
     sender, receivers = new_engine(name), [new_engine(name), new_engine(name)]
     port = free_port()
-    original = sender._link.publish  # type: ignore[attr-defined]
+    plans = ControlStore.plans
 
     class Recording:
         """The store's plans, each write counted."""
@@ -418,14 +418,8 @@ def test_an_unchanged_plan_is_posted_once_and_each_sync_names_it_by_its_id(name:
         def __getattr__(self, attribute: str) -> Any:
             return getattr(self.plans, attribute)
 
-    def publish(control: ControlStore, raw: bytes) -> str:
-        plans, control.plans = control.plans, Recording(control.plans)
-        try:
-            return original(control, raw)
-        finally:
-            control.plans = plans
-
-    sender._link.publish = publish  # type: ignore[attr-defined]
+    recording = property(lambda control: Recording(plans.fget(control)))
+    ControlStore.plans = recording  # type: ignore[method-assign,assignment]
     ControlStore.set = setting  # type: ignore[method-assign]
     try:
         for version in (1, 2, 3):
@@ -436,6 +430,7 @@ def test_an_unchanged_plan_is_posted_once_and_each_sync_names_it_by_its_id(name:
         assert run.error is None and run.versions == [4, 4]
     finally:
         ControlStore.set = sets  # type: ignore[method-assign]
+        ControlStore.plans = plans  # type: ignore[method-assign]
         for engine in (sender, *receivers):
             engine.close()
     assert len(posted) == 2  # once, and once more when it changed
@@ -478,3 +473,64 @@ def test_a_plan_named_by_an_id_it_does_not_hash_to_or_by_no_id_is_refused_before
     rollouts = [old_rollout(), old_rollout()]
     run = sync_threads(sender, _engines(name), mixed_tensors(), rollouts)
     _assert_refused(run, name, reason, rollouts)
+
+
+# -- a plan someone else named: the sender checks which plan each receiver took ------------------
+
+_TWINS = [("w0", torch.arange(300.0)), ("w1", -torch.arange(300.0)), ("w2", torch.ones(50))]
+"""Two tensors of one shape and dtype: a plan that swaps their names fits every receiver check."""
+
+
+def _forged(name: str, monkeypatch: pytest.MonkeyPatch) -> CheckpointEngine:
+    """A sender whose sync's `plan` key names a forged plan, as another writer of the store can
+    make it (it reaches the port): the sender's own plan with w0's and w1's names swapped, posted
+    under its own id. The sender goes on with the plan it posted."""
+    import backends.engines.pipeline as pipeline
+    from backends.engines.control import ControlStore, plan_id, reference
+
+    sender, forged = new_engine(name, timeout_s=TIMEOUT_S), []
+    publish = sender._link.publish  # type: ignore[attr-defined]
+
+    def forging(control: ControlStore, raw: bytes) -> str:
+        swapped = raw.replace(b'"w0"', b'"tmp"').replace(b'"w1"', b'"w0"').replace(b'"tmp"', b'"w1"')
+        assert swapped != raw
+        control.plans.set(plan_id(swapped), swapped)
+        forged.append(plan_id(swapped))
+        return publish(control, raw)
+
+    sender._link.publish = forging  # type: ignore[attr-defined]
+    monkeypatch.setattr(pipeline, "reference", lambda ident: reference(forged[-1]))
+    return sender
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_receiver_that_accepted_another_plan_than_the_sender_posted_is_refused_naming_it(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both sides reported success while the rollout served w0's values as w1 and w1's as w0:
+    the sender never asked which plan a receiver took. An acceptance names its plan now."""
+    rollout = old_rollout()
+    run = sync_threads(_forged(name, monkeypatch), _engines(name, 1), _TWINS, [rollout])
+    assert run.seconds < HANG_GUARD_S
+    assert isinstance(run.error, EngineError), run.error
+    assert re.match(rf"{name} engine: rank 1 accepted '[0-9a-f]{{32}}', not the plan [0-9a-f]{{32}} of weights v1 "
+                    r"this sender posted \(someone else wrote the sync's 'plan'\); nothing was sent", str(run.error))
+    assert isinstance(run.errors[0], EngineError), run.errors[0]
+    assert_kept_old_weights(rollout)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_buckets_checked_against_another_plan_than_they_were_sent_under_fail_their_checksum(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should a forger also get past the check above (say, by forging the acceptance), every
+    bucket's checksum is keyed by the plan's id: the bytes, the same, fail it."""
+    import backends.engines.pipeline as pipeline
+
+    sender = _forged(name, monkeypatch)
+    monkeypatch.setattr(pipeline, "echoed", lambda raw, key: sender._plan)  # type: ignore[attr-defined]
+    rollout = old_rollout()
+    run = sync_threads(sender, _engines(name, 1), _TWINS, [rollout])
+    assert run.seconds < HANG_GUARD_S
+    assert isinstance(run.errors[0], EngineError), run.errors[0]
+    assert re.match(rf"{name} engine: bucket 0 of 1 failed its checksum", str(run.errors[0])), str(run.errors[0])
+    assert isinstance(run.error, EngineError) and "rank 1: " in str(run.error), run.error
+    assert_kept_old_weights(rollout)

@@ -5,12 +5,15 @@ The receivers are real processes, SIGKILLed at the point each test names: before
 the plan (1.5 s into working on it: one that dies before the sender first reads its pid is
 not watched, see `liveness`), mid-transfer, or after they read every tensor (in the rollout's
 `load_weights`). The sender's timeout is a minute; each test's hang guard is a few seconds. A
-receiver that ends after setting every key it owes fails nothing.
+receiver that ends after setting every key it owes fails nothing. The other way round, a sender
+that is alive but answers nothing (stopped, or anything silent on its port) fails its receiver
+at the receiver's `timeout_s` (`backends.engines.link`).
 """
 
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -21,12 +24,14 @@ from typing import Any
 
 import pytest
 
-from backends.engines import Rendezvous, WeightSync, receive_into
+from backends.engines import Rendezvous, TransportError, WeightSync, receive_into
 from backends.engines.liveness import Watch, rank_of, whoami
 from lifecycle.errors import EngineError
 from lifecycle.testing import MemoryRollout
 from tests.backends.dist_util import free_port
-from tests.backends.engines.kit import REPO, HANG_GUARD_S, TRANSPORTS, mixed_tensors, new_engine
+from tests.backends.engines.kit import (
+    REPO, HANG_GUARD_S, TRANSPORTS, assert_kept_old_weights, mixed_tensors, new_engine, old_rollout,
+)
 
 SENDER_TIMEOUT_S = 60.0
 """The sender's timeout_s: a failure that waited it out would overrun every hang guard here."""
@@ -121,6 +126,82 @@ def test_a_receiver_that_exits_after_answering_fails_nothing_while_another_is_st
         thread.join(HANG_GUARD_S)
     assert quick.returncode == 0 and out.strip() == "received", err[-2000:]
     assert not errors and slow.weights_version == 1
+
+
+_STOPPING_SENDER = """
+import os, signal, sys
+from pathlib import Path
+from backends.engines import Rendezvous, WeightSync
+from tests.backends.engines.kit import mixed_tensors, new_engine
+
+name, port, ready = sys.argv[1:]
+engine = new_engine(name, timeout_s=60)
+start = engine._start_send
+
+def stop_at_bucket_3(k, nbytes):
+    if k == 3:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return start(k, nbytes)
+
+engine._start_send = stop_at_bucket_3
+Path(ready).touch()
+WeightSync(engine).sync(iter(mixed_tensors()), Rendezvous("127.0.0.1", int(port), receivers=1), 1)
+"""
+
+STOPPED_TIMEOUT_S = 2.0
+"""The timeout_s of a receiver whose sender stops: its store calls must end by then, near enough."""
+
+
+def test_a_sender_stopped_mid_sync_fails_its_receiver_at_its_timeout(tmp_path: Path) -> None:
+    """A sender alive but stopped (SIGSTOP: a debugger, a frozen node) answers no store call, and
+    torch's store client waits for a reply without a limit: the receiver waited forever (on every
+    engine; shm here, whose every bucket is signalled through the store)."""
+    name, port, ready = "shm", free_port(), tmp_path / "ready"
+    sender = subprocess.Popen([sys.executable, "-c", _STOPPING_SENDER, name, str(port), str(ready)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not ready.exists() and sender.poll() is None:
+            time.sleep(0.02)
+        rollout, start = old_rollout(), time.monotonic()
+        error = _receive_guarded(new_engine(name, timeout_s=STOPPED_TIMEOUT_S), rollout,
+                                 Rendezvous("127.0.0.1", port, receivers=1))
+        assert time.monotonic() - start < 2 * STOPPED_TIMEOUT_S
+        assert isinstance(error, TransportError), error
+        assert re.match(f"{name} engine: .+ within timeout_s={STOPPED_TIMEOUT_S:g}", str(error)), str(error)
+        assert_kept_old_weights(rollout)
+    finally:
+        sender.kill()  # SIGKILL ends a stopped process too
+        sender.communicate(timeout=HANG_GUARD_S)
+    assert sender.returncode == -9
+
+
+def test_a_rendezvous_that_accepts_and_never_answers_fails_a_joining_receiver_at_its_timeout() -> None:
+    """Something listens on the port but says nothing (the kernel completes each connection): the
+    handshake of torch's store client waited for its reply forever."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port, start = silent.getsockname()[1], time.monotonic()
+        error = _receive_guarded(new_engine("gloo", timeout_s=1), MemoryRollout(), Rendezvous("127.0.0.1", port))
+    assert time.monotonic() - start < 3
+    assert isinstance(error, TransportError), error
+    assert str(error) == f"gloo engine: joining a sync at 127.0.0.1:{port} did not finish within timeout_s=1"
+
+
+def _receive_guarded(engine: Any, rollout: MemoryRollout, rdv: Rendezvous) -> BaseException | None:
+    """What `receive_into` raised, on a thread of its own with a hang guard: a receive that still
+    hangs fails the test instead of stopping the run (its daemon thread is left behind)."""
+    raised: list[BaseException | None] = [None]
+
+    def receive() -> None:
+        try:
+            receive_into(engine, rollout, rdv, rank=1)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            raised[0] = exc
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    thread.join(HANG_GUARD_S)
+    assert not thread.is_alive(), f"the receiver still waits after {HANG_GUARD_S}s"
+    return raised[0]
 
 
 def test_a_watch_opens_pidfds_only_for_live_processes_posted_from_its_own_pid_space() -> None:
