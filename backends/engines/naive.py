@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from backends.engines.base import CheckpointEngine, Incoming, SyncStats, check_version, missing
+from backends.engines.slots import mark
 from backends.engines.options import EngineCapabilities
 from backends.engines.registry import CheckpointEngineRegistry
 from backends.engines.sources import sendable
@@ -59,6 +60,7 @@ class NaiveEngine(CheckpointEngine):
 
     def _stream(self, pairs: list[tuple[str, torch.Tensor]], incoming: Incoming) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in pairs:
+            mark(tensor)  # the trainer's own memory: a rollout adopting it would train along (`adopt_weights`)
             yield name, tensor.to(self.wire_dtype(tensor))
         incoming.complete = True
 

@@ -916,6 +916,19 @@ def test_tensors_handed_on_by_a_generator_are_adopted_from_a_flip_set_only(name:
     assert rollout.stale and all(torch.equal(got[key], p) for key, p in before.items())
 
 
+def test_the_naive_engines_tensors_handed_on_by_a_generator_are_not_adopted() -> None:
+    """naive hands out the trainer's own tensors: a rollout adopting them would train along."""
+    trainer, model = (torch.nn.Linear(8, 8) for _ in range(2))
+    before = {key: p.detach().clone() for key, p in model.named_parameters()}
+    rollout = _RenamingAdopter(model)
+    with pytest.raises(EngineError, match=r"'weight' arrives as a view of a buffer the engine refills"):
+        WeightSync(new_engine("naive")).sync(iter([(f"module.{key}", p) for key, p in trainer.named_parameters()]),
+                                             rollout, 1)
+    assert all(torch.equal(p, before[key]) for key, p in model.named_parameters())
+    assert all(p.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+               for p, q in zip(model.parameters(), trainer.parameters()))
+
+
 def test_a_rollout_that_reads_every_tensor_then_aborts_takes_no_version_and_is_stale() -> None:
     class Aborting(MemoryRollout):
         def load_weights(self, named_tensors: Any) -> None:
