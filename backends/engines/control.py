@@ -226,6 +226,9 @@ class ControlStore:
 
     def _lost(self, what: str, exc: BaseException) -> TransportError:
         self.link.broken = True  # a reply that did not come may yet: a receiver's next sync connects again
+        if self.engine.deadline - time.monotonic() < 0.05:  # the call's socket timeout is the sync's time left
+            return TransportError(f"{self.engine.name} engine: {what} did not finish within "
+                                  f"timeout_s={self.engine.timeout_s:g} (the rendezvous answered nothing)")
         return TransportError(f"{self.engine.name} engine: lost the rendezvous of sync {self.number} while "
                               f"{what}: {exc}")
 
