@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -63,12 +64,37 @@ def test_a_latest_key_that_is_no_sync_number_fails_the_receiver_at_once_naming_k
     sender (given a short timeout here) waits for it; the receiver (given TIMEOUT_S) must not.
     The sender holds its store open until the receiver's attempt has ended, and then runs out
     of time at once: nothing here waits for a clock but the hang guards."""
+    run, rollout = _sync_with_a_key_written(name, lambda link: "latest", latest)
+    assert run.seconds < HANG_GUARD_S
+    assert isinstance(run.error, TransportError), run.error
+    error = run.errors[0]
+    assert isinstance(error, TransportError), error
+    assert re.match(rf"{name} engine: the rendezvous at 127\.0\.0\.1:\d+ holds {re.escape(repr(latest[:40]))} "
+                    rf"\({len(latest)} bytes\) under 'latest', not the number of a sync", str(error)), str(error)
+    assert_kept_old_weights(rollout)
+
+
+def test_a_rank_claim_that_is_no_count_fails_the_receiver_at_once_naming_the_key() -> None:
+    """Someone wrote `joined/1` before rank 1 claimed it: torch's store cannot add to it and drops
+    the connection, which the receiver took for a lost one and retried until timeout_s, naming
+    nothing. The sender (a short timeout here) waits for it, as for `latest` above."""
+    run, rollout = _sync_with_a_key_written("gloo", lambda link: f"sync{link.number}/joined/1", b"x")
+    assert run.seconds < HANG_GUARD_S
+    assert isinstance(run.errors[0], TransportError), run.errors[0]
+    assert re.match(r"gloo engine: sync 1 holds b'x' \(1 bytes\) under 'joined/1', not a count", str(run.errors[0]))
+    assert_kept_old_weights(rollout)
+
+
+def _sync_with_a_key_written(name: str, key: Callable[[StoreLink], str], value: bytes) -> tuple[Any, Any]:
+    """A sync whose sender (timeout 1.5 s) writes `value` under `key` of its store as it opens it,
+    before the receiver (TIMEOUT_S) joins; the sender holds its store open until the receiver's
+    attempt has ended, then runs out of time at once: nothing waits for a clock but the guards."""
     overwritten, tried = threading.Event(), threading.Event()
 
-    class BadLatest(StoreLink):
+    class Writing(StoreLink):
         def _open(self, rdv: Rendezvous, world: int) -> Any:
             control = super()._open(rdv, world)
-            self.base.set("latest", latest)
+            self.base.set(key(self), value)
             overwritten.set()
             tried.wait(HANG_GUARD_S)
             self.engine.deadline = min(self.engine.deadline, time.monotonic())
@@ -83,49 +109,9 @@ def test_a_latest_key_that_is_no_sync_number_fails_the_receiver_at_once_naming_k
                 tried.set()
 
     sender = new_engine(name, timeout_s=1.5)
-    sender._link = BadLatest(sender)  # type: ignore[attr-defined]
+    sender._link = Writing(sender)  # type: ignore[attr-defined]
     rollout = old_rollout()
-    run = sync_threads(sender, [Late(bucket_bytes=4096, timeout_s=TIMEOUT_S)], mixed_tensors(), [rollout])
-    assert run.seconds < HANG_GUARD_S
-    assert isinstance(run.error, TransportError), run.error
-    error = run.errors[0]
-    assert isinstance(error, TransportError), error
-    assert re.match(rf"{name} engine: the rendezvous at 127\.0\.0\.1:\d+ holds {re.escape(repr(latest[:40]))} "
-                    rf"\({len(latest)} bytes\) under 'latest', not the number of a sync", str(error)), str(error)
-    assert_kept_old_weights(rollout)
-
-
-def test_a_rank_claim_that_is_no_count_fails_the_receiver_at_once_naming_the_key() -> None:
-    """Someone wrote `joined/1` before rank 1 claimed it: torch's store cannot add to it and drops
-    the connection, which the receiver took for a lost one and retried until timeout_s, naming
-    nothing. The sender (a short timeout here) waits for it, as for `latest` above."""
-    overwritten, tried = threading.Event(), threading.Event()
-
-    class BadClaim(StoreLink):
-        def _open(self, rdv: Rendezvous, world: int) -> Any:
-            control = super()._open(rdv, world)
-            self.base.set(f"sync{self.number}/joined/1", b"x")
-            overwritten.set()
-            tried.wait(HANG_GUARD_S)
-            self.engine.deadline = min(self.engine.deadline, time.monotonic())
-            return control
-
-    class Late(CLASSES["gloo"]):  # type: ignore[valid-type,misc]
-        def init_process_group(self) -> None:
-            overwritten.wait(HANG_GUARD_S)
-            try:
-                super().init_process_group()
-            finally:
-                tried.set()
-
-    sender = new_engine("gloo", timeout_s=1.5)
-    sender._link = BadClaim(sender)  # type: ignore[attr-defined]
-    rollout = old_rollout()
-    run = sync_threads(sender, [Late(bucket_bytes=4096, timeout_s=TIMEOUT_S)], mixed_tensors(), [rollout])
-    assert run.seconds < HANG_GUARD_S
-    assert isinstance(run.errors[0], TransportError), run.errors[0]
-    assert re.match(r"gloo engine: sync 1 holds b'x' \(1 bytes\) under 'joined/1', not a count", str(run.errors[0]))
-    assert_kept_old_weights(rollout)
+    return sync_threads(sender, [Late(bucket_bytes=4096, timeout_s=TIMEOUT_S)], mixed_tensors(), [rollout]), rollout
 
 
 class _Failing(MemoryRollout):
