@@ -92,11 +92,12 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), os.fspath(a), None, os.fspath(b))
 
 
-def replaced_copies(store: CheckpointStore, role: str | None = None) -> list[tuple[int, str, Path]]:
+def replaced_copies(store: CheckpointStore, role: str | None = None,
+                    entries: Sequence[os.DirEntry[str]] | None = None) -> list[tuple[int, str, Path]]:
     """The root's `.replaced-` folders (of `role` alone, when given): step, role, path; none when
-    the root cannot be listed."""
+    the root cannot be listed. `entries`: the root's listing, when the caller has it already."""
     try:
-        entries = store.entries()
+        entries = store.entries() if entries is None else entries
     except CheckpointError:
         return []
     found = [(int(m[1]), m[2], Path(e.path)) for e in entries
@@ -160,14 +161,15 @@ def sweep(store: CheckpointStore) -> None:
     """Remove the `.trash-*` entries of the root that earlier removals left, and the `.replaced-`
     folders whose role folder is committed again or whose step is gone (never the only
     committed copy of a step)."""
-    for entry in store.entries():
+    entries = store.entries()
+    for entry in entries:
         if entry.name.startswith(TRASH):
             try:
                 rmtree(Path(entry.path))
             except OSError as exc:
                 structlog.get_logger().warning("checkpoint.retention_failed", path=entry.path, error=str(exc),
                                                action="left for the next save to remove")
-    for step, role, path in replaced_copies(store):
+    for step, role, path in replaced_copies(store, entries=entries):
         if not only_copy(store, step, role):
             remove(store, path, step)
 
