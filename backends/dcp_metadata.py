@@ -56,14 +56,16 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from backends.dcp_tiling import tiling_problem
+from backends.pickle_budget import check_budget
 from lifecycle.boundary import kind, name_problem, read_bytes
 from lifecycle.errors import CheckpointError, shorten
 
 METADATA = ".metadata"
 MAX_METADATA_BYTES = 512 * 1024**2
 """A `.metadata` larger than this is refused unread: the biggest real ones (a few hundred
-bytes per tensor chunk, twice that for Megatron) stay far below it, and an unpickler given a
-huge file could exhaust memory before it finds anything to refuse."""
+bytes per tensor chunk, twice that for Megatron) stay far below it. The size alone does not
+bound what unpickling may allocate (one byte can build a 216-byte set): `check_budget`
+(`backends.pickle_budget`) bounds that, from the opcodes, before anything is unpickled."""
 
 SAVE_OVERHEAD = 64 * 1024
 """The most bytes a data file may spend on one tensor chunk beyond the chunk's own. DCP (and
@@ -302,6 +304,7 @@ def _check_layout(metadata: Metadata, path: Path) -> Metadata:
 def read_metadata(path: Path) -> Metadata:
     """The `Metadata` in `path`; a CheckpointError naming `path` for anything else."""
     data = _read_bounded(path)
+    check_budget(data, path)
     try:
         with _classes_unchanged(path):
             metadata = MetadataUnpickler(io.BytesIO(data), path).load()

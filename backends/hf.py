@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from backends.base import HF_CAPABILITIES, FormatBackend, FormatCapabilities, current_rank, listed
-from backends.safetensors_io import NAMES, Header, read_file, read_header, write_file
+from backends.safetensors_io import NAMES, Header, read_file, read_header, stored_equal, unclaimed_problem, write_file
 from lifecycle.boundary import lstat, name_problem, read_bytes
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, parse_json, read_optimizer_json
@@ -157,49 +157,56 @@ class HFBackend(FormatBackend):
     def load_model(self, model: Any, folder: Path, *, expected: Mapping[str, str] | None = None) -> set[str]:
         """Strict: every difference between folder and model is reported before a byte loads.
 
-        Tensors are read straight into the model's own, tied names once. A weight file with a
+        Tensors are read straight into the model's own, tied names once: a folder holding two
+        names of one tied tensor loads only when both hold the same bytes. A weight file with a
         digest in `expected` is checked as it is read and returned as verified; one that fails
         leaves the model partly overwritten.
         """
         state = model.state_dict()
         only_tensors(state, folder)
-        files, problems = self._plan(folder, state)
+        files, problems = self._plan(folder, state, expected or {})
         targets = {name for _, _, names in files for name in names}
-        for group in alias_groups(state):
+        groups = alias_groups(state)
+        for group in groups:
             if any(n in targets for n in group):
                 targets.update(group)
         problems += [f"{folder}: tensor {n!r} missing" for n in state if n not in targets]
+        aside, conflicts = _stored_twice(files, groups)
+        problems += conflicts
         if problems:
             raise CheckpointError(f"{folder}: weights do not match the model:\n  {listed(problems)}")
         verified: set[str] = set()
         for path, header, names in files:
             rel = path.relative_to(folder).as_posix()
             want = (expected or {}).get(rel)
-            read_file(path, {n: state[n] for n in names}, expect=want, header=header)
+            read_file(path, {n: state[n] for n in names if n not in aside}, expect=want, header=header)
             if want is not None:
                 verified.add(rel)
         return verified
 
     def _plan(
-        self, folder: Path, expected: Mapping[str, torch.Tensor]
+        self, folder: Path, expected: Mapping[str, torch.Tensor], digests: Mapping[str, str]
     ) -> tuple[list[tuple[Path, Header, list[str]]], list[str]]:
         """Which file holds which tensor, from the headers alone; every mismatch found at once.
-        Each file's header is kept for its read, which then parses it no second time.
+        Each file's header is kept for its read, which then parses it no second time. A file
+        with bytes no tensor claims is refused unless `digests` (the manifest's) vouches for it.
 
         With an index, a tensor must be in the one file the index maps it to: a copy in another
         shard is refused rather than loaded (`from_pretrained` would read the index's copy).
         """
         files: list[tuple[Path, Header, list[str]]] = []
         problems: list[str] = []
-        weight_files = _weight_files(folder)
-        mapped = {n: path for path, names in weight_files for n in names}
-        for path, indexed in weight_files:
+        listed = weight_files(folder)
+        mapped = {n: path for path, names in listed for n in names}
+        for path, indexed in listed:
             header = read_header(path)
+            if path.relative_to(folder).as_posix() not in digests and (problem := unclaimed_problem(path, header)):
+                problems.append(problem)
             problems += [f"{path}: tensor {n!r} listed in {INDEX} but not in the file"
                          for n in indexed if n not in header.tensors]
             names = []
             for n, entry in header.tensors.items():
-                problem = _placement_problem(n, path, mapped) or _fit_problem(n, entry, expected.get(n))
+                problem = placement_problem(n, path, mapped) or _fit_problem(n, entry, expected.get(n))
                 if problem:
                     problems.append(f"{path}: {problem}")
                 else:
@@ -246,7 +253,27 @@ class HFBackend(FormatBackend):
         return set() if want is None else {OPTIM_TENSORS}
 
 
-def _placement_problem(name: str, path: Path, mapped: Mapping[str, Path]) -> str | None:
+def _stored_twice(
+    files: list[tuple[Path, Header, list[str]]], groups: list[list[str]]
+) -> tuple[set[str], list[str]]:
+    """Names of one tied tensor that the files hold more than once: the copies after the first,
+    to be read aside rather than into the model (two reads into one memory at once would mix
+    them), and a problem for each copy whose bytes differ from the first's (which one the model
+    should get is unknowable). Our saves and `save_pretrained` write one name per tied tensor."""
+    where = {name: (path, header, name) for path, header, names in files for name in names}
+    aside: set[str] = set()
+    problems: list[str] = []
+    for group in groups:
+        stored = [where[name] for name in group if name in where]
+        for copy in stored[1:]:
+            aside.add(copy[2])
+            if not stored_equal(stored[0], copy):
+                problems.append(f"{copy[0]}: tensor {copy[2]!r} and tensor {stored[0][2]!r} (in {stored[0][0]}) "
+                                "are one tied tensor in the model but hold different bytes; keep one of them")
+    return aside, problems
+
+
+def placement_problem(name: str, path: Path, mapped: Mapping[str, Path]) -> str | None:
     """With an index, a tensor found in a file the index does not map it to (another shard's copy)."""
     if not mapped or mapped.get(name) == path:
         return None
@@ -276,7 +303,7 @@ def _fit_problem(name: str, entry: Mapping[str, Any], want: torch.Tensor | None)
     return None
 
 
-def _weight_files(folder: Path) -> Iterable[tuple[Path, list[str]]]:
+def weight_files(folder: Path) -> Iterable[tuple[Path, list[str]]]:
     """(file, names the index puts in it) for each weight file; names empty without an index.
 
     Symlinks are followed (an HF cache snapshot is all links); FIFOs and other special files

@@ -18,6 +18,7 @@ contiguous data) and load with `safetensors` and `transformers` as usual.
 
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -31,8 +32,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lifecycle.boundary import os_errors, open_regular
-from lifecycle.checksum import PIECE_BYTES, piece_digest, tree_digest
+from lifecycle.boundary import open_regular, os_errors
+from lifecycle.checksum import PIECE_BYTES, piece_digest, submitted, tree_digest
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import parse_json
 
@@ -99,14 +100,16 @@ def write_file(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappin
 
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum") as pool:
-            hashing = pool.submit(tree_digest, len(pieces), digest_of)
+            hashing = submitted(pool, tree_digest, len(pieces), digest_of)
             try:
                 for index, piece in enumerate(pieces):
                     _write_all(path, fd, piece, index * PIECE_BYTES)
             except BaseException:
                 stop.set()  # the hashing threads stop at their next piece instead of hashing the rest
                 raise
-            digest = hashing.result()
+            # No thread could start (an `atexit` hook runs after `concurrent.futures` stopped
+            # taking work): the pieces are hashed here, from the same memory, once written.
+            digest = tree_digest(len(pieces), digest_of) if hashing is None else hashing.result()
     finally:
         os.close(fd)
     return digest
@@ -154,6 +157,9 @@ class Header(NamedTuple):
     metadata: dict[str, str]
     start: int
     """Where the data section starts: the length prefix and the header's bytes."""
+    unclaimed: int = 0
+    """Bytes of the data section no tensor's offsets claim: gaps between tensors and a tail after
+    the last, which `safetensors` refuses and only a manifest's digest can vouch for (`read_file`)."""
 
 
 def read_header(path: Path) -> Header:
@@ -177,12 +183,13 @@ def read_header(path: Path) -> Header:
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(f"{path}: safetensors {METADATA} must map names to strings")
-    _check_layout(path, header, size - 8 - length)
-    return Header(header, metadata, 8 + length)
+    unclaimed = _check_layout(path, header, size - 8 - length)
+    return Header(header, metadata, 8 + length, unclaimed)
 
 
-def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
-    """Every tensor's bytes lie inside the file and agree with its dtype and shape.
+def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> int:
+    """Every tensor's bytes lie inside the file, agree with its dtype and shape, and are no other
+    tensor's; returns the bytes of the data section no tensor claims.
 
     Offsets and dimensions must be JSON integers (not strings, floats or booleans), never
     negative, and the tensor's size in bytes must fit torch's int64 even for one of zero
@@ -198,6 +205,25 @@ def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
             raise CheckpointError(
                 f"{path}: tensor {name!r} needs bytes [{begin}, {end}) of {data_size}: file truncated or corrupt"
             )
+    position = claimed = 0
+    for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+        begin, end = entry["data_offsets"]
+        if begin < end:
+            if begin < position:
+                raise CheckpointError(f"{path}: tensor {name!r} overlaps the bytes of another tensor")
+            claimed += end - begin
+            position = end
+    return data_size - claimed
+
+
+def unclaimed_problem(path: Path, header: Header) -> str | None:
+    """Why `path` cannot be read without a manifest's digest: bytes no tensor claims. Such a file
+    is refused by `safetensors` (so by `from_pretrained`), and nothing but a digest says what they
+    are; a reader given the digest hashes them straight from the file (`read_file`)."""
+    if not header.unclaimed:
+        return None
+    return (f"{path}: {header.unclaimed} bytes of its data section belong to no tensor (a gap between "
+            "tensors or a tail after the last): safetensors refuses such a file, and no manifest digest covers them")
 
 
 def _entry_bytes(entry: Any) -> int | str:
@@ -240,8 +266,12 @@ def read_file(
     `header`: what `read_header` already returned for `path` (a caller that planned from it),
     so it is not read and parsed again; the digest covers the header's bytes all the same.
     """
-    entries, _, start = header if header is not None else read_header(path)
+    header = header if header is not None else read_header(path)
+    if expect is None and (problem := unclaimed_problem(path, header)):
+        raise CheckpointError(problem)
+    entries, start = header.tensors, header.start
     targets = dict(into or {})
+    _check_distinct(path, {name: dest for name, dest in targets.items() if name in entries})
     for name, entry in entries.items():
         dest = targets.get(name)
         if dest is not None and (list(dest.shape) != list(entry["shape"]) or dest.dtype != NAMES[entry["dtype"]]):
@@ -249,7 +279,7 @@ def read_file(
                                   f"but {dest.dtype} {list(dest.shape)} in the model")
     out = {name: _landing(entry, targets.get(name)) for name, entry in entries.items()}
     source = _mapping(path)
-    pieces = _by_piece(_tiles(path, entries, out, start, len(source)))
+    pieces = _by_piece(_tiles(path, entries, out, start, source))
     digest = tree_digest(len(pieces), lambda i: _read_piece(source, pieces[i], i, hashed=expect is not None))
     if expect is not None:
         _compare(path, digest, expect)
@@ -258,6 +288,22 @@ def read_file(
             if name in out and out[name] is not dest:
                 out[name] = dest.copy_(out[name])
     return out
+
+
+def _check_distinct(path: Path, targets: Mapping[str, torch.Tensor]) -> None:
+    """Two destinations over the same memory (tied weights) would each be filled from their own
+    bytes of the file, by threads at once: a mix of the two, piece by piece. Refused instead."""
+    spans = []
+    for name, tensor in targets.items():
+        if tensor.numel() and tensor.device.type != "meta":
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+            spans.append((str(tensor.device), tensor.data_ptr(), tensor.data_ptr() + extent * tensor.element_size(),
+                          name))
+    spans.sort(key=lambda span: span[:2])
+    for (device, _, end, first), (other, begin, _, second) in itertools.pairwise(spans):
+        if device == other and begin < end:
+            raise CheckpointError(f"{path}: tensors {first!r} and {second!r} would be read into the same memory "
+                                  "(tied weights?); read one of them only")
 
 
 def _landing(entry: dict[str, Any], dest: torch.Tensor | None) -> torch.Tensor:
@@ -280,34 +326,51 @@ def _mapping(path: Path) -> np.ndarray:
         return np.frombuffer(mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ), dtype=np.uint8)
 
 
+def stored_equal(first: tuple[Path, Header, str], second: tuple[Path, Header, str]) -> bool:
+    """Whether two tensors, each given as (file, its header, name), hold the same bytes, compared
+    in the files' mappings a piece at a time: no copy, and memory bounded by a piece."""
+    views = []
+    for path, header, name in (first, second):
+        begin, end = (header.start + offset for offset in header.tensors[name]["data_offsets"])
+        source = _mapping(path)
+        if len(source) < end:
+            raise CheckpointError(f"{path}: {len(source)} bytes, but its header lists {end}: file truncated")
+        views.append(source[begin:end])
+    a, b = views
+    return len(a) == len(b) and all(np.array_equal(a[at:at + PIECE_BYTES], b[at:at + PIECE_BYTES])
+                                    for at in range(0, len(a), PIECE_BYTES))
+
+
 def _tiles(
-    path: Path, header: dict[str, Any], out: Mapping[str, torch.Tensor], start: int, size: int
+    path: Path, header: dict[str, Any], out: Mapping[str, torch.Tensor], start: int, source: np.ndarray
 ) -> list[memoryview]:
-    """Buffers for every byte of the file in order: header, tensors, and scratch for gaps a foreign writer left."""
-    tiles = [memoryview(bytearray(start))]
+    """Buffers for every byte of the file in order: the tensors' destinations, and for the header
+    and any gap or tail (`Header.unclaimed`) the file's own bytes in the read-only mapping, which
+    are hashed where they lie: no scratch memory, however large a gap (overlaps `read_header` refused)."""
+    tiles = [memoryview(source[:start])]
     position = start
     for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
         begin, end = (start + offset for offset in entry["data_offsets"])
         if begin == end:
             continue
-        if begin < position:
-            raise CheckpointError(f"{path}: tensor {name!r} overlaps the bytes of another tensor")
         if begin > position:
-            tiles.append(memoryview(bytearray(begin - position)))
+            tiles.append(memoryview(source[position:begin]))
         tiles.append(_raw(out[name].detach()))
         position = end
-    if size < position:
-        raise CheckpointError(f"{path}: {size} bytes, but its header lists {position}: file truncated")
-    if size > position:
-        tiles.append(memoryview(bytearray(size - position)))
+    if len(source) < position:
+        raise CheckpointError(f"{path}: {len(source)} bytes, but its header lists {position}: file truncated")
+    if len(source) > position:
+        tiles.append(memoryview(source[position:]))
     return tiles
 
 
 def _read_piece(source: np.ndarray, buffers: list[memoryview], index: int, *, hashed: bool) -> int:
-    """Copy piece `index` out of the mapping, then hash it while its bytes are in cache (0 unhashed)."""
+    """Copy piece `index` out of the mapping, then hash it while its bytes are in cache (0 unhashed).
+    A read-only buffer is the mapping itself (header, gap): hashed in place, never copied."""
     offset = index * PIECE_BYTES
     for buffer in buffers:
-        np.copyto(np.asarray(buffer), source[offset:offset + len(buffer)])
+        if not buffer.readonly:
+            np.copyto(np.asarray(buffer), source[offset:offset + len(buffer)])
         offset += len(buffer)
     return piece_digest(buffers) if hashed else 0
 

@@ -20,9 +20,10 @@ import itertools
 import mmap
 import os
 import threading
-from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -40,6 +41,16 @@ ALGORITHMS = (ALGORITHM, PLAIN)
 THREADS = max(1, min(8, os.cpu_count() or 1))
 """Threads that move and hash pieces: every core, up to 8, past which memory bandwidth bounds a copy."""
 CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def submitted(pool: ThreadPoolExecutor, work: Callable[..., Any], *args: Any) -> Future[Any] | None:
+    """`pool.submit(work, *args)`, or None when the pool takes no more work: the interpreter is
+    exiting (once its exit hooks have run, as in an `atexit` hook, `concurrent.futures` refuses
+    new work) or no thread can start. The caller then does the work in its own thread."""
+    try:
+        return pool.submit(work, *args)
+    except RuntimeError:
+        return None
 
 
 def piece_digest(buffers: Iterable[memoryview | bytes]) -> int:
@@ -70,8 +81,8 @@ def tree_digest(count: int, piece: Callable[[int], int]) -> str:
                 raise
 
     with ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="checksum") as pool:
-        helpers = [pool.submit(work) for _ in range(min(THREADS, count) - 1)]
-        work()
+        helpers = [helper for _ in range(min(THREADS, count) - 1) if (helper := submitted(pool, work)) is not None]
+        work()  # takes every piece no helper does: all of them when no helper could start
         for helper in helpers:
             helper.result()
     return xxhash.xxh3_64(b"".join(d.to_bytes(8, "little") for d in digests)).hexdigest()
@@ -107,6 +118,21 @@ def _hash_mapped(mapped: mmap.mmap | bytes, size: int, algorithm: str) -> str:
             return xxhash.xxh3_64_intdigest(view)
 
     return tree_digest(-(-size // PIECE_BYTES), piece)
+
+
+def side_by_side(work: Callable[[str], str], items: Sequence[str], threads: int) -> Iterator[tuple[str, str]]:
+    """`(item, work(item))` for every item, each as it is done, on up to `threads` threads; an item
+    no thread takes (see `submitted`) is done in the calling thread. After a failure, this returns
+    only once no work runs."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(items))), thread_name_prefix="checksum") as pool:
+        futures: dict[Future[str], str] = {}
+        for item in items:
+            if (future := submitted(pool, work, item)) is None:
+                yield item, work(item)
+            else:
+                futures[future] = item
+        for future in as_completed(futures):
+            yield futures[future], future.result()
 
 
 def check_unverified(folder: Path, expected: Mapping[str, str], verified: Collection[str]) -> None:

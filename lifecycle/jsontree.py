@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lifecycle.boundary import read_bytes
-from lifecycle.errors import CheckpointError
+from lifecycle.errors import CheckpointError, shorten
 
 JSON_LIMIT = 256 * 1024**2
 """Bytes a checkpoint's JSON file may have: optimizer structure and dataloader positions take
@@ -66,12 +66,34 @@ def read_config_json(path: Path) -> Any:
     return parse_json(read_bytes(path, CONFIG_JSON_LIMIT, "config.json", follow=True), path)
 
 
+class _DuplicateKey(ValueError):
+    """An object names one key twice: JSON leaves it to the reader which one counts."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The object, built in C; the key named twice looked for only when it lost an item."""
+    out = dict(pairs)
+    if len(out) == len(pairs):
+        return out
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(f"an object names the key {shorten(key, 200)} twice; which one counts is ambiguous")
+        seen.add(key)
+    return out
+
+
 def parse_json(raw: bytes, path: Path) -> Any:
-    """`raw` as UTF-8 JSON; every way it can fail is a CheckpointError naming `path`."""
+    """`raw` as UTF-8 JSON; every way it can fail is a CheckpointError naming `path`.
+
+    An object naming a key twice is refused: `json` keeps the last, `safetensors` refuses such a
+    header, so two readers of one checkpoint file could see different contents."""
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except RecursionError:
         raise CheckpointError(f"{path}: not valid JSON: nested too deeply") from None
+    except _DuplicateKey as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
     except ValueError as exc:  # not UTF-8, not JSON, or an integer too long to convert
         raise CheckpointError(f"{path}: not valid JSON: {exc}") from None
 
