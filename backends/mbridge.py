@@ -8,15 +8,21 @@ form; it is written in Megatron's sharded format by the `dist_ckpt` backend's co
 
 from __future__ import annotations
 
-import copy
+import glob
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-
-from backends.base import MBRIDGE_CAPABILITIES, FormatBackend, FormatCapabilities
+from backends.base import (
+    MBRIDGE_CAPABILITIES,
+    FormatBackend,
+    FormatCapabilities,
+    listed,
+)
 from backends.dist_ckpt import DistCkptBackend
+from backends.hf import INDEX, SINGLE, placement_problem, weight_files
+from backends.hf_arch import expected_shapes
 from backends.megatron import (
     MegatronModel,
     agree,
@@ -27,9 +33,8 @@ from backends.megatron import (
     library_errors,
     write_hf_export,
 )
-from backends.hf import _weight_files
 from backends.safetensors_io import read_header
-from lifecycle.boundary import lstat
+from lifecycle.boundary import lstat, os_errors
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import read_config_json
 
@@ -68,26 +73,47 @@ def _architecture_problem(bridge: Any, folder: Path) -> str | None:
 
 
 def _stored_shapes(folder: Path) -> dict[str, list[int]]:
-    """Every tensor the folder's weight files hold -> its shape, from the headers (the truth,
-    not the index's claims)."""
-    return {name: entry["shape"] for path, _ in _weight_files(folder)
-            for name, entry in read_header(path).tensors.items()}
+    """Every tensor the bridge can read -> its shape, from the header of the one file it reads
+    it from (the truth, not the index's claims). The files mbridge would open are checked first
+    (`_unread_files`), so none is opened unchecked and none blocks; with an index, a tensor in
+    another file than the one it maps it to (a second copy) is refused, as the hf backend does."""
+    _unread_files(folder)
+    files = weight_files(folder)
+    mapped = {name: path for path, names in files for name in names}
+    shapes: dict[str, list[int]] = {}
+    problems: list[str] = []
+    for path, indexed in files:
+        header = read_header(path)
+        problems += [f"{path}: tensor {n!r} listed in {INDEX} but not in the file" for n in indexed
+                     if n not in header.tensors]
+        for name, entry in header.tensors.items():
+            if problem := placement_problem(name, path, mapped):
+                problems.append(f"{path}: {problem}")
+            else:
+                shapes[name] = entry["shape"]
+    if problems:
+        raise CheckpointError(f"{folder}: the weight files do not say which tensor to read:\n  {listed(problems)}")
+    return shapes
 
 
-def _expected_shapes(bridge: Any) -> dict[str, tuple[int, ...]] | None:
-    """The shape transformers gives each HF tensor of this config, built on the meta device (no
-    memory is allocated); None for an architecture no causal-LM auto class builds."""
-    import transformers
-
-    config = copy.deepcopy(bridge.hf_config)
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
-        try:
-            with torch.device("meta"):
-                model = auto.from_config(config)
-        except (ValueError, KeyError):  # the auto class does not map this config
-            continue
-        return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    return None
+def _unread_files(folder: Path) -> None:
+    """Without an index mbridge reads every `*.safetensors` its `glob` finds in the folder, a
+    later file's copy of a tensor replacing an earlier one's: a stray file's weights would win,
+    a FIFO would block. So that glob, run as mbridge runs it (unescaped: a `[`, `*` or `?` in
+    the folder's path makes it match elsewhere), must find `model.safetensors` alone. With an
+    index, mbridge opens only the files the index names, which `weight_files` checks."""
+    if lstat(folder / INDEX) is not None:
+        return
+    single = str(folder / SINGLE)
+    with os_errors("cannot list the folder", folder):
+        found = sorted(glob.glob(os.path.join(str(folder), "*.safetensors")))
+    if others := [path for path in found if path != single]:
+        raise CheckpointError(f"{folder}: without {INDEX}, mbridge reads every *.safetensors it finds and the "
+                              f"last copy of a tensor wins; refusing {shorten(others, 300)} beside {SINGLE} "
+                              "(remove them, or write an index that names each tensor's file)")
+    if lstat(folder / SINGLE) is not None and not found:
+        raise CheckpointError(f"{folder}: without {INDEX}, mbridge looks for {SINGLE} with an unescaped glob, "
+                              "which the '[', '*' or '?' in this path keeps from finding it; rename the folder")
 
 
 def _wanted_names(bridge: Any, chunks: list[Any]) -> set[str]:
@@ -107,7 +133,7 @@ def _tensors_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None
     wanted, stored = _wanted_names(bridge, chunks), _stored_shapes(folder)
     if missing := sorted(wanted - stored.keys()):
         return f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}"
-    expected = _expected_shapes(bridge) or {}
+    expected = expected_shapes(bridge.hf_config) or {}
     wrong = [f"{name}: {list(stored[name])}, expected {list(expected[name])}" for name in sorted(wanted)
              if name in expected and tuple(stored[name]) != expected[name]]
     if wrong:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 import importlib.util
 import json
-import os
 import pickle
 import queue
 from collections.abc import Callable, Iterator
@@ -34,8 +33,8 @@ from torch.distributed.checkpoint._traverse import set_element
 
 from backends.base import current_rank, failed_ranks
 from backends.hf import write_hf_folder
+from backends.hf_arch import read_hf_config
 from backends.hf_config import bridge_view, config_dtype
-from lifecycle.jsontree import read_config_json
 from lifecycle.errors import CheckpointError, ConfigError, shorten
 from lifecycle.phase import DELETE, temporarily
 
@@ -230,16 +229,10 @@ def build_model(
 ) -> MegatronModel:
     """Model chunks and bridge for an HF architecture (a folder or a `PretrainedConfig`) at
     this TP / PP. Weights are initialised, not loaded: init-load or resume fills them."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import PretrainedConfig
 
-    if not isinstance(hf_config, PretrainedConfig):  # a FIFO refused unread, transformers' refusals typed
-        source = Path(hf_config)
-        try:
-            read_config_json(source / "config.json")
-            hf_config = AutoConfig.from_pretrained(os.fspath(source))
-        except (CheckpointError, OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError("hf_config", f"{source}: no model config transformers can read: "
-                                           f"{type(exc).__name__}: {shorten(str(exc), 300)}") from None
+    if not isinstance(hf_config, PretrainedConfig):  # no code of the folder's runs: `backends.hf_arch`
+        hf_config = read_hf_config(Path(hf_config))
     init_parallel(tp, pp)
     on_gpu = torch.cuda.is_available()
     if on_gpu:

@@ -7,7 +7,9 @@ folder) and then with `lstat` (a regular file, or a real directory, never a syml
 step and role level, never a FIFO, device or socket), so an open can neither block nor be
 led elsewhere. Files are opened with `O_NOFOLLOW | O_NONBLOCK` and checked again on the open
 descriptor. Every `OSError` leaves as a `CheckpointError` that names the file and carries the
-errno's own text (disk full says disk full).
+errno's own text (disk full says disk full). One that describes the reading process, not the
+file (out of file descriptors or memory, a stale network handle) leaves as `OutOfResources`,
+which is never taken for damage: resume stops, and sets nothing aside.
 """
 
 from __future__ import annotations
@@ -30,18 +32,51 @@ NAME_MAX = 255
 PATH_MAX = 4096
 """Bytes in a whole path (Linux)."""
 STEP_PREFIX = "global_step_"
+MANIFEST = "manifest.json"
+"""A role folder's commit marker: it appears with the folder, listing every file the folder holds."""
+TRACKER = "latest_checkpointed_iteration.txt"
+"""The file of a checkpoint root naming its newest step, as verl and Megatron-LM read it."""
 _STEP_RE = re.compile(r"global_step_(0|[1-9][0-9]{0,17})")
 """Canonical step folders only: no sign, no zero padding, at most 18 digits (fits int64)."""
 _PADDED_RE = re.compile(r"global_step_[0-9]+")
+RESOURCE_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "EMFILE", "ENFILE", "ENOMEM", "EAGAIN", "ENOBUFS", "EINTR", "ESTALE", "ETIMEDOUT") if hasattr(errno, name))
+"""Errors of the process that reads, not of the file read: a retry with the resource back reads it."""
+_NOT_DAMAGE = "the process ran short of a resource; this says nothing about the file, which is not taken for damage"
+
+
+class OutOfResources(CheckpointError):
+    """Reading a checkpoint failed for want of the reader's own resources (file descriptors,
+    memory, a network filesystem's handle): the files may be intact, so this is never damage,
+    and resume stops without setting any step aside."""
 
 
 def os_error(exc: OSError, what: str, path: str | os.PathLike[str] | None = None) -> CheckpointError:
-    """`exc` as a `CheckpointError`: the file, what was being done, and the errno's text."""
+    """`exc` as a `CheckpointError`: the file, what was being done, and the errno's text; an
+    `OutOfResources` for an errno of `RESOURCE_ERRNOS`."""
     where = exc.filename if exc.filename is not None else path
     code = errno.errorcode.get(exc.errno or 0)
     text = exc.strerror or str(exc) or type(exc).__name__
     prefix = f"{os.fsdecode(where)}: " if where is not None else ""
-    return CheckpointError(f"{prefix}{what}: {text}" + (f" ({code})" if code else ""))
+    message = f"{prefix}{what}: {text}" + (f" ({code})" if code else "")
+    if exc.errno in RESOURCE_ERRNOS:
+        return OutOfResources(f"{message}: {_NOT_DAMAGE}")
+    return CheckpointError(message)
+
+
+def out_of_memory(what: str, path: str | os.PathLike[str] | None = None) -> OutOfResources:
+    """A `MemoryError` met while `what` was done to `path`, as an `OutOfResources`."""
+    prefix = f"{os.fsdecode(path)}: " if path is not None else ""
+    return OutOfResources(f"{prefix}{what}: out of memory: {_NOT_DAMAGE}")
+
+
+def file_problem(exc: OSError, what: str, path: str | os.PathLike[str] | None = None) -> str:
+    """`exc` as one problem of a file, for a list of them (see `os_error`); an `OutOfResources`
+    is raised instead, since it tells nothing about the file."""
+    error = os_error(exc, what, path)
+    if isinstance(error, OutOfResources):
+        raise error from exc
+    return str(error)
 
 
 @contextmanager
@@ -54,6 +89,8 @@ def os_errors(what: str, path: str | os.PathLike[str] | None = None) -> Iterator
         raise
     except OSError as exc:
         raise os_error(exc, what, path) from exc
+    except MemoryError as exc:
+        raise out_of_memory(what, path) from exc
     except ValueError as exc:  # "embedded null byte" and friends, from os.* on a bad path
         where = f"{os.fsdecode(path)}: " if path is not None else ""
         raise CheckpointError(f"{where}{what}: {exc}") from exc
@@ -129,7 +166,9 @@ def inside(folder: Path, rel: str) -> Path:
     target = folder / rel
     try:
         escapes = not target.resolve().is_relative_to(folder.resolve())
-    except (OSError, RuntimeError, ValueError) as exc:
+    except OSError as exc:
+        raise os_error(exc, "cannot resolve", target) from exc
+    except (RuntimeError, ValueError) as exc:
         raise CheckpointError(f"{target}: cannot resolve: {exc}") from exc
     if escapes:
         raise CheckpointError(f"{folder}: {rel!r} leads out of the folder")
@@ -189,11 +228,42 @@ def special_files(folder: Path) -> list[str]:
         try:
             mode = entry.stat(follow_symlinks=True).st_mode
         except OSError as exc:
-            problems.append(str(os_error(exc, "cannot stat", entry.path)))
+            problems.append(file_problem(exc, "cannot stat", entry.path))
             continue
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             problems.append(f"{entry.path}: a {kind(mode)}, not a regular file")
     return problems
+
+
+def scan(folder: Path) -> tuple[list[str], list[str]]:
+    """Relative posix paths of every regular file under `folder`, and a problem for every entry
+    that is neither a regular file nor a real folder (symlinks, FIFOs, sockets, devices) or
+    that cannot be listed. Symlinks are reported, never followed; nothing is opened. The reader's
+    own shortage (`OutOfResources`) is raised: it is no problem of the folder."""
+    files: list[str] = []
+    problems: list[str] = []
+    pending = [(folder, "")]
+    while pending:
+        here, prefix = pending.pop()
+        try:
+            with os.scandir(here) as entries:
+                found = sorted((entry.name, entry) for entry in entries)
+        except OSError as exc:
+            problems.append(file_problem(exc, "cannot list the folder", here))
+            continue
+        for name, entry in found:
+            rel = f"{prefix}{name}"
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((Path(entry.path), f"{rel}/"))
+                elif entry.is_file(follow_symlinks=False):
+                    files.append(rel)
+                else:
+                    mode = entry.stat(follow_symlinks=False).st_mode
+                    problems.append(f"{entry.path}: a {kind(mode)}; a checkpoint holds regular files only")
+            except OSError as exc:
+                problems.append(file_problem(exc, "cannot stat", entry.path))
+    return sorted(files), problems
 
 
 def open_regular(path: Path, *, follow: bool = False) -> BinaryIO:

@@ -14,6 +14,7 @@ conversion outlives it. A rank whose parent died ends its group too.
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -23,10 +24,10 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, NoReturn, TextIO
 
 from backends.base import free_port
-from lifecycle.boundary import lstat, os_errors, special_files
+from lifecycle.boundary import MANIFEST, TRACKER, lstat, os_errors, parse_step, read_bytes, special_files
 from lifecycle.errors import CheckpointError, ConfigError, LifecycleError
 from lifecycle.procgroup import end_group, exited, lead_own_group
 
@@ -106,19 +107,64 @@ def check(job: ConvertJob) -> tuple[str, Path]:
                                  "symlink cannot take: name the folder itself")
     if job.dst.exists() and (not job.dst.is_dir() or any(job.dst.iterdir())):
         raise ConfigError("DST", f"{job.dst}: exists and is not an empty folder; nothing was written")
+    _check_destination(job)
     arch = architecture(job, fmt)
     check_architecture(arch / "config.json", job.src)
     return fmt, arch
 
 
-"""A model's config.json is kilobytes; anything past this is not one."""
+def _check_destination(job: ConvertJob) -> None:
+    """DST outside SRC (the ranks read SRC while they write beside DST) and outside any
+    checkpoint: a committed folder's manifest lists every file it holds, so a resume would take
+    the step for damaged and set it aside, and a new folder among the steps would be one."""
+    try:
+        dst, src = job.dst.resolve(), job.src.resolve()
+        if dst == src or dst.is_relative_to(src):
+            raise ConfigError("DST", f"{job.dst}: inside SRC {job.src}; write the conversion elsewhere")
+        for folder in (dst, *dst.parents):
+            if folder != dst and _holds_a_manifest(folder):
+                raise ConfigError("DST", f"{job.dst}: inside {folder}, which holds {MANIFEST}: a committed checkpoint "
+                                         "lists every file it holds, and one more makes it damaged; write elsewhere")
+            if _is_step_of_a_root(folder):
+                raise ConfigError("DST", f"{job.dst}: {'is' if folder == dst else 'inside'} the step folder {folder} "
+                                         "of a checkpoint root, which resume would take for a damaged or incomplete "
+                                         "step; write elsewhere")
+    except (OSError, RuntimeError, CheckpointError) as exc:  # a symlink loop, a folder that cannot be read
+        raise ConfigError("DST", f"{job.dst}: cannot tell where it lies: {exc}") from None
+
+
+def _is_step_of_a_root(folder: Path) -> bool:
+    """A `global_step_N` folder (`lifecycle.boundary.parse_step`) beside the root's tracker, or
+    holding a committed role folder."""
+    if parse_step(folder.name) is None:
+        return False
+    if lstat(folder.parent / TRACKER) is not None:
+        return True
+    if not folder.is_dir():
+        return False
+    with os.scandir(folder) as entries:
+        return any(entry.is_dir() and lstat(Path(entry.path) / MANIFEST) is not None for entry in entries)
+
+
+def _holds_a_manifest(folder: Path) -> bool:
+    """Whether `folder` is a committed role folder: its `manifest.json` a JSON object with this
+    library's `format_version` and `files` (another project's `manifest.json` is not one)."""
+    if lstat(folder / MANIFEST) is None:
+        return False
+    try:
+        data = json.loads(read_bytes(folder / MANIFEST, 64 * 1024 * 1024, "a manifest"))
+    except (CheckpointError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "format_version" in data and "files" in data
 
 
 def check_architecture(config: Path, src: Path) -> None:
     """The config every rank builds its model from, read before any starts: a JSON object whose
-    sizes are positive integers, and whose parameters (`parameter_floor`) are no more than SRC
-    has bytes on disk. A config of another model, or a crafted one, would else make every rank
-    allocate it (a 50M x 64 embedding is 13 GB) before a single weight is compared."""
+    sizes are positive integers, and whose parameters are no more than SRC has bytes on disk,
+    counted first from the sizes (`parameter_floor`, cheap), then on the model transformers
+    builds on the meta device (`backends.hf_arch.parameter_floor`: experts and every other part
+    included). A config of another model, or a crafted one, would else make every rank allocate
+    it (a 50M x 64 embedding is 13 GB, 4096 experts 384 GB) before a single weight is compared."""
     from lifecycle.jsontree import read_config_json  # imports torch: not for `--help`
 
     try:
@@ -130,10 +176,28 @@ def check_architecture(config: Path, src: Path) -> None:
     sizes = {key: data[key] for key in SIZE_KEYS if data.get(key) is not None}
     if any(not (type(v) is int and v > 0) for v in sizes.values()):
         raise ConfigError("--hf-config", f"{config}: {', '.join(sizes)} must be positive integers, found {sizes}")
-    if (wanted := parameter_floor(sizes)) > (held := allocated_bytes(src)):
-        raise ConfigError("--hf-config", f"{config}: its model has at least {wanted} parameters "
-                                         f"({', '.join(f'{k} {v}' for k, v in sizes.items())}), more than the "
-                                         f"{held} bytes {src} holds on disk: the config of another model?")
+    held = allocated_bytes(src)
+    if (wanted := parameter_floor(sizes)) > held:
+        _too_large(config, src, wanted, held, ", ".join(f"{k} {v}" for k, v in sizes.items()))
+    if (built := _built_parameters(config)) is not None and built > held:
+        _too_large(config, src, built, held, "counted on the model transformers builds for it")
+
+
+def _built_parameters(config: Path) -> int | None:
+    """Parameters of the model transformers builds for the config (meta device, no code of
+    the folder's run); None for an architecture no auto class builds (the floor alone holds)."""
+    from backends.hf_arch import parameter_floor as built_floor
+    from backends.hf_arch import read_hf_config
+
+    try:
+        return built_floor(read_hf_config(config.parent))
+    except ConfigError as exc:
+        raise ConfigError("--hf-config", exc.message if exc.key == "hf_config" else str(exc)) from None
+
+
+def _too_large(config: Path, src: Path, wanted: int, held: int, how: str) -> NoReturn:
+    raise ConfigError("--hf-config", f"{config}: its model has at least {wanted} parameters ({how}), more than "
+                                     f"the {held} bytes {src} holds on disk: the config of another model?")
 
 
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

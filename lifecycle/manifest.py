@@ -13,7 +13,6 @@ import stat
 import sys
 import tempfile
 from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import suppress
 from datetime import datetime, timezone
 from importlib import metadata
@@ -21,14 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from lifecycle.boundary import (
-    inside, kind, lstat, os_error, os_errors, read_bytes, real_dir, regular_size, rel_problem,
+    MANIFEST, OutOfResources, inside, kind, lstat, os_errors, read_bytes, real_dir, regular_size, rel_problem, scan,
 )
-from lifecycle.checksum import ALGORITHM, ALGORITHMS, file_digest
+from lifecycle.checksum import ALGORITHM, ALGORITHMS, file_digest, side_by_side
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.types import Content
 from lifecycle.version import __version__
 
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 """2: file checksums are keyed by their algorithm's name (1: always `xxh3_64`); both are read."""
 HASH_THREADS = 2
@@ -108,16 +106,16 @@ def _hash_all(
     sizes = {rel: regular_size(folder / rel) for rel in algorithms}
     total, done = sum(sizes.values()), 0
     out: dict[str, str] = {}
-    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(algorithms)))) as pool:
-        futures = {pool.submit(file_digest, folder / rel, fsync=fsync, algorithm=algorithm): rel
-                   for rel, algorithm in algorithms.items()}
-        for fut in as_completed(futures):
-            rel = futures[fut]
-            with os_errors("cannot read to checksum it", folder / rel):
-                out[rel] = fut.result()
-            done += sizes[rel]
-            if progress is not None:
-                progress(done, total)
+
+    def hash_one(rel: str) -> str:
+        with os_errors("cannot read to checksum it", folder / rel):
+            return file_digest(folder / rel, fsync=fsync, algorithm=algorithms[rel])
+
+    for rel, digest in side_by_side(hash_one, list(algorithms), HASH_THREADS):
+        out[rel] = digest
+        done += sizes[rel]
+        if progress is not None:
+            progress(done, total)
     return out
 
 
@@ -153,36 +151,6 @@ def _digests(folder: Path, rels: list[str], written: Mapping[str, str], *, fsync
                 os.close(fd)
     out.update(_hash_all(folder, {rel: ALGORITHM for rel in rels if rel not in out}, fsync=fsync, progress=None))
     return out
-
-
-def scan(folder: Path) -> tuple[list[str], list[str]]:
-    """Relative posix paths of every regular file under `folder`, and a problem for every entry
-    that is neither a regular file nor a real folder (symlinks, FIFOs, sockets, devices) or
-    that cannot be listed. Symlinks are reported, never followed; nothing is opened."""
-    files: list[str] = []
-    problems: list[str] = []
-    pending = [(folder, "")]
-    while pending:
-        here, prefix = pending.pop()
-        try:
-            with os.scandir(here) as entries:
-                found = sorted((entry.name, entry) for entry in entries)
-        except OSError as exc:
-            problems.append(str(os_error(exc, "cannot list the folder", here)))
-            continue
-        for name, entry in found:
-            rel = f"{prefix}{name}"
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append((Path(entry.path), f"{rel}/"))
-                elif entry.is_file(follow_symlinks=False):
-                    files.append(rel)
-                else:
-                    mode = entry.stat(follow_symlinks=False).st_mode
-                    problems.append(f"{entry.path}: a {kind(mode)}; a checkpoint holds regular files only")
-            except OSError as exc:
-                problems.append(str(os_error(exc, "cannot stat", entry.path)))
-    return sorted(files), problems
 
 
 def library_versions() -> dict[str, str]:
@@ -317,13 +285,16 @@ def check_folder(
     Cheap mode (presence, sizes, file types) decides completeness; deep mode adds checksums
     and unlisted files, so a tampered step is refused loudly at resume instead of skipped.
     Files in `verified_later` are left to the reader that checks them while loading.
-    `manifest`: the folder's manifest when the caller has already read it.
+    `manifest`: the folder's manifest when the caller has already read it. `OutOfResources` (the
+    reader short of file descriptors or memory) is raised, never listed: it is no reason.
     """
     try:
         if not real_dir(folder, "a role folder"):
             return [f"{folder}: role folder missing"]
         if manifest is None:
             manifest = read_manifest_file(folder)
+    except OutOfResources:
+        raise
     except CheckpointError as exc:
         return [str(exc)]
     data = manifest  # the name the checks below use
@@ -336,6 +307,8 @@ def check_folder(
     for name, entry in data["contents"].items():
         try:
             inside(folder, entry["folder"])
+        except OutOfResources:
+            raise
         except CheckpointError as exc:
             problems.append(f"{mpath}: contents[{name!r}] folder {entry['folder']!r} escapes {folder} ({exc})")
     listed, to_hash = _check_listed(folder, data["files"], problems)
@@ -349,6 +322,8 @@ def check_folder(
         try:
             digests = _hash_all(folder, {rel: algorithm for rel, (algorithm, _) in wanted.items()},
                                 fsync=False, progress=progress)
+        except OutOfResources:
+            raise
         except CheckpointError as exc:
             return [str(exc)]
         problems.extend(
@@ -380,6 +355,8 @@ def _check_listed(
         target = f"{base}/{rel}"
         try:
             st = lstat(target)
+        except OutOfResources:
+            raise
         except CheckpointError as exc:
             problems.append(f"{folder / MANIFEST}: file path {rel!r} is refused: {exc}")
             continue

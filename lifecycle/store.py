@@ -12,10 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from lifecycle.boundary import (
-    STEP_PREFIX, lstat, os_error, os_errors, parse_step, parse_step_number, read_bytes, real_dir, role_problem,
+    STEP_PREFIX, TRACKER, lstat, os_error, os_errors, parse_step, parse_step_number, read_bytes, real_dir, role_problem,
 )
 from lifecycle.aside import DAMAGED, SUPERSEDED, aside_names, quarantine, supersede
 from lifecycle.errors import CheckpointError, ConfigError
@@ -29,12 +27,12 @@ from lifecycle.manifest import (
     write_json_atomic,
     write_text_atomic,
 )
+from lifecycle.phase import say
 from lifecycle.retention import (
     REPLACED, STAGING, apply_retention, exchange, left_staging, only_copy, remove, replaced_copies, rmtree, tidy,
 )
 from lifecycle.writer_lock import WriterLock
 
-TRACKER = "latest_checkpointed_iteration.txt"
 TRACKER_LIMIT = 64
 """The tracker holds one step number: anything longer is not a tracker."""
 Identity = tuple[tuple[int, int] | None, ...]
@@ -72,7 +70,8 @@ class CheckpointStore:
         barrier: Callable[[], None] | None = None,
         agree: Agree | None = None,
     ) -> None:
-        self.root = Path(root)
+        with os_errors("cannot make the checkpoint root absolute (is the working directory gone?)", root):
+            self.root = Path(root).absolute()  # a later chdir (a callback, a tool) must not move a save in flight
         self.rank = rank
         self.world_size = world_size
         self._barrier = barrier if barrier is not None else _default_barrier(world_size)
@@ -153,8 +152,7 @@ class CheckpointStore:
             if lstat(path) is not None:
                 rmtree(path)
         except (OSError, CheckpointError) as exc:
-            structlog.get_logger().warning("checkpoint.staging_not_removed", step=step, path=str(path),
-                                           error=str(exc))
+            say("warning", "checkpoint.staging_not_removed", step=step, path=str(path), error=str(exc))
 
     def commit(
         self,
@@ -244,8 +242,7 @@ class CheckpointStore:
         try:
             fsync_dir(final.parent)
         except OSError as exc:
-            structlog.get_logger().error("checkpoint.commit_not_durable", step=step, path=str(final.parent),
-                                         error=str(exc))
+            say("error", "checkpoint.commit_not_durable", step=step, path=str(final.parent), error=str(exc))
         if old is not None:
             remove(self, old, step)
 
@@ -262,8 +259,8 @@ class CheckpointStore:
             if current is None or current <= step or not self.is_complete(current, roles):
                 self.write_tracker(step)
         except (CheckpointError, OSError) as exc:
-            structlog.get_logger().warning("checkpoint.tracker_failed", step=step, path=str(self.tracker_path),
-                                           error=str(exc), action="the next save retries")
+            say("warning", "checkpoint.tracker_failed", step=step, path=str(self.tracker_path), error=str(exc),
+                action="the next save retries")
 
     def read_manifest(self, step: int, role: str) -> dict[str, Any]:
         return read_manifest_file(self.role_dir(step, role))
@@ -392,8 +389,9 @@ class CheckpointStore:
             write_text_atomic(self.tracker_path, f"{int(step)}\n")
 
     def apply_retention(self, keep_last: int | None, roles: Sequence[str], protect: set[int], *,
-                        role: str) -> list[int]:
+                        role: str, tracker: bool = True) -> list[int]:
         """Prune `role`'s folders of the steps older than the newest `keep_last` ones complete for
         `roles`, and a step folder once no other role's folder remains in it (see
-        `lifecycle.retention`)."""
-        return apply_retention(self, keep_last, roles, protect, check_role(role)) if self.rank == 0 else []
+        `lifecycle.retention`); with `tracker` (this store writes it), never the step it names."""
+        return (apply_retention(self, keep_last, roles, protect, check_role(role), tracker=tracker)
+                if self.rank == 0 else [])
