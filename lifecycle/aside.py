@@ -18,10 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import structlog
-
 from lifecycle.boundary import STEP_PREFIX, lstat, os_error, parse_step
 from lifecycle.errors import CheckpointError
+from lifecycle.phase import say
 from lifecycle.retention import replaced_copies
 
 if TYPE_CHECKING:
@@ -59,8 +58,8 @@ def _move_copies(store: CheckpointStore, step: int, aside: Path) -> None:
         except FileNotFoundError:
             continue  # put back or removed meanwhile
         except (OSError, CheckpointError) as exc:
-            structlog.get_logger().error("checkpoint.replaced_not_moved", step=step, path=str(path), error=str(exc),
-                                         action="its step is gone from the root: the next save's sweep removes it")
+            say("error", "checkpoint.replaced_not_moved", step=step, path=str(path), error=str(exc),
+                action="its step is gone from the root: the next save's sweep removes it")
 
 
 def quarantine(store: CheckpointStore, step: int, problems: Sequence[str], roles: Sequence[str]) -> Path | None:
@@ -71,9 +70,8 @@ def quarantine(store: CheckpointStore, step: int, problems: Sequence[str], roles
     another role or rank set it aside first."""
     aside = set_aside(store, step, DAMAGED, "damaged")
     if aside is not None:
-        structlog.get_logger().error("checkpoint.step_quarantined", step=step, path=str(aside),
-                                     files=list(problems[:MAX_LOGGED]), more=max(0, len(problems) - MAX_LOGGED),
-                                     action="resuming the next newest complete step")
+        say("error", "checkpoint.step_quarantined", step=step, path=str(aside), files=list(problems[:MAX_LOGGED]),
+            more=max(0, len(problems) - MAX_LOGGED), action="resuming the next newest complete step")
         try:
             older = store.newest_committed(roles, below=step)
         except CheckpointError:
@@ -91,18 +89,17 @@ def supersede(store: CheckpointStore, newer_than: int) -> list[Path]:
     step now gone is pointed at `newer_than`, since verl's trainer resumes from what the tracker
     names (and starts fresh when that step is missing). Best effort: the rollback itself has
     happened already."""
-    log = structlog.get_logger()
     moved: list[Path] = []
     for step in store.steps():
         try:
             if step > newer_than and (aside := set_aside(store, step, SUPERSEDED, "rolled back past")) is not None:
                 moved.append(aside)
         except CheckpointError as exc:
-            log.error("checkpoint.supersede_failed", step=step, error=str(exc),
-                      action="a later automatic resume may pick this step")
+            say("error", "checkpoint.supersede_failed", step=step, error=str(exc),
+                action="a later automatic resume may pick this step")
     if moved:
-        log.warning("checkpoint.steps_superseded", resumed_step=newer_than, paths=[str(p) for p in moved],
-                    reason="resumed from an older step; these are never resumed or deleted")
+        say("warning", "checkpoint.steps_superseded", resumed_step=newer_than, paths=[str(p) for p in moved],
+            reason="resumed from an older step; these are never resumed or deleted")
     tracker_back_to(store, newer_than)
     return moved
 
@@ -114,8 +111,8 @@ def tracker_back_to(store: CheckpointStore, step: int) -> None:
         if named is not None and named > step and lstat(store.step_dir(named)) is None:
             store.write_tracker(step)
     except CheckpointError as exc:
-        structlog.get_logger().warning("checkpoint.tracker_failed", step=step, path=str(store.tracker_path),
-                                       error=str(exc), action="the next save rewrites it")
+        say("warning", "checkpoint.tracker_failed", step=step, path=str(store.tracker_path), error=str(exc),
+            action="the next save rewrites it")
 
 
 def aside_names(store: CheckpointStore, marker: str) -> list[str]:

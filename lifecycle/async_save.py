@@ -7,7 +7,8 @@ copy. At most one save is in flight: the next save, resume and close wait for it
 first, so two commits never interleave and the host buffers can be reused, which spares
 the page faults of fresh memory on every save after the first.
 
-`AsyncSaver` owns the host copy (`HostCopier`) and the background thread (`lifecycle.background`)
+`AsyncSaver` owns the host copy (`HostCopier`) and the background thread (`lifecycle.background`,
+which also holds the `PendingSave` an async save returns)
 and drives the same `lifecycle.saver.Saver` as a synchronous save: one write, agree and commit
 path for both.
 
@@ -28,16 +29,13 @@ from datetime import timedelta
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from lifecycle.background import BackgroundSaver
+from lifecycle.background import BackgroundSaver, PendingSave
 from lifecycle.contents import CONTENTS
 from lifecycle.errors import CheckpointError
 from lifecycle.saver import SaveJob, Saver, agree_fn
@@ -267,36 +265,6 @@ class FrozenModule(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         return dict(self._frozen)
-
-
-@dataclass(kw_only=True, slots=True)
-class PendingSave(SaveInfo):
-    """What an async save returns at once: the step and path it will commit, and a handle to wait on.
-
-    `bytes` are the host copy's, `seconds` the training loop's stall (waiting for the previous
-    commit, writing `extra/`, the host copy); `wait()` returns the committed save's own figures.
-    """
-
-    committed: Future[SaveInfo] = field(repr=False, compare=False)
-    """Resolves to the committed SaveInfo, or raises what the background write raised."""
-
-    def wait(self, timeout: float | None = None) -> SaveInfo:
-        """The committed save's figures. A failed background write is a `CheckpointError` naming
-        the step (a collective's raw error included: a peer killed mid-write), and a wait past
-        `timeout` seconds a `CheckpointError` saying the save is still in flight."""
-        try:
-            return self.committed.result(timeout)
-        except FutureTimeout:
-            raise CheckpointError(f"async save of step {self.step} is still in flight after {timeout:g} s; it goes "
-                                  "on (wait again, or lc.close() to wait for it)") from None
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"async save of step {self.step} failed before its commit, so it was not "
-                                  f"published: {type(exc).__name__}: {exc}") from exc
-
-    def figures(self) -> dict[str, Any]:
-        return {**SaveInfo.figures(self), "async": True, "stall_s": round(self.seconds, 6)}
 
 
 def _world_timeout(dist: Any) -> timedelta | None:

@@ -1,24 +1,30 @@
-"""`BackgroundSaver`: the one thread an async save writes and commits on, and what keeps its
-save in flight safe when the process exits or forks.
+"""`BackgroundSaver`: the one thread an async save writes and commits on, what keeps its save in
+flight safe when the process exits or forks, and `PendingSave`, the handle a caller waits on.
 
 At most one save is in flight per saver. Its failure is raised once, by the next wait; a wait
 interrupted by Ctrl-C leaves it in flight and known. A save still in flight when the interpreter
 exits is committed first, and a forked child forgets its parent's (see `_drain_at_exit`,
-`_forget_in_child`).
+`_forget_in_child`). A save begun while the interpreter exits (from an `atexit` hook), when no
+thread may start, is written and committed in the calling thread.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
+from typing import Any
 
-import structlog
-
-from lifecycle.errors import CheckpointError
+from lifecycle.checksum import submitted
+from lifecycle.errors import CheckpointError, ConfigError, shorten
+from lifecycle.phase import described, say
 from lifecycle.types import SaveInfo
 
 _SAVERS: weakref.WeakSet[BackgroundSaver] = weakref.WeakSet()
@@ -33,8 +39,7 @@ def _drain_at_exit() -> None:
     `concurrent.futures`, which would refuse the thread pools the write and its hashing use."""
     for saver in list(_SAVERS):
         if saver._pending is not None:
-            structlog.get_logger().info("checkpoint.async_save.drain_at_exit", role=saver.role,
-                                        step=saver._pending[0])
+            say("info", "checkpoint.async_save.drain_at_exit", role=saver.role, step=saver._pending[0])
             saver.wait(raise_failure=False)  # a failure was logged by the write itself
 
 
@@ -44,6 +49,70 @@ def _forget_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _hook_exit() -> bool:
+    """Register `_drain_at_exit` once, after `concurrent.futures`' own exit hook, so it runs before
+    it; False when the interpreter is exiting already (threading takes no more exit hooks then)."""
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        try:
+            threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
+        except RuntimeError:  # "can't register atexit after shutdown"
+            return False
+        _EXIT_HOOKED = True
+    return True
+
+
+@dataclass(kw_only=True, slots=True)
+class PendingSave(SaveInfo):
+    """What an async save returns at once: the step and path it will commit, and a handle to wait on.
+
+    `bytes` are the host copy's, `seconds` the training loop's stall (waiting for the previous
+    commit, writing `extra/`, the host copy); `wait()` returns the committed save's own figures.
+    """
+
+    committed: Future[SaveInfo] = field(repr=False, compare=False)
+    """Resolves to the committed SaveInfo, or raises what the background write raised."""
+
+    def wait(self, timeout: float | None = None) -> SaveInfo:
+        """The committed save's figures. A failed background write is a `CheckpointError` naming
+        the step (a collective's raw error included: a peer killed mid-write), a wait past
+        `timeout` seconds a `CheckpointError` saying the save is still in flight, and a timeout
+        that is no number of seconds a `ConfigError`, before anything waits."""
+        seconds = _seconds(timeout)
+        if not futures_wait([self.committed], seconds).done:
+            raise CheckpointError(f"async save of step {self.step} is still in flight after {seconds:g} s; it goes "
+                                  "on (wait again, or lc.close() to wait for it)")
+        if self.committed.cancelled():
+            raise CheckpointError(f"async save of step {self.step} was cancelled before its commit, so it was not "
+                                  "published")
+        failure = self.committed.exception()
+        if failure is None:
+            return self.committed.result()
+        if isinstance(failure, CheckpointError):
+            raise failure
+        raise CheckpointError(f"async save of step {self.step} failed before its commit, so it was not "
+                              f"published: {described(failure)}") from failure
+
+    def figures(self) -> dict[str, Any]:
+        return {**SaveInfo.figures(self), "async": True, "stall_s": round(self.seconds, 6)}
+
+
+def _seconds(timeout: object) -> float | None:
+    """`PendingSave.wait`'s timeout: None (no limit) or a finite real number of seconds, 0 or more;
+    one past what a lock can wait (`threading.TIMEOUT_MAX`, about 292 years) waits without limit."""
+    if timeout is None:
+        return None
+    try:
+        ok = (isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout >= 0
+              and (isinstance(timeout, numbers.Integral) or math.isfinite(timeout)))
+    except (TypeError, ValueError, OverflowError):  # a Real of another library that compares oddly
+        ok = False
+    if not ok:
+        raise ConfigError("timeout", f"PendingSave.wait: must be None or a finite number of seconds, 0 or more; "
+                                     f"got {shorten(timeout)} ({type(timeout).__name__})")
+    return None if timeout > threading.TIMEOUT_MAX else float(timeout)  # type: ignore[operator, arg-type]
 
 
 class BackgroundSaver:
@@ -56,29 +125,41 @@ class BackgroundSaver:
         _SAVERS.add(self)
 
     def submit(self, step: int, work: Callable[[], SaveInfo]) -> Future[SaveInfo]:
-        global _EXIT_HOOKED
         if self._pending is not None:
             raise CheckpointError(f"role {self.role}: step {self._pending[0]} is still being saved; wait() first")
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"async-save-{self.role}")
-        if not _EXIT_HOOKED:  # registered after concurrent.futures' own hook, so it runs before it
-            threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
-            _EXIT_HOOKED = True
-        future = self._pool.submit(self._run, step, work)
+        future = submitted(self._pool, self._run, step, work) if _hook_exit() else None
+        if future is None:  # the interpreter is exiting: a thread started now would never be waited for
+            future = self._inline(step, work)
         self._pending = (step, future)
         return future
 
+    def _inline(self, step: int, work: Callable[[], SaveInfo]) -> Future[SaveInfo]:
+        """The save written and committed in the calling thread, as a finished future. The pool is
+        dropped first, its queue cancelled: a submit that failed to start its thread left the work
+        queued, and it must never run twice."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        future: Future[SaveInfo] = Future()
+        try:
+            future.set_result(self._run(step, work))
+        except Exception as exc:  # noqa: BLE001 - raised by the wait, as a background failure is
+            future.set_exception(exc)
+        return future
+
     def _run(self, step: int, work: Callable[[], SaveInfo]) -> SaveInfo:
+        """`work()`, and its record; a log sink that fails never fails the save (see `say`)."""
         started = time.perf_counter()
-        log = structlog.get_logger()
         try:
             info = work()
         except BaseException as exc:
-            log.error("checkpoint.async_save", role=self.role, step=step, ok=False,
-                      duration_s=round(time.perf_counter() - started, 6), error=f"{type(exc).__name__}: {exc}")
+            say("error", "checkpoint.async_save", role=self.role, step=step, ok=False,
+                duration_s=round(time.perf_counter() - started, 6), error=described(exc))
             raise
-        log.info("checkpoint.async_save", role=self.role, step=step, ok=True,
-                 duration_s=round(time.perf_counter() - started, 6), **info.figures())
+        say("info", "checkpoint.async_save", role=self.role, step=step, ok=True,
+            duration_s=round(time.perf_counter() - started, 6), **info.figures())
         return info
 
     def wait(self, *, raise_failure: bool = True) -> SaveInfo | None:
@@ -93,7 +174,7 @@ class BackgroundSaver:
                 return None
             raise CheckpointError(
                 f"async save of step {step} (role {self.role}) failed before its commit, so it was "
-                f"not published: {type(exc).__name__}: {exc}"
+                f"not published: {described(exc)}"
             ) from exc
         finally:
             if future.done():  # an interrupted wait (Ctrl-C) leaves the save in flight, and known
@@ -108,4 +189,4 @@ class BackgroundSaver:
                 self._pool = None
 
 
-__all__ = ["BackgroundSaver"]
+__all__ = ["BackgroundSaver", "PendingSave"]

@@ -17,8 +17,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from backends.base import FormatBackend, backend_class, format_capabilities, listed
 from lifecycle.async_save import AsyncSaver
 from lifecycle.boundary import check_step, lstat, os_errors, special_files
@@ -27,7 +25,8 @@ from lifecycle.contents import ContentWriter
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.extra import check_progress
 from lifecycle.manifest import MANIFEST, check_folder
-from lifecycle.resumer import HashFn, Resumed, Resumer, _value, build_format, log_outcome
+from lifecycle.phase import say
+from lifecycle.resumer import HashFn, NotResumed, Resumed, Resumer, _value, build_format
 from lifecycle.role import RoleRank
 from lifecycle.saver import SaveJob, Saver, agree_fn
 from lifecycle.store import CheckpointStore, check_role
@@ -179,8 +178,7 @@ class DiskCheckpointer:
         if committed is None and (odd := special_files(folder)):
             raise CheckpointError(f"{folder}: cannot load initial weights:\n  " + listed(odd))
         if committed is None and format_capabilities(name, "checkpoint.pre_load.format").reads_pickles:
-            structlog.get_logger().warning(
-                "checkpoint.pre_load.unverified", path=str(folder), format=name,
+            say("warning", "checkpoint.pre_load.unverified", path=str(folder), format=name,
                 reason="not a committed checkpoint: no checksums to verify the files against; metadata is "
                        "read through an allow-list, but load only checkpoints you trust")
         if committed is not None and (problems := check_folder(committed, deep=True)):
@@ -242,7 +240,17 @@ class DiskCheckpointer:
         except (CheckpointError, OSError):
             return  # resume judged the root already; this is advice only
         if newest is not None:
-            structlog.get_logger().warning(
-                "checkpoint.fresh_start_over_newer_steps", role=self.role, step=newest, root=str(self.store.root),
+            say("warning", "checkpoint.fresh_start_over_newer_steps", role=self.role, step=newest,
+                root=str(self.store.root),
                 reason=f"step {newest} is committed here for every role: saves below it are refused; roll back to "
                        "an older step with resume.mode: path, or use another checkpoint.root")
+
+
+def log_outcome(role: str, outcome: Resumed | NotResumed, verify: bool) -> None:
+    """One record of what a resume did: the step it restored, or why it restored none (a log sink
+    that fails loses the record, never the resume, whose weights are loaded by now)."""
+    if isinstance(outcome, NotResumed):
+        say("info", "checkpoint.resume.none", role=role, reason=outcome.reason)
+    else:
+        say("info", "checkpoint.resumed", role=role, step=outcome.step, path=str(outcome.folder),
+            checksums_verified=verify)

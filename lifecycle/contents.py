@@ -16,12 +16,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import structlog
 
 from backends.base import FormatBackend
 from lifecycle.boundary import os_errors
 from lifecycle.errors import CheckpointError
 from lifecycle.extra import load_extra, save_extra
+from lifecycle.phase import say
 from lifecycle.types import Content, Parts, Progress, Written
 
 _RANK_DIR = re.compile(r"rank_([0-9]+)")
@@ -121,8 +121,7 @@ def _read_extra(reading: Reading) -> Loaded:
     own = folder / f"rank_{reading.rank}"
     if reading.saved_world_size == reading.world_size and own.is_dir():
         return Loaded(progress=load_extra(own, reading.parts.dataloader, step=reading.step))
-    structlog.get_logger().warning(
-        "checkpoint.resume.extra_layout_changed", path=str(folder), rank=reading.rank,
+    say("warning", "checkpoint.resume.extra_layout_changed", path=str(folder), rank=reading.rank,
         saved_world_size=reading.saved_world_size, world_size=reading.world_size,
         action="progress from rank 0; RNG and dataloader state not restored",
     )
@@ -180,7 +179,7 @@ class ContentWriter:
         for name in (c for c in self.wanted if c in only):
             content = content_io(name, staging)
             if not has_state(content, parts):
-                structlog.get_logger().warning("checkpoint.save.content_skipped", content=name, role=self.role,
+                say("warning", "checkpoint.save.content_skipped", content=name, role=self.role,
                                                reason="the worker has no object to save for it")
                 continue
             with os_errors(f"{what} cannot write {name!r}", staging):

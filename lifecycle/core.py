@@ -10,7 +10,7 @@ from lifecycle.boundary import check_step
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import CheckpointError, ConfigError, LifecycleError, shorten
 from lifecycle.machine import TRAINER, State
-from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase
+from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase, guarded
 from lifecycle.stateful import Stateful
 from lifecycle.types import Checkpointer, Parts, Progress, SaveInfo, WeightSyncer, is_count, plain_digits
 from lifecycle.watchdog import Emit, Watchdog
@@ -138,7 +138,7 @@ class Lifecycle(Stateful[State]):
                                       "fresh start needs fresh objects (the model, optimizer, scheduler and data "
                                       "position are the failed run's): build a new Lifecycle over new ones")
             if restored is None:
-                self._log.info("lifecycle.resume_fallback", role=self.role, mode=self.config.resume.mode.value,
+                guarded(self._log.info, "lifecycle.resume_fallback", role=self.role, mode=self.config.resume.mode.value,
                                reason="the checkpointer restored nothing", action="init_load")
                 phase.figures.update(self.checkpointer.load_initial(self.parts), fallback="init_load")
                 self.progress = Progress()

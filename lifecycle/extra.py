@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import structlog
 import torch
 
 from backends.safetensors_io import read_file, write_file
 
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import NotSerializable, decode, encode, read_json
+from lifecycle.phase import say
 from lifecycle.types import Progress, is_count
 
 EXTRA_JSON = "extra.json"
@@ -112,7 +112,7 @@ def _dataloader_state(dataloader: Any, where: str) -> Any:
     dataloader = stateful_loader(dataloader)
     state_dict = getattr(dataloader, "state_dict", None)
     if dataloader is not None and not callable(state_dict) and _first_time(dataloader):
-        structlog.get_logger().warning("checkpoint.extra.dataloader_position_unsaved", path=where,
+        say("warning", "checkpoint.extra.dataloader_position_unsaved", path=where,
                                        dataloader=type(dataloader).__name__,
                                        reason="it has no state_dict(), nor has its sampler: a resume replays its data")
     if dataloader is None or not callable(state_dict):
@@ -237,7 +237,7 @@ def _restore_cuda(tensors: dict[str, torch.Tensor]) -> None:
     if "cuda" not in tensors:
         return
     if not torch.cuda.is_available():
-        structlog.get_logger().warning("checkpoint.extra.cuda_rng_skipped", reason="no CUDA device")
+        say("warning", "checkpoint.extra.cuda_rng_skipped", reason="no CUDA device")
         return
     torch.cuda.set_rng_state(tensors["cuda"])
 
@@ -249,8 +249,7 @@ def _restore_dataloader(dataloader: Any, state: Any, folder: Path) -> None:
     load = getattr(dataloader, "load_state_dict", None)
     if state is None or not callable(load):
         if state is not None or callable(load):
-            structlog.get_logger().warning(
-                "checkpoint.extra.dataloader_not_restored", folder=str(folder),
+            say("warning", "checkpoint.extra.dataloader_not_restored", folder=str(folder),
                 dataloader=type(dataloader).__name__, saved_state=state is not None,
             )
         return

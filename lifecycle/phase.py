@@ -115,6 +115,18 @@ def guarded(call: Callable[..., object], *args: Any, **kwargs: Any) -> BaseExcep
     return None
 
 
+def say(level: str, event: str, **fields: Any) -> BaseException | None:
+    """One record of `event` at `level` (`info`, `warning`, `error`...) on structlog's logger, through
+    `guarded`: the logger is looked up inside the guard too (binding it runs the application's
+    logger factory), so no failure to log can fail the work that logs, a committed save or a
+    finished load included."""
+    return guarded(_emit, level, event, fields)
+
+
+def _emit(level: str, event: str, fields: dict[str, Any]) -> None:
+    getattr(structlog.get_logger(), level)(event, **fields)
+
+
 _UNHEARD: set[str] = set()
 
 
@@ -306,5 +318,5 @@ def _unknown(lc: object, trigger: object) -> str:
 
 __all__ = [
     "DELETE", "GLOBAL_OBSERVERS", "RUNNING_UNDOS", "Observer", "Phase", "Temporary", "TransitionRecord",
-    "described", "guarded", "message", "run_undos", "temporarily",
+    "described", "guarded", "message", "run_undos", "say", "temporarily",
 ]

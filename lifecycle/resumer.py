@@ -3,9 +3,11 @@
 `resume.mode` is decided here once: `disable` loads nothing, `path` loads the one step it
 names or refuses, `auto` walks the committed steps from the newest. A step whose files are
 missing, short, unreadable or fail their checksums is *damaged*; one whose files are intact
-but do not fit the model or the config is *refused*. With `resume.on_damaged: fallback` (in
-`auto`) a damaged step is renamed aside and the next newest one is tried; a refusal always
-stops resume, and so does running out of steps once any step was set aside.
+but do not fit the model or the config is *refused*, and so is one this process could not read
+for want of its own resources (`OutOfResources`: file descriptors, memory), which says nothing
+about the files. With `resume.on_damaged: fallback` (in `auto`) a damaged step is renamed aside
+and the next newest one is tried; a refusal always stops resume, and so does running out of
+steps once any step was set aside.
 
 Every role and rank must land on the same step. Ranks agree through the process group (the
 worst outcome of any rank holds for all). Roles in other processes agree through the disk:
@@ -24,16 +26,15 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
-import structlog
-
 from backends.base import FormatBackend, backend_class, format_capabilities, listed, reduce_int
 from backends.registry import IMPORT_PATH
-from lifecycle.boundary import inside, os_errors, parse_step, real_dir, same_folder
+from lifecycle.boundary import OutOfResources, inside, os_errors, parse_step, real_dir, same_folder
 from lifecycle.checksum import ALGORITHM, check_unverified
 from lifecycle.config import format_family
 from lifecycle.contents import CONTENTS, Reading, has_state
 from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint, shorten
 from lifecycle.manifest import MANIFEST, NewerFormat, check_folder, checksum_of, read_manifest_file
+from lifecycle.phase import say
 from lifecycle.role import RoleRank
 from lifecycle.store import CheckpointStore, Identity
 from lifecycle.types import Content, Parts, Progress
@@ -212,7 +213,7 @@ class Resumer:
                 verdict = Verdict.DAMAGED
             elif (refusal := _hash_refusal(model_hash, manifest, folder)) is not None:
                 verdict, problems = Verdict.REFUSED, [refusal]
-        except NewerFormat as exc:
+        except (NewerFormat, OutOfResources) as exc:
             verdict, problems = Verdict.REFUSED, [str(exc)]
         except CheckpointError as exc:
             verdict, problems = Verdict.DAMAGED, [str(exc)]
@@ -235,7 +236,8 @@ class Resumer:
         self, parts: Parts, manifest: Any, folder: Path, step: int, later: dict[str, str],
     ) -> tuple[Progress, Verdict, list[str]]:
         """Load, handing the readers the digests of `later` (see `_checked_while_loading`), then hash
-        those they did not verify; a failure is damage when a full check finds a bad file, else a refusal."""
+        those they did not verify; a failure is damage when a full check finds a bad file, else a refusal
+        (always one when this process ran short of resources: `OutOfResources`)."""
         try:
             with os_errors(f"cannot read step {step}", folder):
                 progress, verified = self._load(parts, manifest, folder, step, later)
@@ -243,7 +245,11 @@ class Resumer:
         except Exception as exc:  # a backend or a dataloader raising its own type: still a refusal, typed
             if not isinstance(exc, CheckpointError):
                 exc = CheckpointError(f"{folder}: loading step {step} failed: {type(exc).__name__}: {exc}")
-            damage = check_folder(folder, deep=True, expect_step=step, expect_role=self.at.role, manifest=manifest)
+            try:
+                damage = [] if isinstance(exc, OutOfResources) else check_folder(
+                    folder, deep=True, expect_step=step, expect_role=self.at.role, manifest=manifest)
+            except OutOfResources as short:
+                damage, exc = [], short
             if damage:
                 return Progress(), Verdict.DAMAGED, [*damage, f"(loading it failed with: {exc})"]
             return Progress(), Verdict.REFUSED, [str(exc)]
@@ -327,7 +333,7 @@ class Resumer:
         for name in sorted(self._reads(parts), key=lambda name: name != Content.EXTRA.value):  # its step first
             content, entry = CONTENTS[name], entries.get(name)
             if entry is None and content.optional_on_resume:
-                structlog.get_logger().warning(f"checkpoint.resume.no_{name}", path=str(folder), step=step)
+                say("warning", f"checkpoint.resume.no_{name}", path=str(folder), step=step)
                 continue
             if entry is None:
                 raise CheckpointError(f"{folder / MANIFEST}: no {name!r} content to resume from "
@@ -356,8 +362,8 @@ class Resumer:
                                   "a module path this worker's config does not name; a checkpoint's own word is "
                                   f"never imported (set checkpoint.load.format to it to load it)")
         if name != wanted:
-            structlog.get_logger().warning("checkpoint.resume.format_differs", content=content,
-                                           saved_with=name, load_format=wanted, path=str(folder))
+            say("warning", "checkpoint.resume.format_differs", content=content, saved_with=name, load_format=wanted,
+                path=str(folder))
         wanted_family, saved_family = format_family(wanted), format_family(name)
         if saved_family != wanted_family:
             raise CheckpointError(f"{folder.parent / MANIFEST}: {content!r} was saved with format {name!r} "
@@ -389,12 +395,3 @@ def _hash_refusal(current: str | None, manifest: dict[str, Any], folder: Path) -
                 f"{current}; set resume.strict=false to load anyway")
     return None
 
-
-def log_outcome(role: str, outcome: Resumed | NotResumed, verify: bool) -> None:
-    """One record of what a resume did: the step it restored, or why it restored none."""
-    log = structlog.get_logger()
-    if isinstance(outcome, NotResumed):
-        log.info("checkpoint.resume.none", role=role, reason=outcome.reason)
-    else:
-        log.info("checkpoint.resumed", role=role, step=outcome.step, path=str(outcome.folder),
-                 checksums_verified=verify)

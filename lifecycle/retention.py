@@ -25,10 +25,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
-from lifecycle.boundary import lstat, real_dir, role_problem
+from lifecycle.boundary import OutOfResources, lstat, real_dir, role_problem
 from lifecycle.errors import CheckpointError
+from lifecycle.phase import say
 
 if TYPE_CHECKING:
     from lifecycle.store import CheckpointStore
@@ -137,24 +136,23 @@ def tidy(store: CheckpointStore, role: str) -> None:
     put_back(store, role)
     for step, path in left_staging(store, role):
         if remove(store, path, step):
-            structlog.get_logger().info("checkpoint.staging_removed", step=step, role=role, path=str(path),
-                                        reason="left by a save that crashed before or right after its commit")
+            say("info", "checkpoint.staging_removed", step=step, role=role, path=str(path),
+                reason="left by a save that crashed before or right after its commit")
 
 
 def put_back(store: CheckpointStore, role: str) -> None:
     """Under `role`'s writer lock (no commit of it in flight): rename each `.replaced-` copy that
     is its step's only committed copy back into place, so resume reads it again."""
-    log = structlog.get_logger()
     for step, _, path in replaced_copies(store, role):
         try:
             if not only_copy(store, step, role) or not real_dir(store.step_dir(step), "a step folder"):
                 continue
             os.rename(path, store.role_dir(step, role))
         except (OSError, CheckpointError) as exc:
-            log.error("checkpoint.replaced_not_restored", step=step, role=role, path=str(path), error=str(exc))
+            say("error", "checkpoint.replaced_not_restored", step=step, role=role, path=str(path), error=str(exc))
             continue
-        log.warning("checkpoint.replaced_restored", step=step, role=role, path=str(store.role_dir(step, role)),
-                    reason="a re-commit of this step was interrupted between its two renames")
+        say("warning", "checkpoint.replaced_restored", step=step, role=role, path=str(store.role_dir(step, role)),
+            reason="a re-commit of this step was interrupted between its two renames")
 
 
 def sweep(store: CheckpointStore) -> None:
@@ -167,18 +165,21 @@ def sweep(store: CheckpointStore) -> None:
             try:
                 rmtree(Path(entry.path))
             except OSError as exc:
-                structlog.get_logger().warning("checkpoint.retention_failed", path=entry.path, error=str(exc),
-                                               action="left for the next save to remove")
+                say("warning", "checkpoint.retention_failed", path=entry.path, error=str(exc),
+                    action="left for the next save to remove")
     for step, role, path in replaced_copies(store, entries=entries):
         if not only_copy(store, step, role):
             remove(store, path, step)
 
 
 def apply_retention(
-    store: CheckpointStore, keep_last: int | None, roles: Sequence[str], protect: set[int], role: str,
+    store: CheckpointStore, keep_last: int | None, roles: Sequence[str], protect: set[int], role: str, *,
+    tracker: bool = True,
 ) -> list[int]:
     """Prune `role`'s part of the steps older than the newest `keep_last` complete ones (complete
-    for every role of `roles`); None or < 1 keeps all.
+    for every role of `roles`); None or < 1 keeps all. With `tracker` (the store writes the
+    tracker), the step the tracker names is kept too (see `tracked`); without, the trainer writes
+    it (verl's does, after every role saved) and retention is verl's own, which never looks at it.
 
     Pruning a step removes `role`'s folder in it (and its staging folder), and the step folder
     itself, with whatever else it holds (the trainer's `data.pt`, a crashed save's leftovers),
@@ -188,15 +189,15 @@ def apply_retention(
     incomplete: another role may still be writing them. Steps set aside (damaged, superseded)
     are not steps and are never touched. Returns the steps pruned.
     """
-    log = structlog.get_logger()
     try:
         sweep(store)
         if keep_last is None or keep_last < 1:
             return []
         all_steps = store.steps()
         complete = [s for s in all_steps if store.is_complete(s, roles)]
+        protect = (protect | tracked(store)) if tracker else protect
     except CheckpointError as exc:
-        log.warning("checkpoint.retention_failed", path=str(store.root), error=str(exc))
+        say("warning", "checkpoint.retention_failed", path=str(store.root), error=str(exc))
         return []
     if len(complete) < keep_last:
         return []
@@ -204,9 +205,24 @@ def apply_retention(
     pruned = [step for step in all_steps
               if step < oldest_kept and step not in protect and _prune(store, step, role)]
     if pruned:
-        log.info("checkpoint.retention", root=str(store.root), deleted=pruned, keep_last=keep_last,
-                 protected=sorted(protect), role=role)
+        say("info", "checkpoint.retention", root=str(store.root), deleted=pruned, keep_last=keep_last,
+            protected=sorted(protect), role=role)
     return pruned
+
+
+def tracked(store: CheckpointStore) -> set[int]:
+    """The step the tracker names, which retention keeps: a tracker write that failed (a full disk)
+    leaves it naming an older step than the one just committed, and a trainer that reads the
+    tracker (verl's) resumes from that one. Nothing when there is no tracker, or one that names
+    no step; `OutOfResources` when it cannot be read for want of this process's resources (so
+    nothing is pruned, until the next save)."""
+    try:
+        named = store.read_tracker()
+    except OutOfResources:
+        raise
+    except CheckpointError:
+        return set()
+    return set() if named is None else {named}
 
 
 def _prune(store: CheckpointStore, step: int, role: str) -> bool:
@@ -219,8 +235,8 @@ def _prune(store: CheckpointStore, step: int, role: str) -> bool:
     except FileNotFoundError:
         return False  # another process removed it first
     except OSError as exc:
-        structlog.get_logger().warning("checkpoint.retention_failed", step=step, path=str(folder), error=str(exc),
-                                       action="left for the next save to remove")
+        say("warning", "checkpoint.retention_failed", step=step, path=str(folder), error=str(exc),
+            action="left for the next save to remove")
         return False
     ours = {role, f"{STAGING}{role}"}
     if not any(is_dir and name not in ours and _role_folder(name) for name, is_dir in entries):
@@ -237,15 +253,14 @@ def _role_folder(name: str) -> bool:
 
 def remove(store: CheckpointStore, path: Path, step: int) -> bool:
     """Rename `path` into the trash, then remove it; whether it is gone from where it was."""
-    log = structlog.get_logger()
     try:
         os.rename(path, trash := trash_path(store.root, path.name if path.parent == store.root
                                              else f"{path.parent.name}-{path.name}"))
     except FileNotFoundError:
         return False  # another process removed it first
     except OSError as exc:
-        log.warning("checkpoint.retention_failed", step=step, path=str(path), error=str(exc),
-                    action="left for the next save to remove")
+        say("warning", "checkpoint.retention_failed", step=step, path=str(path), error=str(exc),
+            action="left for the next save to remove")
         try:
             return lstat(path) is None
         except CheckpointError:
@@ -253,6 +268,6 @@ def remove(store: CheckpointStore, path: Path, step: int) -> bool:
     try:
         rmtree(trash)
     except OSError as exc:
-        log.warning("checkpoint.retention_failed", step=step, path=str(trash), error=str(exc),
-                    action="left for the next save to remove")
+        say("warning", "checkpoint.retention_failed", step=step, path=str(trash), error=str(exc),
+            action="left for the next save to remove")
     return True

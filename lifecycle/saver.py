@@ -18,12 +18,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import structlog
-
 from backends.base import failed_ranks
 from lifecycle.contents import ContentWriter
 from lifecycle.errors import CheckpointError
 from lifecycle.manifest import read_manifest_file
+from lifecycle.phase import say
 from lifecycle.role import RoleRank
 from lifecycle.store import Agree, CheckpointStore
 from lifecycle.types import Parts, Progress, SaveInfo, Written
@@ -144,12 +143,13 @@ class Saver:
         except BaseException:
             self.discard(job)()
             raise
-        store.apply_retention(self.at.config.checkpoint.keep_last, self.at.roles, {job.step}, role=self.at.role)
+        ckpt = self.at.config.checkpoint
+        store.apply_retention(ckpt.keep_last, self.at.roles, {job.step}, role=self.at.role, tracker=ckpt.tracker)
         size = count = 0
         try:
             files = read_manifest_file(final)["files"]
             size, count = sum(f["size"] for f in files), len(files)
         except CheckpointError as exc:
-            structlog.get_logger().warning("checkpoint.figures_unavailable", step=job.step, error=str(exc))
+            say("warning", "checkpoint.figures_unavailable", step=job.step, error=str(exc))
         return SaveInfo(step=job.step, path=final, contents=list(written.contents), backend=job.writer.name,
                         bytes=size, files=count, seconds=time.perf_counter() - job.started)
