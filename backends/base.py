@@ -221,10 +221,13 @@ def reduce_int(value: int, op: str = "sum", group: Any = None) -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS just handed out on `host`, for a rendezvous; a race with another binder
-    before it is used is possible but rare, and fails loudly at bind time."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+    """A TCP port the OS just handed out on `host` (a name or an IPv4 or IPv6 address, probed in
+    the family it resolves to first), for a rendezvous; a race with another binder before it is
+    used is possible but rare, and fails loudly at bind time. `OSError` (`socket.gaierror`
+    among them) when `host` does not resolve or is no address of this machine."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.bind(address)
         return int(sock.getsockname()[1])
 
 

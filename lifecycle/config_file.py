@@ -47,12 +47,12 @@ def _read_config_file(name: str) -> str:
         raise ConfigError(name, f"not UTF-8 text: cannot decode byte {exc.start} ({data[exc.start]:#04x})") from exc
 
 
-_YAML_DEPTH_LIMIT = 32
+YAML_DEPTH_LIMIT = 32
 """Levels of nesting a config file may have; the tree itself is four deep (a list in a section)."""
 
 
 class _ShallowLoader(yaml.SafeLoader):
-    """`SafeLoader` that stops at `_YAML_DEPTH_LIMIT` levels: PyYAML's composer recurses once per
+    """`SafeLoader` that stops at `YAML_DEPTH_LIMIT` levels: PyYAML's composer recurses once per
     level, so deeper input would end in a `RecursionError` after seconds of work."""
 
     _depth = 0
@@ -60,9 +60,9 @@ class _ShallowLoader(yaml.SafeLoader):
     def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth += 1
         try:
-            if self._depth > _YAML_DEPTH_LIMIT:
+            if self._depth > YAML_DEPTH_LIMIT:
                 mark = self.peek_event().start_mark
-                raise yaml.composer.ComposerError(None, None, f"nested deeper than {_YAML_DEPTH_LIMIT} levels", mark)
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {YAML_DEPTH_LIMIT} levels", mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1

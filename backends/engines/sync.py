@@ -219,7 +219,10 @@ def profiled(folder: str | os.PathLike[str] | None, label: str) -> Iterator[None
     from torch.profiler import ProfilerActivity, profile
 
     out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EngineError(f"profile_dir {out}: cannot create the folder for profiler traces: {exc}") from exc
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     profiler = profile(activities=activities)
     try:

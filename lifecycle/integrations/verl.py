@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, TypeVar
@@ -57,7 +56,8 @@ from backends.engines.registry import CheckpointEngineRegistry
 from backends.engines.sync import profiled
 from lifecycle.errors import ConfigError, EngineError, shorten
 from lifecycle.integrations.verl_checks import (
-    Weights, check_one_host, check_worker, collect, integer, rendezvous, rollout_holds, weights_version,
+    KEY, Weights, check_folder, check_one_host, check_worker, collect, engine_key, engine_options, integer,
+    refuse_after_walk, rendezvous, rollout_holds, weights_version,
 )
 
 _VerlBase: type
@@ -75,9 +75,6 @@ T = TypeVar("T")
 BYSTANDER = -1
 """The rank `build_topology` gives actor ranks other than 0: they join no group, and their
 `send_weights` only walks the weights (producing them is collective over the actor group)."""
-KEY = "checkpoint_engine"
-"""Where verl's config holds these settings (under actor_rollout_ref.rollout. in the PPO trainer)."""
-_ADAPTER_KWARGS = ("host", "port")
 _GRACE_S = 5.0
 
 
@@ -88,9 +85,10 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
     ranks are bystanders. verl builds the adapter with `bucket_size` (bytes, from
     `update_weights_bucket_megabytes`), `is_master` (true on actor rank 0 only) and
     `engine_kwargs[<backend>]`: our engine's options other than `bucket_bytes` (`verify`,
-    `timeout_s`, `rollout_dtype`, `profile`, `profile_dir`, `apply`, which must stay `atomic`),
-    the engine's own keys (`shm_dir`), and where actor rank 0 hosts the rendezvous (`host`,
-    `port`: by default this node's address and a free port, picked once and kept).
+    `timeout_s`, `rollout_dtype`, `profile`, `profile_dir`, created when the adapter is built,
+    `apply`, which must stay `atomic`), the engine's own keys (`shm_dir`, an existing folder),
+    and where actor rank 0 hosts the rendezvous (`host`, `port`: by default this node's address
+    and a free port, picked once and kept; a host it cannot listen on is refused by `prepare`).
     """
 
     verl_name: ClassVar[str] = ""
@@ -101,6 +99,8 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
     """The rendezvous host when engine_kwargs names none; None: this node's address as Ray sees it."""
     one_host: ClassVar[bool] = False
     """Whether actor rank 0 and every rollout worker must share a host (`build_topology` checks)."""
+    folders: ClassVar[tuple[str, ...]] = ()
+    """The engine's attributes naming folders that must exist on every worker (checked when built)."""
 
     def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
         if _MISSING is not None:
@@ -120,6 +120,7 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
         """A receiver's: its last receive failed, so the rollout does not hold the version asked
         for (still `version` whole when nothing was yielded; perhaps part of the new one after)."""
         self._profile_dir = self.engine.options.profile_dir if self.engine.options.profile else None
+        self._check_folders()
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker: concurrent.futures.Future[Any] | None = None
         self._taking: tuple[Incoming, list[int]] | None = None
@@ -130,7 +131,7 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
 
     @classmethod
     def _key(cls, name: str) -> str:
-        return f"{KEY}.engine_kwargs.{cls.verl_name}.{name}"
+        return engine_key(cls.verl_name, name)
 
     def _check_address(self) -> None:
         if self.host is not None and not (isinstance(self.host, str) and self.host):
@@ -140,30 +141,17 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
                 raise ConfigError(self._key("port"), f"must be a TCP port in 1..65535, got {shorten(self.port)}")
             self.port = port
 
+    def _check_folders(self) -> None:
+        """The folders a sync uses, checked now (the profile's created): a bad one would fail every sync."""
+        if self._profile_dir is not None:
+            check_folder(self._key("profile_dir"), self._profile_dir, create=True)
+        for name in self.folders:
+            check_folder(self._key(name), getattr(self.engine, name), create=False)
+
     def _build(self, bucket_size: int, kwargs: dict[str, Any]) -> CheckpointEngine:
-        """Our engine with verl's bucket size and the engine_kwargs mapped onto its options;
-        any other key is refused, naming it and the keys there are."""
+        """Our engine with verl's bucket size and the engine_kwargs mapped onto its options."""
         engine_class = CheckpointEngineRegistry.get(self.engine_name)
-        fields = {f.name for f in dataclasses.fields(engine_class.Options)} - {"bucket_bytes"}
-        known = ", ".join(sorted(fields | set(self.extra_kwargs) | set(_ADAPTER_KWARGS)))
-        for key in kwargs:
-            if key == "bucket_bytes":
-                raise ConfigError(self._key(key), f"the bucket size comes from {KEY}.update_weights_bucket_megabytes")
-            if key not in fields and key not in self.extra_kwargs:
-                raise ConfigError(self._key(str(key)), f"unknown key for checkpoint engine {self.verl_name}; "
-                                                       f"known: {known}")
-        values = {key: value for key, value in kwargs.items() if key in fields}
-        if isinstance(values.get("rollout_dtype"), torch.dtype):
-            values["rollout_dtype"] = str(values["rollout_dtype"]).removeprefix("torch.")
-        size = integer(bucket_size)  # a numpy integer from verl's config reads as the int it is
-        options = engine_class.Options(bucket_bytes=bucket_size if size is None else size, **values)
-        if found := options.problem():
-            key = f"{KEY}.update_weights_bucket_megabytes" if found[0] == "bucket_bytes" else self._key(found[0])
-            raise ConfigError(key, found[1])
-        if options.apply != "atomic":
-            raise ConfigError(self._key("apply"), f"must be 'atomic' for a verl rollout, got {options.apply!r}: "
-                                                  "verl's server adapter loads tensors as they are yielded, so only "
-                                                  "an atomic receive keeps a bad bucket from leaving it half-updated")
+        options = engine_options(self.verl_name, engine_class.Options, bucket_size, kwargs, self.extra_kwargs)
         extras = {key: value for key, value in kwargs.items() if key in self.extra_kwargs}
         return engine_class(options=options, **extras)
 
@@ -181,9 +169,18 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
             if self.host is None:
                 self.host = self.default_host or _node_address()
             if self.port is None:
-                self.port = free_port(self.host)
+                self.port = self._free_port(self.host)
             metadata.update(host=self.host, port=self.port)
         return metadata
+
+    def _free_port(self, host: str) -> int:
+        """A free port on `host`, which must be an address of this node: actor rank 0 hosts the rendezvous."""
+        try:
+            return free_port(host)
+        except OSError as exc:
+            raise ConfigError(self._key("host"), f"{host!r}: actor rank 0 cannot listen there for the rendezvous "
+                                                 f"({type(exc).__name__}: {exc}); give a host name or address of "
+                                                 "actor rank 0's node") from exc
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
@@ -232,15 +229,19 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
 
     async def send_weights(self, weights: Weights, global_steps: int | None = None) -> dict[str, float]:
         """Actor rank 0 sends `weights` as version `global_steps` (one more than the last sent
-        when None) and returns the sync's figures; other actor ranks only walk `weights`."""
-        rank = self._joined("send_weights")
-        if rank > 0:
-            raise EngineError(f"{self.verl_name}: rank {rank} is a rollout worker; only actor ranks send_weights")
-        if rank == BYSTANDER:
+        when None) and returns the sync's figures; other actor ranks only walk `weights`. A
+        refusal on actor rank 0 comes once it has walked `weights` whole, as the others do
+        (producing each item is collective over the actor ranks; see `collect`)."""
+        if self.rank == BYSTANDER:
             await collect(weights, keep=False)
             return {}
         try:
-            version = weights_version(global_steps) if global_steps is not None else (self.version or 0) + 1
+            version = self._version_to_send(global_steps)
+        except EngineError as refused:
+            if self.rank == 0:
+                self._fail(None)  # the rollout workers hear it now, not after the walk
+            await refuse_after_walk(weights, refused)
+        try:
             pairs = await collect(weights, keep=True)
             stats = await self._in_thread(self._send, pairs, version)
         except BaseException:
@@ -298,6 +299,13 @@ class LifecycleCheckpointEngine(_VerlBase):  # type: ignore[misc,valid-type]
             raise EngineError(f"{self.verl_name}: {what} before init_process_group (verl's order: prepare, "
                               "build_topology, init_process_group, then send_weights / receive_weights)")
         return self.rank
+
+    def _version_to_send(self, global_steps: object) -> int:
+        """The version actor rank 0 sends; an `EngineError` on any other rank but a bystander."""
+        rank = self._joined("send_weights")
+        if rank > 0:
+            raise EngineError(f"{self.verl_name}: rank {rank} is a rollout worker; only actor ranks send_weights")
+        return weights_version(global_steps) if global_steps is not None else (self.version or 0) + 1
 
     def _send(self, pairs: list[tuple[str, torch.Tensor]], version: int) -> Any:
         with profiled(self._profile_dir, f"weight_sync_{self.verl_name}_v{version}_send"):
@@ -364,6 +372,7 @@ class LifecycleShmCheckpointEngine(LifecycleCheckpointEngine):
     verl_name = "trainer_lifecycle_shm"
     engine_name = "shm"
     extra_kwargs = ("shm_dir",)
+    folders = ("shm_dir",)
     default_host = "127.0.0.1"
     one_host = True
 

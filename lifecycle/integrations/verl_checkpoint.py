@@ -44,6 +44,9 @@ DEFAULT_FORMAT = "torch_dcp"
 VERL_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 """The names verl's `checkpoint_config.save_contents` / `load_contents` take; ours are the same."""
 _ADAPTER_KEYS = {
+    ("checkpoint", "keep_last"): ("verl's max_ckpt_to_keep (trainer.max_actor_ckpt_to_keep, "
+                                  "max_critic_ckpt_to_keep) decides retention, None or 0 keeping every "
+                                  "step; drop it"),
     ("checkpoint", "pre_load", "path"): "verl loads the initial weights itself; drop it",
     ("resume", "mode"): "verl's trainer decides (trainer.resume_mode); drop it",
     ("resume", "path"): "verl's trainer names the step (trainer.resume_from_path); drop it",
@@ -101,8 +104,10 @@ class LifecycleCheckpointManager:
     library's config (a `LifecycleConfig`, a dict or a YAML path) for the format, verification,
     `checkpoint.roles` and the like; a dict or YAML that names no format gets `torch_dcp`.
     verl's `checkpoint_config` decides what is saved and loaded (`save_contents`,
-    `load_contents`) and `async_save`; the root a save writes into and `keep_last` come from
-    each call (`max_ckpt_to_keep`, counted from disk).
+    `load_contents`) and `async_save`; as in verl's managers, a load whose `load_contents` lists
+    nothing but `hf_model` (an HF-only export) reads nothing. The root a save writes into and
+    `keep_last` come from each call (`max_ckpt_to_keep`, counted from disk; None or 0 keeps
+    every step), so `checkpoint.keep_last` in `lifecycle_config` is refused.
 
     `checkpoint.root` (optional, verl's `trainer.default_local_dir`) names the run's own root: a
     save into another root is refused, and a load by path from it is a rollback (its newer steps
@@ -140,7 +145,13 @@ class LifecycleCheckpointManager:
         self.trust_remote_code = trust_remote_code
         options = checkpoint_options(checkpoint_config)
         self.checkpoint_save_contents = _contents(options, "save_contents", ["model", "optimizer", "extra"])
+        if not self.checkpoint_save_contents:
+            raise ConfigError("checkpoint_config.save_contents", "lists nothing to save (this manager writes no "
+                                                                 "huggingface/ folder of configs and tokenizer); "
+                                                                 f"list some of {list(VERL_CONTENTS)}")
         self.checkpoint_load_contents = _contents(options, "load_contents", self.checkpoint_save_contents)
+        self._loads = [c for c in self.checkpoint_load_contents if c != "hf_model"]
+        """What a load restores: verl's managers load no hf_model (an export), so none may be all."""
         if flag(options, "save_lora_only"):
             raise ConfigError("checkpoint_config.save_lora_only",
                               "not supported: this checkpoint manager saves the whole model; set it to false")
@@ -196,6 +207,10 @@ class LifecycleCheckpointManager:
         if local_path is None:
             return  # as verl's managers do: nothing to resume from
         where = StepPath.parse(local_path)
+        if not self._loads:  # as verl's managers do: load_contents lists nothing they load
+            structlog.get_logger().info("checkpoint.verl.nothing_to_load", path=str(where.folder),
+                                        load_contents=list(self.checkpoint_load_contents))
+            return
         if del_local_after_load:
             structlog.get_logger().info("checkpoint.verl.del_local_after_load_ignored", path=str(where.folder),
                                         reason="the checkpoint is local, not a downloaded copy: it is kept")
@@ -260,10 +275,10 @@ class LifecycleCheckpointManager:
         ckpt = data["checkpoint"]
         ckpt["root"] = None if where is None else self._root(where, loading=loading)
         ckpt["tracker"] = self._async
-        if keep_last is not None:
-            ckpt["keep_last"] = keep_last
+        ckpt["keep_last"] = keep_last  # verl's max_ckpt_to_keep alone: None keeps every step
         ckpt["save"].update(contents=list(self.checkpoint_save_contents), **{"async": self._async})
-        ckpt["load"]["contents"] = [c for c in self.checkpoint_load_contents if c != "hf_model"]
+        if self._loads:  # else no load runs (`load_checkpoint`), and the base's load.contents stays unused
+            ckpt["load"]["contents"] = list(self._loads)
         if loading and where is not None:
             data["resume"].update(mode="path", path=str(where.folder))
         return LifecycleConfig.from_dict(data)
@@ -335,6 +350,8 @@ def _contents(options: Mapping[str, Any], key: str, default: list[str]) -> list[
                                                       f"got {describe(given)}")
     if unknown := [c for c in given if c not in VERL_CONTENTS]:
         raise ConfigError(f"checkpoint_config.{key}", f"unknown content(s) {unknown}; choose from {list(VERL_CONTENTS)}")
+    if twice := sorted({c for c in given if given.count(c) > 1}):
+        raise ConfigError(f"checkpoint_config.{key}", f"duplicate {', '.join(map(repr, twice))}; list each once")
     return list(given)
 
 

@@ -5,28 +5,39 @@ the metadata every worker's `prepare()` returned (it crossed processes through R
 worker built from another config or version may send anything), the generator of named tensors
 the actor's model produces, and `global_steps`. Each is checked here, so that a bad one is an
 `EngineError` naming the worker or the item, not a `KeyError` from the middle of a sync or a
-wait for a timeout. Integers from verl's configs may be numpy's; both integrations take them.
+wait for a timeout. The adapters' `engine_kwargs` are mapped onto our engine's options here,
+and the folders they name checked, so a bad one is a `ConfigError` naming its key when the
+adapter is built, not a failure of every sync. Integers from verl's configs may be numpy's;
+both integrations take them.
 
 The checkpoint manager (`lifecycle.integrations.verl_checkpoint`) takes verl's
 `checkpoint_config` and an OmegaConf `lifecycle_config`: those are resolved whole here, so a
-missing value (`???`), an interpolation that does not resolve or an option of the wrong type is
-a `ConfigError` naming the key, not an omegaconf error or a silent default.
+missing value (`???`), an interpolation that does not resolve, an option of the wrong type or
+a container that holds itself is a `ConfigError` naming the key, not an omegaconf error, a
+`RecursionError` or a silent default.
 """
 
 from __future__ import annotations
 
 import operator
+import os
 import sys
-from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Collection, Iterable, Mapping, Sequence
 from dataclasses import fields, is_dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 
+from lifecycle.config_file import YAML_DEPTH_LIMIT as CONFIG_DEPTH_LIMIT
 from lifecycle.config_rules import describe, join
 from lifecycle.errors import ConfigError, EngineError, shorten
 
 Weights = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
+KEY = "checkpoint_engine"
+"""Where verl's config holds the engine adapters' settings (under actor_rollout_ref.rollout. in the PPO trainer)."""
+ADAPTER_KWARGS = ("host", "port")
+"""The engine_kwargs an adapter takes for itself: where actor rank 0 hosts the rendezvous."""
 
 
 def integer(value: object) -> int | None:
@@ -42,14 +53,27 @@ def integer(value: object) -> int | None:
 
 def plain(value: Any, where: str = "") -> Any:
     """Mappings and sequences (OmegaConf's `DictConfig` and `ListConfig` too, resolved) as dicts
-    and lists; `where` is the dotted key of `value`, which a `ConfigError` names."""
+    and lists; `where` is the dotted key of `value`, which a `ConfigError` names. A container
+    that holds itself (a recursive YAML anchor) or one nested deeper than a config file may be
+    is refused, naming where, rather than recursing until Python gives up."""
+    return _plain(value, where, ())
+
+
+def _plain(value: Any, where: str, path: tuple[int, ...]) -> Any:
+    """`plain`; `path` holds the ids of the containers that enclose `value`."""
     if _omegaconf_container(value):
         value = _resolved(value, where)
-    if isinstance(value, Mapping):
-        return {key: plain(item, join(where, key)) for key, item in value.items()}
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        return [plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
-    return value
+    is_mapping = isinstance(value, Mapping)
+    if not is_mapping and not (isinstance(value, Sequence) and not isinstance(value, (str, bytes))):
+        return value
+    if id(value) in path:
+        raise ConfigError(where, "refers to itself (a recursive YAML anchor, or a container that holds itself)")
+    if len(path) >= CONFIG_DEPTH_LIMIT:
+        raise ConfigError(where, f"nested deeper than {CONFIG_DEPTH_LIMIT} levels")
+    inside = (*path, id(value))
+    if is_mapping:
+        return {key: _plain(item, join(where, key), inside) for key, item in value.items()}
+    return [_plain(item, f"{where}[{i}]", inside) for i, item in enumerate(value)]
 
 
 def _omegaconf_container(value: object) -> bool:
@@ -103,6 +127,55 @@ def flag(options: Mapping[str, Any], key: str) -> bool:
     return value
 
 
+def engine_key(adapter: str, name: str) -> str:
+    """The dotted key of an adapter's engine_kwargs entry `name`, as a `ConfigError` names it."""
+    return f"{KEY}.engine_kwargs.{adapter}.{name}"
+
+
+def engine_options(adapter: str, options_class: type[Any], bucket_size: object, kwargs: Mapping[str, Any],
+                   extra_kwargs: Collection[str]) -> Any:
+    """Our engine's options (`options_class`) from verl's bucket size and the adapter's
+    engine_kwargs; a key that is no option, none of `extra_kwargs` (the engine's own) and none of
+    `ADAPTER_KWARGS` is refused, naming it and the keys there are, as is an `apply` but atomic."""
+    names = {f.name for f in fields(options_class)} - {"bucket_bytes"}
+    known = ", ".join(sorted(names | set(extra_kwargs) | set(ADAPTER_KWARGS)))
+    for key in kwargs:
+        if key == "bucket_bytes":
+            raise ConfigError(engine_key(adapter, key),
+                              f"the bucket size comes from {KEY}.update_weights_bucket_megabytes")
+        if key not in names and key not in extra_kwargs:
+            raise ConfigError(engine_key(adapter, str(key)),
+                              f"unknown key for checkpoint engine {adapter}; known: {known}")
+    values = {key: value for key, value in kwargs.items() if key in names}
+    if isinstance(values.get("rollout_dtype"), torch.dtype):
+        values["rollout_dtype"] = str(values["rollout_dtype"]).removeprefix("torch.")
+    size = integer(bucket_size)  # a numpy integer from verl's config reads as the int it is
+    options = options_class(bucket_bytes=bucket_size if size is None else size, **values)
+    if found := options.problem():
+        key = f"{KEY}.update_weights_bucket_megabytes" if found[0] == "bucket_bytes" else engine_key(adapter, found[0])
+        raise ConfigError(key, found[1])
+    if options.apply != "atomic":
+        raise ConfigError(engine_key(adapter, "apply"), f"must be 'atomic' for a verl rollout, got {options.apply!r}: "
+                                                        "verl's server adapter loads tensors as they are yielded, so "
+                                                        "only an atomic receive keeps a bad bucket from leaving it "
+                                                        "half-updated")
+    return options
+
+
+def check_folder(key: str, folder: str | os.PathLike[str], *, create: bool) -> None:
+    """A folder an engine_kwargs key names, checked when the adapter is built, since every sync
+    would fail on it: created first when `create` (profile traces), else it must exist (shm_dir)."""
+    try:
+        if create:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        elif not Path(folder).is_dir():
+            problem = "is no folder" if os.path.lexists(folder) else "does not exist"
+            raise ConfigError(key, f"{os.fspath(folder)} {problem}; name an existing folder")
+    except OSError as exc:
+        raise ConfigError(key, f"cannot create the folder {os.fspath(folder)}: {type(exc).__name__}: "
+                               f"{exc.strerror or exc}") from exc
+
+
 def weights_version(global_steps: object) -> int:
     """verl's `global_steps`, which becomes the weights version."""
     version = integer(global_steps)
@@ -152,23 +225,53 @@ async def collect(weights: Weights, *, keep: bool) -> list[tuple[str, torch.Tens
     collectives and current device live; kept items are checked and their tensors come to host
     memory as they arrive, so the device never holds more than the one being produced. A tensor
     already in host memory is kept as it is, not copied: it must not change until the send
-    ends (see `lifecycle.integrations.verl`)."""
+    ends (see `lifecycle.integrations.verl`).
+
+    Producing each item is collective over the actor ranks (an FSDP gather), and every other
+    rank walks the generator whole: so a refused item, or a copy to the host that fails, ends
+    the keeping but not the walk, and the first problem is raised once the generator is done.
+    Kept, an empty generator (an exhausted one, say) is refused: a sync of no tensors would
+    announce a new version the rollout never received."""
     pairs: list[tuple[str, torch.Tensor]] = []
+    problem: EngineError | None = None
+    async for index, item in _items(weights):
+        if keep and problem is None:
+            try:
+                pairs.append(on_host(index, item))
+            except EngineError as exc:
+                problem = exc
+                pairs.clear()  # host memory back while the rest is walked
+    if problem is not None:
+        raise problem
+    if keep and not pairs:
+        raise EngineError("weights: the generator yielded no (name, tensor) pairs (already consumed, or empty); a "
+                          "sync of nothing would announce a version the rollout never got; nothing was sent")
+    return pairs
+
+
+async def refuse_after_walk(weights: Weights, problem: EngineError) -> NoReturn:
+    """Raise `problem`, found before the walk, once every item of `weights` was produced: the
+    other actor ranks walk it whole, and their collectives need this rank's (see `collect`)."""
+    await collect(weights, keep=False)
+    raise problem
+
+
+async def _items(weights: Weights) -> AsyncIterator[tuple[int, object]]:
+    """The items of a sync or async iterable, numbered; anything else refused before the walk."""
     if isinstance(weights, AsyncIterable):
+        index = 0
         async for item in weights:
-            if keep:
-                pairs.append(on_host(len(pairs), item))
-    elif isinstance(weights, Mapping):
+            yield index, item
+            index += 1
+        return
+    if isinstance(weights, Mapping):
         raise EngineError(f"weights: expected an iterable of (name, tensor) pairs, got a {type(weights).__name__}: "
                           "pass its .items()")
-    elif isinstance(weights, (str, bytes)) or not isinstance(weights, Iterable):
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Iterable):
         raise EngineError(f"weights: expected an iterable of (name, tensor) pairs, got {shorten(weights)} "
                           f"({type(weights).__name__})")
-    else:
-        for item in weights:
-            if keep:
-                pairs.append(on_host(len(pairs), item))
-    return pairs
+    for pair in enumerate(weights):
+        yield pair
 
 
 def on_host(index: int, item: object) -> tuple[str, torch.Tensor]:
@@ -185,7 +288,13 @@ def on_host(index: int, item: object) -> tuple[str, torch.Tensor]:
     if tensor.device.type == "meta":
         raise EngineError(f"weights item {index} ({shorten(name)}): a tensor on the meta device holds no data to "
                           "send (materialize the model's weights first)")
-    return name, tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
+    if tensor.device.type == "cpu":
+        return name, tensor
+    try:
+        return name, tensor.detach().to("cpu")
+    except Exception as exc:  # a device error or an out-of-memory, from whichever device
+        raise EngineError(f"weights item {index} ({shorten(name)}): copying the tensor from {tensor.device} to host "
+                          f"memory failed: {type(exc).__name__}: {exc}") from exc
 
 
 def rollout_holds(version: int | None, yielded: int) -> str:
@@ -197,5 +306,6 @@ def rollout_holds(version: int | None, yielded: int) -> str:
     return f"still holds v{version} whole (nothing was yielded)"
 
 
-__all__ = ["Weights", "check_one_host", "check_worker", "checkpoint_options", "collect", "flag", "integer",
-           "on_host", "plain", "rendezvous", "rollout_holds", "weights_version"]
+__all__ = ["ADAPTER_KWARGS", "KEY", "Weights", "check_folder", "check_one_host", "check_worker", "checkpoint_options",
+           "collect", "engine_key", "engine_options", "flag", "integer", "on_host", "plain", "refuse_after_walk",
+           "rendezvous", "rollout_holds", "weights_version"]
