@@ -8,10 +8,23 @@ import reprlib
 class LifecycleError(Exception):
     """Base class of every error this library raises on purpose.
 
-    Each one pickles with its own fields (`__reduce__` where `__init__` takes more than the
-    message), so it crosses a process boundary whole: a Ray driver reads a worker's
-    `ConfigError` as a `ConfigError`, not as an exception Ray could not rebuild.
+    Each one pickles as its class, its `args` and its fields, and is rebuilt without calling
+    its `__init__` (`_rebuilt`), so it crosses a process boundary whole whatever arguments a
+    subclass's `__init__` takes: a Ray driver reads a worker's `ConfigError` (or an
+    application's subclass of it) as itself, not as an exception Ray could not rebuild.
     """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _rebuilt, (type(self), self.args, dict(vars(self)))
+
+
+def _rebuilt(cls: type[LifecycleError], args: tuple[object, ...], fields: dict[str, object]) -> LifecycleError:
+    """A pickled `LifecycleError` as it was, its `__init__` not called (a subclass's may take
+    other arguments than the ones it passed on)."""
+    error = cls.__new__(cls)
+    error.args = args
+    vars(error).update(fields)
+    return error
 
 
 class InvalidTransition(LifecycleError):
@@ -32,9 +45,6 @@ class InvalidTransition(LifecycleError):
             f"allowed from there: {choices}"
         )
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return type(self), (self.trigger, self.state, self.allowed, self.role)
-
 
 class ConfigError(LifecycleError, ValueError):
     """A config key is unknown, has a bad value, or conflicts with another key."""
@@ -43,9 +53,6 @@ class ConfigError(LifecycleError, ValueError):
         self.key = key
         self.message = message
         super().__init__(f"{key}: {message}" if key else message)
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return type(self), (self.key, self.message)
 
 
 def check_callable(key: str, value: object, signature: str, *, optional: bool = True) -> None:
@@ -67,9 +74,6 @@ class DamagedCheckpoint(CheckpointError):
     def __init__(self, message: str, problems: list[str] | None = None) -> None:
         self.problems = list(problems or [message])
         super().__init__(message)
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return type(self), (str(self), self.problems)
 
 
 class EngineError(LifecycleError):

@@ -14,7 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from lifecycle.errors import LifecycleError
+from lifecycle.errors import LifecycleError, shorten
 from lifecycle.manifest import write_text_atomic
 from lifecycle.phase import Observer, TransitionRecord
 
@@ -65,7 +65,7 @@ class EventLog:
             self.append(event)
 
     def append(self, event: dict[str, Any]) -> None:
-        self._file.write(json.dumps(event) + "\n")
+        self._file.write(json.dumps(event, default=plain) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -89,6 +89,21 @@ class TraceFile(Observer):
 
     def on_transition(self, lc: Stateful[Any], record: TransitionRecord) -> None:
         self.log.append(transition_event(record, lc.rank))
+
+
+def plain(value: Any) -> Any:
+    """A value JSON has no type for, as one it has: a numpy scalar or array (a step the
+    application counted in numpy) as its number or list, an Enum as its name, anything else as
+    its bounded repr, so no value can cost the whole trace."""
+    if isinstance(value, Enum):
+        return value.name
+    tolist = getattr(value, "tolist", None)  # numpy scalars and arrays; a tensor's `tolist` is as plain
+    if callable(tolist):
+        try:
+            return tolist()
+        except Exception:  # noqa: BLE001 - one that fails is quoted instead
+            return shorten(value, 200)
+    return shorten(value, 200)
 
 
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -122,8 +137,8 @@ def write_trace_events(events: list[dict[str, Any]], path: str | os.PathLike[str
             raise LifecycleError(f"{target}: not a regular file (a device, a FIFO or a folder); a trace replaces "
                                  "only a file")
         target.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(target, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    except (OSError, ValueError) as exc:
+        write_text_atomic(target, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, default=plain))
+    except (OSError, ValueError, TypeError, RecursionError) as exc:
         raise LifecycleError(f"{target}: cannot write the trace: {exc}") from exc
     return target
 

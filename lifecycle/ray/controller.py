@@ -44,6 +44,9 @@ class Controller(Stateful[DriverState]):
         self.incarnation = 0
         """How many times the worker group was rebuilt (0: the first group)."""
         self.summary = RunSummary()
+        self.stopping_for: Failure | None = None
+        """The failure the group is being stopped for (None when the run ends): `_stop_group` need
+        not wait on a worker that hung."""
 
     def _control(self, last: int) -> None:
         """Start, run every step up to `last` and close the workers, through failures (a death as
@@ -93,21 +96,29 @@ class Controller(Stateful[DriverState]):
 
     def _bring_up(self, failure: Failure | None) -> int:
         """Build the group and resume it, again after each failure the policy retries (inside
-        INITIALIZING or RECOVERING); the step resumed at. A refusal raises `RunFailed`."""
+        INITIALIZING or RECOVERING); the step resumed at. A refusal raises `RunFailed`. Every
+        failure this recovery covered (the one it began with, and each while rebuilding) is
+        resumed by the group that comes up: each gets `resumed_at` and its own `recovery_s`."""
+        covered: list[tuple[Failure, float]] = [] if failure is None else [(failure, time.perf_counter())]
         while True:
-            started = time.perf_counter()
             if failure is not None:
-                self._stop_group()
+                self.stopping_for = failure
+                try:
+                    self._stop_group()
+                finally:
+                    self.stopping_for = None
                 self.incarnation += 1
             try:
                 resumed = self._start_group()
             except WorkerFailed as again:
                 failure, verdict = self._judge(again)
+                covered.append((failure, time.perf_counter()))
                 if verdict.decision is Decision.GIVE_UP:
                     raise RunFailed(verdict.reason, again) from again.cause
                 continue
+            for each, since in covered:
+                each.resumed_at, each.recovery_s = resumed, time.perf_counter() - since
             if failure is not None:
-                failure.resumed_at, failure.recovery_s = resumed, time.perf_counter() - started
                 self._on_resume(failure)
             return resumed
 
@@ -115,9 +126,10 @@ class Controller(Stateful[DriverState]):
         """Record the failure, ask the policy, log both; tell the subclass of a failure it retries."""
         failure = Failure(step=failed.step, phase=failed.phase, worker=failed.worker,
                           error=_ANSI.sub("", f"{failed.cause_type}: {message(failed.cause)}"),
-                          incarnation=self.incarnation)
+                          incarnation=self.incarnation, kind=failed.kind.value)
         self.summary.failures.append(failure)
         verdict = self.policy.decide(failed, len(self.summary.failures))
+        failure.gave_up = verdict.decision is Decision.GIVE_UP
         self._log.error("driver.worker_failed", worker=failure.worker, step=failure.step, phase=failure.phase,
                         error=failure.error, kind=failed.kind.value, failures=len(self.summary.failures),
                         max_failures=self.policy.max_failures, decision=verdict.decision.value)

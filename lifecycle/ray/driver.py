@@ -4,7 +4,8 @@ Each step: the policy trainer draws prompts, the rollouts generate, every traine
 batch and then trains on it, the policy's new weights go to the rollouts, and every
 `save_every` steps each trainer saves. The run is a machine (`controller.Controller`, table
 `lifecycle.machine.DRIVER_TABLE`): when a worker dies (`RayActorError`) or a call fails, the
-`FailurePolicy` (`policy.py`) decides; a restart tears the whole group down, builds it again
+`FailurePolicy` (`policy.py`) decides; a restart lets the trainers' async saves in flight
+commit (`DriverConfig.save_grace_s`), tears the whole group down, builds it again
 (`worker_group.WorkerGroup`) and has every trainer resume from the newest step complete for
 all roles; the rollouts then receive the resumed weights before they generate. When the
 policy gives up, the run ends ERRORED and raises `RunFailed`.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from lifecycle.errors import ConfigError, EngineError, LifecycleError, shorten
 from lifecycle.machine import DriverState
 from lifecycle.phase import described
 from lifecycle.ray.controller import Controller
-from lifecycle.ray.policy import FailurePolicy, RunFailed, WorkerFailed
+from lifecycle.ray.policy import FailureKind, FailurePolicy, RunFailed, WorkerFailed
 from lifecycle.ray.run_report import (
     Failure,
     Overdue,
@@ -41,7 +42,16 @@ from lifecycle.ray.run_report import (
     merge_traces,
     split_batch,
 )
-from lifecycle.ray.settings import DriverConfig, check_shared, merged, overrides_of, reachable, trainer_roles
+from lifecycle.ray.settings import (
+    DriverConfig,
+    check_options,
+    check_shared,
+    merged,
+    overrides_of,
+    reachable,
+    shortest_budget,
+    trainer_roles,
+)
 from lifecycle.ray.worker_group import WorkerGroup
 from lifecycle.ray.workers import ROLLOUT, RolloutWorker, TrainerWorker, WorkerSpec
 
@@ -97,15 +107,14 @@ class Driver(Controller):
         base = LifecycleConfig.coerce(config).to_dict()
         base["checkpoint"]["roles"] = roles
         overrides = overrides_of(overrides, [*roles, ROLLOUT])
-        unknown = sorted(set(settings.options) - {*roles, ROLLOUT})
-        if unknown:
-            raise ConfigError("driver.options", f"roles {unknown} are not in the job; roles: {[*roles, ROLLOUT]}")
+        check_options(settings.options, roles, settings.rollouts)
         self.configs = {role: LifecycleConfig.from_dict(merged(base, overrides.get(role, {}))).to_dict()
                         for role in [*roles, ROLLOUT]}
         check_shared(self.configs, roles)
         self.roles = roles
         self.group = WorkerGroup(call_timeout_s=settings.call_timeout_s, poll_s=settings.poll_s,
-                                 options=settings.options, on_overdue=self._overdue)
+                                 options=settings.options, on_overdue=self._overdue,
+                                 overdue_after_s=shortest_budget(self.configs))
         self.version = 0
         self._owns_ray = False
 
@@ -159,15 +168,17 @@ class Driver(Controller):
             self._log.warning("driver.cleanup_failed", step=what, error=described(exc))
 
     def kill(self, name: str) -> int:
-        """SIGKILL a worker's process (`actor`, `critic`, `rollout0`...), as a crash would; returns its pid."""
+        """SIGKILL a worker's process (`actor`, `critic`, `rollout0`...), as a crash would; returns its pid.
+        A name the group does not have (or no group running) is a `LifecycleError` naming its workers."""
         pid = self.group.kill(name)
         phase, step = self.group.at
         self._log.warning("driver.kill", worker=name, pid=pid, step=step, phase=phase)
         return pid
 
     def call(self, name: str, method: str, *args: Any) -> Any:
-        """One worker call, waited for like the loop's own (for tests and hooks)."""
-        return self.group.gather([(name, getattr(self.group[name], method).remote(*args))])[0]
+        """One worker call, waited for like the loop's own (for tests and hooks). A worker the group
+        does not have, or a method the worker lacks, is a `LifecycleError` naming it."""
+        return self.group.call(name, method, *args)
 
     def _init_ray(self) -> None:
         import ray
@@ -263,8 +274,17 @@ class Driver(Controller):
                               for role, commits in zip(self.roles, results) for figures in commits]
 
     def _stop_group(self) -> None:
-        if self.group.handles:
-            self.group.stop()
+        """Let the trainers' async saves in flight commit (`save_grace_s`) and collect the overdue
+        reports the workers still hold, then kill the group; it is killed whatever those raised."""
+        group = self.group
+        if not group.handles:
+            return
+        with ExitStack() as stack:
+            stack.callback(group.stop)
+            stack.callback(group.drain_overdue, list(group.handles))
+            failed = self.stopping_for
+            hung = [failed.worker] if failed is not None and failed.kind == FailureKind.TIMED_OUT.value else []
+            group.settle_saves(self.settings.save_grace_s, skip=hung)
 
     def _on_start(self, step: int) -> None:
         self.hooks.on_start(self, step)
@@ -275,7 +295,7 @@ class Driver(Controller):
     def _on_resume(self, failure: Failure) -> None:
         resumed = failure.resumed_at or 0
         self._log.info("driver.resumed", step=resumed, incarnation=self.incarnation, after_failure_at=failure.step,
-                       lost_steps=failure.step - 1 - resumed, recovery_s=round(failure.recovery_s, 3),
+                       lost_steps=max(0, failure.step - 1 - resumed), recovery_s=round(failure.recovery_s, 3),
                        weights_version=self.version)
         self.hooks.on_resume(self, failure)
 

@@ -80,16 +80,23 @@ def portable(error: BaseException | None) -> BaseException | None:
             twin = cls.__new__(cls)
             twin.args = error.args
             twin.__dict__.update(getattr(error, "__dict__", {}))
+            twin.__dict__[_RAISED_AS] = raised_as(error)
         except Exception:  # noqa: BLE001 - a class that cannot be built so: try its base
             continue
         if _crosses(twin):
             return twin
-    return StandIn(type(error).__name__, message(error))
+    return StandIn(raised_as(error), message(error))
+
+
+_RAISED_AS = "_lifecycle_raised_as"
+"""The attribute in which a `portable` twin keeps the type name of the error it stands for."""
 
 
 def raised_as(error: BaseException) -> str:
-    """The type name an error was raised as (a `StandIn`'s, the one it stands for)."""
-    return error.kind if isinstance(error, StandIn) else type(error).__name__
+    """The type name an error was raised as (a `StandIn`'s or a `portable` twin's, the one it stands for)."""
+    if isinstance(error, StandIn):
+        return error.kind
+    return str(getattr(error, "__dict__", {}).get(_RAISED_AS, type(error).__name__))
 
 
 def _crosses(error: BaseException) -> bool:

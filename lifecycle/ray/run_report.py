@@ -49,7 +49,12 @@ class Failure:
     resumed_at: int | None = None
     """The step every role resumed from (0: a fresh start, nothing was complete)."""
     recovery_s: float = 0.0
-    """Tear-down, rebuild, resume and the first sync."""
+    """Tear-down, rebuild, resume and the first sync, from when this failure was caught."""
+    kind: str = ""
+    """How the worker failed (`FailureKind`'s value: died, timed_out, raised)."""
+    gave_up: bool = False
+    """The policy gave up on it: the run ended ERRORED (a failure whose restart failed and was
+    retried is resumed with the others, by the group that came up)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -131,19 +136,102 @@ def _number(value: Any) -> float | None:
 
 
 def fingerprint(value: Any) -> str:
-    """A short digest of a batch of prompts (tensors by their bytes, anything else by its repr)."""
+    """A short digest of a batch of prompts: equal prompts give equal digests, and prompts that
+    differ anywhere (one element of a tensor or numpy array, one item of a list, tuple or dict
+    of them) differ. Tensors and arrays go in by dtype, shape and bytes (bf16 and float8 too),
+    containers item by item (a dict's order is no part of it), anything else by its repr."""
     digest = hashlib.sha256()
-    if isinstance(value, torch.Tensor):
-        digest.update(str((value.dtype, tuple(value.shape))).encode())
-        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
-    else:
-        digest.update(repr(value).encode())
+    _feed(digest, value, _DEPTH)
     return digest.hexdigest()[:16]
+
+
+_DEPTH = 64
+"""How deep `fingerprint` follows containers; deeper (a list holding itself), a bounded repr."""
+
+
+def _feed(digest: Any, value: Any, depth: int) -> None:
+    if depth <= 0:
+        _tagged(digest, "deep", shorten(value).encode())
+    elif isinstance(value, torch.Tensor):
+        _tagged(digest, f"tensor {value.dtype} {tuple(value.shape)}", _tensor_bytes(value))
+    elif isinstance(value, (np.ndarray, np.generic)):
+        array = np.asarray(value)
+        if array.dtype.hasobject:
+            _tagged(digest, f"objects {array.shape}", b"")
+            for item in array.ravel():
+                _feed(digest, item, depth - 1)
+        else:
+            _tagged(digest, f"array {array.dtype!r} {array.shape}", np.ascontiguousarray(array).tobytes())
+    elif isinstance(value, Mapping):
+        _tagged(digest, f"{type(value).__qualname__} {len(value)}", b"")
+        for pair in sorted(_sub(key, depth) + _sub(item, depth) for key, item in value.items()):
+            digest.update(pair)
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)):  # a list, tuple, deque
+        numbers = _numbers(value)
+        if numbers is not None:  # token ids: one array, not a walk item by item
+            _tagged(digest, f"{type(value).__qualname__} of numbers {numbers.dtype!r} {numbers.shape}",
+                    numbers.tobytes())
+            return
+        _tagged(digest, f"{type(value).__qualname__} {len(value)}", b"")
+        for item in value:
+            _feed(digest, item, depth - 1)
+    else:
+        _tagged(digest, type(value).__qualname__, _scalar_bytes(value))
+
+
+def _numbers(value: Sequence[Any]) -> np.ndarray | None:
+    """A sequence of plain numbers, or of equal-length sequences of them (token ids), as one
+    numpy array; None for anything else (strings, ragged or mixed items, integers past 64 bits)."""
+    first = value[0] if len(value) else None
+    if not isinstance(first, (int, float, list, tuple)) or isinstance(first, bool):
+        return None
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    return array if array.dtype.kind in "biuf" else None
+
+
+def _sub(value: Any, depth: int) -> bytes:
+    digest = hashlib.sha256()
+    _feed(digest, value, depth - 1)
+    return digest.digest()
+
+
+def _tagged(digest: Any, tag: str, data: bytes) -> None:
+    """The tag and the data's length before the data: no two values feed the same bytes."""
+    digest.update(f"{tag}\0{len(data)}\0".encode())
+    digest.update(data)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's bytes, through a uint8 view (numpy has no bf16 or float8); a tensor with no plain
+    storage to read (a meta or quantized one) by its repr."""
+    try:
+        flat = tensor.detach().cpu()
+        flat = (flat.to_dense() if flat.layout != torch.strided else flat).contiguous().reshape(-1)
+        return flat.view(torch.uint8).numpy().tobytes()
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return shorten(tensor, 10_000).encode()
+
+
+def _scalar_bytes(value: Any) -> bytes:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return hex(value).encode()  # any size (repr refuses integers past 4300 digits)
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    try:
+        return repr(value).encode("utf-8", "surrogatepass")
+    except Exception:  # noqa: BLE001 - a repr that fails still gets a digest
+        return shorten(value).encode("utf-8", "surrogatepass")
 
 
 def split_batch(prompts: Any, parts: int) -> list[Any]:
     """Split along the first dimension into `parts` nearly equal chunks (a tensor, a numpy
-    array, or a sequence such as a list); anything else is a `LifecycleError` naming its type."""
+    array, or a sequence such as a list; a sequence into no more chunks than it has items, an
+    empty one into one empty list); anything else is a `LifecycleError` naming its type."""
     if parts == 1:
         return [prompts]
     if isinstance(prompts, torch.Tensor) and prompts.dim() > 0:
@@ -151,8 +239,11 @@ def split_batch(prompts: Any, parts: int) -> list[Any]:
     if isinstance(prompts, np.ndarray) and prompts.ndim > 0:
         return list(np.array_split(prompts, parts))
     if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
-        size = -(-len(prompts) // parts)
-        return [list(prompts[i:i + size]) for i in range(0, len(prompts), size)]
+        items = list(prompts)  # a deque or a user's sequence need not slice
+        if not items:
+            return [[]]  # the first rollout gets the empty batch; the recipe decides what it means
+        size = -(-len(items) // parts)
+        return [items[i:i + size] for i in range(0, len(items), size)]
     raise LifecycleError(f"the policy's prompts are a {type(prompts).__name__}, which cannot be split between "
                          f"{parts} rollouts: return a tensor, a numpy array or a list (one item per prompt)")
 
@@ -179,6 +270,10 @@ def merge_batches(batches: Sequence[Any], names: Sequence[str] | None = None) ->
 def _joined(key: Any, values: list[Any], names: Sequence[str]) -> Any:
     kinds = {_kind(value) for value in values}
     kind = kinds.pop() if len(kinds) == 1 else None
+    if kind == "array" and not _same_kind_of_arrays(values):
+        found = ", ".join(f"{name}: {value.dtype}" for name, value in zip(names, values))
+        raise LifecycleError(f"batch key {key!r}: the rollouts' arrays hold different kinds of values ({found}); "
+                             "numbers join with numbers, and strings, dates or objects only with their own kind")
     try:
         if kind == "tensor":
             return torch.cat(values)
@@ -188,11 +283,19 @@ def _joined(key: Any, values: list[Any], names: Sequence[str]) -> Any:
             return [item for value in values for item in value]
         if kind == "number":
             return sum(float(value) for value in values) / len(values)
-    except (RuntimeError, ValueError) as exc:  # shapes that do not join
-        raise LifecycleError(f"batch key {key!r}: the rollouts' values do not join: {shorten(str(exc))}") from None
+    except (RuntimeError, ValueError, TypeError, OverflowError) as exc:  # shapes or dtypes that do not join
+        raise LifecycleError(f"batch key {key!r}: the rollouts' values do not join: {type(exc).__name__}: "
+                             f"{shorten(str(exc))}") from None
     found = ", ".join(f"{name}: {type(value).__name__}" for name, value in zip(names, values))
     raise LifecycleError(f"batch key {key!r} cannot be joined across rollouts ({found}): give tensors, numpy "
                          "arrays or lists (one item per sample), or real numbers (averaged)")
+
+
+def _same_kind_of_arrays(arrays: list[Any]) -> bool:
+    """Numbers (bool, integer, float, complex) join with numbers; any other kind (strings, dates,
+    objects) only with arrays of that same kind: numpy would otherwise turn numbers into text."""
+    kinds = {array.dtype.kind for array in arrays}
+    return kinds <= set("biufc") or len(kinds) == 1
 
 
 def _kind(value: Any) -> str | None:
@@ -269,8 +372,11 @@ def render_summary(summary: RunSummary, reward: str) -> str:
         rows.append(("overdue", f"... {len(summary.overdue) - 5} more"))
     for f in summary.failures:
         rows.append(("failure", f"{f.worker} in {f.phase} of step {f.step}: {f.error[:70]}"))
-        if f.resumed_at is None:
+        if f.gave_up:
             rows.append(("  gave up", "no restart"))
+            continue
+        if f.resumed_at is None:
+            rows.append(("  not resumed", "the run ended before a restart came up"))
             continue
         rows.append(("  resumed", f"at step {f.resumed_at} after {f.recovery_s:.1f} s "
                                   f"({max(0, f.step - 1 - f.resumed_at)} step(s) redone)"))

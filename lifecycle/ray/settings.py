@@ -44,6 +44,9 @@ class DriverConfig:
     """Ray actor options per role (`actor`, `critic`, `rollout`), e.g. {"actor": {"num_gpus": 1}}."""
     call_timeout_s: float = 600.0
     """A worker call that takes longer counts as a failure."""
+    save_grace_s: float = 120.0
+    """Before the worker group is stopped (to rebuild it after a failure, or as a run ends in an
+    error), how long each trainer's async save in flight gets to commit; 0 waits for none."""
     poll_s: float = 1.0
     """While it waits on workers, the driver asks them this often for phases past their watchdog budget."""
     ray_init: dict[str, Any] = field(default_factory=dict)
@@ -54,10 +57,13 @@ class DriverConfig:
             value = getattr(self, key)
             if not is_count(value, low):
                 raise ConfigError(f"driver.{key}", f"must be an integer >= {low}, got {shorten(value)}")
-        for key in ("call_timeout_s", "poll_s"):
+            setattr(self, key, int(value))  # a numpy integer would reach the JSON of logs and traces
+        for key, positive in (("call_timeout_s", True), ("poll_s", True), ("save_grace_s", False)):
             value = getattr(self, key)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(f"driver.{key}", f"must be a finite number of seconds > 0, got {shorten(value)}")
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)
+                                               and (value > 0 if positive else value >= 0)):
+                raise ConfigError(f"driver.{key}", f"must be a finite number of seconds {'>' if positive else '>='} "
+                                                   f"0, got {shorten(value)}")
         if self.failure_policy is not None and not isinstance(self.failure_policy, FailurePolicy):
             raise ConfigError("driver.failure_policy", f"must be a FailurePolicy, got a "
                                                        f"{type(self.failure_policy).__name__}")
@@ -69,9 +75,14 @@ class DriverConfig:
             value = getattr(self, key)
             if value is not None and not is_count(value, low):
                 raise ConfigError(f"driver.{key}", f"must be None or an integer >= {low}, got {shorten(value)}")
+            if value is not None:
+                setattr(self, key, int(value))
         if self.address is not None and not (isinstance(self.address, str) and self.address.strip()):
             raise ConfigError("driver.address", f"must be None or a Ray address ('auto', 'host:port'), got "
                                                 f"{shorten(self.address)}")
+        if self.address is not None and any(char.isspace() for char in self.address):
+            raise ConfigError("driver.address", f"{self.address!r} holds whitespace, which no Ray address does "
+                                                "(Ray would try to reach it for minutes)")
         if self.work_dir is not None and not isinstance(self.work_dir, (str, os.PathLike)):
             raise ConfigError("driver.work_dir", f"must be None or a path, got {shorten(self.work_dir)}")
         for key in ("options", "ray_init"):
@@ -117,10 +128,17 @@ retries for minutes)."""
 
 def reachable(address: str) -> None:
     """A `host:port` (or `ray://host:port`) address answers a TCP connect within
-    `CONNECT_TIMEOUT_S`, else a `ConfigError`; `auto`, `local` and other forms are left to Ray."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    `CONNECT_TIMEOUT_S`, else a `ConfigError`; so does an address of no form Ray takes (a port
+    that is no number in 1..65535, whitespace), which Ray would try to reach for minutes.
+    `auto`, `local` and another scheme's `scheme://...` (a Ray client builder's) are left to Ray."""
+    scheme, sep, _ = address.partition("://")
+    if address in ("auto", "local") or (sep and scheme != "ray"):
         return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if (not sep or not host or any(char.isspace() for char in address) or not (port.isascii() and port.isdigit())
+            or not 0 < int(port) < 65536):
+        raise ConfigError("driver.address", f"{address!r} is no Ray address: give 'auto', 'local', 'host:port' or "
+                                            "'ray://host:port' (a port in 1..65535, no whitespace)")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except TimeoutError:
@@ -130,6 +148,24 @@ def reachable(address: str) -> None:
         why = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
         raise ConfigError("driver.address", f"{address}: cannot connect ({shorten(why, 200)}); is the Ray head "
                                             "running there?") from None
+
+
+def check_options(options: Mapping[str, Mapping[str, Any]], roles: list[str], rollouts: int) -> None:
+    """`ConfigError` for actor options of a role the job does not have, or a Ray actor `name` given
+    to the rollouts when there are several (one name names one actor: the second would fail to
+    start)."""
+    unknown = sorted(set(options) - {*roles, ROLLOUT})
+    if unknown:
+        raise ConfigError("driver.options", f"roles {unknown} are not in the job; roles: {[*roles, ROLLOUT]}")
+    if rollouts > 1 and options.get(ROLLOUT, {}).get("name") is not None:
+        raise ConfigError(f"driver.options.{ROLLOUT}", f"'name' names one Ray actor, but the job has {rollouts} "
+                                                       "rollout workers; drop it (Ray names no group of actors)")
+
+
+def shortest_budget(configs: Mapping[str, Mapping[str, Any]]) -> float | None:
+    """The shortest watchdog budget of any worker's config (`watchdog.<trigger>_s`), or None."""
+    budgets = [value for config in configs.values() for value in config["watchdog"].values() if value is not None]
+    return min(budgets, default=None)
 
 
 def overrides_of(overrides: Any, roles: list[str]) -> Mapping[str, Mapping[str, Any]]:
@@ -171,4 +207,5 @@ def merged(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, An
     return out
 
 
-__all__ = ["DriverConfig", "check_shared", "merged", "overrides_of", "reachable", "trainer_roles"]
+__all__ = ["DriverConfig", "check_options", "check_shared", "merged", "overrides_of", "reachable", "shortest_budget",
+           "trainer_roles"]

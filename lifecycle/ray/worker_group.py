@@ -3,19 +3,18 @@
 Every call the driver makes to its workers goes through `WorkerGroup.gather`: results in
 order, the first failure raised at once as a `WorkerFailed` whose `FailureKind` the
 `FailurePolicy` reads (Ray's exception types are known here and nowhere above). While it
-waits, the group asks the workers it waits on for phases past their watchdog budget, through
-`overdue_reports`, a method of the `watch` concurrency group: it runs on a thread of the
-worker's own, so it answers while the worker is still busy inside the phase.
+waits, and once more when a call took half the shortest watchdog budget, the group asks
+the workers it waits on for phases past their budget, through `overdue_reports`, a method of
+the `watch` concurrency group: it runs on a thread of the worker's own, so it answers while
+the worker is still busy inside the phase. Before the group is stopped, `settle_saves` (of the
+same group) gives each trainer's async save in flight time to commit.
 
 Ray is imported inside the methods only.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import os
-import select
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,25 +22,34 @@ from typing import Any
 
 import structlog
 
-from lifecycle.errors import ConfigError
-from lifecycle.ray.policy import FailureKind, WorkerFailed
-from lifecycle.ray.workers import WorkerSpec, process_start
+from lifecycle.errors import ConfigError, LifecycleError, shorten
+from lifecycle.phase import message
+from lifecycle.ray.actors import WATCH, deferred
+from lifecycle.ray.policy import FailureKind, StandIn, WorkerFailed
+from lifecycle.ray.reaping import pidfd, reap
+from lifecycle.ray.workers import WorkerSpec
 
-WATCH = "watch"
-"""The concurrency group of `overdue_reports`: one thread beside the worker's own."""
 OverdueSink = Callable[[str, Mapping[str, Any]], None]
 """Called with the worker's name and each report it handed over."""
+ANSWER_S = 3.0
+"""How long the group waits for workers to say whether they have a save in flight, and past a
+worker's own wait for its answer (`settle_saves`)."""
 
 
 class WorkerGroup:
     """Starts, calls, checks and stops the job's Ray actors (one group per incarnation)."""
 
     def __init__(self, *, call_timeout_s: float, poll_s: float, options: Mapping[str, Mapping[str, Any]],
-                 on_overdue: OverdueSink) -> None:
+                 on_overdue: OverdueSink, overdue_after_s: float | None = 0.0) -> None:
+        """`overdue_after_s`: the shortest watchdog budget of any worker; a call that took half as
+        long may have had a phase past its budget (the calls were sent a moment before the wait
+        began), so its workers are asked once more when it has returned: a phase that ended
+        before the first poll would be missed. None: no budgets, nothing is ever overdue."""
         self.call_timeout_s = call_timeout_s
         self.poll_s = poll_s
         self.options = options
         self.on_overdue = on_overdue
+        self.overdue_after_s = overdue_after_s
         self.handles: dict[str, Any] = {}
         self.pids: dict[str, int] = {}
         self.host = "127.0.0.1"
@@ -53,22 +61,49 @@ class WorkerGroup:
         """A pidfd per worker on the driver's node whose process it could name for sure (`track`)."""
 
     def __getitem__(self, name: str) -> Any:
+        """Worker `name`'s actor handle; a `LifecycleError` naming the group's workers when it has none."""
+        if name not in self.handles:
+            raise self._unknown(name)
         return self.handles[name]
 
+    def _unknown(self, name: str) -> LifecycleError:
+        known = ", ".join(self.handles)
+        return LifecycleError(f"no worker {name!r} in the group; its workers: {known}" if known else
+                              f"no worker group is running (none before the run starts it or after it ended): "
+                              f"no worker {name!r} to reach")
+
+    def call(self, name: str, method: str, *args: Any) -> Any:
+        """One call of worker `name`'s `method`, waited for like the driver's own (`gather`)."""
+        try:
+            bound = getattr(self[name], method)
+        except AttributeError:
+            raise LifecycleError(f"worker {name!r} has no method {method!r}") from None
+        return self.gather([(name, bound.remote(*args))])[0]
+
     def start(self, workers: Sequence[tuple[str, type, str, WorkerSpec]]) -> None:
-        """Create one actor per (name, class, role, spec); learn each one's pid and node."""
+        """Create one actor per (name, class, role, spec); learn each one's pid and node. Every
+        role's options and every recipe are checked before any actor starts; what Ray refuses as
+        an actor is created is a `ConfigError` naming the role's options (the actors created so
+        far are kept, for `stop`)."""
         import ray
 
-        actors = []  # every role's options checked before any actor starts
+        actors = []
         for name, cls, role, spec in workers:
             options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0,
                                        **self.options.get(role, {})}
             try:
-                actors.append((name, ray.remote(concurrency_groups={WATCH: 1})(deferred(cls)).options(**options), spec))
+                actors.append((name, role, ray.remote(concurrency_groups={WATCH: 1})(deferred(cls)).options(**options),
+                               spec))
             except (ValueError, TypeError) as exc:
                 raise ConfigError(f"driver.options.{role}", f"Ray refused these actor options: {exc}") from None
-        for name, actor, spec in actors:
-            self.handles[name] = actor.remote(spec)
+        for recipe in {id(spec.recipe): spec.recipe for _, _, _, spec in workers}.values():
+            _check_picklable(recipe)
+        for name, role, actor, spec in actors:
+            try:
+                self.handles[name] = actor.remote(spec)
+            except (ValueError, TypeError) as exc:  # a name taken (ActorAlreadyExistsError), a runtime_env
+                raise ConfigError(f"driver.options.{role}", f"Ray refused to create worker {name}: "
+                                                            f"{type(exc).__name__}: {shorten(str(exc), 300)}") from None
         names = list(self.handles)
         processes = dict(zip(names, self.gather([(n, self.handles[n].process.remote()) for n in names])))
         self.pids = {name: pid for name, (pid, _) in processes.items()}
@@ -87,7 +122,7 @@ class WorkerGroup:
         if the process at `pid` here still started at `started`: then it was that process already
         when the pidfd was opened. Where that cannot be made sure (no pidfd, no /proc), nothing is
         held and the process is left to Ray's kill. Whether a pidfd is held."""
-        fd = _pidfd(pid, started)
+        fd = pidfd(pid, started)
         if isinstance(fd, str):
             structlog.get_logger().info("driver.worker_left_to_ray", worker=name, pid=pid, reason=fd)
             return False
@@ -102,16 +137,65 @@ class WorkerGroup:
         held: a worker on another node, or no pidfd here); its pid."""
         import ray
 
-        pid = self.pids[name]
+        pid = self.pids.get(name)
+        if pid is None:
+            raise self._unknown(name) if name not in self.handles else LifecycleError(
+                f"worker {name!r} has not reported its process yet: the group is still starting")
         fd = self._pidfds.get(name)
         if fd is None:
-            ray.kill(self.handles[name], no_restart=True)
+            ray.kill(self[name], no_restart=True)
             return pid
         try:
             signal.pidfd_send_signal(fd, signal.SIGKILL)
         except ProcessLookupError:
             pass  # gone already
         return pid
+
+    def settle_saves(self, timeout_s: float, skip: Sequence[str] = ()) -> None:
+        """Give each trainer's async save in flight up to `timeout_s` to commit, before the group is
+        stopped: a healthy trainer killed mid-commit loses a step its peers may have committed, and
+        every role then resumes from an older one. The workers are asked first which of them has a
+        save in flight (`ANSWER_S` for the answers: one on a lost node never answers), then only
+        those are waited for; each waits on its own thread (`watch` group). A save that did not
+        commit, or a worker that did not answer, is logged (`driver.save_unsettled`). `skip`: the
+        workers not asked (one that hung in its call: the failure being recovered)."""
+        names = [name for name in self.handles if name not in skip]
+        if timeout_s <= 0 or not names:
+            return
+        first, silent = self._settle(names, 0.0, ANSWER_S)
+        writing = [name for name, report in first.items() if report is not None and not report["committed"]]
+        final, late = self._settle(writing, timeout_s, timeout_s + ANSWER_S)
+        log = structlog.get_logger()
+        phase, step = self.at
+        for name, report in final.items():
+            if report is not None and report["committed"]:
+                log.info("driver.save_settled", worker=name, driver_phase=phase, driver_step=step, **report)
+            elif report is not None:
+                log.warning("driver.save_unsettled", worker=name, driver_phase=phase, driver_step=step, **report)
+        for name, waited in [(name, ANSWER_S) for name in silent] + [(name, timeout_s + ANSWER_S) for name in late]:
+            log.warning("driver.save_unsettled", worker=name, driver_phase=phase, driver_step=step,
+                        reason=f"no answer within {waited:g} s")
+
+    def _settle(self, names: Sequence[str], timeout_s: float, wait_s: float) -> tuple[dict[str, Any], list[str]]:
+        """`settle_saves(timeout_s)` of each of `names`, in the `watch` group, waited for up to
+        `wait_s`: {name: report} of those that answered (a dead worker's failed call left out),
+        and the names of those that did not answer in time."""
+        import ray
+        from ray.exceptions import RayError
+
+        asked = {name: self.handles[name].settle_saves.options(concurrency_group=WATCH).remote(timeout_s)
+                 for name in names if name in self.handles}
+        if not asked:
+            return {}, []
+        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=wait_s)
+        answers: dict[str, Any] = {}
+        for name, ref in asked.items():
+            if ref in ready:
+                try:
+                    answers[name] = ray.get(ref)
+                except RayError:
+                    continue  # dead: nothing of it to wait for
+        return answers, [name for name, ref in asked.items() if ref not in ready]
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Kill every actor of the group (a dead one is already gone; killing it again is harmless).
@@ -121,14 +205,14 @@ class WorkerGroup:
         gracefully waits for its non-daemon threads (a background save's writer), and a rebuilt
         group must not start beside it. No process is signalled by pid. The handles are held
         until then, so Ray sees a kill, not handles going out of scope; the pidfds are closed
-        whatever happens.
+        whatever happens. Saves in flight are `settle_saves`'s to wait for, before this.
         """
         import ray
 
         try:
             for handle in self.handles.values():
                 ray.kill(handle, no_restart=True)
-            _reap(list(self._pidfds.values()), grace_s)
+            reap(list(self._pidfds.values()), grace_s)
         finally:
             for fd in self._pidfds.values():
                 os.close(fd)
@@ -136,14 +220,16 @@ class WorkerGroup:
 
     def gather(self, calls: Sequence[tuple[str, Any]]) -> list[Any]:
         """Results in order; the first failure is raised at once as `WorkerFailed`, naming a dead
-        worker over one whose call failed because of it. Overdue phases are asked for meanwhile."""
+        worker over one whose call failed because of it. Overdue phases are asked for meanwhile,
+        and once more when the calls have returned, if they took half the shortest budget."""
         import ray
         from ray.exceptions import GetTimeoutError, RayError
 
         names = {ref: name for name, ref in calls}
         pending = [ref for _, ref in calls]
         results: dict[Any, Any] = {}
-        deadline = time.monotonic() + self.call_timeout_s
+        started = time.monotonic()
+        deadline = started + self.call_timeout_s
         phase, step = self.at
         while pending:
             left = deadline - time.monotonic()
@@ -158,7 +244,19 @@ class WorkerGroup:
                 results[ready[0]] = ray.get(ready[0])
             except RayError as exc:
                 raise self._failure(exc, names[ready[0]], pending, names) from exc
+        if self.overdue_after_s is not None and time.monotonic() - started >= self.overdue_after_s / 2:
+            self.drain_overdue(list(dict.fromkeys(names.values())))
         return [results[ref] for _, ref in calls]
+
+    def drain_overdue(self, names: Sequence[str]) -> None:
+        """Collect what `names` still hold of overdue reports (after their calls returned, before
+        the group stops): a poll still out from the wait is read first, and its worker asked once
+        more, for reports that came after it had answered."""
+        out = [name for name in names if name in self._polls]
+        self.poll_overdue(names)
+        again = [name for name in out if name not in self._polls]
+        if again:
+            self.poll_overdue(again)
 
     def poll_overdue(self, busy: Sequence[str]) -> None:
         """Ask each busy worker for its overdue reports; hand each to `on_overdue`. An answer not
@@ -186,9 +284,12 @@ class WorkerGroup:
 
     def _failure(self, exc: BaseException, name: str, pending: list[Any], names: Mapping[Any, str]) -> WorkerFailed:
         """Ray's exception as a `WorkerFailed`: a dead worker (Ray's `RayActorError`, or another
-        system error of Ray's) is DIED; a call that raised is RAISED with the worker's own error
-        (or, when it could not be unpickled, Ray's `UnserializableException` in its place),
-        unless a worker still waited on turns out dead, which is then the one named."""
+        system error of Ray's) is DIED; a call that raised is RAISED with the worker's own error,
+        unless a worker still waited on turns out dead, which is then the one named. An error the
+        driver could not unpickle (Ray's `UnserializableException`: its class cannot be imported
+        or rebuilt here) is RAISED too, as a `StandIn` of the type name and message Ray kept in
+        its text: the policy retries it as any raised error it does not know to be fatal, since
+        no class of it can be matched, and the run's failure record names the worker's error."""
         import ray.exceptions
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -203,7 +304,10 @@ class WorkerGroup:
             cause = exc.cause if isinstance(exc.cause, BaseException) else exc
             return WorkerFailed(name, phase, step, exc, FailureKind.RAISED, cause)
         if isinstance(exc, unpicklable):
-            return WorkerFailed(name, phase, step, exc, FailureKind.RAISED)
+            text = str(getattr(exc, "_original_stack_trace", "") or "")
+            structlog.get_logger().warning("driver.worker_error_unreadable", worker=name, driver_phase=phase,
+                                           driver_step=step, traceback=shorten(text, 4000))
+            return WorkerFailed(name, phase, step, _stand_in(text, exc), FailureKind.RAISED)
         return WorkerFailed(name, phase, step, exc, FailureKind.DIED)
 
     def _dead_among(self, refs: list[Any], names: Mapping[Any, str],
@@ -212,6 +316,8 @@ class WorkerGroup:
         import ray
         from ray.exceptions import RayActorError, RayError
 
+        if not refs:
+            return None
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
         for ref in ready:
             try:
@@ -223,68 +329,29 @@ class WorkerGroup:
         return None
 
 
-@functools.cache
-def deferred(cls: type) -> type:
-    """`cls` as a Ray actor builds it: constructed in a first call, `build()`, not in Ray's creation
-    task. An error there reaches the driver as itself (a `ConfigError` ends the run, as
-    `FailurePolicy.fatal` says), where one raised by the creation task kills the actor and
-    reaches it as a death carrying only the error's text, which the policy retries. The pid and
-    node are asked for before the build, so a build that hangs can be killed."""
+def _check_picklable(recipe: Any) -> None:
+    """`ConfigError` naming the recipe unless it pickles: every worker gets a copy of it."""
+    from ray import cloudpickle
 
-    class Deferred(cls):  # type: ignore[valid-type,misc]
-        def __init__(self, spec: WorkerSpec) -> None:  # noqa: D107 - the build comes later
-            self._spec = spec
-
-        def build(self) -> None:
-            cls.__init__(self, self._spec)
-
-    Deferred.__name__, Deferred.__qualname__ = cls.__name__, cls.__qualname__
-    return Deferred
-
-
-def _pidfd(pid: int, started: int | None) -> int | str:
-    """A pidfd of the process at `pid` if it started at `started`; else why none is held."""
-    if started is None:
-        return "the worker could not read its start time (no /proc there)"
-    if not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal"):
-        return "no pidfd_open or pidfd_send_signal here"
     try:
-        fd = os.pidfd_open(pid)
-    except OSError as exc:
-        return f"pidfd_open({pid}) failed: {exc.strerror}"
-    if process_start(pid) != started:
-        os.close(fd)
-        return "the process at that pid here did not start when the worker did (another pid namespace, or gone)"
-    return fd
+        cloudpickle.dumps(recipe)
+    except Exception as exc:  # noqa: BLE001 - any way it fails, no worker can get it
+        raise ConfigError("recipe", f"{type(recipe).__name__} cannot be pickled, and every worker gets a copy of "
+                                    f"it: {type(exc).__name__}: {shorten(str(exc), 300)}") from None
 
 
-def _reap(pidfds: Sequence[int], grace_s: float, killed_s: float = 1.0) -> None:
-    """Wait up to `grace_s` for the processes of `pidfds` to exit (a pidfd turns readable when its
-    process has), SIGKILL the rest through their pidfds, and wait up to `killed_s` for those."""
-    alive = _wait_exit(pidfds, grace_s)
-    for fd in alive:
-        try:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # exited since
-    _wait_exit(alive, killed_s)
-
-
-def _wait_exit(pidfds: Sequence[int], timeout_s: float) -> list[int]:
-    """The pidfds whose processes are still running after up to `timeout_s`."""
-    poller = select.poll()
-    for fd in pidfds:
-        poller.register(fd, select.POLLIN)
-    alive = set(pidfds)
-    deadline = time.monotonic() + timeout_s
-    while alive:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        for fd, _ in poller.poll(math.ceil(left * 1000)):
-            alive.discard(fd)
-            poller.unregister(fd)
-    return [fd for fd in pidfds if fd in alive]
+def _stand_in(text: str, error: BaseException) -> StandIn:
+    """The error a worker raised, as Ray's text of it names it: the first line at the margin after
+    the last frame of its traceback reads `Type: message` (message lines may follow)."""
+    lines = text.splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    start = next((i for i in range(frames[-1] + 1, len(lines)) if lines[i][:1].strip()), None) if frames else None
+    if start is not None:
+        kind, _, said = "\n".join(lines[start:]).strip().partition(": ")
+        kind = kind.rpartition(".")[2]
+        if kind.isidentifier():
+            return StandIn(kind, said)
+    return StandIn(type(error).__name__, message(error))
 
 
 __all__ = ["WATCH", "OverdueSink", "WorkerGroup", "deferred"]

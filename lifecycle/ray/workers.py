@@ -20,6 +20,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 from lifecycle.core import Lifecycle
 from lifecycle.errors import EngineError, LifecycleError
 from lifecycle.machine import RolloutState
-from lifecycle.phase import guarded
+from lifecycle.phase import described, guarded
 from lifecycle.rollout import RolloutWeights
 from lifecycle.trace import EventLog, TraceFile
 from lifecycle.types import Parts, SaveInfo
@@ -164,6 +165,12 @@ class _Worker:
         inbox: OverdueInbox | None = self.__dict__.get("inbox")  # None while the worker builds (`deferred`)
         return [] if inbox is None else inbox.drain()
 
+    def settle_saves(self, timeout_s: float) -> dict[str, Any] | None:
+        """The async save in flight, given up to `timeout_s` to commit before the driver stops this
+        worker; None when none is in flight (a rollout never has one). Called in the `watch`
+        concurrency group, so it answers while a phase runs."""
+        return None
+
     def close(self) -> Any:
         """Close the lifecycle (waits for a save in flight) and the trace log."""
         self.lc.close()
@@ -210,6 +217,8 @@ class TrainerWorker(_Worker):
             self.lc.engine  # noqa: B018 - built now, so a bad engine config fails at start-up
         self._commits: list[dict[str, Any]] = []
         self._address: tuple[str, int] | None = None
+        self._in_flight: Future[SaveInfo] | None = None
+        self._in_flight_step = 0
 
     def start(self) -> int | None:
         """Resume from the newest complete step, or init-load when there is none."""
@@ -239,6 +248,7 @@ class TrainerWorker(_Worker):
 
         info = self.lc.save(step)
         if isinstance(info, PendingSave):
+            self._in_flight, self._in_flight_step = info.committed, step
             info.committed.add_done_callback(self._committed)
         else:
             self._commits.append(_save_figures(info))
@@ -247,6 +257,25 @@ class TrainerWorker(_Worker):
     def _committed(self, done: Future[SaveInfo]) -> None:
         if done.exception() is None:
             self._commits.append(_save_figures(done.result()))
+
+    def settle_saves(self, timeout_s: float) -> dict[str, Any] | None:
+        """Wait up to `timeout_s` for the async save in flight to commit: its step, whether it
+        committed (`error` when its write failed), and how long it was waited for. A save that
+        commits after the driver's recovery killed this worker would be lost, and every role
+        would resume from an older step than the one its peers committed."""
+        pending: Future[SaveInfo] | None = self.__dict__.get("_in_flight")  # None before the build (`deferred`)
+        if pending is None or pending.done():
+            return None
+        started = time.perf_counter()
+        done, _ = futures.wait([pending], timeout=timeout_s)
+        report: dict[str, Any] = {"step": self._in_flight_step, "committed": False,
+                                  "waited_s": round(time.perf_counter() - started, 3)}
+        if done:
+            failed = pending.exception()
+            report["committed"] = failed is None
+            if failed is not None:
+                report["error"] = described(failed)
+        return report
 
     def rendezvous(self, receivers: int, host: str) -> Any:
         """Where the receivers meet this sender: `host` and a port that was free on it when first

@@ -133,7 +133,7 @@ class _RecipeError(ConfigError):
 
 
 @pytest.mark.parametrize(("cause", "crosses_as"), [(_TwoArguments(3, "nan loss"), Exception),
-                                                   (_RecipeError("bad vocab"), ConfigError),
+                                                   (_RecipeError("bad vocab"), _RecipeError),
                                                    (_HoldsALock(), StandIn)],
                          ids=["two-arguments", "config-error-subclass", "lock"])
 def test_a_failure_whose_cause_cannot_be_pickled_crosses_as_its_nearest_class_that_can(
