@@ -224,8 +224,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port the OS just handed out on `host` (a name or an IPv4 or IPv6 address, probed in
     the family it resolves to first), for a rendezvous; a race with another binder before it is
     used is possible but rare, and fails loudly at bind time. `OSError` (`socket.gaierror`
-    among them) when `host` does not resolve or is no address of this machine."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    among them) when `host` does not resolve or is no address of this machine. `""` is every
+    IPv4 address, as `bind` takes it; an IPv6 address may come in brackets (`[::1]`)."""
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, 0, socket.AF_INET if host == "" else 0,
+                                                         socket.SOCK_STREAM, 0, socket.AI_PASSIVE)[0]
     with socket.socket(family, kind, proto) as sock:
         sock.bind(address)
         return int(sock.getsockname()[1])

@@ -25,6 +25,7 @@ from torch import nn
 from backends.hf_config import KEY
 from lifecycle.errors import CheckpointError, ConfigError, shorten
 from lifecycle.jsontree import read_config_json
+from lifecycle.phase import say
 
 CONFIG_JSON = "config.json"
 MAX_COUNTED_LAYERS = 512
@@ -81,12 +82,15 @@ def meta_model(config: Any) -> nn.Module | None:
     import transformers
 
     config = copy.deepcopy(config)
+    failures: list[str] = []
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
         try:
             with torch.device("meta"):
                 return auto.from_config(config, trust_remote_code=False)
-        except Exception:  # noqa: BLE001 - not this auto class's, or not buildable on meta: no shapes, no error
-            continue
+        except Exception as exc:  # noqa: BLE001 - not this auto class's, or not buildable on meta: no shapes, no error
+            failures.append(f"{auto.__name__}: {type(exc).__name__}: {shorten(exc, 200)}")
+    say("warning", "hf_config.not_built_on_meta", model_type=getattr(config, "model_type", None), tried=failures,
+        effect="tensor shapes and the parameter count are not checked against this config")
     return None
 
 

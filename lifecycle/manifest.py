@@ -24,6 +24,7 @@ from lifecycle.boundary import (
 )
 from lifecycle.checksum import ALGORITHM, ALGORITHMS, file_digest, side_by_side
 from lifecycle.errors import CheckpointError, shorten
+from lifecycle.jsontree import parse_json
 from lifecycle.types import Content
 from lifecycle.version import __version__
 
@@ -213,15 +214,7 @@ def read_manifest_file(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     if lstat(path) is None:
         raise CheckpointError(f"{path}: manifest missing (checkpoint not committed)")
-    raw = read_bytes(path, MANIFEST_LIMIT, "the manifest")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{path}: manifest is not UTF-8 text: {exc}") from exc
-    except RecursionError:
-        raise CheckpointError(f"{path}: manifest is nested too deeply to be one") from None
-    except ValueError as exc:  # json.JSONDecodeError, and integers too long to convert
-        raise CheckpointError(f"{path}: manifest is not valid JSON: {exc}") from exc
+    data = parse_json(read_bytes(path, MANIFEST_LIMIT, "the manifest"), path)  # a key named twice refused too
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: manifest must be a JSON object, got {type(data).__name__}")
     version = data.get("format_version")

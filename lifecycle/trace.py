@@ -91,6 +91,10 @@ class TraceFile(Observer):
         self.log.append(transition_event(record, lc.rank))
 
 
+PLAIN_ITEMS = 1024
+"""The most items of an array `plain` writes out; a larger one is quoted (bounded) instead."""
+
+
 def plain(value: Any) -> Any:
     """A value JSON has no type for, as one it has: a numpy scalar or array (a step the
     application counted in numpy) as its number or list, an Enum as its name, anything else as
@@ -98,7 +102,9 @@ def plain(value: Any) -> Any:
     if isinstance(value, Enum):
         return value.name
     tolist = getattr(value, "tolist", None)  # numpy scalars and arrays; a tensor's `tolist` is as plain
-    if callable(tolist):
+    numel = getattr(value, "numel", None)  # a tensor's `size` is its shape
+    size = numel() if callable(numel) else getattr(value, "size", 1)
+    if callable(tolist) and isinstance(size, int) and size <= PLAIN_ITEMS:
         try:
             return tolist()
         except Exception:  # noqa: BLE001 - one that fails is quoted instead

@@ -40,7 +40,7 @@ class WorkerGroup:
     """Starts, calls, checks and stops the job's Ray actors (one group per incarnation)."""
 
     def __init__(self, *, call_timeout_s: float, poll_s: float, options: Mapping[str, Mapping[str, Any]],
-                 on_overdue: OverdueSink, overdue_after_s: float | None = 0.0) -> None:
+                 on_overdue: OverdueSink, overdue_after_s: float | None = None) -> None:
         """`overdue_after_s`: the shortest watchdog budget of any worker; a call that took half as
         long may have had a phase past its budget (the calls were sent a moment before the wait
         began), so its workers are asked once more when it has returned: a phase that ended

@@ -307,3 +307,17 @@ def test_a_config_deeper_than_the_count_builds_is_counted_at_that_depth_as_a_flo
     one, two, deep = (hf_arch.parameter_floor(transformers.Qwen2Config(**{**TINY_QWEN2, "num_hidden_layers": n}))
                       for n in (1, 2, 100_000))
     assert one is not None and two is not None and deep == one + 7 * (two - one)
+
+
+def test_a_config_transformers_cannot_build_on_meta_is_logged_as_unchecked() -> None:
+    """Before: the shape check and the parameter count were skipped without a word."""
+    from structlog.testing import capture_logs
+
+    from backends.hf_arch import meta_model
+
+    class Unknown:
+        model_type = "not-an-architecture"
+
+    with capture_logs() as logs:
+        assert meta_model(Unknown()) is None
+    assert [(r["event"], r["model_type"]) for r in logs] == [("hf_config.not_built_on_meta", "not-an-architecture")]

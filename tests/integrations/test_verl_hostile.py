@@ -227,6 +227,11 @@ def test_free_port_probes_the_hosts_own_address_family() -> None:
     with socket.socket(socket.AF_INET6) as listener:
         listener.bind(("::1", port))
 
+    for host, family, bound in (("[::1]", socket.AF_INET6, "::1"), ("", socket.AF_INET, "")):
+        port = free_port(host)  # an IPv6 address in brackets, and "" (every IPv4 address), as before
+        with socket.socket(family) as listener:
+            listener.bind((bound, port))
+
 
 @pytest.mark.parametrize("host", ["no-such-host.invalid", "192.0.2.1"])
 def test_prepare_on_actor_rank_0_refuses_a_host_it_cannot_bind_naming_the_key(adapters: Any, host: str) -> None:

@@ -260,3 +260,13 @@ def test_a_relative_root_stays_where_it_was_when_the_working_directory_changes(
     assert lc.save(2).path == tmp_path / "run_a" / "ckpt" / "global_step_2" / ROLE
     assert CheckpointStore(tmp_path / "run_a" / "ckpt").steps() == [1, 2]
     assert not (tmp_path / "run_b" / "ckpt").exists()
+
+
+def test_a_manifest_naming_a_key_twice_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """Before: `json` kept the last of two `files` objects, so a manifest could show one list
+    to this reader and another to any reader that keeps the first."""
+    from lifecycle.manifest import MANIFEST, read_manifest_file
+
+    (tmp_path / MANIFEST).write_text('{"format_version": 2, "files": {}, "files": {"a": 1}}')
+    with pytest.raises(CheckpointError, match=r"manifest\.json: an object names the key 'files' twice"):
+        read_manifest_file(tmp_path)

@@ -316,7 +316,7 @@ def test_an_error_the_driver_cannot_unpickle_is_recorded_by_its_original_text_an
 
 def test_an_overdue_report_of_a_call_that_ended_before_the_first_poll_is_collected(fake_ray: None) -> None:
     inbox = [{"trigger": "train_step", "step": 1, "elapsed_s": 0.3, "budget_s": 0.3}]
-    group = _group()
+    group = _group(overdue_after_s=0.0)
     group.handles = {"actor": _Handle(overdue_reports=lambda: [inbox.pop()] if inbox else [],
                                       train=lambda step: {"loss": 1.0})}
     assert group.gather([("actor", group["actor"].train.remote(1))]) == [{"loss": 1.0}]
@@ -366,10 +366,11 @@ def test_a_run_with_numpy_steps_writes_its_trace(tmp_path: Path) -> None:
 
 def test_a_trace_event_holding_a_value_json_cannot_encode_is_written_anyway(tmp_path: Path) -> None:
     events = [{"ph": "X", "name": "x", "args": {"step": np.int64(3), "loss": np.float32(0.5), "state": State.READY,
-                                               "odd": object()}}]
+                                               "odd": object(), "big": np.zeros(10**6)}}]
     written = json.loads(write_trace_events(events, tmp_path / "t.json").read_text())["traceEvents"]
     args = written[0]["args"]
     assert (args["step"], args["loss"], args["state"]) == (3, 0.5, "READY") and "object" in args["odd"]
+    assert isinstance(args["big"], str) and len(args["big"]) < 300, "a large array is quoted, bounded"
 
 
 # -- 6, 7: fingerprints, splits and joins --------------------------------------------------------
