@@ -155,7 +155,7 @@ def _rollout_survives(rollout: ModelRollout, case: dict[str, Any], rdv: Rendezvo
             "state": _state(rollout.model), "tokens": rollout.generate()}
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ["gloo"])  # a killed shm receiver: test_liveness, at each phase
 def test_a_rollout_killed_mid_transfer_fails_the_sync_in_time_and_the_next_one_repairs(
     engine: str, tmp_path: Path,
 ) -> None:
