@@ -233,7 +233,8 @@ def _build(walk: _Walk, _: int) -> int:
     """BUILD: the state's items set in the instance's dict. A pair is (dict, slot dict), whose
     items are set; any other tuple goes to the class's own `__setstate__`, an item an attribute."""
     state = walk.stack.pop()
-    walk.stack[-1]
+    if not walk.stack:
+        raise _Damaged("BUILD with no object under its state")
     return _DICT + _DICT_ITEM * (state.n + (state.sub if state.is_tuple and state.n == 2 else 0))
 
 

@@ -73,9 +73,14 @@ def out_of_memory(what: str, path: str | os.PathLike[str] | None = None) -> OutO
 def file_problem(exc: OSError, what: str, path: str | os.PathLike[str] | None = None) -> str:
     """`exc` as one problem of a file, for a list of them (see `os_error`); an `OutOfResources`
     is raised instead, since it tells nothing about the file."""
-    error = os_error(exc, what, path)
+    return problem(os_error(exc, what, path), exc)
+
+
+def problem(error: CheckpointError, cause: BaseException | None = None) -> str:
+    """`error` as one problem of a file, for a list of them; an `OutOfResources` is raised
+    instead (from `cause`, when given), since it tells nothing about the file."""
     if isinstance(error, OutOfResources):
-        raise error from exc
+        raise error from (cause or error.__cause__)
     return str(error)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lifecycle.boundary import (
-    MANIFEST, OutOfResources, inside, kind, lstat, os_errors, read_bytes, real_dir, regular_size, rel_problem, scan,
+    MANIFEST, inside, kind, lstat, os_errors, read_bytes, real_dir, problem, regular_size, rel_problem, scan,
 )
 from lifecycle.checksum import ALGORITHM, ALGORITHMS, file_digest, side_by_side
 from lifecycle.errors import CheckpointError, shorten
@@ -286,10 +286,8 @@ def check_folder(
             return [f"{folder}: role folder missing"]
         if manifest is None:
             manifest = read_manifest_file(folder)
-    except OutOfResources:
-        raise
     except CheckpointError as exc:
-        return [str(exc)]
+        return [problem(exc)]
     data = manifest  # the name the checks below use
     mpath = folder / MANIFEST
     problems: list[str] = []
@@ -300,10 +298,9 @@ def check_folder(
     for name, entry in data["contents"].items():
         try:
             inside(folder, entry["folder"])
-        except OutOfResources:
-            raise
         except CheckpointError as exc:
-            problems.append(f"{mpath}: contents[{name!r}] folder {entry['folder']!r} escapes {folder} ({exc})")
+            problems.append(f"{mpath}: contents[{name!r}] folder {entry['folder']!r} escapes {folder} "
+                            f"({problem(exc)})")
     listed, to_hash = _check_listed(folder, data["files"], problems)
     found, odd = scan(folder)
     problems.extend(odd)
@@ -315,10 +312,8 @@ def check_folder(
         try:
             digests = _hash_all(folder, {rel: algorithm for rel, (algorithm, _) in wanted.items()},
                                 fsync=False, progress=progress)
-        except OutOfResources:
-            raise
         except CheckpointError as exc:
-            return [str(exc)]
+            return [problem(exc)]
         problems.extend(
             f"{folder / rel}: checksum {digests[rel]} != manifest {want}"
             for rel, (_, want) in wanted.items() if digests[rel] != want.lower()
@@ -342,16 +337,14 @@ def _check_listed(
         if rel == MANIFEST:
             problems.append(f"{folder / MANIFEST}: lists the manifest itself")
             continue
-        if problem := rel_problem(rel):  # no resolving: scan() refuses any symlink in the folder
-            problems.append(f"{folder / MANIFEST}: file path {rel!r} is refused: {folder}: {problem}")
+        if refused := rel_problem(rel):  # no resolving: scan() refuses any symlink in the folder
+            problems.append(f"{folder / MANIFEST}: file path {rel!r} is refused: {folder}: {refused}")
             continue
         target = f"{base}/{rel}"
         try:
             st = lstat(target)
-        except OutOfResources:
-            raise
         except CheckpointError as exc:
-            problems.append(f"{folder / MANIFEST}: file path {rel!r} is refused: {exc}")
+            problems.append(f"{folder / MANIFEST}: file path {rel!r} is refused: {problem(exc)}")
             continue
         if st is None:
             problems.append(f"{target}: listed in the manifest but missing")
