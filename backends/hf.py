@@ -257,8 +257,8 @@ def _stored_twice(
     files: list[tuple[Path, Header, list[str]]], groups: list[list[str]]
 ) -> tuple[set[str], list[str]]:
     """Names of one tied tensor that the files hold more than once: the copies after the first,
-    to be read aside rather than into the model (two reads into one memory at once would mix
-    them), and a problem for each copy whose bytes differ from the first's (which one the model
+    which are compared with it (`stored_equal`) and then left unread (two reads into one memory
+    at once would mix them), and a problem for each copy whose bytes differ from the first's (which one the model
     should get is unknowable). Our saves and `save_pretrained` write one name per tied tensor."""
     where = {name: (path, header, name) for path, header, names in files for name in names}
     aside: set[str] = set()
