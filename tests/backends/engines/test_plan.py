@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from backends.engines.buckets import Layout
@@ -257,7 +257,9 @@ def _mutate(data: dict[str, Any], kind: str, where: list[int], value: Any) -> No
             k2 = where[1] % len(buckets)
             buckets[k2].insert(where[2] % (len(buckets[k2]) + 1), list(piece))
         elif kind == "shift" and isinstance(value, int):
-            piece[where[1] % 4] += value
+            field = where[1] % 4  # an earlier "odd" edit may have made it a non-number already
+            numbers = all(isinstance(n, int) and not isinstance(n, bool) for n in (value, piece[field]))
+            piece[field] = piece[field] + value if numbers else value
         elif kind == "odd":
             piece[where[1] % 4] = value
         elif kind == "index":
@@ -273,6 +275,8 @@ def _mutate(data: dict[str, Any], kind: str, where: list[int], value: Any) -> No
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_plans(), st.lists(_mutation(), min_size=1, max_size=3))
+@example(Plan(64, False, [TensorMeta("0", torch.float32, ())], [[Piece(0, 0, 0, 4)]]),
+         [("odd", [0, 0, 0], "1"), ("shift", [0, 0, 0], 0)])  # a shift after an edit made the field a string
 def test_a_mutated_plan_passes_only_as_a_full_exact_cover_and_is_otherwise_an_engine_error(
     plan: Plan, mutations: list[tuple[str, list[int], Any]],
 ) -> None:
