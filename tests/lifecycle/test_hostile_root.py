@@ -180,14 +180,22 @@ def test_a_tracker_that_is_not_a_tracker_never_fails_a_save(tmp_path: Path, kind
 
 # Permissions: a process without root's powers ------------------------------------------------
 
-UNPRIVILEGED_RESUME = """
-import sys
+UNPRIVILEGED = """
+import contextlib, io, sys
 from pathlib import Path
 from lifecycle import CheckpointError
+from lifecycle.cli import main
 from tests.lifecycle.hostile import lifecycle_at, has_weights_of
-for mode in sys.argv[2:]:  # one fresh lifecycle a mode, in the order given; one process spares an import of torch
-    print("MODE", mode, flush=True)
-    lc = lifecycle_at(Path(sys.argv[1]), on_damaged=mode)
+root = Path(sys.argv[1])
+for job in sys.argv[2:]:  # in the order given, in one process: one import of torch for them all
+    print("JOB", job, flush=True)
+    if job.startswith("cli-"):  # a command of the CLI: its exit code, then what it wrote to each stream
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([job[4:], str(root)])
+        print(f"RC {code}\\nSTDOUT {out.getvalue()}\\nSTDERR {err.getvalue()}", flush=True)
+        continue
+    lc = lifecycle_at(root, on_damaged=job)  # a resume with this on_damaged mode, in a fresh lifecycle
     try:
         step = lc.resume()
         print("RESUMED", step, has_weights_of(lc.parts.model, step))
@@ -196,11 +204,12 @@ for mode in sys.argv[2:]:  # one fresh lifecycle a mode, in the order given; one
 """
 
 
-def resume_unprivileged(root: Path, *modes: str) -> tuple[list[str], subprocess.CompletedProcess[str]]:
-    """What a resume said in each of `modes`, one after the other in one unprivileged process."""
-    done = run_unprivileged(UNPRIVILEGED_RESUME, str(root), *modes)
-    said = [part.partition("\n")[2] for part in done.stdout.split("MODE ")[1:]]
-    assert len(said) == len(modes), done.stdout + done.stderr
+def unprivileged(root: Path, *jobs: str) -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    """What each of `jobs` said, one after the other in one unprivileged process: a resume in an
+    `on_damaged` mode ("refuse", "fallback"), or a CLI command run on `root` ("cli-verify")."""
+    done = run_unprivileged(UNPRIVILEGED, str(root), *jobs)
+    said = [part.partition("\n")[2] for part in done.stdout.split("JOB ")[1:]]
+    assert len(said) == len(jobs), done.stdout + done.stderr
     return said, done
 
 
@@ -213,22 +222,21 @@ def test_unreadable_files_and_folders_are_named_with_the_errno_text(tmp_path: Pa
             "role": folder(tmp_path)}[target]
     path.chmod(0)
     try:
-        if target == "role":  # a role folder it cannot search is a damaged row, not the end of the table
-            table = run_unprivileged("import sys; from lifecycle.cli import main; sys.exit(main(sys.argv[1:]))",
-                                     "inspect", str(tmp_path))
-            assert table.returncode == 1 and "resume stops: " in table.stdout, table.stdout + table.stderr
-            assert "Permission denied" in table.stdout and "Traceback" not in table.stderr
-        (refused, falls_back), done = resume_unprivileged(tmp_path, "refuse", "fallback")
+        # a role folder it cannot search is a damaged row of `inspect`, not the end of its table
+        jobs = ["cli-inspect"] * (target == "role") + ["refuse", "fallback", "cli-verify"]
+        said, done = unprivileged(tmp_path, *jobs)
         assert "Traceback" not in done.stderr, done.stderr
+        if target == "role":
+            table = said.pop(0)
+            assert table.startswith("RC 1") and "resume stops: " in table and "Permission denied" in table, table
+        refused, falls_back, listing = said
         assert "REFUSED" in refused and str(path) in refused
         assert "Permission denied" in refused
         if target == "role":  # which steps it holds cannot be told: no fallback sets healthy steps aside
             assert "REFUSED" in falls_back and "Permission denied" in falls_back, done.stdout + done.stderr
         else:
             assert "RESUMED 1 True" in falls_back, done.stdout + done.stderr
-        listing = run_unprivileged("import sys; from lifecycle.cli import main; sys.exit(main(sys.argv[1:]))",
-                                   "verify", str(tmp_path))
-        assert listing.returncode in (1, 2) and "Traceback" not in listing.stderr, listing.stderr
+        assert listing.startswith(("RC 1", "RC 2")), listing
     finally:
         subprocess.run(["chmod", "-R", "u+rwX", str(tmp_path)], check=True)  # the step may be set aside
 
@@ -238,11 +246,10 @@ def test_an_unreadable_root_is_a_checkpoint_error_naming_it(tmp_path: Path) -> N
     saved_run(root)
     root.chmod(0)
     try:
-        [said], _ = resume_unprivileged(root, "fallback")
+        (said, listing), done = unprivileged(root, "fallback", "cli-inspect")
         assert "REFUSED" in said and str(root) in said and "Permission denied" in said
-        listing = run_unprivileged("import sys; from lifecycle.cli import main; sys.exit(main(sys.argv[1:]))",
-                                   "inspect", str(root))
-        assert listing.returncode == 2 and "Permission denied" in listing.stderr and "Traceback" not in listing.stderr
+        assert listing.startswith("RC 2") and "Permission denied" in listing.partition("STDERR ")[2], listing
+        assert "Traceback" not in done.stderr, done.stderr
     finally:
         root.chmod(0o755)
 
