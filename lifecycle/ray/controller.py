@@ -13,7 +13,6 @@ group starts (`_start_group`), what a step is (`_run_step`), how the group close
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterable
 from typing import NoReturn
@@ -26,12 +25,12 @@ from lifecycle.ray.policy import (
     RunFailed,
     Verdict,
     WorkerFailed,
+    plain,
 )
 from lifecycle.ray.run_report import Failure, RunSummary
 from lifecycle.stateful import Stateful
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 """Terminal colour and cursor codes, which Ray writes into the text of a worker's error."""
 
 
@@ -125,7 +124,7 @@ class Controller(Stateful[DriverState]):
     def _judge(self, failed: WorkerFailed) -> tuple[Failure, Verdict]:
         """Record the failure, ask the policy, log both; tell the subclass of a failure it retries."""
         failure = Failure(step=failed.step, phase=failed.phase, worker=failed.worker,
-                          error=_ANSI.sub("", f"{failed.cause_type}: {message(failed.cause)}"),
+                          error=f"{failed.cause_type}: {plain(message(failed.cause))}",
                           incarnation=self.incarnation, kind=failed.kind.value)
         self.summary.failures.append(failure)
         verdict = self.policy.decide(failed, len(self.summary.failures))

@@ -9,6 +9,7 @@ Ray: the worker group classifies Ray's exceptions before the policy sees them.
 from __future__ import annotations
 
 import pickle
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -28,6 +29,14 @@ class FailureKind(str, Enum):
     """Its call raised: `WorkerFailed.error` is the worker's own exception, which decides."""
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def plain(text: str) -> str:
+    """`text` without the terminal colour codes Ray writes into a remote traceback's header."""
+    return _ANSI.sub("", text)
+
+
 class WorkerFailed(LifecycleError):
     """A worker died or one of its calls failed; names the worker, the driver's loop phase and the step.
 
@@ -44,7 +53,7 @@ class WorkerFailed(LifecycleError):
         self.error = cause if error is None else error
         self.cause_type = cause_type or raised_as(cause)
         super().__init__(f"worker {worker} failed in {phase} of step {step}: {self.cause_type}: "
-                         f"{message(cause)}")
+                         f"{plain(message(cause))}")
 
     def __reduce__(self) -> tuple[object, ...]:
         cause = portable(self.cause)

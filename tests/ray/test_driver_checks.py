@@ -211,14 +211,17 @@ def test_actor_options_ray_refuses_are_a_config_error_naming_the_role_before_any
     assert info.value.key == "driver.options.critic" and group.handles == {}
 
 
-def test_a_worker_failure_record_carries_no_terminal_colour_codes() -> None:
-    """Ray colours the worker's name in its error text; logs and the summary are plain text."""
+def test_a_worker_failure_record_and_the_run_failed_error_carry_no_terminal_colour_codes() -> None:
+    """Ray colours the worker's name in its error text; logs, the summary and the errors raised are plain text."""
     from lifecycle.ray.controller import Controller
-    from lifecycle.ray.policy import FailureKind, FailurePolicy, WorkerFailed
+    from lifecycle.ray.policy import FailureKind, FailurePolicy, RunFailed, WorkerFailed
 
     error = RuntimeError("\x1b[36mray::TrainerWorker.train()\x1b[39m (pid=7) boom")
-    failure, _ = Controller(FailurePolicy())._judge(WorkerFailed("actor", "train", 3, error, FailureKind.RAISED))
+    failed = WorkerFailed("actor", "train", 3, error, FailureKind.RAISED)
+    failure, verdict = Controller(FailurePolicy(retry_raised=False))._judge(failed)
     assert failure.error == "RuntimeError: ray::TrainerWorker.train() (pid=7) boom"
+    assert str(failed) == "worker actor failed in train of step 3: " + failure.error
+    assert "\x1b" not in str(RunFailed(verdict.reason, failed)) and failure.error in verdict.reason
 
 
 def test_a_workers_overdue_report_is_kept_for_the_driver_when_its_log_sink_fails(
