@@ -21,7 +21,7 @@ from typing import Any
 
 from lifecycle.errors import EngineError, LifecycleError, check_callable, shorten
 from lifecycle.machine import ROLLOUT, RolloutState
-from lifecycle.phase import Observer, Phase
+from lifecycle.phase import Observer, Phase, guarded
 from lifecycle.stateful import Stateful
 from lifecycle.types import MAX_VERSION, is_version
 from lifecycle.watchdog import Emit, Watchdog
@@ -127,8 +127,8 @@ class RolloutWeights(Stateful[RolloutState]):
                                  f"{threading.current_thread().name!r} during another thread's receive: only the "
                                  "thread that runs a receive lands it")
         if version < self._version:
-            self._log.warning("rollout.version_backwards", role=self.role, rank=self.rank, old=self._version,
-                              new=version)
+            guarded(self._log.warning, "rollout.version_backwards", role=self.role, rank=self.rank,
+                    old=self._version, new=version)  # a failing log sink costs the line, not the receive
         self._landed = version
 
     def _budget(self, trigger: str) -> float | None:

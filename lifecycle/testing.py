@@ -13,14 +13,14 @@
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any, ClassVar, Iterable, Iterator
 
-from lifecycle.errors import ConfigError, shorten
+from lifecycle.errors import ConfigError, EngineError, shorten
 from lifecycle.jsontree import decode
 from lifecycle.phase import GLOBAL_OBSERVERS, Observer, TransitionRecord
 from lifecycle.stateful import Stateful
@@ -164,20 +164,38 @@ class MemoryRollout:
 
 
 class MemoryEngine(_FailureSwitch):
-    """A WeightSyncer that copies in process; phases: pause, transfer, apply, resume."""
+    """A WeightSyncer that copies in process; phases: pause, transfer, apply, resume (each once
+    per rollout). Takes what the `naive` engine takes: a rollout or a list (or tuple) of them,
+    updated one after the other; a rollout without `load_weights` (before any is paused), or one
+    whose pause fails, is an `EngineError` saying so, and is left untouched."""
 
     PHASES = ("pause", "transfer", "apply", "resume")
 
     def sync(self, named_tensors: Iterator[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
-        self.hit("pause", version)
-        with updating(target) as landed:
-            self.hit("transfer", version)
-            received = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
-            self.hit("apply", version)
-            target.load_weights(received)
-            landed(version)
-        self.hit("resume", version)
-        return {"backend": "memory", "bytes": sum(t.numel() * t.element_size() for _, t in received)}
+        rollouts = list(target) if isinstance(target, (list, tuple)) else [target]
+        odd = next((i for i, rollout in enumerate(rollouts) if not callable(getattr(rollout, "load_weights", None))), None)
+        if odd is not None:  # before any rollout is paused
+            raise EngineError(f"memory engine: rollout {odd} ({shorten(rollouts[odd])}) has no load_weights to take "
+                              "the weights with")
+        received: list[tuple[str, Any]] | None = None
+        for rollout in rollouts:
+            self.hit("pause", version)
+            with ExitStack() as bracket:
+                try:
+                    landed = bracket.enter_context(updating(rollout))
+                except Exception as exc:  # noqa: BLE001 - the rollout's own error, named in ours
+                    raise EngineError(f"memory engine: the rollout could not be paused for the sync: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+                self.hit("transfer", version)
+                if received is None:  # the weights are read once, whatever the number of rollouts
+                    received = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
+                self.hit("apply", version)
+                rollout.load_weights(received)
+                landed(version)
+            self.hit("resume", version)
+        sent = received or []
+        return {"backend": "memory", "bytes": sum(t.numel() * t.element_size() for _, t in sent),
+                "receivers": len(rollouts)}
 
 
 class Capture(Observer):

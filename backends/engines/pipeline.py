@@ -39,7 +39,6 @@ from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import structlog
 import torch
 
 from backends.engines.base import (
@@ -58,6 +57,7 @@ from backends.engines.receiver import Receiver, accept, receivable, receive_size
 from backends.engines.sender import Packed, send_bucket, send_buckets
 from backends.engines.sets import WeightSets, private_sets
 from lifecycle.errors import EngineError
+from lifecycle.phase import say
 
 
 class BucketEngine(CheckpointEngine):
@@ -365,7 +365,7 @@ class BucketEngine(CheckpointEngine):
         try:
             self._control().set(key, answer(error))
         except EngineError as exc:
-            structlog.get_logger().warning("engine.answer_not_sent", engine=self.name, key=key, error=str(exc))
+            say("warning", "engine.answer_not_sent", engine=self.name, key=key, error=str(exc))
 
     def _send_bucket(self, layout: Layout, k: int, tensors: Sequence[torch.Tensor], version: int,
                      packed: Packed | None = None) -> tuple[Any, Future[int] | None]:

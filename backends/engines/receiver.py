@@ -15,7 +15,6 @@ from collections.abc import Collection, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-import structlog
 import torch
 from torch.profiler import record_function
 
@@ -27,6 +26,7 @@ from backends.engines.digests import keyed, settle
 from backends.engines.control import answer, clip, digits
 from backends.engines.plan import Plan, PlanRefused, parse_plan
 from lifecycle.errors import EngineError
+from lifecycle.phase import say
 
 if TYPE_CHECKING:
     from backends.engines.pipeline import BucketEngine
@@ -238,8 +238,8 @@ class Receiver:
         try:
             engine.slots = engine._allocate([self.plan.bucket_bytes], engine.device)
         except EngineError as exc:
-            structlog.get_logger().warning("engine.drain_in_place", engine=engine.name, rank=self.rank, error=str(exc),
-                                           reason="no buffer to drain into: the rest lands in the rollout's weights")
+            say("warning", "engine.drain_in_place", engine=engine.name, rank=self.rank, error=str(exc),
+                reason="no buffer to drain into: the rest lands in the rollout's weights")
 
     def _fate(self) -> str:
         """What became of a bucket refused once it landed: nothing of it was applied, unless it landed
@@ -294,8 +294,7 @@ class Receiver:
                 self._drain_aside()
                 self.inbox.drain()
         except EngineError as exc:
-            structlog.get_logger().warning("engine.drain_failed", engine=self.engine.name, rank=self.rank,
-                                           error=str(exc))
+            say("warning", "engine.drain_failed", engine=self.engine.name, rank=self.rank, error=str(exc))
             return
         self.engine._answer(f"status/{self.rank}", None if ok else error)
         if ok and self.incoming.held:

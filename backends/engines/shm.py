@@ -29,7 +29,6 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 
 from backends.engines.slots import HEADER_BYTES, SLOTS
@@ -40,6 +39,7 @@ from backends.engines.registry import CheckpointEngineRegistry
 from backends.engines.shared import SharedSlotEngine
 from lifecycle.boundary import PATH_MAX
 from lifecycle.errors import EngineError
+from lifecycle.phase import say
 
 
 @CheckpointEngineRegistry.register("shm")
@@ -212,7 +212,7 @@ def _unlink(paths: list[str]) -> None:
         except NotADirectoryError:  # shm_dir is no folder: no bucket was ever created in it
             continue
         except OSError as exc:
-            structlog.get_logger().warning("engine.shm_bucket_kept", path=path, error=str(exc))
+            say("warning", "engine.shm_bucket_kept", path=path, error=str(exc))
 
 
 def _remove_orphans(folder: Path) -> None:
@@ -225,12 +225,11 @@ def _remove_orphans(folder: Path) -> None:
     says nothing here, so those files stay. A name without a namespace (made before names had
     one) is judged by its pid, as it was then.
     """
-    log = structlog.get_logger()
     try:
         names = [name for name in os.listdir(folder) if name.startswith(_PREFIX)]
         folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        log.warning("engine.shm_sweep_skipped", folder=str(folder), error=str(exc))
+        say("warning", "engine.shm_sweep_skipped", folder=str(folder), error=str(exc))
         return
     try:
         for name in names:
@@ -242,7 +241,7 @@ def _remove_orphans(folder: Path) -> None:
                 if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
                     os.unlink(name, dir_fd=folder_fd)
             except OSError as exc:
-                log.warning("engine.shm_orphan_kept", path=str(folder / name), error=str(exc))
+                say("warning", "engine.shm_orphan_kept", path=str(folder / name), error=str(exc))
     finally:
         os.close(folder_fd)
 

@@ -43,6 +43,8 @@ _CODES: dict[object, int] = {}
 """Small integers standing for the dtypes and devices `describe` has met, in this process."""
 _NUMBERS = itertools.count()
 """Where `_CODES` takes a new number: two threads meeting two new keys at once take two."""
+_EXTRA_STATE = "_extra_state"
+"""The last part of the state dict key of a module's extra state (torch's `_EXTRA_STATE_KEY_SUFFIX`)."""
 _dtype, _device, _shape = operator.attrgetter("dtype"), operator.attrgetter("device"), operator.attrgetter("shape")
 
 
@@ -125,8 +127,11 @@ def state_weights(model: Any) -> Iterator[tuple[str, Any]]:
     buffers), each tied tensor once, under its first name (a receiver ties them again by name).
     Tied means one `place` (a view of another shape, or an empty tensor, is a weight of its
     own). Only tensors that share an address with another have their place read: the rest cost
-    their address, a small part of what the state dict itself costs. What is not plain memory goes as it is, for the sender to refuse."""
-    items = list(model.state_dict().items())
+    their address, a small part of what the state dict itself costs. What is not plain memory goes as it is, for the sender to refuse.
+    A module's extra state (`get_extra_state`, a dict or a TransformerEngine layer's tensor of
+    bytes) is no weight and stays behind, as `adopt_weights` never asks for it."""
+    extra = _extra_state_keys(model)
+    items = [(name, tensor) for name, tensor in model.state_dict().items() if name not in extra]
     addresses = _addresses([tensor for _, tensor in items])
     shared = {address for address, count in collections.Counter(addresses).items() if count > 1 and address}
     seen: set[object] = set()
@@ -137,6 +142,18 @@ def state_weights(model: Any) -> Iterator[tuple[str, Any]]:
                 continue
             seen.add(key)
         yield name, tensor
+
+
+def _extra_state_keys(model: Any) -> frozenset[str]:
+    """The state dict keys of the extra state of a model's modules: `{prefix}_extra_state` of
+    each module whose class overrides `get_extra_state` (torch saves it for those only), under
+    every name a shared module goes by; none for a model that is no `nn.Module`."""
+    if not isinstance(model, torch.nn.Module):
+        return frozenset()
+    base = torch.nn.Module.get_extra_state
+    return frozenset(f"{prefix}.{_EXTRA_STATE}" if prefix else _EXTRA_STATE
+                     for prefix, module in model.named_modules(remove_duplicate=False)
+                     if type(module).get_extra_state is not base)
 
 
 def _addresses(tensors: list[Any]) -> list[int]:
