@@ -5,16 +5,18 @@ A format or an engine declares its options as a dataclass (`Options`) next to it
 section that names the component (`checkpoint.save.format`, `engine.backend`) takes the
 dataclass's fields as keys of its own, written beside the section's keys. `compose` checks the
 dataclass can be composed at all (a plugin's may not: no dataclass, a field named like a
-section key, bounds that are not numbers), checks the given values against its fields' rules,
-and builds it, so the component's own checks run when the config is built, not mid-run.
+section key, bounds that are not numbers, a rule that does not fit its field's type), checks
+the given values against its fields' rules, and builds it, so the component's own checks run
+when the config is built, not mid-run.
 """
 
 from __future__ import annotations
 
 import re
+import types
 from collections.abc import Collection, Mapping
 from dataclasses import MISSING, Field, fields, is_dataclass
-from typing import Any
+from typing import Any, Union, get_args, get_origin
 
 from lifecycle.config_rules import Section, check_value, hints_of, join, keys_of, rule_of, valid_keys
 from lifecycle.errors import ConfigError, shorten
@@ -82,7 +84,7 @@ def _component_fields(
         elif f.name in taken:
             problem = f"its option {f.name!r} is also a key of {section._prefix} itself; rename the option"
         else:
-            problem = _metadata_problem(f)
+            problem = _metadata_problem(f) or _misfit_problem(f, hints[f.name])
         if problem:
             raise ConfigError(selector, f"{what}: {problem}")
         if f.name not in inherited:
@@ -106,6 +108,41 @@ def _metadata_problem(f: Field[Any]) -> str | None:
         except (re.error, TypeError):
             return f"option {f.name!r}: pattern {shorten(rule.pattern)} is not a regular expression"
     return None if rule.problem is None or callable(rule.problem) else f"option {f.name!r}: problem must be a function"
+
+
+def _misfit_problem(f: Field[Any], hint: Any) -> str | None:
+    """Why a component field's rule does not fit the field's type, or None: a bound compares the
+    value itself, so it needs a number; the string rules check a string or each item of a list
+    of strings; `unique` and `non_empty` look at a list, `unique` at items it can hash. A rule
+    that does not fit would raise a `TypeError` on the first value given, or check nothing."""
+    rule, hint = rule_of(f), _optional_inner(hint)
+    item = _optional_inner(get_args(hint)[0]) if get_origin(hint) is list and get_args(hint) else None
+    if any(b is not None for b in (rule.ge, rule.gt, rule.le)) and hint not in (int, float):
+        return f"option {f.name!r}: the bounds ge, gt and le need a number (int or float) field, not {_shown(hint)}"
+    is_string = isinstance(hint, type) and get_origin(hint) is None and issubclass(hint, str)
+    if (rule.pattern is not None or rule.choices or rule.problem is not None or rule.path) and not (
+            is_string or item is str):
+        return (f"option {f.name!r}: the rules pattern, choices, problem and path need a string or a list of "
+                f"strings field, not {_shown(hint)}")
+    if (rule.unique or rule.non_empty) and get_origin(hint) is not list:
+        which = "unique" if rule.unique else "non_empty"
+        return f"option {f.name!r}: {which} needs a list field, not {_shown(hint)}"
+    hashable = isinstance(item, type) and item.__hash__ is not None and get_origin(item) is None
+    if rule.unique and not hashable:
+        return f"option {f.name!r}: unique needs a list of hashable items, not {_shown(hint)}"
+    return None
+
+
+def _optional_inner(hint: Any) -> Any:
+    """`X` for `X | None`; any other hint as it is."""
+    if get_origin(hint) in (Union, types.UnionType):
+        inner = [arg for arg in get_args(hint) if arg is not type(None)]
+        return inner[0] if len(inner) == 1 else hint
+    return hint
+
+
+def _shown(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) and get_origin(hint) is None else str(hint)
 
 
 def _why(exc: BaseException) -> str:

@@ -57,6 +57,13 @@ class _ShallowLoader(yaml.SafeLoader):
 
     _depth = 0
 
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._flattened: set[int] = set()
+        """Mappings whose merge keys are flattened: a mapping merged into several is done once."""
+        self._flattening: set[int] = set()
+        """Mappings being flattened: meeting one again means it merges itself."""
+
     def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth += 1
         try:
@@ -67,26 +74,65 @@ class _ShallowLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-
     def flatten_mapping(self, node: Any) -> None:
-        """A key given twice in one mapping is refused: PyYAML keeps the last, so a repeated
-        section silently replaced the first whole. Checked once per mapping, before its merge
-        keys (`<<:`) are flattened in, whose keys a mapping may override."""
-        checked = self.__dict__.setdefault("_checked", set())
-        if id(node) not in checked:
-            checked.add(id(node))
-            seen: dict[Any, Any] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                if isinstance(key, (str, int, float, bool)) or key is None:
-                    if key in seen:
-                        raise yaml.constructor.ConstructorError(
-                            "while reading a mapping", node.start_mark,
-                            f"key {key!r} is given twice (first {seen[key]})", key_node.start_mark)
-                    seen[key] = key_node.start_mark
-        super().flatten_mapping(node)
+        """Merge keys (`<<:`) flattened by the YAML spec's precedence, which PyYAML 6.0.4 breaks
+        (it takes the last merged mapping's value for most keys, the first one's for one-letter
+        keys): a key written in the mapping wins, then the first merged mapping that gives it.
+        A key written twice in one mapping is refused, since PyYAML would silently keep the last.
+        Each mapping is flattened once, even when merged into several others."""
+        if id(node) in self._flattened:
+            return
+        if id(node) in self._flattening:
+            raise yaml.constructor.ConstructorError(
+                "while flattening merge keys", node.start_mark, "a mapping merges itself", node.start_mark)
+        self._flattening.add(id(node))
+        own: list[tuple[Any, Any]] = []
+        sources: list[Any] = []
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                sources += self._merge_sources(node, value_node)
+            else:
+                if key_node.tag == "tag:yaml.org,2002:value":  # a plain `=`: safe_load reads the string
+                    key_node.tag = "tag:yaml.org,2002:str"
+                own.append((key_node, value_node))
+        seen = self._first_of_each_key(node, own, refuse_repeats=True)
+        merged: list[tuple[Any, Any]] = []
+        for source in sources:
+            merged += self._first_of_each_key(source, source.value, refuse_repeats=False, seen=seen).values()
+        node.value = merged + own
+        self._flattening.discard(id(node))
+        self._flattened.add(id(node))
+
+    def _merge_sources(self, node: Any, value_node: Any) -> list[Any]:
+        """The mappings one `<<:` merges, in the order listed, each flattened first."""
+        sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+        for source in sources:
+            if not isinstance(source, yaml.MappingNode):
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"expected a mapping or a list of mappings for merging, but found {source.id}", source.start_mark)
+            self.flatten_mapping(source)
+        return list(sources)
+
+    def _first_of_each_key(
+        self, node: Any, pairs: list[tuple[Any, Any]], *, refuse_repeats: bool, seen: dict[Any, Any] | None = None,
+    ) -> dict[Any, tuple[Any, Any]]:
+        """The pairs whose key is not in `seen`, first of each key, keyed by the key (a key that
+        cannot be hashed keeps its pair, for the constructor to refuse); `seen` takes their keys."""
+        seen = {} if seen is None else seen
+        kept: dict[Any, tuple[Any, Any]] = {}
+        for key_node, value_node in pairs:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                kept[object()] = (key_node, value_node)
+            elif key not in seen:
+                seen[key] = key_node.start_mark
+                kept[key] = (key_node, value_node)
+            elif refuse_repeats:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"key {key!r} is given twice (first {seen[key]})", key_node.start_mark)
+        return kept
 
     def construct_yaml_float(self, node: Any) -> float:
         """YAML 1.1 reads `1:30.5` as 90.5; refused as ambiguous, like such an integer."""

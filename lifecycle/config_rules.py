@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import Field, dataclass, fields
 from enum import Enum
 from functools import cache
-from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from lifecycle.boundary import path_problem as boundary_path_problem
 from lifecycle.errors import ConfigError, shorten
@@ -79,12 +80,29 @@ def rule(**kwargs: Any) -> dict[str, Rule]:
     return {"rule": Rule(**kwargs)}
 
 
+S = TypeVar("S", bound="Section")
+
+
 class Section:
     """Shared behaviour of config sections: validate on construction, dump to plain data."""
 
     __slots__ = ()
     _prefix: ClassVar[str] = ""
     """Dotted path of the section in the tree, set by `place_sections`; errors start from it."""
+
+    def __new__(cls: type[S], *args: object, **kwargs: object) -> S:
+        """Keyword arguments are keys like any other: a misspelt one is a `ConfigError` naming
+        it and the valid ones, as in a dict or YAML, rather than the generated `__init__`'s
+        `TypeError`. (`__new__`, since the dataclass decorator writes `__init__` after the class.)"""
+        if args:
+            raise ConfigError(cls._prefix, f"{cls.__name__} takes keyword arguments only, got {len(args)} "
+                                           "positional; build one from a mapping with LifecycleConfig.from_dict")
+        names = _init_names(cls)
+        for key in kwargs:
+            if key not in names:
+                listed = ", ".join(sorted(name for name in names if not _deprecated(cls, name)))
+                raise ConfigError(join(cls._prefix, key), f"unknown keyword argument; valid ones: {listed}")
+        return object.__new__(cls)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -102,6 +120,12 @@ class Section:
             elif not rule.deprecated:
                 data[_key_of(f)] = _plain(getattr(self, f.name))
         return data
+
+
+@cache
+def _init_names(cls: type) -> frozenset[str]:
+    """The keyword arguments a section's `__init__` takes: its fields' attribute names."""
+    return frozenset(f.name for f in fields(cls) if f.init)
 
 
 def place_sections(cls: type[Section], prefix: str = "") -> None:
@@ -165,6 +189,7 @@ def _deprecated(cls: type, name: str) -> bool:
 def build(cls: type[Any], data: object) -> Any:
     """Turn a mapping into a section, rejecting unknown keys with the section's valid ones."""
     path = cls._prefix
+    data = _resolved(data, path)
     if not isinstance(data, Mapping):
         raise ConfigError(path, f"expected a mapping for section {path or 'config'}, got {describe(data)}")
     keys, extras_field = keys_of(cls), _extras_field(cls)
@@ -182,6 +207,32 @@ def build(cls: type[Any], data: object) -> Any:
     if extras:
         kwargs[extras_field] = extras  # type: ignore[index]
     return cls(**kwargs)
+
+
+def _resolved(value: object, key: str) -> object:
+    """`value` as plain data if it is an OmegaConf container (a trainer's `DictConfig`, which is a
+    `Mapping`), every interpolation resolved; any other value as it is. Read key by key, a missing
+    value (`???`) or a broken interpolation would raise OmegaConf's own exceptions; resolved whole,
+    they become a `ConfigError` naming the key. No value can be one before omegaconf is imported,
+    so omegaconf is never imported here for it."""
+    omegaconf = sys.modules.get("omegaconf")
+    if omegaconf is None or not isinstance(value, omegaconf.Container):
+        return value
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(value, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as error:
+        full_key = str(getattr(error, "full_key", None) or "")
+        node = str(value._get_full_key(None) or "")  # a sub-node (cfg.lifecycle): its keys start from the root
+        if node and full_key.startswith(node):
+            full_key = full_key[len(node):].lstrip(".")
+        where = join(key, re.sub(r"\[\d+\]$", "", full_key)) if full_key else key
+        if isinstance(error, MissingMandatoryValue):
+            raise ConfigError(where, "missing ('???' in the OmegaConf config); give it a value") from None
+        problem = (str(error).splitlines() or [type(error).__name__])[0]
+        raise ConfigError(where, f"cannot resolve its interpolation: {shorten(problem)}") from None
 
 
 def validate(section: Section) -> None:
@@ -215,6 +266,7 @@ def _coerce(value: object, hint: Any, key: str, where: str = "") -> Any:
     A section given as None takes its defaults, since that is what an emptied YAML block parses to.
     A section given as an instance is checked again: it may have been changed since it was built.
     """
+    value = _resolved(value, key)
     if get_origin(hint) in (Union, types.UnionType):
         inner = [arg for arg in get_args(hint) if arg is not type(None)]
         if len(inner) > 1:  # which member a value meant is not for a coercion to guess
