@@ -6,7 +6,7 @@ import argparse
 import re
 import sys
 from pathlib import Path
-from typing import Callable, Sequence, TextIO
+from typing import Any, Callable, NoReturn, Sequence, TextIO
 
 from lifecycle.boundary import MAX_STEP, os_error, role_problem
 from lifecycle.errors import LifecycleError
@@ -95,15 +95,25 @@ def _role(text: str) -> str:
 
 
 class _Roles(argparse.Action):
-    """--roles, each named once, in the order given."""
+    """--roles, each named once, in the order given; a second --roles adds to the first (argparse
+    would replace it, leaving the first's roles unchecked)."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, list(dict.fromkeys(values)))  # type: ignore[call-overload]
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
+        given = getattr(namespace, self.dest, None) or []
+        setattr(namespace, self.dest, list(dict.fromkeys([*given, *(values or ())])))
+
+
+class _Parser(argparse.ArgumentParser):
+    """A parser whose errors reach the terminal escaped: argparse quotes the command line's own
+    arguments in them (`unrecognized arguments: ...`) as they are."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(printable(message))
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lifecycle", description=__doc__)
+    parser = _Parser(prog="python -m lifecycle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     diagram = sub.add_parser("diagram", help="print a state machine as a Mermaid diagram, from its table")
     diagram.add_argument("--machine", choices=sorted(MACHINES), default="trainer",

@@ -5,7 +5,9 @@ Also the small batch helpers the driver uses to spread a step's prompts over its
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -86,7 +88,7 @@ class Overdue:
 
     def line(self) -> str:
         step = "" if self.step is None else f" of step {self.step}"
-        return (f"{self.worker} overdue in {self.trigger}{step}: {self.elapsed_s:.1f} s so far, "
+        return (f"{_shown(self.worker)} overdue in {_shown(self.trigger)}{step}: {self.elapsed_s:.1f} s so far, "
                 f"{self.overdue}x its {self.budget_s:g} s budget")
 
 
@@ -122,6 +124,12 @@ class RunSummary:
         """The metric's value at each step that reported it as a real number (a Python or numpy
         scalar, a one-element tensor); a value of any other kind is left out."""
         return [value for r in self.steps if name in r.metrics and (value := _number(r.metrics[name])) is not None]
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """`text` as it is when a terminal shows it as such, else its bounded `repr`: a worker's error
+    text (a file name in it) cannot set the clipboard or the title, or forge a row of the summary."""
+    return text[:limit] if text.isprintable() else shorten(text, limit)
 
 
 def _number(value: Any) -> float | None:
@@ -189,6 +197,12 @@ def _numbers(value: Sequence[Any]) -> np.ndarray | None:
         array = np.asarray(value)
     except (ValueError, TypeError, OverflowError):
         return None
+    if array.dtype.kind == "f":  # exact only if no integer is past float64's 2**53: it would round, prompts collide
+        leaves: Any = value
+        for _ in range(array.ndim - 1):
+            leaves = itertools.chain.from_iterable(leaves)
+        if any(isinstance(leaf, (int, np.integer)) and not -2**53 <= leaf <= 2**53 for leaf in leaves):
+            return None
     return array if array.dtype.kind in "biuf" else None
 
 
@@ -270,11 +284,9 @@ def merge_batches(batches: Sequence[Any], names: Sequence[str] | None = None) ->
 def _joined(key: Any, values: list[Any], names: Sequence[str]) -> Any:
     kinds = {_kind(value) for value in values}
     kind = kinds.pop() if len(kinds) == 1 else None
-    if kind == "array" and not _same_kind_of_arrays(values):
-        found = ", ".join(f"{name}: {value.dtype}" for name, value in zip(names, values))
-        raise LifecycleError(f"batch key {key!r}: the rollouts' arrays hold different kinds of values ({found}); "
-                             "numbers join with numbers, and strings, dates or objects only with their own kind")
     try:
+        if kind in ("tensor", "array"):
+            _check_dtypes(key, values, names)
         if kind == "tensor":
             return torch.cat(values)
         if kind == "array":
@@ -291,11 +303,37 @@ def _joined(key: Any, values: list[Any], names: Sequence[str]) -> Any:
                          "arrays or lists (one item per sample), or real numbers (averaged)")
 
 
-def _same_kind_of_arrays(arrays: list[Any]) -> bool:
-    """Numbers (bool, integer, float, complex) join with numbers; any other kind (strings, dates,
-    objects) only with arrays of that same kind: numpy would otherwise turn numbers into text."""
-    kinds = {array.dtype.kind for array in arrays}
-    return kinds <= set("biufc") or len(kinds) == 1
+def _check_dtypes(key: Any, values: list[Any], names: Sequence[str]) -> None:
+    """`LifecycleError` unless the dtype the tensors or arrays join as holds each of theirs exactly
+    (int64 ids beside float32 would join as float32 and change past 2**24). Numbers join with
+    numbers; any other kind (strings, dates, objects) only with its own: numpy would make text."""
+    dtypes = [value.dtype for value in values]
+    found = ", ".join(f"{name}: {dtype}" for name, dtype in zip(names, dtypes))
+    if isinstance(values[0], np.ndarray) and len(kinds := {d.kind for d in dtypes}) > 1 and not kinds <= set("biufc"):
+        raise LifecycleError(f"batch key {key!r}: the rollouts' arrays hold different kinds of values ({found}); "
+                             "numbers join with numbers, and strings, dates or objects only with their own kind")
+    joined = functools.reduce(torch.promote_types if isinstance(values[0], torch.Tensor) else np.promote_types, dtypes)
+    if not all(_exact(dtype, joined) for dtype in dtypes):
+        raise LifecycleError(f"batch key {key!r}: joining the rollouts' dtypes ({found}) as {joined} would change "
+                             "values; return the same dtype from every rollout")
+
+
+def _exact(src: Any, dst: Any) -> bool:
+    """Every value of dtype `src` (torch's or numpy's) is one of `dst` too. numpy's 'safe' casting,
+    which this follows otherwise, takes int64 to float64 (rounding past 2**53); `torch.can_cast`
+    takes it even to float16."""
+    if src == dst:
+        return True
+    if isinstance(src, torch.dtype):
+        try:
+            src, dst = (torch.empty(0, dtype=d).numpy().dtype for d in (src, dst))
+        except (TypeError, RuntimeError):  # bf16, float8 (no numpy dtype): a float widens exactly to float32 and up
+            return src == torch.bool or (src.is_floating_point and dst in _WIDE)
+    rounds = src.kind in "iu" and dst.kind in "fc" and src.itemsize >= 8
+    return bool(np.can_cast(src, dst, "safe")) and not rounds
+
+
+_WIDE = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 
 def _kind(value: Any) -> str | None:
@@ -371,7 +409,7 @@ def render_summary(summary: RunSummary, reward: str) -> str:
     if len(summary.overdue) > 5:
         rows.append(("overdue", f"... {len(summary.overdue) - 5} more"))
     for f in summary.failures:
-        rows.append(("failure", f"{f.worker} in {f.phase} of step {f.step}: {f.error[:70]}"))
+        rows.append(("failure", f"{_shown(f.worker)} in {_shown(f.phase)} of step {f.step}: {_shown(f.error, 70)}"))
         if f.gave_up:
             rows.append(("  gave up", "no restart"))
             continue

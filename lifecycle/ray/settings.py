@@ -3,19 +3,25 @@ per-role config overrides and a Ray address (`lifecycle.ray.driver` runs the job
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import socket
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lifecycle.boundary import role_problem
+from lifecycle.config import MAX_TIMEOUT_S
+from lifecycle.config_rules import path_problem
 from lifecycle.errors import ConfigError, shorten
 from lifecycle.ray.policy import FailurePolicy
 from lifecycle.ray.workers import ROLLOUT
 from lifecycle.types import is_count
+
+MAX_THREADS = 4096
+"""Most torch threads per worker process: more than any machine has cores (torch itself fails on
+2**31 with a raw `ValueError`, in every worker, at each restart)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,11 +65,11 @@ class DriverConfig:
                 raise ConfigError(f"driver.{key}", f"must be an integer >= {low}, got {shorten(value)}")
             setattr(self, key, int(value))  # a numpy integer would reach the JSON of logs and traces
         for key, positive in (("call_timeout_s", True), ("poll_s", True), ("save_grace_s", False)):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value)
+            value = getattr(self, key)  # bounded as the engines' timeouts: a wait past it overflows the clock
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value <= MAX_TIMEOUT_S
                                                and (value > 0 if positive else value >= 0)):
-                raise ConfigError(f"driver.{key}", f"must be a finite number of seconds {'>' if positive else '>='} "
-                                                   f"0, got {shorten(value)}")
+                raise ConfigError(f"driver.{key}", f"must be a number of seconds {'>' if positive else '>='} 0 and "
+                                                   f"<= {MAX_TIMEOUT_S:g}, got {shorten(value)}")
         if self.failure_policy is not None and not isinstance(self.failure_policy, FailurePolicy):
             raise ConfigError("driver.failure_policy", f"must be a FailurePolicy, got a "
                                                        f"{type(self.failure_policy).__name__}")
@@ -77,14 +83,20 @@ class DriverConfig:
                 raise ConfigError(f"driver.{key}", f"must be None or an integer >= {low}, got {shorten(value)}")
             if value is not None:
                 setattr(self, key, int(value))
+        if self.threads is not None and self.threads > MAX_THREADS:
+            raise ConfigError("driver.threads", f"must be at most {MAX_THREADS} threads per worker, got {self.threads}")
         if self.address is not None and not (isinstance(self.address, str) and self.address.strip()):
             raise ConfigError("driver.address", f"must be None or a Ray address ('auto', 'host:port'), got "
                                                 f"{shorten(self.address)}")
         if self.address is not None and any(char.isspace() for char in self.address):
             raise ConfigError("driver.address", f"{self.address!r} holds whitespace, which no Ray address does "
                                                 "(Ray would try to reach it for minutes)")
-        if self.work_dir is not None and not isinstance(self.work_dir, (str, os.PathLike)):
-            raise ConfigError("driver.work_dir", f"must be None or a path, got {shorten(self.work_dir)}")
+        if self.work_dir is not None:
+            path = os.fspath(self.work_dir) if isinstance(self.work_dir, (str, os.PathLike)) else None
+            if not isinstance(path, str):
+                raise ConfigError("driver.work_dir", f"must be None or a path, got {shorten(self.work_dir)}")
+            if problem := path_problem(path):  # as checkpoint.root: every worker would fail its setup on it
+                raise ConfigError("driver.work_dir", problem)
         for key in ("options", "ray_init"):
             value = getattr(self, key)
             if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
@@ -114,7 +126,8 @@ def trainer_roles(roles: Any) -> list[str]:
                 for role in roles if not isinstance(role, str) or role_problem(role)]
     problems += [f"{role!r}: the rollout workers' name" for role in roles
                  if isinstance(role, str) and (role == ROLLOUT or re.fullmatch(f"{ROLLOUT}[0-9]+", role))]
-    problems += [f"{role!r}: given twice" for role in sorted({r for r in roles if roles.count(r) > 1}, key=str)]
+    repeats = Counter(role for role in roles if isinstance(role, str))  # any other is refused above, hashable or not
+    problems += [f"{role!r}: given twice" for role in sorted(role for role, count in repeats.items() if count > 1)]
     if not roles or problems:
         raise ConfigError("recipe.roles", "needs at least one trainer role, each a distinct role name that is not "
                           f"the rollout's: {'; '.join(problems) or 'got none'}")
