@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from lifecycle.boundary import check_step
 from lifecycle.config import LifecycleConfig
@@ -14,6 +14,8 @@ from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase, guarded
 from lifecycle.stateful import Stateful
 from lifecycle.types import Checkpointer, Parts, Progress, SaveInfo, WeightSyncer, is_count, plain_digits
 from lifecycle.watchdog import Emit, Watchdog
+
+T = TypeVar("T")
 
 
 class Lifecycle(Stateful[State]):
@@ -85,14 +87,13 @@ class Lifecycle(Stateful[State]):
     def init_load(self) -> None:
         """CREATED -> LOADING -> READY: the first load of weights (pre_load)."""
         with Phase(self, "init_load", None) as phase:
-            phase.figures.update(self.checkpointer.load_initial(self.parts))
+            loaded = self.checkpointer.load_initial(self.parts)
+            phase.figures.update(_returned(loaded, Mapping, "checkpointer.load_initial"))
 
     def train_step(self, step: int) -> Phase:
         """READY -> TRAINING -> READY around the caller's step; an exception leaves FAILED. A step
         that no save could take (`check_step`) is refused before the machine moves."""
-        number = self._step("train_step", step)
-        self._trained = True  # from here the objects may have moved: see `resume`
-        return Phase(self, "train_step", number)
+        return Phase(self, "train_step", self._step("train_step", step))
 
     def save(self, step: int | None = None) -> SaveInfo:
         """READY -> SAVING -> READY: write and commit a checkpoint; returns what was written."""
@@ -101,23 +102,29 @@ class Lifecycle(Stateful[State]):
             if step is None:  # read again once the move shut other phases out (a train_step on another thread)
                 number = phase.step = check_step(self.progress.step)
             self.progress.step = number
-            info = self.checkpointer.save(number, self.parts, self.progress)
+            info = _returned(self.checkpointer.save(number, self.parts, self.progress), SaveInfo, "checkpointer.save")
             phase.figures.update(info.figures())
         return info
 
     def sync_weights(self, target: Any) -> int:
-        """READY -> SYNCING -> READY: push the model's weights to `target`; returns the version."""
+        """READY -> SYNCING -> READY: push the model's weights to `target`; returns the version. A
+        sync that cannot be done (no model, a target the engine cannot take) is refused before the
+        machine moves, so the trainer stays READY."""
+        model = self.parts.model
+        if model is None:
+            raise LifecycleError(f"sync_weights needs a model (role {self.role}, state {self.state.name})")
+        check_target = getattr(self.engine, "check_target", None)
+        if callable(check_target):
+            check_target(target)
         with Phase(self, "sync_weights", self.progress.step) as phase:
             version = self.progress.weights_version + 1  # read once the move shut other phases out
-            model = self.parts.model
-            if model is None:
-                raise LifecycleError(f"sync_weights needs a model (role {self.role})")
             if getattr(model, "training", False):
+                self.on_exit(_training_restorer(model))
                 model.eval()
-                self.on_exit(model.train)
             from backends.engines.sources import state_weights
 
-            phase.figures.update(self.engine.sync(state_weights(model), target, version))
+            figures = self.engine.sync(state_weights(model), target, version)
+            phase.figures.update(_returned(figures, Mapping, "engine.sync"))
             phase.figures["version"] = version
             self.progress.weights_version = version
         return version
@@ -132,7 +139,7 @@ class Lifecycle(Stateful[State]):
         """
         moved_on = self.state is State.FAILED and self._trained  # a failed init_load or resume moved nothing
         with Phase(self, "resume", None) as phase:
-            restored = self.checkpointer.resume(self.parts)
+            restored = _returned(self.checkpointer.resume(self.parts), (Progress, type(None)), "checkpointer.resume")
             if restored is None and moved_on:
                 raise CheckpointError(f"resume (role {self.role}) from FAILED found no checkpoint to restore; a "
                                       "fresh start needs fresh objects (the model, optimizer, scheduler and data "
@@ -140,7 +147,8 @@ class Lifecycle(Stateful[State]):
             if restored is None:
                 guarded(self._log.info, "lifecycle.resume_fallback", role=self.role, mode=self.config.resume.mode.value,
                                reason="the checkpointer restored nothing", action="init_load")
-                phase.figures.update(self.checkpointer.load_initial(self.parts), fallback="init_load")
+                loaded = _returned(self.checkpointer.load_initial(self.parts), Mapping, "checkpointer.load_initial")
+                phase.figures.update(loaded, fallback="init_load")
                 self.progress = Progress()
                 return None
             self.progress = restored
@@ -162,6 +170,10 @@ class Lifecycle(Stateful[State]):
     def _budget(self, trigger: str) -> float | None:
         return self.config.watchdog.budget(trigger)
 
+    def _moved(self, src: State, dst: State) -> None:
+        if dst is State.TRAINING:
+            self._trained = True  # from here the objects may have moved: see `resume`
+
     def _ended(self, phase: Phase) -> None:
         if phase.trigger == "train_step":
             self.progress.step = phase.step  # type: ignore[assignment]
@@ -178,16 +190,45 @@ def _check_plugins(checkpointer: object, engine: object) -> None:
                                     f"got {shorten(value)} ({type(value).__name__})")
 
 
+def _returned(value: T, kind: type | tuple[type, ...], method: str) -> T:
+    """`value`, checked to be what the plugin's `method` must return (`lifecycle.types`): a wrong
+    type is a `LifecycleError` naming the method, not a raw error from the code that reads it."""
+    if not isinstance(value, kind):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise LifecycleError(f"{method}() returned {shorten(value)} ({type(value).__name__}), not a {names}; "
+                             "its work may be done, but this phase fails")
+    return value
+
+
+def _training_restorer(model: Any) -> Callable[[], None]:
+    """What puts every module of `model` back in its own mode after `model.eval()`: `model.train()`
+    would also switch on the submodules kept in eval (a frozen BatchNorm, a disabled Dropout)."""
+    modules = getattr(model, "modules", None)
+    if not callable(modules):
+        return model.train  # type: ignore[no-any-return]
+    modes = [(module, module.training) for module in modules()]
+
+    def restore() -> None:
+        for module, training in modes:
+            module.training = training
+
+    return restore
+
+
 def _check_apply(config: LifecycleConfig, model: Any) -> None:
     """`ConfigError` naming `engine.apply` when the engine `auto` picks for the model's device
-    does not take that mode (a named engine's config checks it already), which would otherwise
-    fail the first sync (the engine is built then) instead of the construction."""
+    does not take that mode (a named engine's config checks it already), or `engine.backend` when
+    the engine it names cannot run here (`check_available`), which would otherwise fail the first
+    sync (the engine is built then) instead of the construction."""
     from backends.engines.base import CheckpointEngine
     from backends.engines.options import AUTO
     from backends.engines.registry import CheckpointEngineRegistry as Engines
     from backends.engines.sync import device_type
 
-    if config.engine.backend != AUTO or config.engine.apply in CheckpointEngine.applies():
+    if config.engine.backend != AUTO:
+        Engines.get(config.engine.backend)  # loads the class and runs its `check_available`
+        return  # its config checked the mode
+    if config.engine.apply in CheckpointEngine.applies():
         return  # the mode every engine takes: `auto` need not pick one yet
     name = Engines.resolve(AUTO, device_type(model))
     if problem := Engines.apply_problem(name, config.engine.apply):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import structlog
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
-from lifecycle.errors import LifecycleError, shorten
+from lifecycle.errors import InvalidTransition, LifecycleError, shorten
 from lifecycle.table import DONE, FAIL, Table
 from lifecycle.temporary import DELETE, Temporary
 
@@ -182,7 +182,7 @@ class Phase:
     """
 
     __slots__ = ("lc", "trigger", "step", "src", "dst", "figures", "undos", "_start", "_t0", "_tokens",
-                 "_undo_token", "_watched")
+                 "_undo_token", "_watched", "_entered")
 
     _tokens: tuple[Token[Any], ...]
 
@@ -198,6 +198,16 @@ class Phase:
         self.step = step
         self.figures: dict[str, Any] = {}
         self.undos: list[Callable[[], object]] = []
+        self._entered = False
+
+    def __del__(self) -> None:
+        """A phase made and dropped unentered (`lc.train_step(n)` without `with`) moved nothing and
+        counted no step: said once, as a warning, since the caller believes the step was taken."""
+        if getattr(self, "_entered", True):  # entered, or its `__init__` refused it
+            return
+        say("warning", "lifecycle.phase_never_entered", trigger=self.trigger, step=self.step,
+            role=getattr(self.lc, "role", None), rank=getattr(self.lc, "rank", None),
+            hint=f"run it as `with lc.{self.trigger}(...):`; nothing moved and no step was counted")
 
     @property
     def started(self) -> tuple[float, float]:
@@ -206,6 +216,10 @@ class Phase:
 
     def __enter__(self) -> Phase:
         lc = self.lc
+        if self._entered:  # its fields are the running or ended phase's: touch none of them
+            raise refusal(self.trigger, lc.state, lc.role, "this Phase was entered already; a phase runs once, "
+                          f"so fire the trigger again for a new one (lc.{self.trigger}(...))")
+        self._entered = True
         self._start = time.time()
         self._t0 = time.perf_counter()
         self._undo_token, self._tokens, self._watched = None, (), False
@@ -280,6 +294,14 @@ class Phase:
         return None
 
 
+def refusal(trigger: str, state: Enum, role: str, why: str) -> InvalidTransition:
+    """An `InvalidTransition` of `trigger` refused for `why` rather than by the table: it changed
+    nothing, and is caught wherever a refused trigger is."""
+    error = InvalidTransition(trigger, state, [], role)
+    error.args = (f"cannot {trigger!r} from state {state._name_} (role {role}): {why}",)
+    return error
+
+
 def _outcome(phase: Phase, exc: BaseException | None, undo_errors: list[BaseException]) -> BaseException | None:
     """The error a phase ends with (see `Phase._end`)."""
     interrupt = next((e for e in undo_errors if not isinstance(e, Exception)), None)
@@ -318,5 +340,5 @@ def _unknown(lc: object, trigger: object) -> str:
 
 __all__ = [
     "DELETE", "GLOBAL_OBSERVERS", "RUNNING_UNDOS", "Observer", "Phase", "Temporary", "TransitionRecord",
-    "described", "guarded", "message", "run_undos", "say", "temporarily",
+    "described", "guarded", "message", "refusal", "run_undos", "say", "temporarily",
 ]

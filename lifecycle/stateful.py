@@ -24,7 +24,7 @@ from transitions import MachineError
 
 from lifecycle.boundary import check_step
 from lifecycle.errors import CheckpointError, ConfigError, InvalidTransition, LifecycleError, check_callable, shorten
-from lifecycle.phase import Observer, Phase, Temporary, TransitionRecord, described, guarded
+from lifecycle.phase import Observer, Phase, Temporary, TransitionRecord, described, guarded, refusal
 from lifecycle.table import Table
 from lifecycle.types import is_count
 from lifecycle.watchdog import WATCHDOG, Emit, Watchdog
@@ -52,10 +52,15 @@ class Stateful(Generic[S]):
         self.role = role
         self.rank = rank
         self.observers: list[Observer] = list(observers)
+        for observer in self.observers:
+            _check_observer("observers", observer)
         self._table = table
         self._history: deque[TransitionRecord] = deque(maxlen=history_limit)
         self._phase: Phase | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """Reentrant only so that a trigger fired again on the thread inside `_move` (a signal
+        handler) gets in to be refused (`_moving`) instead of waiting forever; other threads wait."""
+        self._moving = False
         self._model = table.model()
         self._machine = table.build(self._model)
         self._watchdog = WATCHDOG if watchdog is None else watchdog
@@ -90,6 +95,7 @@ class Stateful(Generic[S]):
         return undo
 
     def add_observer(self, observer: Observer) -> None:
+        _check_observer("observer", observer)
         self.observers.append(observer)
 
     def remove_observer(self, observer: Observer) -> None:
@@ -144,21 +150,31 @@ class Stateful(Generic[S]):
         set the state directly: the machine's edges carry no callbacks, so its trigger dispatch
         would only reach the same destination dearer. Any other name goes to the machine.
         """
-        edges = self._table.moves.get(trigger)
         with self._lock:
-            src = self._model.state
-            if edges is not None:
-                dst = edges.get(src._name_)
-                if dst is None:
-                    raise InvalidTransition(trigger, src, self._table.allowed(src), self.role)
-                self._model.state = dst
-            else:
-                try:
-                    getattr(self._model, trigger)()
-                except MachineError:
-                    raise InvalidTransition(trigger, src, self._table.allowed(src), self.role) from None
-                dst = self._model.state
-            self._moved(src, dst)
+            if self._moving:
+                raise refusal(trigger, self._model.state, self.role, "fired on the thread that is moving the machine "
+                              "(from a signal handler?); nothing changed, fire it again once the move is over")
+            self._moving = True
+            try:
+                return self._move_locked(trigger)
+            finally:
+                self._moving = False
+
+    def _move_locked(self, trigger: str) -> tuple[S, S]:
+        edges = self._table.moves.get(trigger)
+        src = self._model.state
+        if edges is not None:
+            dst = edges.get(src._name_)
+            if dst is None:
+                raise InvalidTransition(trigger, src, self._table.allowed(src), self.role)
+            self._model.state = dst
+        else:
+            try:
+                getattr(self._model, trigger)()
+            except MachineError:
+                raise InvalidTransition(trigger, src, self._table.allowed(src), self.role) from None
+            dst = self._model.state
+        self._moved(src, dst)
         return src, dst
 
     def _tell(self, src: S, dst: S, trigger: str) -> None:
@@ -227,6 +243,15 @@ def _check_identity(role: object, rank: object, history_limit: object, observers
                                     f"got {shorten(value)} ({type(value).__name__})")
     if isinstance(observers, (str, bytes)) or not isinstance(observers, Iterable):
         raise ConfigError("observers", f"must be an iterable of Observer, got {shorten(observers)}")
+
+
+def _check_observer(key: str, observer: object) -> None:
+    """`ConfigError` naming an observer without both hooks: it would be accepted, then fail on every
+    move (logged as `lifecycle.observer_failed`) and never hear one."""
+    hooks = ("on_state_change", "on_transition")
+    if not all(callable(getattr(observer, hook, None)) for hook in hooks):
+        raise ConfigError(key, f"takes Observer objects (with on_state_change() and on_transition(); subclass "
+                               f"lifecycle.Observer), got {shorten(observer)} ({type(observer).__name__})")
 
 
 def _check_watching(watchdog: object, on_overdue: object) -> None:

@@ -11,6 +11,8 @@ import threading
 import weakref
 from typing import Any
 
+from lifecycle.errors import LifecycleError
+
 
 class _Delete:
     """Sentinel: `lc.temporarily(obj, attr=DELETE)` removes `attr` for the phase."""
@@ -41,12 +43,18 @@ class Temporary:
 
     def __init__(self, obj: object, attrs: dict[str, Any]) -> None:
         self._obj = obj
-        self._saved: list[tuple[str, Any]] = []
+        self._saved: list[tuple[str, Any, bool]] = []
+        """Each attribute's name, its value before, and whether that value was read from the class."""
         self._restored: set[str] = set()
         with _NESTED_LOCK:
             try:
                 for name, value in attrs.items():
-                    self._saved.append((name, getattr(obj, name, _MISSING)))
+                    inherited = _inherited(obj, name)
+                    if inherited and value is DELETE:
+                        raise LifecycleError(
+                            f"temporarily({type(obj).__name__}, {name}=DELETE): {name!r} is not the object's own "
+                            f"attribute but its class's, which deleting from the object cannot remove")
+                    self._saved.append((name, getattr(obj, name, _MISSING), inherited))
                     _push(obj, name, self)
                     if value is DELETE:
                         if hasattr(obj, name):
@@ -62,14 +70,17 @@ class Temporary:
         gets its turn: the first error is raised once all were tried."""
         errors: list[BaseException] = []
         with _NESTED_LOCK:
-            for name, old in reversed(self._saved):
+            for name, old, inherited in reversed(self._saved):
                 if name in self._restored:
                     continue
                 for later in _pop(self._obj, name, self):  # made on top of this one: settled by it
                     later._restored.add(name)
                 self._restored.add(name)
                 try:
-                    if old is _MISSING:
+                    if inherited:  # no instance value to pin: the class's shows through again, as it changes
+                        if name in vars(self._obj):
+                            delattr(self._obj, name)
+                    elif old is _MISSING:
                         if hasattr(self._obj, name):
                             delattr(self._obj, name)
                     else:
@@ -80,7 +91,7 @@ class Temporary:
             raise errors[0]
 
     def __repr__(self) -> str:
-        names = ", ".join(name for name, _ in self._saved)
+        names = ", ".join(name for name, _, _ in self._saved)
         return f"restore {type(self._obj).__name__}.{{{names}}}"
 
     def __enter__(self) -> Temporary:
@@ -88,6 +99,22 @@ class Temporary:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+def _inherited(obj: object, name: str) -> bool:
+    """Whether `obj.name` is read from its class: a plain class attribute, absent from the object's
+    own `__dict__`. A slot, a property or another data descriptor is the object's own to set back."""
+    try:
+        own = vars(obj)
+    except TypeError:  # no `__dict__`: what can be set is a slot or a descriptor of the class
+        return False
+    if name in own:
+        return False
+    for klass in (obj.__mro__[1:] if isinstance(obj, type) else type(obj).__mro__):
+        if name in vars(klass):
+            kind = type(vars(klass)[name])
+            return not (hasattr(kind, "__set__") or hasattr(kind, "__delete__"))
+    return False
 
 
 _NESTED: dict[tuple[int, str], list[weakref.ref[Temporary]]] = {}

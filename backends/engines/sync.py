@@ -25,6 +25,7 @@ from backends.engines.base import MAX_VERSION, CheckpointEngine, Rendezvous, Syn
 from backends.engines.flat import Named
 from backends.engines.options import EngineSource, is_path, shown
 from backends.engines.registry import CheckpointEngineRegistry
+from backends.engines.sources import sendable
 from lifecycle.errors import EngineError
 from lifecycle.types import RolloutTarget, updating
 
@@ -44,7 +45,33 @@ class WeightSync:
         engine = CheckpointEngineRegistry.get(name).from_config(config)
         return cls(engine, profile_dir=config.profile_dir if config.profile else None)
 
+    def check_target(self, target: Any) -> None:
+        """`EngineError` for a target this engine cannot sync to: called by `Lifecycle.sync_weights`
+        before its machine moves, so a wrong target is the caller's error, not a failed trainer."""
+        problem = self._target_problem(target)
+        if problem is not None:
+            raise EngineError(problem)
+
+    def _target_problem(self, target: Any) -> str | None:
+        name = self.engine.name
+        if not self.engine.capabilities.in_process:
+            if isinstance(target, Rendezvous):
+                return None
+            return (f"{name} engine sends to other processes: sync_weights needs a Rendezvous(host, port, "
+                    f"receivers) as its target, got {type(target).__name__}")
+        if isinstance(target, Rendezvous):
+            return (f"{name} engine runs in one process: sync_weights needs the rollout object(s) as its target, "
+                    "not a Rendezvous")
+        rollouts = target if isinstance(target, (list, tuple)) else [target]
+        if not rollouts:
+            return f"{name} engine: no rollout to sync (sync_weights got an empty {type(target).__name__})"
+        odd = next((i for i, each in enumerate(rollouts) if not callable(getattr(each, "load_weights", None))), None)
+        if odd is not None:
+            return f"{name} engine: rollout {odd} ({shown(rollouts[odd])}) has no load_weights to take the weights with"
+        return None
+
     def sync(self, named_tensors: Iterable[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
+        self.check_target(target)
         start = time.perf_counter()
         with profiled(self.profile_dir, f"weight_sync_{self.engine.name}_v{version}_send"):
             if self.engine.capabilities.in_process:
@@ -55,27 +82,47 @@ class WeightSync:
         return stats.figures()
 
     def _sync_remote(self, named_tensors: Iterable[tuple[str, Any]], target: Any, version: int) -> SyncStats:
-        if not isinstance(target, Rendezvous):
-            raise EngineError(f"{self.engine.name} engine sends to other processes: sync_weights needs a "
-                              f"Rendezvous(host, port, receivers) as its target, got {type(target).__name__}")
         with self.engine.session(target, rank=0):
             return self.engine.send_weights(named_tensors, version)
 
     def _sync_local(self, named_tensors: Iterable[tuple[str, Any]], target: Any, version: int) -> SyncStats:
-        if isinstance(target, Rendezvous):
-            raise EngineError(f"{self.engine.name} engine runs in one process: sync_weights needs the rollout "
-                              "object(s) as its target, not a Rendezvous")
+        """Each rollout in turn; the rollouts are handed the trainer's own tensors (no copy), so
+        one whose `load_weights` wrote into them fails the sync before the next one receives."""
         rollouts: Sequence[Any] = target if isinstance(target, (list, tuple)) else [target]
+        pairs = sendable(self.engine.name, named_tensors)  # refused as the engine would: read once, kept
+        counters = _versions(pairs)
         with self.engine.session(None, rank=0):
-            stats = self.engine.send_weights(named_tensors, version)
-            for rollout in rollouts:
+            stats = self.engine.send_weights(pairs, version)
+            for i, rollout in enumerate(rollouts):
                 receive_into(self.engine, rollout, version=version)
+                _check_untouched(self.engine.name, counters, i, rollout)
         stats.receivers = len(rollouts)
         return stats
 
     def close(self) -> None:
         """Called by `Lifecycle.close()`: the engine gives back its buckets and rendezvous."""
         self.engine.close()
+
+
+def _versions(pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor, int]]:
+    """Each tensor with its version counter, which every in-place write to it (or to a view of it,
+    `detach()` included) raises; tensors that keep none (inference mode) are left out."""
+    counters: list[tuple[str, torch.Tensor, int]] = []
+    for name, tensor in pairs:
+        try:
+            counters.append((name, tensor, tensor._version))
+        except RuntimeError:  # an inference tensor tracks no version
+            continue
+    return counters
+
+
+def _check_untouched(engine: str, counters: list[tuple[str, torch.Tensor, int]], index: int, rollout: Any) -> None:
+    """`EngineError` naming the first trainer tensor the rollout's `load_weights` wrote into."""
+    changed = next((name for name, tensor, seen in counters if tensor._version != seen), None)
+    if changed is not None:
+        raise EngineError(f"{engine} engine: rollout {index} ({shown(rollout)}) wrote into the trainer's own "
+                          f"weight {changed[:200]!r} in its load_weights (it is handed the trainer's tensors: copy "
+                          "them, never change them in place); the trainer's weights are no longer the ones it trained")
 
 
 def receive_into(
