@@ -20,7 +20,15 @@ from backends.safetensors_io import NAMES, Header, read_file, read_header, store
 from lifecycle.boundary import lstat, name_problem, read_bytes
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, parse_json, read_optimizer_json
-from lifecycle.optim_state import check_optimizer_state, check_scheduler_state
+from lifecycle.optim_state import (
+    by_name,
+    check_classes,
+    check_optimizer_state,
+    check_scheduler_state,
+    classes,
+    parameter_names,
+)
+from lifecycle.phase import say
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -165,7 +173,7 @@ class HFBackend(FormatBackend):
         state = model.state_dict()
         only_tensors(state, folder)
         files, problems = self._plan(folder, state, expected or {})
-        targets = {name for _, _, names in files for name in names}
+        targets = {name for _, header, _ in files for name in header.tensors}  # a misfit is reported once, as such
         groups = alias_groups(state)
         for group in groups:
             if any(n in targets for n in group):
@@ -224,7 +232,8 @@ class HFBackend(FormatBackend):
         where = str(folder / OPTIM_JSON)
         state = {"optimizer": optimizer.state_dict(),
                  "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
-        doc = {"format_version": 1, **encode(state, where=where, tensors=tensors)}
+        doc = {"format_version": 1, **encode(state, where=where, tensors=tensors), **classes(optimizer, lr_scheduler),
+               "param_names": parameter_names(model, optimizer)}
         digest = write_file(folder / OPTIM_TENSORS, tensors)
         (folder / OPTIM_JSON).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         return {OPTIM_TENSORS: digest}
@@ -242,15 +251,32 @@ class HFBackend(FormatBackend):
         sched_state = state.get("lr_scheduler")
         if lr_scheduler is not None and sched_state is None:
             raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
+        check_classes(optimizer, lr_scheduler, doc, str(path))
         check_scheduler_state(lr_scheduler, sched_state, str(path))
-        check_optimizer_state(optimizer, state["optimizer"], path)
+        saved = _matched_by_name(optimizer, state, model, path)
+        check_optimizer_state(optimizer, saved, path)
         try:
-            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_state_dict(saved)
             if lr_scheduler is not None:
                 lr_scheduler.load_state_dict(sched_state)
         except (ValueError, KeyError, TypeError, RuntimeError, AttributeError, OverflowError) as exc:
             raise CheckpointError(f"{path}: does not fit the optimizer or scheduler: {exc!r}") from exc
         return set() if want is None else {OPTIM_TENSORS}
+
+
+def _matched_by_name(optimizer: Any, state: Mapping[str, Any], model: Any, path: Path) -> Any:
+    """The saved optimizer state with its groups and parameters in the running optimizer's
+    order by parameter name (`by_name`). A checkpoint written before names were recorded, or a
+    load without the model (or with a parameter that is not the model's), goes by position as
+    `load_state_dict` does, with a warning: a model whose modules are declared in another order
+    would give each parameter another's state."""
+    saved_names, running_names = state.get("param_names"), parameter_names(model, optimizer)
+    if saved_names is not None and running_names is not None:
+        return by_name(state["optimizer"], saved_names, running_names, optimizer, f"{path}: does not fit the optimizer")
+    say("warning", "checkpoint.optimizer.loaded_by_position", path=str(path),
+        reason="the checkpoint records no parameter names" if saved_names is None
+        else "the running optimizer steps a parameter that is not the model's (or no model was given)")
+    return state["optimizer"]
 
 
 def _stored_twice(

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -56,7 +57,16 @@ from backends.dcp_metadata import METADATA, MetadataReader
 from backends.hf import write_hf_folder
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import decode, encode, read_json
-from lifecycle.optim_state import SCALAR_STATE, check_param_groups, check_scheduler_state, step_problem
+from lifecycle.optim_state import (
+    PARAM_SHAPED_STATE,
+    SCALAR_STATE,
+    check_classes,
+    check_param_groups,
+    check_scheduler_state,
+    classes,
+    state_keys,
+    step_problem,
+)
 
 OPTIM_JSON = "optimizer.json"
 FORMAT_VERSION = 2
@@ -80,19 +90,74 @@ def _model_tensors(model: nn.Module, folder: Path) -> dict[str, torch.Tensor]:
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
+@contextmanager
+def _unstepped(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
+    """torch's state-dict helpers create an empty optimizer's state by running its step (zero
+    lr, zero grads) on the caller's optimizer: a save before the first step would change the
+    run (Adam's step count), a refused load would leave state behind, and an optimizer whose
+    update does not scale with lr would move the weights. While the state is empty it holds one
+    empty entry, which torch takes for a state and steps nothing; yields whether it did."""
+    first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+    if optimizer.state or first is None:
+        yield False
+        return
+    optimizer.state[first] = {}
+    try:
+        yield True
+    finally:
+        if optimizer.state.get(first) == {}:
+            del optimizer.state[first]
+
+
 def _optimizer_tree(model: Any, optimizer: torch.optim.Optimizer, lr_scheduler: Any, folder: Path) -> dict[str, Any]:
-    """torch's optimizer state dict, keyed by the model's parameter names; created first by
-    torch's zero-lr step when it is still empty (as in torchtitan), so a saved and a fresh
-    optimizer hold the same tensors to match."""
+    """torch's optimizer state dict, keyed by the model's parameter names; an optimizer that has
+    not stepped yet has no state in it (`_unstepped`)."""
     if not isinstance(model, nn.Module):
         raise CheckpointError(f"{folder}: torch_dcp keys optimizer state by parameter name and needs the "
                               f"model the optimizer steps (model=...), got {type(model).__name__}")
     try:
-        state = get_optimizer_state_dict(model, optimizer)
+        with _unstepped(optimizer) as empty:
+            state = get_optimizer_state_dict(model, optimizer)
     except KeyError as exc:  # torch's own lookup of a parameter's name
         raise CheckpointError(f"{folder}: the optimizer steps a parameter that is not one of the model's, "
                               f"so it has no name to save or load it by") from exc
-    return {"optimizer": state, "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
+    if empty:
+        state["state"] = {}
+    return {"optimizer": state, "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            **classes(optimizer, lr_scheduler)}
+
+
+def _fresh_template(running: dict[str, Any], optimizer: torch.optim.Optimizer, saved: Any, metadata: Metadata,
+                    where: str) -> None:
+    """The state DCP fills for an optimizer with none yet, from what optimizer.json and DCP's
+    metadata say was saved, not by stepping it: for each key saved or read by its step
+    (`state_keys`; one not saved is reported missing) a new tensor, of its parameter's layout
+    (a DTensor shard under FSDP2) where it has or must have the parameter's shape, else whole.
+    Names the optimizer does not step are left out, for `_check_names` to report."""
+    names = [n for group in running["optimizer"]["param_groups"] for n in group["params"]]
+    params = dict(zip(names, (p for group in optimizer.param_groups for p in group["params"])))
+    shapes = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device="meta")
+              for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    state = decode(saved.get("state") if isinstance(saved, dict) else None, where=where, tensors=shapes)
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    group_of = {n: g for g in (groups if isinstance(groups, list) else []) if isinstance(g, dict)
+                for n in (g.get("params") if isinstance(g.get("params"), list) else []) if isinstance(n, str)}
+    if not isinstance(state, dict):
+        return
+    template: dict[str, Any] = {}
+    for name, entry in state.items():
+        if name in params and isinstance(entry, dict):
+            needed = dict.fromkeys(state_keys(optimizer, group_of.get(name)) - entry.keys(), torch.empty(()))
+            template[name] = {key: _like(key, value, params[name]) for key, value in {**entry, **needed}.items()}
+    running["optimizer"]["state"] = template
+
+
+def _like(key: str, value: Any, param: torch.Tensor) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.shape == param.shape or key in PARAM_SHAPED_STATE:
+        return torch.empty_like(param, dtype=value.dtype, requires_grad=False)
+    return torch.empty(value.shape, dtype=value.dtype)
 
 
 def _read_doc(path: Path) -> dict[str, Any]:
@@ -226,13 +291,15 @@ def _mismatches(state: Mapping[str, torch.Tensor], metadata: Metadata, folder: P
     return problems
 
 
-def _checked_reader(state: Mapping[str, torch.Tensor], folder: Path) -> MetadataReader:
-    """The reader to fill `state` with, once every mismatch with it has been reported.
+def _checked_reader(state: Mapping[str, torch.Tensor], folder: Path,
+                    read: tuple[MetadataReader, Metadata] | None = None) -> MetadataReader:
+    """The reader to fill `state` with (`read`, when `_reader` ran already), once every
+    mismatch with it has been reported.
 
     The checks are the same on every rank (same files, same global shapes), so either every
     rank raises or none does, and no rank is left waiting in a DCP collective.
     """
-    reader, metadata = _reader(folder)
+    reader, metadata = read or _reader(folder)
     problems = _mismatches(state, metadata, folder)
     if problems:
         raise CheckpointError(f"{folder}: checkpoint does not match:\n  {listed(problems)}")
@@ -286,20 +353,26 @@ class TorchDCPBackend(FormatBackend):
         self, optimizer: torch.optim.Optimizer, lr_scheduler: Any, folder: Path, *, model: Any = None,
         expected: Mapping[str, str] | None = None,
     ) -> set[str]:
-        """The running optimizer's own state (created by a zero step if empty) is the template
-        DCP fills, so each rank reads exactly its own shards. The saved groups and names are
+        """The running optimizer's own state is the template DCP fills, so each rank reads
+        exactly its own shards; one that has not stepped yet gets one built from what was saved
+        (`_fresh_template`), and is never stepped. The saved groups and names are
         checked against it before DCP reads a byte, so a refusal leaves the state as it was.
         DCP reads the files unhashed: none is returned as verified against `expected`."""
         path = folder / OPTIM_JSON
         doc = _read_doc(path)
         if lr_scheduler is not None and doc.get("lr_scheduler") is None:
             raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
+        check_classes(optimizer, lr_scheduler, doc, str(path))
         running = _optimizer_tree(model, optimizer, lr_scheduler, folder)
         where = f"{path}: does not fit the optimizer"
+        read = _reader(folder)
+        saved_state = doc["optimizer"].get("state") if isinstance(doc["optimizer"], dict) else None
+        if not optimizer.state or saved_state == {}:  # nothing to fill in place, or nothing saved
+            _fresh_template(running, optimizer, doc["optimizer"], read[1], str(path))
         _check_names(doc["optimizer"], running["optimizer"], where)  # names are plain JSON strings and keys
         tensors: dict[str, torch.Tensor] = {}
         encode(running, where=str(path), tensors=tensors)
-        reader = _checked_reader(tensors, folder)
+        reader = _checked_reader(tensors, folder, read)
         state = decode(doc, where=str(path), tensors=tensors)  # holds `tensors` themselves, filled below
         saved = state["optimizer"]
         check_param_groups(optimizer, saved.get("param_groups") if isinstance(saved, dict) else None, where, ids=str)
@@ -307,8 +380,10 @@ class TorchDCPBackend(FormatBackend):
         check_scheduler_state(lr_scheduler, state.get("lr_scheduler"), str(path))
         _check_steps(saved["state"], tensors, folder, reader, where)
         _read_into(tensors, folder, reader)
+        options = StateDictOptions(strict=bool(saved["state"]))  # a state saved before the first step is empty
         try:
-            set_optimizer_state_dict(model, optimizer, saved)
+            with _unstepped(optimizer):
+                set_optimizer_state_dict(model, optimizer, saved, options=options)
             if lr_scheduler is not None:
                 lr_scheduler.load_state_dict(state["lr_scheduler"])
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
