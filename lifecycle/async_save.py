@@ -14,7 +14,8 @@ path for both.
 
 The copy keeps what the backends look at: the same state-dict names, tied weights still
 one tensor, a module tree for `torch.distributed.checkpoint`, and an optimizer of the
-worker's own class whose parameters are the copied ones.
+worker's own class whose parameters are the copied ones (a wrapped optimizer's copy is a
+`FrozenOptimizer`: the wrapper's `param_groups` would set the live optimizer's).
 
 From CUDA memory the copies go, non-blocking, into pinned host buffers on a side stream that
 first waits for what the training's current stream has queued (the step that wrote the
@@ -25,12 +26,13 @@ the next step cannot overwrite a weight still being read, and no source is freed
 from __future__ import annotations
 
 import copy
+import inspect
 from datetime import timedelta
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -38,11 +40,13 @@ from torch import nn
 from lifecycle.background import BackgroundSaver, PendingSave
 from lifecycle.contents import CONTENTS
 from lifecycle.errors import CheckpointError
+from lifecycle.optim_state import STANDS_FOR, class_name
 from lifecycle.saver import SaveJob, Saver, agree_fn
 from lifecycle.store import CheckpointStore
 from lifecycle.types import Parts, Progress, SaveInfo
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+_T = TypeVar("_T")
 
 
 class HostCopier:
@@ -78,7 +82,8 @@ class HostCopier:
             optimizer = None if parts.optimizer is None else self._optimizer(parts.optimizer)
             scheduler = None
             if parts.lr_scheduler is not None:
-                scheduler = StateOnly(self.tree(parts.lr_scheduler.state_dict(), "lr_scheduler"))
+                scheduler = _standing_for(StateOnly(self.tree(parts.lr_scheduler.state_dict(), "lr_scheduler")),
+                                          parts.lr_scheduler)
             self._copy_pending()
             self._buffers = self._used
         finally:
@@ -184,21 +189,25 @@ class HostCopier:
 
     def _optimizer(self, optimizer: Any) -> Any:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            return StateOnly(self.tree(optimizer.state_dict(), "optimizer"))
-        frozen = type(optimizer).__new__(type(optimizer))
-        # Not the instance's own callables: an lr scheduler patches `step` onto the live optimizer,
-        # bound to it, and a copy that kept it would step the live one (torch's state-dict helper
-        # steps an optimizer without state once, at lr 0, to create it).
-        frozen.__dict__.update({k: v for k, v in vars(optimizer).items() if not callable(v)})
+            return _standing_for(StateOnly(self.tree(optimizer.state_dict(), "optimizer")), optimizer)
         groups = []
         for i, group in enumerate(optimizer.param_groups):
             hyper = self.tree({k: v for k, v in group.items() if k != "params"}, f"optimizer.group{i}")
             groups.append({**hyper, "params": [self._param(p, f"optimizer.group{i}.param{j}")
                                                for j, p in enumerate(group["params"])]})
-        frozen.param_groups = groups
-        frozen.state = defaultdict(dict)
-        for j, (param, state) in enumerate(optimizer.state.items()):
-            frozen.state[self._param(param, f"optimizer.param{j}")] = self.tree(state, f"optimizer.state{j}")
+        state: defaultdict[Any, Any] = defaultdict(dict)
+        for j, (param, values) in enumerate(optimizer.state.items()):
+            state[self._param(param, f"optimizer.param{j}")] = self.tree(values, f"optimizer.state{j}")
+        if not _keeps_its_own_state(optimizer):
+            saved = self.tree(optimizer.state_dict(), "optimizer")
+            defaults = self.tree(getattr(optimizer, "defaults", {}), "optimizer.defaults")
+            return _standing_for(FrozenOptimizer(groups, state, saved, defaults), optimizer)
+        frozen = type(optimizer).__new__(type(optimizer))
+        # Not the instance's own callables: an lr scheduler patches `step` onto the live optimizer,
+        # bound to it, and a copy that kept it would step the live one (torch's state-dict helper
+        # steps an optimizer without state once, at lr 0, to create it).
+        frozen.__dict__.update({k: v for k, v in vars(optimizer).items() if not callable(v)})
+        frozen.param_groups, frozen.state = groups, state
         return frozen
 
     def _param(self, p: torch.Tensor, key: str) -> nn.Parameter:
@@ -208,6 +217,45 @@ class HostCopier:
             copied = nn.Parameter(copied, requires_grad=p.requires_grad)
             self._views[id(p)] = (p, copied)
         return copied
+
+
+def _keeps_its_own_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `param_groups` and `state` are the instance's own attributes, which a copy of its class
+    can hold too; a wrapper's (accelerate's `AcceleratedOptimizer`, torch's `PostLocalSGDOptimizer`)
+    forward to the optimizer it wraps, so setting them on a copy would set that live one's."""
+    cls = type(optimizer)
+    own = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
+    return cls.__setattr__ is object.__setattr__ and all(
+        name in own and not hasattr(inspect.getattr_static(cls, name, None), "__set__")
+        for name in ("param_groups", "state"))
+
+
+class FrozenOptimizer(torch.optim.Optimizer):
+    """A host copy of a wrapped optimizer: what the formats read (`param_groups`, `state` and
+    `state_dict()`, the wrapper's own as it stood at save time), of this class, never the
+    worker's, so nothing set on it reaches the live optimizer."""
+
+    def __init__(self, groups: list[dict[str, Any]], state: defaultdict[Any, Any], saved: dict[str, Any],
+                 defaults: dict[str, Any]) -> None:
+        # Not `Optimizer.__init__`: it would rebuild the groups the live optimizer already checked.
+        self.param_groups, self.state, self.defaults, self._saved = groups, state, defaults, saved
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._saved
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Only torch's state-dict helper steps a copy, to create the state of an optimizer never
+        stepped; the algorithm is the wrapped optimizer's, which this copy does not have."""
+        raise CheckpointError(f"async save of a {type(self).__name__} that has no state yet: its copy cannot step to "
+                              "create it (torch_dcp does); save after the first step, or set "
+                              "checkpoint.save.async to false")
+
+
+def _standing_for(copy: _T, live: Any) -> _T:
+    """`copy`, marked with the class of `live` (`optim_state.STANDS_FOR`): the formats record the
+    optimizer's and lr scheduler's class, and a resume compares it with the running one's."""
+    setattr(copy, STANDS_FOR, class_name(live))
+    return copy
 
 
 class StateOnly:
@@ -322,7 +370,8 @@ class AsyncSaver:
         try:
             committed = self.background.submit(job.step, write_and_commit)
         except BaseException:
-            job.release()
+            if self.background.in_flight() != job.step:  # else the write runs, and releases the lock itself
+                job.release()
             raise
         return PendingSave(step=job.step, path=self.saver.at.store().role_dir(job.step, self.saver.at.role),
                            contents=list(job.writer.wanted), backend=job.writer.name, bytes=self.copier.bytes,

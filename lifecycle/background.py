@@ -125,29 +125,51 @@ class BackgroundSaver:
         _SAVERS.add(self)
 
     def submit(self, step: int, work: Callable[[], SaveInfo]) -> Future[SaveInfo]:
+        """Start `work` on the background thread; the returned future resolves when it is done.
+
+        The future is known as in flight before the work is queued, and the work runs only once
+        it claims the future (`set_running_or_notify_cancel`): a Ctrl-C anywhere in here either
+        cancels work that never started (nothing in flight, the caller undoes what it prepared) or
+        leaves the started save in flight and waited for (`in_flight`), never a write nobody waits for.
+        """
         if self._pending is not None:
             raise CheckpointError(f"role {self.role}: step {self._pending[0]} is still being saved; wait() first")
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"async-save-{self.role}")
-        future = submitted(self._pool, self._run, step, work) if _hook_exit() else None
-        if future is None:  # the interpreter is exiting: a thread started now would never be waited for
-            future = self._inline(step, work)
+        future: Future[SaveInfo] = Future()
         self._pending = (step, future)
+        try:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"async-save-{self.role}")
+            if not _hook_exit() or submitted(self._pool, self._claimed, future, step, work) is None:
+                self._inline(future, step, work)  # exiting: a thread started now would never be waited for
+        except BaseException:
+            if future.cancel():  # never started, and now never will
+                self._pending = None
+            raise
         return future
 
-    def _inline(self, step: int, work: Callable[[], SaveInfo]) -> Future[SaveInfo]:
-        """The save written and committed in the calling thread, as a finished future. The pool is
-        dropped first, its queue cancelled: a submit that failed to start its thread left the work
-        queued, and it must never run twice."""
+    def in_flight(self) -> int | None:
+        """The step of the save submitted and not yet waited for, if any."""
+        return None if self._pending is None else self._pending[0]
+
+    def _inline(self, future: Future[SaveInfo], step: int, work: Callable[[], SaveInfo]) -> None:
+        """The save written and committed in the calling thread. The pool is dropped first, its
+        queue cancelled: a submit that failed to start its thread left the work queued, and it
+        must never run twice (the claim on `future` also sees to that)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-        future: Future[SaveInfo] = Future()
+        self._claimed(future, step, work)
+
+    def _claimed(self, future: Future[SaveInfo], step: int, work: Callable[[], SaveInfo]) -> None:
+        """`work()` into `future`, unless a submit interrupted before it started has cancelled it."""
+        if not future.set_running_or_notify_cancel():
+            return
         try:
             future.set_result(self._run(step, work))
-        except Exception as exc:  # noqa: BLE001 - raised by the wait, as a background failure is
+        except BaseException as exc:  # raised by the wait, as a background failure is
             future.set_exception(exc)
-        return future
+            if not isinstance(exc, Exception):  # Ctrl-C in a save written inline still stops the caller
+                raise
 
     def _run(self, step: int, work: Callable[[], SaveInfo]) -> SaveInfo:
         """`work()`, and its record; a log sink that fails never fails the save (see `say`)."""

@@ -220,7 +220,8 @@ class CheckpointStore:
                    for name, backend in contents.items()}
         manifest = build_manifest(staging, step=step, role=role, contents=entries, parallel=parallel,
                                   model_config_hash=model_config_hash, meta=meta, fsync=fsync, digests=digests)
-        write_json_atomic(staging / MANIFEST, manifest)
+        with os_errors(f"cannot write the manifest of step {step} (role {role})", staging / MANIFEST):
+            write_json_atomic(staging / MANIFEST, manifest)  # a full disk's error names no file of its own
         final = self.role_dir(step, role)
         if lstat(final) is None:
             os.rename(staging, final)
