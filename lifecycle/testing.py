@@ -166,13 +166,15 @@ class MemoryRollout:
 class MemoryEngine(_FailureSwitch):
     """A WeightSyncer that copies in process; phases: pause, transfer, apply, resume (each once
     per rollout). Takes what the `naive` engine takes: a rollout or a list (or tuple) of them,
-    updated one after the other; a rollout without `load_weights` (before any is paused), or one
+    updated one after the other; none at all, a rollout without `load_weights` (before any is paused), or one
     whose pause fails, is an `EngineError` saying so, and is left untouched."""
 
     PHASES = ("pause", "transfer", "apply", "resume")
 
     def sync(self, named_tensors: Iterator[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
         rollouts = list(target) if isinstance(target, (list, tuple)) else [target]
+        if not rollouts:
+            raise EngineError(f"memory engine: no rollout to sync (sync got an empty {type(target).__name__})")
         odd = next((i for i, rollout in enumerate(rollouts) if not callable(getattr(rollout, "load_weights", None))), None)
         if odd is not None:  # before any rollout is paused
             raise EngineError(f"memory engine: rollout {odd} ({shorten(rollouts[odd])}) has no load_weights to take "

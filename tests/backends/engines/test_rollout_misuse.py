@@ -196,3 +196,9 @@ def test_memory_engine_refuses_a_list_with_a_rollout_without_load_weights_before
     with pytest.raises(EngineError, match=r"memory engine: rollout 1 \(.*\) has no load_weights"):
         lc.sync_weights([first, object()])
     assert first.calls == [] and first.weights == {}
+
+
+@pytest.mark.parametrize("empty", [[], ()])
+def test_memory_engine_refuses_an_empty_list_of_rollouts_as_the_naive_engine_does(empty: Any) -> None:
+    with pytest.raises(EngineError, match="memory engine: no rollout to sync"):
+        MemoryEngine().sync(iter([("w", torch.ones(2))]), empty, 1)
