@@ -11,6 +11,7 @@ own; the command-line inspector lists them.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import uuid
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from lifecycle.boundary import STEP_PREFIX, lstat, os_error, parse_step
 from lifecycle.errors import CheckpointError
+from lifecycle.manifest import MANIFEST
 from lifecycle.phase import say
 from lifecycle.retention import replaced_copies
 
@@ -34,11 +36,16 @@ MAX_LOGGED = 50
 """Problems one log record lists; the rest are counted."""
 
 
+def _aside_path(store: CheckpointStore, step: int, marker: str) -> Path:
+    """`<step folder's name><marker><time>-<random>` in the root."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return store.root / f"{store.step_dir(step).name}{marker}{stamp}-{uuid.uuid4().hex[:6]}"
+
+
 def set_aside(store: CheckpointStore, step: int, marker: str, why: str) -> Path | None:
     """Rename step `step` to `<name><marker><time>-<random>`; None when it is gone already."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     folder = store.step_dir(step)
-    aside = store.root / f"{folder.name}{marker}{stamp}-{uuid.uuid4().hex[:6]}"
+    aside = _aside_path(store, step, marker)
     try:
         os.rename(folder, aside)
     except FileNotFoundError:
@@ -102,6 +109,72 @@ def supersede(store: CheckpointStore, newer_than: int) -> list[Path]:
             reason="resumed from an older step; these are never resumed or deleted")
     tracker_back_to(store, newer_than)
     return moved
+
+
+def abandon_line(store: CheckpointStore, role: str, resumed: int | None) -> list[Path]:
+    """Move `role`'s own committed folders of the steps newer than `resumed` (all of them on a
+    fresh start, `resumed` None) aside, each into a `global_step_N.superseded-<time>` folder of its
+    own, with that role's `.replaced-` copies of the step. An automatic resume went back past them
+    (no other role committed those steps): left in place, one would pair with another role's
+    folder of that step from the new line into a step made of two histories. Never another
+    role's folder, never deleted; a step folder left empty is removed. Best effort (rank 0 of
+    `role`, under its writer lock, so no save of it is in flight): a failure is logged."""
+    if not _past(store, role, resumed):
+        return []
+    lock = store.writer_lock(role)
+    try:
+        lock.acquire()
+    except CheckpointError as exc:
+        say("error", "checkpoint.abandoned_line_not_moved", role=role, resumed_step=resumed, error=str(exc),
+            action="a later automatic resume may pair its newer steps with another role's")
+        return []
+    try:
+        moved = [aside for step in _past(store, role, resumed) if (aside := _move_role(store, step, role))]
+    finally:
+        lock.release()
+    if moved:
+        say("warning", "checkpoint.role_steps_superseded", role=role, resumed_step=resumed,
+            paths=[str(p) for p in moved], reason="an automatic resume went back past them (not committed by "
+            "every role); set aside, never resumed or deleted")
+        if resumed is not None:
+            tracker_back_to(store, resumed)
+    return moved
+
+
+def _past(store: CheckpointStore, role: str, resumed: int | None) -> list[int]:
+    """The steps newer than `resumed` (all, for None) holding a committed folder of `role`."""
+    try:
+        return [step for step in store.steps() if (resumed is None or step > resumed)
+                and lstat(store.role_dir(step, role) / MANIFEST) is not None]
+    except CheckpointError as exc:
+        say("error", "checkpoint.abandoned_line_not_moved", role=role, resumed_step=resumed, error=str(exc),
+            action="a later automatic resume may pair its newer steps with another role's")
+        return []
+
+
+def _move_role(store: CheckpointStore, step: int, role: str) -> Path | None:
+    """`role`'s folder of `step`, and its `.replaced-` copies of it, into a folder set aside."""
+    try:
+        aside = _aside_path(store, step, SUPERSEDED)
+        aside.mkdir()
+        os.rename(store.role_dir(step, role), aside / role)
+        for path in (path for copy_step, _, path in replaced_copies(store, role) if copy_step == step):
+            os.rename(path, aside / path.name)
+        _remove_if_empty(store.step_dir(step))
+    except (OSError, CheckpointError) as exc:
+        say("error", "checkpoint.abandoned_line_not_moved", step=step, role=role, error=str(exc),
+            action="a later automatic resume may pair it with another role's folder of this step")
+        return None
+    return aside
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):  # not another role's folder in it
+            say("warning", "checkpoint.step_folder_not_removed", path=str(folder), error=str(exc),
+                action="left empty: no role's folder is in it")
 
 
 def tracker_back_to(store: CheckpointStore, step: int) -> None:

@@ -32,20 +32,31 @@ from lifecycle.saver import SaveJob, Saver, agree_fn
 from lifecycle.store import CheckpointStore, check_role
 from lifecycle.types import Parts, Progress, SaveInfo
 
-_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
+_EARLIER_VOLATILE_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
+"""The keys left out of the hash by the releases before runtime flags were: their steps still resume."""
+_VOLATILE_CONFIG_KEYS = (*_EARLIER_VOLATILE_KEYS, "use_cache", "output_attentions", "output_hidden_states",
+                         "return_dict")
+"""Keys that change with the library, the load path or runtime switches, not with the architecture."""
 
 
-def model_config_hash(parts: Parts) -> str | None:
+def earlier_config_hash(parts: Parts) -> str | None:
+    """`model_config_hash` as releases before this one computed it (runtime flags included), which
+    a step they saved carries: a resume accepts it too."""
+    return model_config_hash(parts, volatile=_EARLIER_VOLATILE_KEYS)
+
+
+def model_config_hash(parts: Parts, *, volatile: tuple[str, ...] = _VOLATILE_CONFIG_KEYS) -> str | None:
     """Fingerprint of the architecture, so resume can refuse a checkpoint of another model.
 
-    Keys that change with the library version or the load path, not the model, are left out.
+    Keys that change with the library version, the load path or a runtime switch (`use_cache`),
+    not the model, are left out (`volatile`).
     """
     model = parts.model
     if model is None:
         return None
     describe = getattr(model, "fingerprint", None) or getattr(getattr(model, "config", None), "to_dict", None)
     if callable(describe):
-        cfg = {k: v for k, v in describe().items() if k not in _VOLATILE_CONFIG_KEYS}
+        cfg = {k: v for k, v in describe().items() if k not in volatile}
         payload = json.dumps(cfg, sort_keys=True, default=str)
     else:
         layout = sorted([n, list(t.shape), str(t.dtype)] if hasattr(t, "shape") and hasattr(t, "dtype")
@@ -116,7 +127,8 @@ class DiskCheckpointer:
         self._store: CheckpointStore | None = None
         at = RoleRank(config=config, store=lambda: self.store, role=self.role, roles=self.roles, rank=rank,
                       world_size=world_size, collective=lambda: self._collective)
-        self._resumer = Resumer(at, model_hash=self._model_hash)
+        self._resumer = Resumer(at, model_hash=self._model_hash,
+                                also_accepted=None if model_config_hash is not None else earlier_config_hash)
         self._saver = Saver(at, parallel={"world_size": world_size, **(parallel or {})})
         self._async: AsyncSaver | None = None
 

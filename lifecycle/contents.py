@@ -19,12 +19,15 @@ from typing import Any
 
 from backends.base import FormatBackend
 from lifecycle.boundary import os_errors
-from lifecycle.errors import CheckpointError
-from lifecycle.extra import load_extra, save_extra
+from lifecycle.errors import CheckpointError, LifecycleError
+from lifecycle.extra import RESET_WITHOUT_EXTRA, load_extra, read_extra, save_extra
+from lifecycle.jsontree import read_json
 from lifecycle.phase import say
 from lifecycle.types import Content, Parts, Progress, Written
 
 _RANK_DIR = re.compile(r"rank_([0-9]+)")
+OPTIM_JSON = "optimizer.json"
+"""Where the built-in formats keep the optimizer's and the scheduler's structure."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +66,9 @@ class Loaded:
 
     verified: frozenset[str] = frozenset()
     progress: Progress | None = None
+    then: Callable[[], None] | None = None
+    """What the resume runs once every content loaded (the data position and the RNGs), so a
+    resume refused on a later content moves none of them."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +94,8 @@ class ContentIO:
     at once, as it stands at the step (RNG states and data position move as training goes on)."""
     optional_on_resume: bool = False
     """A step saved without it still resumes, with a warning."""
+    resets: tuple[str, ...] = ()
+    """The `Progress` fields only it restores: a resume not reading it starts them afresh."""
 
     def folder(self, name: str, rank: int) -> str:
         """Its folder in the role folder."""
@@ -103,7 +111,20 @@ def _read_optimizer(reading: Reading) -> Loaded:
     parts = reading.parts
     verified = _backend(reading).load_optimizer(parts.optimizer, parts.lr_scheduler, reading.folder,
                                                 model=parts.model, expected=reading.expected)
+    if parts.lr_scheduler is None and _holds_scheduler(reading.folder / OPTIM_JSON):
+        say("warning", "checkpoint.resume.content_not_loaded", content="lr_scheduler", step=reading.step,
+            path=str(reading.folder), reason="the step holds its state, but no lr_scheduler was given")
     return Loaded(frozenset(verified or ()))
+
+
+def _holds_scheduler(path: Path) -> bool:
+    """Whether the `optimizer.json` the built-in formats write holds a scheduler's state; False
+    for a format that writes none (the load has read and checked it already)."""
+    try:
+        doc = read_json(path) if path.is_file() else None
+    except CheckpointError:
+        return False
+    return isinstance(doc, dict) and doc.get("lr_scheduler") is not None
 
 
 def _backend(reading: Reading) -> FormatBackend:
@@ -120,7 +141,8 @@ def _read_extra(reading: Reading) -> Loaded:
             raise CheckpointError(f"{entry}: unexpected entry in extra folder (only rank_N folders)")
     own = folder / f"rank_{reading.rank}"
     if reading.saved_world_size == reading.world_size and own.is_dir():
-        return Loaded(progress=load_extra(own, reading.parts.dataloader, step=reading.step))
+        progress, restore = read_extra(own, reading.parts.dataloader, step=reading.step)
+        return Loaded(progress=progress, then=restore)
     say("warning", "checkpoint.resume.extra_layout_changed", path=str(folder), rank=reading.rank,
         saved_world_size=reading.saved_world_size, world_size=reading.world_size,
         action="progress from rank 0; RNG and dataloader state not restored",
@@ -141,7 +163,8 @@ CONTENTS: Mapping[str, ContentIO] = MappingProxyType({
         read=_read_optimizer, holds="optimizer"),
     Content.EXTRA.value: ContentIO(
         write=lambda w: save_extra(w.folder, w.progress, w.parts.dataloader),
-        read=_read_extra, by_format=False, per_rank=True, copied_for_async=False, optional_on_resume=True),
+        read=_read_extra, by_format=False, per_rank=True, copied_for_async=False, optional_on_resume=True,
+        resets=RESET_WITHOUT_EXTRA),
 })
 """Every content a step folder can hold, keyed by the plain names of `Content`."""
 
@@ -157,6 +180,21 @@ def content_io(name: str, where: Path) -> ContentIO:
 def has_state(content: ContentIO, parts: Parts) -> bool:
     """Whether the worker has the object the content is the state of."""
     return content.holds is None or getattr(parts, content.holds) is not None
+
+
+def say_unread(wanted: Sequence[str], entries: Mapping[str, Any], parts: Parts, folder: Path, step: int) -> None:
+    """Warn of what a step holds that this resume leaves as it was: a content `wanted` (of
+    `checkpoint.load.contents`) the worker has no object for, and the progress fields of one
+    `wanted` leaves out."""
+    for name, content in CONTENTS.items():
+        if name not in entries or content.read is None:
+            continue
+        if name not in wanted and content.resets:
+            say("warning", "checkpoint.resume.progress_not_restored", content=name, step=step, path=str(folder),
+                reset=content.resets, reason=f"checkpoint.load.contents leaves out {name!r}, which holds them")
+        elif name in wanted and not has_state(content, parts):
+            say("warning", "checkpoint.resume.content_not_loaded", content=name, step=step, path=str(folder),
+                reason=f"the step holds it, but no {content.holds} was given")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,8 +226,20 @@ class ContentWriter:
                     written.folders[name] = shared
                 else:
                     sub = content.folder(name, self.rank)
-                    digests = content.write(Writing(backend=self.backend, parts=parts, progress=progress,
-                                                    folder=staging / sub))
+                    digests = self._write_one(content, name, Writing(backend=self.backend, parts=parts,
+                                                                     progress=progress, folder=staging / sub))
                     written.digests.update({f"{sub}/{rel}": d for rel, d in (digests or {}).items()})
             written.contents[name] = self.name if content.by_format else name
         return written
+
+    def _write_one(self, content: ContentIO, name: str, writing: Writing) -> Mapping[str, str] | None:
+        """`content.write`; an error not ours (a user object's `state_dict()` raising its own type)
+        becomes a `CheckpointError` naming the save and the content, the original as its cause.
+        An `OSError` passes on to `os_errors`, which names the file."""
+        try:
+            return content.write(writing)
+        except (LifecycleError, OSError):
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"{writing.folder}: save of step {self.step} (role {self.role}) cannot write "
+                                  f"{name!r}: {type(exc).__name__}: {exc}") from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ EXTRA_JSON = "extra.json"
 RNG_FILE = "rng.safetensors"
 ALLOWED = frozenset({EXTRA_JSON, RNG_FILE})
 _PROGRESS_INTS = ("step", "epoch", "consumed_samples", "weights_version")
+RESET_WITHOUT_EXTRA = ("epoch", "consumed_samples", "weights_version", "user")
+"""The `Progress` fields only extra restores: a resume that does not read it starts them afresh."""
 
 
 def checked_user(progress: Progress, where: str) -> Any:
@@ -136,7 +139,18 @@ class _Loaded:
 
 
 def load_extra(folder: Path, dataloader: Any = None, *, restore_rng: bool = True, step: int | None = None) -> Progress:
-    """Check everything first, then restore: a bad file never leaves RNGs half-restored.
+    """Check everything first, then restore: a bad file never leaves RNGs half-restored
+    (`read_extra`, then `apply`)."""
+    progress, apply = read_extra(folder, dataloader, restore_rng=restore_rng, step=step)
+    apply()
+    return progress
+
+
+def read_extra(
+    folder: Path, dataloader: Any = None, *, restore_rng: bool = True, step: int | None = None,
+) -> tuple[Progress, Callable[[], None]]:
+    """The checked progress, and what restores the data position and the RNGs: a resume calls it
+    only once every other content loaded, so a refused resume leaves them where they were.
 
     The dataloader goes first: it is the one part that may still refuse its state (its own
     checks), and the RNGs are then restored untouched by whatever its loading draws. `step`:
@@ -146,13 +160,16 @@ def load_extra(folder: Path, dataloader: Any = None, *, restore_rng: bool = True
     if step is not None and loaded.progress.step != step:
         raise CheckpointError(f"{folder / EXTRA_JSON}: its progress says step {loaded.progress.step}, but it is "
                               f"in the folder of step {step}")
-    _restore_dataloader(dataloader, loaded.dataloader, folder)
-    if restore_rng:
-        random.setstate(loaded.python)
-        np.random.set_state(loaded.numpy)
-        torch.set_rng_state(loaded.torch["torch_cpu"])
-        _restore_cuda(loaded.torch)
-    return loaded.progress
+
+    def apply() -> None:
+        _restore_dataloader(dataloader, loaded.dataloader, folder, step)
+        if restore_rng:
+            random.setstate(loaded.python)
+            np.random.set_state(loaded.numpy)
+            torch.set_rng_state(loaded.torch["torch_cpu"])
+            _restore_cuda(loaded.torch)
+
+    return loaded.progress, apply
 
 
 def _read(folder: Path) -> _Loaded:
@@ -242,16 +259,16 @@ def _restore_cuda(tensors: dict[str, torch.Tensor]) -> None:
     torch.cuda.set_rng_state(tensors["cuda"])
 
 
-def _restore_dataloader(dataloader: Any, state: Any, folder: Path) -> None:
+def _restore_dataloader(dataloader: Any, state: Any, folder: Path, step: int | None) -> None:
+    """A saved position with no dataloader given to take it, or a dataloader with no saved
+    position, is said (`checkpoint.extra.dataloader_not_restored`): its data is replayed."""
     dataloader = stateful_loader(dataloader)
-    if dataloader is None:
-        return
     load = getattr(dataloader, "load_state_dict", None)
-    if state is None or not callable(load):
+    if dataloader is None or state is None or not callable(load):
         if state is not None or callable(load):
-            say("warning", "checkpoint.extra.dataloader_not_restored", folder=str(folder),
-                dataloader=type(dataloader).__name__, saved_state=state is not None,
-            )
+            say("warning", "checkpoint.extra.dataloader_not_restored", folder=str(folder), step=step,
+                content="dataloader", dataloader=None if dataloader is None else type(dataloader).__name__,
+                saved_state=state is not None)
         return
     path = folder / EXTRA_JSON
     try:

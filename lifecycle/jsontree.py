@@ -139,6 +139,8 @@ def _enc(value: Any, key: str, where: str, tensors: dict[str, torch.Tensor] | No
         return _enc_dict(value, key, where, tensors, depth)
     item = getattr(value, "item", None)
     if type(value).__module__ == "numpy" and callable(item):
+        if getattr(value, "ndim", 0) != 0:  # an array, not a scalar: `item()` would drop its shape or fail
+            raise NotSerializable(where, key, value)
         return _enc(item(), key, where, tensors, depth)
     raise NotSerializable(where, key, value)
 

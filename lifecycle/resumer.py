@@ -14,6 +14,9 @@ worst outcome of any rank holds for all). Roles in other processes agree through
 with `fallback` each role checks every role's folder of a step, so each reaches the same
 verdict on the same bytes, and a step one role renames aside is gone for all. A step that
 changes while it is checked (a role committing it again) is no damage: it is checked again.
+Once `auto` has its step (or none), each role sets its own folders of newer steps aside
+(`lifecycle.aside.abandon_line`): left from a line of training given up, they would pair with
+another role's folders of the new line.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from typing import Any, TypeVar
 
 from backends.base import FormatBackend, backend_class, format_capabilities, listed, reduce_int
 from backends.registry import IMPORT_PATH
+from lifecycle.aside import abandon_line
 from lifecycle.boundary import OutOfResources, inside, os_errors, parse_step, real_dir, same_folder
 from lifecycle.checksum import ALGORITHM, check_unverified
 from lifecycle.config import format_family
-from lifecycle.contents import CONTENTS, Reading, has_state
+from lifecycle.contents import CONTENTS, Reading, has_state, say_unread
 from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint, shorten
 from lifecycle.manifest import MANIFEST, NewerFormat, check_folder, checksum_of, read_manifest_file
 from lifecycle.phase import say
@@ -75,10 +79,11 @@ def _value(item: Any) -> str:
 class Resumer:
     """Picks, verifies and loads the step one role resumes from; see the module docstring."""
 
-    def __init__(self, at: RoleRank, *, model_hash: HashFn) -> None:
+    def __init__(self, at: RoleRank, *, model_hash: HashFn, also_accepted: HashFn | None = None) -> None:
         self.at = at
         self.config = at.config
-        self._model_hash = model_hash
+        self._hashes = (model_hash,) if also_accepted is None else (model_hash, also_accepted)
+        """The running model's hash, and one an earlier release computed for it (still accepted)."""
         self.overwritten: str | None = None
         """Set when a failed load may have left the model's weights half-replaced."""
 
@@ -98,7 +103,7 @@ class Resumer:
         found = self._auto(parts, model_hash, fallback=_value(self.config.resume.on_damaged) == "fallback")
         return found or NotResumed("no complete checkpoint")
 
-    def _auto(self, parts: Parts, model_hash: str | None, *, fallback: bool) -> Resumed | None:
+    def _auto(self, parts: Parts, model_hash: tuple[str, ...] | None, *, fallback: bool) -> Resumed | None:
         store = self.at.store()
         if self.at.rank == 0:
             store.tidy(self.at.role)
@@ -110,7 +115,10 @@ class Resumer:
                 break
             folder, before = store.role_dir(step, self.at.role), store.identity(step, self.at.roles)
             try:
-                return Resumed(step, folder, self._one(parts, folder, step, model_hash, fallback=fallback))
+                resumed = Resumed(step, folder, self._one(parts, folder, step, model_hash, fallback=fallback))
+                if self.at.rank == 0:  # its own folders of the steps past this one: another line's
+                    abandon_line(store, self.at.role, step)
+                return resumed
             except DamagedCheckpoint as exc:
                 if self._in_flux(store, step, before, waits[step], exc):
                     waits[step] += 1
@@ -124,6 +132,8 @@ class Resumer:
             raise CheckpointError(f"{store.root}: no undamaged checkpoint is left to resume from; resume refuses "
                                   "rather than start fresh over damaged ones (repair or remove them, or set "
                                   f"resume.mode to disable to start fresh). Set aside as damaged:\n  {found}")
+        if self.at.rank == 0:
+            abandon_line(store, self.at.role, None)
         return None
 
     def _set_aside(self, store: CheckpointStore, step: int, problems: list[str]) -> str:
@@ -159,13 +169,14 @@ class Resumer:
             if same_folder(resumed.folder.parent, store.step_dir(resumed.step)):
                 store.supersede(resumed.step)
 
-    def _agreed_hash(self, parts: Parts) -> str | None:
-        """The running model's config hash (with `resume.strict`); a rank whose hash function
-        raises stops them all before any of them waits in a collective."""
+    def _agreed_hash(self, parts: Parts) -> tuple[str, ...] | None:
+        """The running model's config hashes a step may carry (with `resume.strict`); a rank whose
+        hash function raises stops them all before any of them waits in a collective."""
         if not self.config.resume.strict:
             return None
-        return self._all_or_none(lambda: self._model_hash(parts), "another rank cannot compute the model-config "
-                                 "hash", what="the model-config hash cannot be computed")
+        return self._all_or_none(lambda: tuple(h for fn in self._hashes if (h := fn(parts)) is not None) or None,
+                                 "another rank cannot compute the model-config hash",
+                                 what="the model-config hash cannot be computed")
 
     def _agreed_path(self) -> tuple[Path, int]:
         """`resume.path` resolved on every rank; one rank that cannot stops them all."""
@@ -198,7 +209,9 @@ class Resumer:
     def _agree(self, verdict: Verdict) -> Verdict:
         return Verdict(reduce_int(int(verdict), "max")) if self.at.collective() else verdict
 
-    def _one(self, parts: Parts, folder: Path, step: int, model_hash: str | None, *, fallback: bool) -> Progress:
+    def _one(
+        self, parts: Parts, folder: Path, step: int, model_hash: tuple[str, ...] | None, *, fallback: bool,
+    ) -> Progress:
         """Verify and load one step; `DamagedCheckpoint` (with `fallback`) for one to set aside."""
         verify = self.config.checkpoint.load.verify
         verdict, problems, manifest, later = Verdict.OK, [], None, dict[str, str]()
@@ -240,8 +253,10 @@ class Resumer:
         (always one when this process ran short of resources: `OutOfResources`)."""
         try:
             with os_errors(f"cannot read step {step}", folder):
-                progress, verified = self._load(parts, manifest, folder, step, later)
+                progress, verified, then = self._load(parts, manifest, folder, step, later)
                 check_unverified(folder, later, verified)
+                for restore in then:  # the data position and RNGs, once every content loaded and checked
+                    restore()
         except Exception as exc:  # a backend or a dataloader raising its own type: still a refusal, typed
             if not isinstance(exc, CheckpointError):
                 exc = CheckpointError(f"{folder}: loading step {step} failed: {type(exc).__name__}: {exc}")
@@ -324,16 +339,18 @@ class Resumer:
 
     def _load(
         self, parts: Parts, manifest: dict[str, Any], folder: Path, step: int, expected: Mapping[str, str],
-    ) -> tuple[Progress, set[str]]:
+    ) -> tuple[Progress, set[str], list[Callable[[], None]]]:
         """Restore each content of `checkpoint.load.contents` with its reader (`lifecycle.contents`)
-        and, for a format's content, the backend its manifest names; returns the progress and the
-        files of `expected` (role-folder paths) the readers verified."""
+        and, for a format's content, the backend its manifest names; returns the progress, the
+        files of `expected` (role-folder paths) the readers verified, and the restores to run
+        once all is loaded (`Loaded.then`)."""
         entries: dict[str, dict[str, str]] = manifest["contents"]
-        progress, verified = Progress(step=step), set[str]()
+        say_unread([_value(c) for c in self.config.checkpoint.load.contents], entries, parts, folder, step)
+        progress, verified, then = Progress(step=step), set[str](), list[Callable[[], None]]()
         for name in sorted(self._reads(parts), key=lambda name: name != Content.EXTRA.value):  # its step first
             content, entry = CONTENTS[name], entries.get(name)
             if entry is None and content.optional_on_resume:
-                say("warning", f"checkpoint.resume.no_{name}", path=str(folder), step=step)
+                say("warning", f"checkpoint.resume.no_{name}", path=str(folder), step=step, reset=content.resets)
                 continue
             if entry is None:
                 raise CheckpointError(f"{folder / MANIFEST}: no {name!r} content to resume from "
@@ -349,10 +366,11 @@ class Resumer:
                 saved_world_size=manifest["parallel"].get("world_size"), step=step))
             verified |= {prefix + rel for rel in loaded.verified if rel in mine}
             progress = progress if loaded.progress is None else loaded.progress
+            then += [] if loaded.then is None else [loaded.then]
         if progress.step != step:  # a save writes the step it commits; another is damage
             raise CheckpointError(f"{folder}: its progress says step {shorten(progress.step)}, but it is the "
                                   f"folder of step {step}")
-        return progress, verified
+        return progress, verified, then
 
     def _backend(self, content: str, name: str, folder: Path) -> FormatBackend:
         """The format `name` that saved `content`, refused when it loads into another model family."""
@@ -388,10 +406,10 @@ def _prefix(entry: Mapping[str, str]) -> str:
     return entry["folder"].rstrip("/") + "/"
 
 
-def _hash_refusal(current: str | None, manifest: dict[str, Any], folder: Path) -> str | None:
+def _hash_refusal(current: tuple[str, ...] | None, manifest: dict[str, Any], folder: Path) -> str | None:
     saved = manifest["model_config_hash"]
-    if saved is not None and current is not None and saved != current:
+    if saved is not None and current is not None and saved not in current:
         return (f"{folder / MANIFEST}: model-config hash {saved} differs from the running model's "
-                f"{current}; set resume.strict=false to load anyway")
+                f"{current[0]}; set resume.strict=false to load anyway")
     return None
 
