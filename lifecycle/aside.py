@@ -111,15 +111,16 @@ def supersede(store: CheckpointStore, newer_than: int) -> list[Path]:
     return moved
 
 
-def abandon_line(store: CheckpointStore, role: str, resumed: int | None) -> list[Path]:
+def abandon_line(store: CheckpointStore, role: str, resumed: int | None, roles: Sequence[str]) -> list[Path]:
     """Move `role`'s own committed folders of the steps newer than `resumed` (all of them on a
     fresh start, `resumed` None) aside, each into a `global_step_N.superseded-<time>` folder of its
     own, with that role's `.replaced-` copies of the step. An automatic resume went back past them
     (no other role committed those steps): left in place, one would pair with another role's
     folder of that step from the new line into a step made of two histories. Never another
-    role's folder, never deleted; a step folder left empty is removed. Best effort (rank 0 of
-    `role`, under its writer lock, so no save of it is in flight): a failure is logged."""
-    if not _past(store, role, resumed):
+    role's folder, never deleted, never a step every role of `roles` committed (a rank whose view
+    of the disk lagged agreed on an older step); a step folder left empty is removed. Best effort
+    (rank 0 of `role`, under its writer lock, so no save of it is in flight): a failure is logged."""
+    if not _past(store, role, resumed, roles):
         return []
     lock = store.writer_lock(role)
     try:
@@ -129,7 +130,7 @@ def abandon_line(store: CheckpointStore, role: str, resumed: int | None) -> list
             action="a later automatic resume may pair its newer steps with another role's")
         return []
     try:
-        moved = [aside for step in _past(store, role, resumed) if (aside := _move_role(store, step, role))]
+        moved = [aside for step in _past(store, role, resumed, roles) if (aside := _move_role(store, step, role))]
     finally:
         lock.release()
     if moved:
@@ -141,11 +142,15 @@ def abandon_line(store: CheckpointStore, role: str, resumed: int | None) -> list
     return moved
 
 
-def _past(store: CheckpointStore, role: str, resumed: int | None) -> list[int]:
-    """The steps newer than `resumed` (all, for None) holding a committed folder of `role`."""
+def _past(store: CheckpointStore, role: str, resumed: int | None, roles: Sequence[str]) -> list[int]:
+    """The steps newer than `resumed` (all, for None) holding a committed folder of `role` but
+    not of every role of `roles`."""
+    def committed(step: int, who: str) -> bool:
+        return lstat(store.role_dir(step, who) / MANIFEST) is not None
+
     try:
-        return [step for step in store.steps() if (resumed is None or step > resumed)
-                and lstat(store.role_dir(step, role) / MANIFEST) is not None]
+        return [step for step in store.steps() if (resumed is None or step > resumed) and committed(step, role)
+                and not all(committed(step, who) for who in {*roles, role})]
     except CheckpointError as exc:
         say("error", "checkpoint.abandoned_line_not_moved", role=role, resumed_step=resumed, error=str(exc),
             action="a later automatic resume may pair its newer steps with another role's")
@@ -154,10 +159,14 @@ def _past(store: CheckpointStore, role: str, resumed: int | None) -> list[int]:
 
 def _move_role(store: CheckpointStore, step: int, role: str) -> Path | None:
     """`role`'s folder of `step`, and its `.replaced-` copies of it, into a folder set aside."""
+    aside = _aside_path(store, step, SUPERSEDED)
     try:
-        aside = _aside_path(store, step, SUPERSEDED)
         aside.mkdir()
-        os.rename(store.role_dir(step, role), aside / role)
+        try:
+            os.rename(store.role_dir(step, role), aside / role)
+        except OSError:
+            aside.rmdir()  # nothing moved: no empty folder left for the inspector to list
+            raise
         for path in (path for copy_step, _, path in replaced_copies(store, role) if copy_step == step):
             os.rename(path, aside / path.name)
         _remove_if_empty(store.step_dir(step))

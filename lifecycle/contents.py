@@ -67,8 +67,11 @@ class Loaded:
     verified: frozenset[str] = frozenset()
     progress: Progress | None = None
     then: Callable[[], None] | None = None
-    """What the resume runs once every content loaded (the data position and the RNGs), so a
-    resume refused on a later content moves none of them."""
+    """What the resume runs once every rank agreed to it (the RNGs), so a refused resume moves
+    none of them."""
+    undo: Callable[[], None] | None = None
+    """What puts back what the reader changed at once (the data position) when the resume is
+    refused after it (a later content, another rank)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,8 +144,8 @@ def _read_extra(reading: Reading) -> Loaded:
             raise CheckpointError(f"{entry}: unexpected entry in extra folder (only rank_N folders)")
     own = folder / f"rank_{reading.rank}"
     if reading.saved_world_size == reading.world_size and own.is_dir():
-        progress, restore = read_extra(own, reading.parts.dataloader, step=reading.step)
-        return Loaded(progress=progress, then=restore)
+        progress, restore, undo = read_extra(own, reading.parts.dataloader, step=reading.step)
+        return Loaded(progress=progress, then=restore, undo=undo)
     say("warning", "checkpoint.resume.extra_layout_changed", path=str(folder), rank=reading.rank,
         saved_world_size=reading.saved_world_size, world_size=reading.world_size,
         action="progress from rank 0; RNG and dataloader state not restored",

@@ -8,6 +8,7 @@ on load; here everything is JSON, plus safetensors for the torch RNG byte states
 from __future__ import annotations
 
 import json
+import copy
 import random
 import weakref
 from collections.abc import Callable
@@ -141,35 +142,43 @@ class _Loaded:
 def load_extra(folder: Path, dataloader: Any = None, *, restore_rng: bool = True, step: int | None = None) -> Progress:
     """Check everything first, then restore: a bad file never leaves RNGs half-restored
     (`read_extra`, then `apply`)."""
-    progress, apply = read_extra(folder, dataloader, restore_rng=restore_rng, step=step)
+    progress, apply, _ = read_extra(folder, dataloader, restore_rng=restore_rng, step=step)
     apply()
     return progress
 
 
 def read_extra(
     folder: Path, dataloader: Any = None, *, restore_rng: bool = True, step: int | None = None,
-) -> tuple[Progress, Callable[[], None]]:
-    """The checked progress, and what restores the data position and the RNGs: a resume calls it
-    only once every other content loaded, so a refused resume leaves them where they were.
+) -> tuple[Progress, Callable[[], None], Callable[[], None]]:
+    """The checked progress, with the dataloader already at its saved position, what restores
+    the RNGs, and what puts the dataloader back where it was.
 
-    The dataloader goes first: it is the one part that may still refuse its state (its own
-    checks), and the RNGs are then restored untouched by whatever its loading draws. `step`:
-    the step folder's own number, which the saved progress must name (a save writes the step
-    it commits; another is damage or forgery)."""
+    The dataloader goes first, at once: it is the one part that may still refuse its state (its
+    own checks: another dataset, another batch size), and it should do so before any weight is
+    loaded. Its position before is kept (`state_dict()`) so a resume refused later puts it back
+    (the third callable); the RNGs are restored only once the resume is agreed (the second),
+    untouched by whatever loading draws. `step`: the step folder's own number, which the saved
+    progress must name (a save writes the step it commits; another is damage or forgery)."""
     loaded = _read(folder)
     if step is not None and loaded.progress.step != step:
         raise CheckpointError(f"{folder / EXTRA_JSON}: its progress says step {loaded.progress.step}, but it is "
                               f"in the folder of step {step}")
+    holder = stateful_loader(dataloader)
+    before = copy.deepcopy(holder.state_dict()) if callable(getattr(holder, "state_dict", None)) else None
+    _restore_dataloader(dataloader, loaded.dataloader, folder, step)
 
     def apply() -> None:
-        _restore_dataloader(dataloader, loaded.dataloader, folder, step)
         if restore_rng:
             random.setstate(loaded.python)
             np.random.set_state(loaded.numpy)
             torch.set_rng_state(loaded.torch["torch_cpu"])
             _restore_cuda(loaded.torch)
 
-    return loaded.progress, apply
+    def undo() -> None:
+        if before is not None and loaded.dataloader is not None:
+            holder.load_state_dict(before)
+
+    return loaded.progress, apply, undo
 
 
 def _read(folder: Path) -> _Loaded:

@@ -305,8 +305,12 @@ def parameter_names(model: Any, optimizer: Any) -> list[str] | None:
     named = getattr(model, "named_parameters", None)
     if not callable(named):
         return None
+    try:  # every name of a tied parameter; a model's own named_parameters may not take the argument
+        pairs = list(named(remove_duplicate=False))
+    except TypeError:
+        pairs = list(named())
     names: dict[int, str] = {}
-    for name, param in named(remove_duplicate=False):
+    for name, param in pairs:
         names[id(param)] = min(names.get(id(param), name), name)
     found = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
     return None if None in found else [name for name in found if name is not None]

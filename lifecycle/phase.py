@@ -203,7 +203,7 @@ class Phase:
     def __del__(self) -> None:
         """A phase made and dropped unentered (`lc.train_step(n)` without `with`) moved nothing and
         counted no step: said once, as a warning, since the caller believes the step was taken."""
-        if getattr(self, "_entered", True):  # entered, or its `__init__` refused it
+        if getattr(self, "_entered", True) or sys.is_finalizing():  # entered, refused by `__init__`, or at exit
             return
         say("warning", "lifecycle.phase_never_entered", trigger=self.trigger, step=self.step,
             role=getattr(self.lc, "role", None), rank=getattr(self.lc, "rank", None),

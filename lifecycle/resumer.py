@@ -86,6 +86,9 @@ class Resumer:
         """The running model's hash, and one an earlier release computed for it (still accepted)."""
         self.overwritten: str | None = None
         """Set when a failed load may have left the model's weights half-replaced."""
+        self._restores: tuple[list[Callable[[], None]], list[Callable[[], None]]] = ([], [])
+        """The step being loaded's `Loaded.then` (run once the ranks agree to it) and `Loaded.undo`
+        (run should they not): the RNGs, and the data position put back."""
 
     def resume(self, parts: Parts) -> Resumed | NotResumed:
         """The step resumed from, or why there is none to resume from (the caller starts fresh)."""
@@ -117,7 +120,7 @@ class Resumer:
             try:
                 resumed = Resumed(step, folder, self._one(parts, folder, step, model_hash, fallback=fallback))
                 if self.at.rank == 0:  # its own folders of the steps past this one: another line's
-                    abandon_line(store, self.at.role, step)
+                    abandon_line(store, self.at.role, step, self.at.roles)
                 return resumed
             except DamagedCheckpoint as exc:
                 if self._in_flux(store, step, before, waits[step], exc):
@@ -133,7 +136,7 @@ class Resumer:
                                   "rather than start fresh over damaged ones (repair or remove them, or set "
                                   f"resume.mode to disable to start fresh). Set aside as damaged:\n  {found}")
         if self.at.rank == 0:
-            abandon_line(store, self.at.role, None)
+            abandon_line(store, self.at.role, None, self.at.roles)
         return None
 
     def _set_aside(self, store: CheckpointStore, step: int, problems: list[str]) -> str:
@@ -234,6 +237,9 @@ class Resumer:
         if agreed is Verdict.OK:
             progress, verdict, problems = self._load_verified(parts, manifest, folder, step, later)
             agreed = self._agree(verdict)
+            restores, self._restores = self._restores, ([], [])
+            for each in restores[0] if agreed is Verdict.OK else restores[1]:  # the RNGs, or the data position back
+                each()
             if agreed is not Verdict.OK:  # every rank loaded (some of) it: none may trust its weights now
                 self.overwritten = f"a failed resume from {folder}"
         if agreed is Verdict.OK:
@@ -253,11 +259,12 @@ class Resumer:
         (always one when this process ran short of resources: `OutOfResources`)."""
         try:
             with os_errors(f"cannot read step {step}", folder):
-                progress, verified, then = self._load(parts, manifest, folder, step, later)
+                progress, verified = self._load(parts, manifest, folder, step, later)
                 check_unverified(folder, later, verified)
-                for restore in then:  # the data position and RNGs, once every content loaded and checked
-                    restore()
         except Exception as exc:  # a backend or a dataloader raising its own type: still a refusal, typed
+            undos, self._restores = self._restores[1], ([], [])
+            for undo in undos:  # the data position, as it was before this resume
+                undo()
             if not isinstance(exc, CheckpointError):
                 exc = CheckpointError(f"{folder}: loading step {step} failed: {type(exc).__name__}: {exc}")
             try:
@@ -339,14 +346,15 @@ class Resumer:
 
     def _load(
         self, parts: Parts, manifest: dict[str, Any], folder: Path, step: int, expected: Mapping[str, str],
-    ) -> tuple[Progress, set[str], list[Callable[[], None]]]:
+    ) -> tuple[Progress, set[str]]:
         """Restore each content of `checkpoint.load.contents` with its reader (`lifecycle.contents`)
-        and, for a format's content, the backend its manifest names; returns the progress, the
-        files of `expected` (role-folder paths) the readers verified, and the restores to run
-        once all is loaded (`Loaded.then`)."""
+        and, for a format's content, the backend its manifest names; returns the progress and the
+        files of `expected` (role-folder paths) the readers verified. What to run once the ranks
+        agree (`Loaded.then`), or to put back should they not (`Loaded.undo`), goes to `_restores`."""
         entries: dict[str, dict[str, str]] = manifest["contents"]
         say_unread([_value(c) for c in self.config.checkpoint.load.contents], entries, parts, folder, step)
-        progress, verified, then = Progress(step=step), set[str](), list[Callable[[], None]]()
+        progress, verified = Progress(step=step), set[str]()
+        then, undos = self._restores = ([], [])
         for name in sorted(self._reads(parts), key=lambda name: name != Content.EXTRA.value):  # its step first
             content, entry = CONTENTS[name], entries.get(name)
             if entry is None and content.optional_on_resume:
@@ -367,10 +375,11 @@ class Resumer:
             verified |= {prefix + rel for rel in loaded.verified if rel in mine}
             progress = progress if loaded.progress is None else loaded.progress
             then += [] if loaded.then is None else [loaded.then]
+            undos += [] if loaded.undo is None else [loaded.undo]
         if progress.step != step:  # a save writes the step it commits; another is damage
             raise CheckpointError(f"{folder}: its progress says step {shorten(progress.step)}, but it is the "
                                   f"folder of step {step}")
-        return progress, verified, then
+        return progress, verified
 
     def _backend(self, content: str, name: str, folder: Path) -> FormatBackend:
         """The format `name` that saved `content`, refused when it loads into another model family."""

@@ -177,6 +177,15 @@ class ReceivingRollout(Protocol):
         """The update's phase; yields `landed(version)` as `updating` does."""
 
 
+def lacks(rollout: object) -> list[str]:
+    """The methods a sync needs of `rollout` that it does not have: `load_weights`, and `pause`
+    and `resume` unless it runs the bracket itself (a `lifecycle.rollout.RolloutWeights`)."""
+    machine = sys.modules.get("lifecycle.rollout")
+    own = machine is not None and isinstance(rollout, machine.RolloutWeights)
+    needed = ("load_weights",) if own else ("load_weights", "pause", "resume")
+    return [name for name in needed if not callable(getattr(rollout, name, None))]
+
+
 @contextmanager
 def updating(rollout: RolloutTarget | ReceivingRollout) -> Iterator[Callable[[int], None]]:
     """The bracket around every weight update of a rollout: paused while weights land.

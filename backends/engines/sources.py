@@ -130,8 +130,9 @@ def state_weights(model: Any) -> Iterator[tuple[str, Any]]:
     their address, a small part of what the state dict itself costs. What is not plain memory goes as it is, for the sender to refuse.
     A module's extra state (`get_extra_state`, a dict or a TransformerEngine layer's tensor of
     bytes) is no weight and stays behind, as `adopt_weights` never asks for it."""
-    extra = _extra_state_keys(model)
-    items = [(name, tensor) for name, tensor in model.state_dict().items() if name not in extra]
+    state = model.state_dict()
+    extra = _extra_state_keys(model, state)
+    items = [(name, tensor) for name, tensor in state.items() if name not in extra]
     addresses = _addresses([tensor for _, tensor in items])
     shared = {address for address, count in collections.Counter(addresses).items() if count > 1 and address}
     seen: set[object] = set()
@@ -144,12 +145,13 @@ def state_weights(model: Any) -> Iterator[tuple[str, Any]]:
         yield name, tensor
 
 
-def _extra_state_keys(model: Any) -> frozenset[str]:
+def _extra_state_keys(model: Any, state: Mapping[str, Any]) -> frozenset[str]:
     """The state dict keys of the extra state of a model's modules: `{prefix}_extra_state` of
     each module whose class overrides `get_extra_state` (torch saves it for those only), under
-    every name a shared module goes by; none for a model that is no `nn.Module`."""
+    every name a shared module goes by. For a model that is no `nn.Module` (a `MegatronModel`'s
+    chunks, TransformerEngine layers in them), every key torch's suffix names so."""
     if not isinstance(model, torch.nn.Module):
-        return frozenset()
+        return frozenset(name for name in state if name == _EXTRA_STATE or name.endswith(f".{_EXTRA_STATE}"))
     base = torch.nn.Module.get_extra_state
     return frozenset(f"{prefix}.{_EXTRA_STATE}" if prefix else _EXTRA_STATE
                      for prefix, module in model.named_modules(remove_duplicate=False)

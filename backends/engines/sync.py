@@ -27,7 +27,7 @@ from backends.engines.options import EngineSource, is_path, shown
 from backends.engines.registry import CheckpointEngineRegistry
 from backends.engines.sources import sendable
 from lifecycle.errors import EngineError
-from lifecycle.types import RolloutTarget, updating
+from lifecycle.types import RolloutTarget, lacks, updating
 
 
 
@@ -65,9 +65,10 @@ class WeightSync:
         rollouts = target if isinstance(target, (list, tuple)) else [target]
         if not rollouts:
             return f"{name} engine: no rollout to sync (sync_weights got an empty {type(target).__name__})"
-        odd = next((i for i, each in enumerate(rollouts) if not callable(getattr(each, "load_weights", None))), None)
+        odd = next(((i, missing) for i, each in enumerate(rollouts) if (missing := lacks(each))), None)
         if odd is not None:
-            return f"{name} engine: rollout {odd} ({shown(rollouts[odd])}) has no load_weights to take the weights with"
+            return (f"{name} engine: rollout {odd[0]} ({shown(rollouts[odd[0]])}) has no {' / '.join(odd[1])}, "
+                    "which a sync calls (pause, load the weights, resume)")
         return None
 
     def sync(self, named_tensors: Iterable[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:

@@ -292,3 +292,20 @@ def test_hf_param_names_that_are_not_one_name_per_saved_parameter_are_refused(tm
     path.write_text(json.dumps(doc))
     with pytest.raises(CheckpointError, match="param_names must list 4 distinct parameter names"):
         HFBackend().load_optimizer(torch.optim.AdamW(model.parameters()), None, tmp_path, model=model)
+
+
+def test_a_model_whose_named_parameters_takes_no_arguments_still_gets_its_optimizer_s_names_recorded() -> None:
+    """A model that is no nn.Module (MegatronModel's kind) may name its parameters without
+    `remove_duplicate`: the names are still recorded, from what it gives."""
+    from lifecycle.optim_state import parameter_names
+
+    class Plain:
+        def __init__(self) -> None:
+            self.inner = torch.nn.Linear(2, 2)
+
+        def named_parameters(self) -> Any:
+            return self.inner.named_parameters()
+
+    model = Plain()
+    optimizer = torch.optim.AdamW(model.inner.parameters())
+    assert parameter_names(model, optimizer) == ["weight", "bias"]

@@ -124,6 +124,24 @@ def test_a_resume_refused_after_extra_was_read_leaves_the_dataloader_position_an
     assert after[:2] == state[:2] and torch.equal(after[2], state[2])
 
 
+def test_a_dataloader_refusing_its_saved_state_stops_the_resume_before_any_weight_is_loaded(tmp_path: Path) -> None:
+    """The data position is restored first, as the one part that may refuse its state (another
+    dataset, another batch size); the RNGs wait for the resume to be agreed."""
+    DiskCheckpointer(config(tmp_path), role="actor").save(1, parts(seed=0), Progress(step=1))
+
+    class Picky(Loader):
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            raise ValueError("the dataset changed: another batch size")
+
+    other = parts(seed=1)
+    other.dataloader = Picky()
+    before = weights(other)
+    resumer = DiskCheckpointer(config(tmp_path), role="actor")
+    with pytest.raises(CheckpointError, match="refused its state: ValueError: the dataset changed"):
+        resumer.resume(other)
+    assert same(before, weights(other))
+
+
 @pytest.mark.parametrize(("absent", "event"), [
     ("lr_scheduler", "checkpoint.resume.content_not_loaded"),
     ("optimizer", "checkpoint.resume.content_not_loaded"),
@@ -212,3 +230,14 @@ def test_a_step_saved_with_the_earlier_hash_of_runtime_flags_still_resumes_stric
     resumed = DiskCheckpointer(config(tmp_path), role="actor").resume(
         Parts(model=again, optimizer=torch.optim.SGD(again.parameters(), lr=0.1)))
     assert resumed is not None and resumed.step == 2
+
+
+def test_a_step_every_role_committed_is_never_set_aside_even_below_a_lagging_ranks_agreed_step(tmp_path: Path) -> None:
+    from lifecycle.aside import abandon_line
+    from lifecycle.store import CheckpointStore
+
+    for step in (1, 2):
+        for name in ROLES:
+            role(tmp_path, name).save(step, parts(), Progress(step=step))
+    assert abandon_line(CheckpointStore(tmp_path), "actor", 1, ROLES) == []
+    assert CheckpointStore(tmp_path).newest_complete(ROLES) == 2
