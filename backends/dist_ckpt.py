@@ -58,13 +58,13 @@ from backends.megatron import (
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import decode, encode, read_optimizer_json
 from lifecycle.optim_state import (
+    OPTIM_JSON,
     check_param_groups,
     check_scheduler_state,
     state_keys,
     step_problem,
 )
 
-OPTIM_JSON = "optimizer.json"
 _STATE = "optimizer_state"
 
 

@@ -21,6 +21,7 @@ from lifecycle.boundary import lstat, name_problem, read_bytes
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, parse_json, read_optimizer_json
 from lifecycle.optim_state import (
+    OPTIM_JSON,
     by_name,
     check_classes,
     check_optimizer_state,
@@ -32,7 +33,6 @@ from lifecycle.phase import say
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-OPTIM_JSON = "optimizer.json"
 OPTIM_TENSORS = "optimizer.safetensors"
 HF_SHARD_BYTES = 5 * 1024**3
 """The default largest weight file, as `save_pretrained` writes them."""

@@ -58,6 +58,7 @@ from backends.hf import write_hf_folder
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import decode, encode, read_json
 from lifecycle.optim_state import (
+    OPTIM_JSON,
     PARAM_SHAPED_STATE,
     SCALAR_STATE,
     check_classes,
@@ -68,7 +69,6 @@ from lifecycle.optim_state import (
     step_problem,
 )
 
-OPTIM_JSON = "optimizer.json"
 FORMAT_VERSION = 2
 """Of `optimizer.json`: 2 keys optimizer state by parameter name; 1 (by position) is refused by name."""
 

@@ -22,12 +22,11 @@ from lifecycle.boundary import os_errors
 from lifecycle.errors import CheckpointError, LifecycleError
 from lifecycle.extra import RESET_WITHOUT_EXTRA, load_extra, read_extra, save_extra
 from lifecycle.jsontree import read_json
+from lifecycle.optim_state import OPTIM_JSON
 from lifecycle.phase import say
 from lifecycle.types import Content, Parts, Progress, Written
 
 _RANK_DIR = re.compile(r"rank_([0-9]+)")
-OPTIM_JSON = "optimizer.json"
-"""Where the built-in formats keep the optimizer's and the scheduler's structure."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -268,6 +268,9 @@ def _finite(value: Any) -> bool:
         return False
 
 
+OPTIM_JSON = "optimizer.json"
+"""The file in which every built-in format keeps the optimizer's and the lr scheduler's structure
+(hyper-parameters, parameter names, classes); their tensors go in the format's own files."""
 STANDS_FOR = "lifecycle_stands_for"
 """The attribute in which a copy standing in for an optimizer or lr scheduler (an async save's
 host copy) names the class of the live one, which `class_name` records in its place."""
