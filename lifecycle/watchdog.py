@@ -104,7 +104,10 @@ class Watchdog:
         check_callable("emit", emit, "emit(event, **fields)")
         self._clock = clock
         self._emit = emit
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Condition(threading.RLock())
+        """Reentrant: a signal handler firing a budgeted trigger (of another machine sharing this
+        watchdog) while this thread is inside `watch` or `unwatch` gets in instead of waiting
+        forever on the lock its own thread holds."""
         self._watched: dict[int, _Watched] = {}
         self._busy: dict[int, Emit] = {}
         """The emitters still running a report, by id (held, so no other callable takes that id)."""
@@ -219,7 +222,7 @@ class Watchdog:
         """The child watches nothing of its parent's: a worker forked inside a phase (a data
         loader's, a writer's) never returns into it, and its own thread would report it overdue
         for good. It starts a thread of its own when it next watches."""
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Condition(threading.RLock())
         self._watched, self._busy = {}, {}
         self._thread, self._fires_at = None, None
 

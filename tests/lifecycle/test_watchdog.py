@@ -400,3 +400,34 @@ def test_an_emitter_that_blocks_silences_neither_the_other_machines_nor_its_own(
 def _fallbacks(logs: list[dict], role: str) -> list[dict]:
     """The overdue reports of `role` that went to the default warning instead of its emitter."""
     return [r for r in _records(logs, "lifecycle.phase_overdue") if r["role"] == role and "emitter_error" in r]
+
+
+def test_a_watch_started_on_the_thread_already_inside_the_watchdog_gets_in_instead_of_deadlocking() -> None:
+    """A signal handler that fires a budgeted trigger of a second machine while its thread is
+    inside `watch` of the first (both on the process's shared watchdog) used to wait forever on
+    the lock that thread held. Here the handler's place is taken by the watchdog's own backstop
+    step, which calls `watch` again from inside the first one."""
+    wd = Watchdog()
+    keep = wd._keep_backstop
+    nested: list[int] = []
+
+    def reentering() -> None:
+        if not nested:
+            nested.append(2)
+            wd.watch(2, 60.0, trigger="save")  # what the handler's trigger does
+        keep()
+
+    wd._keep_backstop = reentering  # type: ignore[method-assign]
+    done = threading.Event()
+
+    def first() -> None:
+        wd.watch(1, 60.0, trigger="train_step")
+        done.set()
+
+    thread = threading.Thread(target=first, daemon=True)
+    thread.start()
+    assert done.wait(30), "watch() re-entered on its own thread deadlocked"
+    assert wd.watching == 2
+    wd.unwatch(1)
+    wd.unwatch(2)
+    assert wd.watching == 0
