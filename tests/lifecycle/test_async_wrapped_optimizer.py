@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import pickle
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from lifecycle import CheckpointError, Lifecycle
 from lifecycle.background import BackgroundSaver
 from lifecycle.manifest import MANIFEST
 from lifecycle.types import SaveInfo
+from tests.disk import small_tmpfs
 
 
 class Forwarding(torch.optim.Optimizer):
@@ -177,15 +177,8 @@ def test_an_async_save_of_a_wrapped_optimizer_resumes_into_a_fresh_wrapper_with_
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs, unmounted afterwards; skipped where mounting is not permitted."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "2m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def _fill(disk: Path) -> None:

@@ -18,19 +18,9 @@ from lifecycle.checkpointer import DiskCheckpointer, earlier_config_hash, model_
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import NotSerializable, encode
 from lifecycle.types import Parts, Progress
+from tests.lifecycle.test_checkpointer import Loader
 
 ROLES = ["actor", "critic"]
-
-
-class Loader:
-    def __init__(self) -> None:
-        self.position = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.position = state["position"]
 
 
 def config(root: Path, **sections: Any) -> LifecycleConfig:
