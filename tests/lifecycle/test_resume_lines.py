@@ -13,19 +13,13 @@ from structlog.testing import capture_logs
 import torch
 from torch import nn
 
-from lifecycle import LifecycleConfig
 from lifecycle.checkpointer import DiskCheckpointer, earlier_config_hash, model_config_hash
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import NotSerializable, encode
 from lifecycle.types import Parts, Progress
-from tests.lifecycle.test_checkpointer import Loader
+from tests.lifecycle.test_checkpointer import Loader, config
 
 ROLES = ["actor", "critic"]
-
-
-def config(root: Path, **sections: Any) -> LifecycleConfig:
-    return LifecycleConfig.from_dict({"checkpoint": {"root": str(root), **sections.pop("checkpoint", {})},
-                                      **sections})
 
 
 def parts(seed: int = 0, width: int = 8) -> Parts:
