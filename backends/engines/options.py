@@ -101,7 +101,8 @@ def _is_number(value: object, kinds: type | tuple[type, ...]) -> bool:
 def shown(value: object, kinds: type | tuple[type, ...] = int) -> str:
     """A caller's argument in a message: its repr cut short, with its type unless it is one of
     `kinds` (the string "4096", numpy's 4096 and True all print like numbers)."""
-    text = repr(value)[:40]
+    big = isinstance(value, int) and value.bit_length() > 128  # repr refuses integers past 4300 digits
+    text = f"<integer of {value.bit_length()} bits>" if big else repr(value)[:40]
     if _is_number(value, kinds):
         return text
     kind = type(value)

@@ -38,7 +38,7 @@ from backends.engines.plan import ALIGN, PlanRefused
 from backends.engines.registry import CheckpointEngineRegistry
 from backends.engines.shared import SharedSlotEngine
 from lifecycle.boundary import PATH_MAX
-from lifecycle.errors import EngineError
+from lifecycle.errors import EngineError, shorten
 from lifecycle.phase import say
 
 
@@ -51,7 +51,7 @@ class ShmEngine(SharedSlotEngine):
     def __init__(self, *, shm_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if shm_dir is not None and not is_path(shm_dir):
-            raise EngineError(f"shm engine: shm_dir must name a folder (a path, not empty), got {repr(shm_dir)[:60]}")
+            raise EngineError(f"shm engine: shm_dir must name a folder (a path, not empty), got {shorten(shm_dir, 60)}")
         self.shm_dir = Path(shm_dir) if shm_dir is not None else _default_dir()
         self._paths: list[str] = []
         """The sender's bucket files, as it publishes them."""

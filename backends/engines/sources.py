@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from backends.engines.plan import TensorMeta, travels
-from lifecycle.errors import EngineError
+from lifecycle.errors import EngineError, shorten
 
 Copied = list[tuple[int, int, int]]
 """(offset in the data region, address, nbytes) of pieces `Layout.pack` copied byte for byte."""
@@ -227,8 +227,7 @@ def metas_of(engine: str, pairs: list[tuple[str, torch.Tensor]], wire_dtype: Cal
 
 
 def _shown(value: Any) -> str:
-    text = repr(value) if isinstance(value, (str, bytes, int, float, type(None))) else f"a {type(value).__name__}"
-    return text if len(text) <= 80 else text[:77] + "..."
+    return shorten(value, 77) if isinstance(value, (str, bytes, int, float, type(None))) else f"a {type(value).__name__}"
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from backends.engines.flat import Named
 from backends.engines.options import EngineSource, is_path, shown
 from backends.engines.registry import CheckpointEngineRegistry
 from backends.engines.sources import sendable
-from lifecycle.errors import EngineError
+from lifecycle.errors import EngineError, shorten
 from lifecycle.types import RolloutTarget, lacks, updating
 
 
@@ -263,7 +263,7 @@ def profiled(folder: str | os.PathLike[str] | None, label: str) -> Iterator[None
         yield
         return
     if not is_path(folder):
-        raise EngineError(f"profile_dir must name a folder, got {repr(folder)[:60]}")
+        raise EngineError(f"profile_dir must name a folder, got {shorten(folder, 60)}")
     from torch.profiler import ProfilerActivity, profile
 
     out = Path(folder)

@@ -649,6 +649,7 @@ def test_a_version_that_is_not_an_int_in_range_is_refused_by_the_sender_and_its_
 @pytest.mark.parametrize("items, why", [
     ([(1, torch.ones(2))], "item 0 is named by 1, not a str"),
     ([(b"w", torch.ones(2))], "item 0 is named by b'w', not a str"),
+    ([(10 ** 5000, torch.ones(2))], "item 0 is named by <integer of 16610 bits>, not a str"),
     ([("w", torch.ones(2), "extra")], "item 0 is a tuple, not a \\(name, tensor\\) pair"),
     (["ab"], "item 0 is 'ab', not a \\(name, tensor\\) pair"),
     ([("w", [1.0])], "tensor 0 'w' is a list, not a tensor"),
@@ -855,6 +856,8 @@ def test_a_receiver_of_rank_0_or_not_an_int_is_refused_before_it_joins() -> None
     (lambda: Rendezvous("h", 80, 1.5), "an int of at least one receiver, got 1.5 \\(a float\\)"),
     (lambda: WeightSync(new_engine("naive"), profile_dir=5).sync(iter([("w", torch.ones(2))]), MemoryRollout(), 1),
      "profile_dir must name a folder, got 5"),
+    (lambda: new_engine("shm", shm_dir=10 ** 5000), "shm_dir must name a folder .*got <integer of 16610 bits>"),
+    (lambda: new_engine("gloo", timeout_s=10 ** 5000), "timeout_s must be in .*got <integer of 16610 bits>"),
 ])
 def test_an_argument_of_the_wrong_type_is_an_engine_error_naming_it_and_its_type(build: Any, why: str) -> None:
     with pytest.raises(EngineError, match=why):
@@ -964,6 +967,7 @@ def test_a_receiver_whose_rollout_dtype_differs_from_what_the_plan_sends_refuses
     (dict(expected=[["w"]]), "expected= takes weight names \\(str\\), and holds \\['w'\\] \\(a list\\)"),
     (dict(version="1"), "version= must be None or an int in 0..9999999999999999999, got '1' \\(a str\\)"),
     (dict(version=True), "version= must be None or an int .*got True \\(a bool\\)"),
+    (dict(version=10 ** 5000), "version= must be None or an int .*got <integer of 16610 bits>"),
     (dict(rollout=None), "the rollout \\(None \\(a NoneType\\)\\) has no load_weights"),
     (dict(pause=ValueError("busy")), "the rollout could not be paused for the sync: ValueError: busy"),
 ])
