@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence, TextIO
 
 from lifecycle.boundary import MAX_STEP, os_error, role_problem
-from lifecycle.errors import LifecycleError
+from lifecycle.errors import LifecycleError, printable
 from lifecycle.machine import MACHINES
 from lifecycle.types import plain_digits
-
-
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-"""Characters a terminal acts on rather than shows (escape sequences, line breaks, bidi overrides)."""
-
-
-def printable(text: str) -> str:
-    """`text` with every character a terminal would act on written as its escape (`\\x1b`, `\\n`):
-    a name in a checkpoint root cannot move the cursor, recolour, set the clipboard or forge a line."""
-    return _CONTROL.sub(lambda found: found.group().encode("unicode_escape").decode("ascii"), text)
 
 
 class Printable:

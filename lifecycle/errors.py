@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import reprlib
 
 
@@ -99,3 +100,13 @@ def shorten(value: object, limit: int = 80) -> str:
     `limit` characters, containers a few items and three levels deep. It never raises and never
     builds the full `repr` of a large value first."""
     return _Short(limit).repr(value)
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+"""Characters a terminal acts on rather than shows (escape sequences, line breaks, bidi overrides)."""
+
+
+def printable(text: str) -> str:
+    """`text` with every character a terminal would act on written as its escape (`\\x1b`, `\\n`):
+    a name in a checkpoint root cannot move the cursor, recolour, set the clipboard or forge a line."""
+    return _CONTROL.sub(lambda found: found.group().encode("unicode_escape").decode("ascii"), text)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lifecycle.errors import shorten
+from lifecycle.errors import printable
 from lifecycle.phase import TransitionRecord
 from lifecycle.ray.batches import fingerprint, merge_batches, split_batch
 from lifecycle.trace import read_events, transition_event, write_trace_events
@@ -125,9 +125,10 @@ class RunSummary:
 
 
 def _shown(text: str, limit: int = 80) -> str:
-    """`text` as it is when a terminal shows it as such, else its bounded `repr`: a worker's error
-    text (a file name in it) cannot set the clipboard or the title, or forge a row of the summary."""
-    return text[:limit] if text.isprintable() else shorten(text, limit)
+    """`text` cut to `limit` characters, each one a terminal would act on escaped (`printable`): a
+    worker's error text (a file name in it) cannot set the clipboard or the title, or forge a row
+    of the summary."""
+    return printable(text[:limit])
 
 
 def _number(value: Any) -> float | None:
