@@ -24,7 +24,7 @@ from lifecycle.errors import ConfigError, EngineError, shorten
 from lifecycle.jsontree import decode
 from lifecycle.phase import GLOBAL_OBSERVERS, Observer, TransitionRecord
 from lifecycle.stateful import Stateful
-from lifecycle.types import Parts, Progress, SaveInfo, lacks, updating
+from lifecycle.types import Parts, Progress, SaveInfo, rollouts_problem, updating
 
 
 class InjectedFailure(RuntimeError):
@@ -174,13 +174,9 @@ class MemoryEngine(_FailureSwitch):
     def check_target(self, target: Any) -> None:
         """What `sync` would refuse of `target`, before any rollout is paused: `Lifecycle.sync_weights`
         calls it before its machine moves, as it does a real engine's."""
-        rollouts = list(target) if isinstance(target, (list, tuple)) else [target]
-        if not rollouts:
-            raise EngineError(f"memory engine: no rollout to sync (sync got an empty {type(target).__name__})")
-        odd = next(((i, missing) for i, rollout in enumerate(rollouts) if (missing := lacks(rollout))), None)
-        if odd is not None:  # before any rollout is paused
-            raise EngineError(f"memory engine: rollout {odd[0]} ({shorten(rollouts[odd[0]])}) has no "
-                              f"{' / '.join(odd[1])}, which a sync calls (pause, load the weights, resume)")
+        problem = rollouts_problem("memory", target)
+        if problem is not None:  # before any rollout is paused
+            raise EngineError(problem)
 
     def sync(self, named_tensors: Iterator[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
         self.check_target(target)

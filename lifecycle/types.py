@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
 
-from lifecycle.errors import EngineError
+from lifecycle.errors import EngineError, shorten
 
 MAX_VERSION = 10**19 - 1
 """The largest weights version: a sync carries it as at most 19 decimal digits."""
@@ -184,6 +184,19 @@ def lacks(rollout: object) -> list[str]:
     own = machine is not None and isinstance(rollout, machine.RolloutWeights)
     needed = ("load_weights",) if own else ("load_weights", "pause", "resume")
     return [name for name in needed if not callable(getattr(rollout, name, None))]
+
+
+def rollouts_problem(engine: str, target: object) -> str | None:
+    """Why an in-process engine cannot sync to `target` (a rollout or a list of them), before any
+    rollout is paused: none given, or one without a method a sync calls (`lacks`); None if it can."""
+    rollouts = target if isinstance(target, (list, tuple)) else [target]
+    if not rollouts:
+        return f"{engine} engine: no rollout to sync (sync_weights got an empty {type(target).__name__})"
+    for i, rollout in enumerate(rollouts):
+        if missing := lacks(rollout):
+            return (f"{engine} engine: rollout {i} ({shorten(rollout, 40)}) has no {' / '.join(missing)}, "
+                    "which a sync calls (pause, load the weights, resume)")
+    return None
 
 
 @contextmanager

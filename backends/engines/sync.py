@@ -27,7 +27,7 @@ from backends.engines.options import EngineSource, is_path, shown
 from backends.engines.registry import CheckpointEngineRegistry
 from backends.engines.sources import sendable
 from lifecycle.errors import EngineError, shorten
-from lifecycle.types import RolloutTarget, lacks, updating
+from lifecycle.types import RolloutTarget, rollouts_problem, updating
 
 
 
@@ -62,14 +62,7 @@ class WeightSync:
         if isinstance(target, Rendezvous):
             return (f"{name} engine runs in one process: sync_weights needs the rollout object(s) as its target, "
                     "not a Rendezvous")
-        rollouts = target if isinstance(target, (list, tuple)) else [target]
-        if not rollouts:
-            return f"{name} engine: no rollout to sync (sync_weights got an empty {type(target).__name__})"
-        odd = next(((i, missing) for i, each in enumerate(rollouts) if (missing := lacks(each))), None)
-        if odd is not None:
-            return (f"{name} engine: rollout {odd[0]} ({shown(rollouts[odd[0]])}) has no {' / '.join(odd[1])}, "
-                    "which a sync calls (pause, load the weights, resume)")
-        return None
+        return rollouts_problem(name, target)
 
     def sync(self, named_tensors: Iterable[tuple[str, Any]], target: Any, version: int) -> dict[str, Any]:
         self.check_target(target)
