@@ -26,7 +26,8 @@ from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.extra import check_progress
 from lifecycle.manifest import MANIFEST, check_folder
 from lifecycle.phase import say
-from lifecycle.resumer import HashFn, NotResumed, Resumed, Resumer, _value, build_format
+from lifecycle.load_format import build_format, value_of
+from lifecycle.resumer import HashFn, NotResumed, Resumed, Resumer
 from lifecycle.role import RoleRank
 from lifecycle.saver import SaveJob, Saver, agree_fn
 from lifecycle.store import CheckpointStore, check_role
@@ -73,15 +74,15 @@ def check_parts(config: LifecycleConfig, parts: Parts, world_size: int = 1) -> N
     in `parts`."""
     ckpt = config.checkpoint
     if ckpt.save.async_:
-        check_async(backend_class(_value(ckpt.save.format)), world_size)
+        check_async(backend_class(value_of(ckpt.save.format)), world_size)
     if parts.model is None:
         return
-    uses = [("checkpoint.save.format", ckpt.save.format, [_value(c) for c in ckpt.save.contents]),
+    uses = [("checkpoint.save.format", ckpt.save.format, [value_of(c) for c in ckpt.save.contents]),
             ("checkpoint.load.format", ckpt.load_format, [])]
     if ckpt.pre_load.path:
         uses.append(("checkpoint.pre_load.format", ckpt.pre_load_format, []))
     for key, fmt, contents in uses:
-        parts.model = backend_class(_value(fmt), key).check_model(parts.model, contents, key)
+        parts.model = backend_class(value_of(fmt), key).check_model(parts.model, contents, key)
 
 
 def check_async(backend: type[FormatBackend], world_size: int) -> None:
@@ -162,7 +163,7 @@ class DiskCheckpointer:
             )
         if not pre.path:
             return {}
-        name, folder = _value(self.config.checkpoint.pre_load_format), Path(pre.path)
+        name, folder = value_of(self.config.checkpoint.pre_load_format), Path(pre.path)
         if parts.model is None:
             raise CheckpointError(f"{folder}: checkpoint.pre_load.path is set but there is no model to load into")
         if not folder.is_dir():
@@ -206,10 +207,10 @@ class DiskCheckpointer:
         check_progress(progress, f"save of step {step} (role {self.role})")  # before a byte is written
         self.wait()
         save = self.config.checkpoint.save
-        name = _value(save.format)
+        name = value_of(save.format)
         backend = backend_class(name)(**save.options)
         background = self._async_saver(backend) if save.async_ else None
-        writer = ContentWriter(backend=backend, name=name, wanted=[_value(c) for c in save.contents],
+        writer = ContentWriter(backend=backend, name=name, wanted=[value_of(c) for c in save.contents],
                                rank=self.rank, role=self.role, step=step)
         job = SaveJob(step=step, writer=writer, model_hash=self._model_hash(parts), started=started,
                       lock=self.store.writer_lock(self.role) if self.rank == 0 else None)

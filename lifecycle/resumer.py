@@ -29,14 +29,13 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from backends.base import FormatBackend, backend_class, format_capabilities, listed, reduce_int
-from backends.registry import IMPORT_PATH
+from backends.base import listed, reduce_int
 from lifecycle.aside import abandon_line
 from lifecycle.boundary import OutOfResources, inside, os_errors, parse_step, real_dir, same_folder
 from lifecycle.checksum import ALGORITHM, check_unverified
-from lifecycle.config import format_family
 from lifecycle.contents import CONTENTS, Reading, has_state, say_unread
-from lifecycle.errors import CheckpointError, ConfigError, DamagedCheckpoint, shorten
+from lifecycle.errors import CheckpointError, DamagedCheckpoint, shorten
+from lifecycle.load_format import format_for, value_of, verifies_reads
 from lifecycle.manifest import MANIFEST, NewerFormat, check_folder, checksum_of, read_manifest_file
 from lifecycle.phase import say
 from lifecycle.role import RoleRank
@@ -72,10 +71,6 @@ class Verdict(IntEnum):
     REFUSED = 2
 
 
-def _value(item: Any) -> str:
-    return str(getattr(item, "value", item))
-
-
 class Resumer:
     """Picks, verifies and loads the step one role resumes from; see the module docstring."""
 
@@ -86,13 +81,10 @@ class Resumer:
         """The running model's hash, and one an earlier release computed for it (still accepted)."""
         self.overwritten: str | None = None
         """Set when a failed load may have left the model's weights half-replaced."""
-        self._restores: tuple[list[Callable[[], None]], list[Callable[[], None]]] = ([], [])
-        """The step being loaded's `Loaded.then` (run once the ranks agree to it) and `Loaded.undo`
-        (run should they not): the RNGs, and the data position put back."""
 
     def resume(self, parts: Parts) -> Resumed | NotResumed:
         """The step resumed from, or why there is none to resume from (the caller starts fresh)."""
-        mode = _value(self.config.resume.mode)
+        mode = value_of(self.config.resume.mode)
         if mode == "disable":
             return NotResumed("resume.mode is disable")
         model_hash = self._agreed_hash(parts)
@@ -103,7 +95,7 @@ class Resumer:
             return resumed
         if self.config.checkpoint.root is None:
             return NotResumed("checkpoint.root is not set")
-        found = self._auto(parts, model_hash, fallback=_value(self.config.resume.on_damaged) == "fallback")
+        found = self._auto(parts, model_hash, fallback=value_of(self.config.resume.on_damaged) == "fallback")
         return found or NotResumed("no complete checkpoint")
 
     def _auto(self, parts: Parts, model_hash: tuple[str, ...] | None, *, fallback: bool) -> Resumed | None:
@@ -235,10 +227,11 @@ class Resumer:
             verdict, problems = Verdict.DAMAGED, [str(exc)]
         agreed = self._agree(verdict)
         if agreed is Verdict.OK:
-            progress, verdict, problems = self._load_verified(parts, manifest, folder, step, later)
+            then: list[Callable[[], None]] = []  # `Loaded.then`: the RNGs, once the ranks agree to the step
+            undos: list[Callable[[], None]] = []  # `Loaded.undo`: the data position put back, should they not
+            progress, verdict, problems = self._load_verified(parts, manifest, folder, step, later, then, undos)
             agreed = self._agree(verdict)
-            restores, self._restores = self._restores, ([], [])
-            for each in restores[0] if agreed is Verdict.OK else restores[1]:  # the RNGs, or the data position back
+            for each in then if agreed is Verdict.OK else undos:
                 each()
             if agreed is not Verdict.OK:  # every rank loaded (some of) it: none may trust its weights now
                 self.overwritten = f"a failed resume from {folder}"
@@ -253,18 +246,21 @@ class Resumer:
 
     def _load_verified(
         self, parts: Parts, manifest: Any, folder: Path, step: int, later: dict[str, str],
+        then: list[Callable[[], None]], undos: list[Callable[[], None]],
     ) -> tuple[Progress, Verdict, list[str]]:
         """Load, handing the readers the digests of `later` (see `_checked_while_loading`), then hash
         those they did not verify; a failure is damage when a full check finds a bad file, else a refusal
-        (always one when this process ran short of resources: `OutOfResources`)."""
+        (always one when this process ran short of resources: `OutOfResources`). A failure runs
+        `undos` here and empties both lists."""
         try:
             with os_errors(f"cannot read step {step}", folder):
-                progress, verified = self._load(parts, manifest, folder, step, later)
+                progress, verified = self._load(parts, manifest, folder, step, later, then, undos)
                 check_unverified(folder, later, verified)
         except Exception as exc:  # a backend or a dataloader raising its own type: still a refusal, typed
-            undos, self._restores = self._restores[1], ([], [])
             for undo in undos:  # the data position, as it was before this resume
                 undo()
+            then.clear()
+            undos.clear()
             if not isinstance(exc, CheckpointError):
                 exc = CheckpointError(f"{folder}: loading step {step} failed: {type(exc).__name__}: {exc}")
             try:
@@ -295,35 +291,15 @@ class Resumer:
         it, so a damaged step never overwrites the model."""
         reads = self._reads(parts)
         prefixes = tuple(_prefix(entry) for name, entry in manifest["contents"].items()
-                         if name in reads and CONTENTS[name].by_format and self._verifies_reads(entry["backend"]))
+                         if name in reads and CONTENTS[name].by_format and verifies_reads(self.config, entry["backend"]))
         checked = ((f["path"], checksum_of(f)) for f in manifest["files"]
                    if f["path"].endswith(".safetensors") and f["path"].startswith(prefixes))
         return {path: digest for path, (algorithm, digest) in checked if algorithm == ALGORITHM}
 
     def _reads(self, parts: Parts) -> list[str]:
         """The contents of `checkpoint.load.contents` this worker has the objects to load."""
-        wanted = (_value(c) for c in self.config.checkpoint.load.contents)
+        wanted = (value_of(c) for c in self.config.checkpoint.load.contents)
         return [name for name in wanted if name in CONTENTS and has_state(CONTENTS[name], parts)]
-
-    def _unnamed_path(self, name: str) -> bool:
-        """Whether a manifest's format `name` is a module path (`pkg.module:Class`) this worker's
-        config does not name: a checkpoint's own word is never imported (a crafted `this:X` would
-        run a module on resume). Names, and the configured paths, are looked up as usual."""
-        ckpt = self.config.checkpoint
-        return IMPORT_PATH.fullmatch(name) is not None and name not in {
-            _value(ckpt.load_format), _value(ckpt.save.format), _value(ckpt.pre_load_format)}
-
-    def _verifies_reads(self, name: str) -> bool:
-        """Whether format `name` checks digests as it reads; one of another family, or one not
-        installed, is refused when loading (and a built-in's answer needs no import)."""
-        if self._unnamed_path(name):
-            return False
-        try:
-            capabilities = format_capabilities(name, "checkpoint.load.format")
-        except ConfigError:
-            return False
-        return (capabilities.verifies_reads
-                and capabilities.family == format_family(_value(self.config.checkpoint.load_format)))
 
     def _resolve_path(self, path: Path) -> tuple[Path, int]:
         """resume.path may name the step folder or this role's folder inside it. Neither may be
@@ -346,15 +322,15 @@ class Resumer:
 
     def _load(
         self, parts: Parts, manifest: dict[str, Any], folder: Path, step: int, expected: Mapping[str, str],
+        then: list[Callable[[], None]], undos: list[Callable[[], None]],
     ) -> tuple[Progress, set[str]]:
         """Restore each content of `checkpoint.load.contents` with its reader (`lifecycle.contents`)
         and, for a format's content, the backend its manifest names; returns the progress and the
         files of `expected` (role-folder paths) the readers verified. What to run once the ranks
-        agree (`Loaded.then`), or to put back should they not (`Loaded.undo`), goes to `_restores`."""
+        agree (`Loaded.then`) goes to `then`, what to put back should they not (`Loaded.undo`) to `undos`."""
         entries: dict[str, dict[str, str]] = manifest["contents"]
-        say_unread([_value(c) for c in self.config.checkpoint.load.contents], entries, parts, folder, step)
+        say_unread([value_of(c) for c in self.config.checkpoint.load.contents], entries, parts, folder, step)
         progress, verified = Progress(step=step), set[str]()
-        then, undos = self._restores = ([], [])
         for name in sorted(self._reads(parts), key=lambda name: name != Content.EXTRA.value):  # its step first
             content, entry = CONTENTS[name], entries.get(name)
             if entry is None and content.optional_on_resume:
@@ -369,7 +345,7 @@ class Resumer:
             prefix = _prefix(entry)
             mine = {rel.removeprefix(prefix): digest for rel, digest in expected.items() if rel.startswith(prefix)}
             loaded = content.read(Reading(
-                backend=self._backend(name, entry["backend"], sub) if content.by_format else None,
+                backend=format_for(self.config, name, entry["backend"], sub) if content.by_format else None,
                 parts=parts, folder=sub, expected=mine, rank=self.at.rank, world_size=self.at.world_size,
                 saved_world_size=manifest["parallel"].get("world_size"), step=step))
             verified |= {prefix + rel for rel in loaded.verified if rel in mine}
@@ -380,35 +356,6 @@ class Resumer:
             raise CheckpointError(f"{folder}: its progress says step {shorten(progress.step)}, but it is the "
                                   f"folder of step {step}")
         return progress, verified
-
-    def _backend(self, content: str, name: str, folder: Path) -> FormatBackend:
-        """The format `name` that saved `content`, refused when it loads into another model family."""
-        wanted = _value(self.config.checkpoint.load_format)
-        if self._unnamed_path(name):
-            raise CheckpointError(f"{folder.parent / MANIFEST}: {content!r} was saved with format {shorten(name)}, "
-                                  "a module path this worker's config does not name; a checkpoint's own word is "
-                                  f"never imported (set checkpoint.load.format to it to load it)")
-        if name != wanted:
-            say("warning", "checkpoint.resume.format_differs", content=content, saved_with=name, load_format=wanted,
-                path=str(folder))
-        wanted_family, saved_family = format_family(wanted), format_family(name)
-        if saved_family != wanted_family:
-            raise CheckpointError(f"{folder.parent / MANIFEST}: {content!r} was saved with format {name!r} "
-                                  f"({saved_family or 'not a format'}), which cannot load into this worker's "
-                                  f"{wanted_family} model (checkpoint.load.format {wanted!r})")
-        try:
-            return build_format(self.config, name)
-        except ConfigError as exc:
-            raise CheckpointError(f"{folder.parent / MANIFEST}: {content!r} was saved with format {name!r}, "
-                                  f"which cannot be loaded here: {exc}") from exc
-
-
-def build_format(config: Any, name: str) -> FormatBackend:
-    """Format `name`, with the options configured under `checkpoint.save` when it is the format
-    saved with (they are composed for that format only); any other with its defaults."""
-    save = config.checkpoint.save
-    return backend_class(name)(**save.options) if name == _value(save.format) else backend_class(name)()
-
 
 def _prefix(entry: Mapping[str, str]) -> str:
     """How the paths of a content's files begin, in its manifest (`model/`)."""

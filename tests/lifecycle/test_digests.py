@@ -18,7 +18,7 @@ from torch import nn
 
 import lifecycle.checksum as checksum
 import lifecycle.manifest as manifest_module
-import lifecycle.resumer as resumer
+import lifecycle.load_format as load_format
 from backends.hf import HFBackend
 from lifecycle import LifecycleConfig
 from lifecycle.checkpointer import DiskCheckpointer
@@ -185,8 +185,8 @@ def test_a_format_that_does_not_verify_as_it_reads_has_its_weights_checked_befor
 ) -> None:
     """So a damaged step never overwrites the model."""
     saved(tmp_path)
-    real = resumer.format_capabilities
-    monkeypatch.setattr(resumer, "format_capabilities",
+    real = load_format.format_capabilities
+    monkeypatch.setattr(load_format, "format_capabilities",
                         lambda name, key: dataclasses.replace(real(name, key), verifies_reads=False))
     hashed_before, hashed_after = spy(monkeypatch, manifest_module), spy(monkeypatch, checksum)
     returned = spy_loads(monkeypatch)
@@ -225,6 +225,6 @@ def test_a_returned_digest_of_another_algorithm_or_shape_fails_the_commit(tmp_pa
 
 def test_loads_build_the_saved_format_with_its_configured_options_and_others_with_defaults() -> None:
     config = LifecycleConfig.from_dict({"checkpoint": {"save": {"format": "hf", "max_shard_bytes": 4096}}})
-    assert resumer.build_format(config, "hf").options.max_shard_bytes == 4096
+    assert load_format.build_format(config, "hf").options.max_shard_bytes == 4096
     default = LifecycleConfig.from_dict({"checkpoint": {"save": {"format": "torch_dcp"}}})
-    assert resumer.build_format(default, "hf").options.max_shard_bytes == HFBackend().options.max_shard_bytes
+    assert load_format.build_format(default, "hf").options.max_shard_bytes == HFBackend().options.max_shard_bytes
