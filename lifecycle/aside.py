@@ -59,7 +59,13 @@ def set_aside(store: CheckpointStore, step: int, marker: str, why: str) -> Path 
 def _move_copies(store: CheckpointStore, step: int, aside: Path) -> None:
     """Move `step`'s `.replaced-` copies into `aside`: a role's only committed copy (its folder
     missing there) back in its place, so the step is set aside whole; any other by its name."""
-    for _, role, path in (copy for copy in replaced_copies(store) if copy[0] == step):
+    try:
+        copies = [(role, path) for copy_step, role, path in replaced_copies(store) if copy_step == step]
+    except CheckpointError as exc:  # short of resources: the step is aside already, its copies stay
+        say("error", "checkpoint.replaced_not_moved", step=step, path=str(store.root), error=str(exc),
+            action="its step is gone from the root: the next save's sweep removes its copies")
+        return
+    for role, path in copies:
         try:
             os.rename(path, aside / (role if lstat(aside / role) is None else path.name))
         except FileNotFoundError:

@@ -94,9 +94,13 @@ def exchange(a: Path, b: Path) -> bool:
 def replaced_copies(store: CheckpointStore, role: str | None = None,
                     entries: Sequence[os.DirEntry[str]] | None = None) -> list[tuple[int, str, Path]]:
     """The root's `.replaced-` folders (of `role` alone, when given): step, role, path; none when
-    the root cannot be listed. `entries`: the root's listing, when the caller has it already."""
+    the root cannot be listed, unless for want of this process's resources (`OutOfResources`,
+    raised: a role whose only committed copy is aside would read as uncommitted, and a resume
+    would pick an older step). `entries`: the root's listing, when the caller has it already."""
     try:
         entries = store.entries() if entries is None else entries
+    except OutOfResources:
+        raise
     except CheckpointError:
         return []
     found = [(int(m[1]), m[2], Path(e.path)) for e in entries

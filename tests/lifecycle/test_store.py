@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from lifecycle.boundary import OutOfResources
 from lifecycle.errors import CheckpointError, ConfigError
 import xxhash
 
@@ -192,6 +193,30 @@ def crash_between_renames(store: CheckpointStore, step: int, role: str = "actor"
     aside = store.root / f".replaced-{step}-{role}-0123abcd"
     store.role_dir(step, role).rename(aside)
     return aside
+
+
+def test_a_reader_short_of_file_descriptors_when_listing_replaced_copies_refuses_rather_than_skip_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: `replaced_copies` read a failed listing as "none", so a step whose only committed
+    copy of a role is aside read as uncommitted, and resume went back a step, when the listing
+    failed for want of file descriptors (EMFILE) and the next one did not."""
+    store = CheckpointStore(tmp_path)
+    commit(store, 1)
+    commit(store, 2)
+    crash_between_renames(store, 2)
+    real, calls = CheckpointStore.entries, []
+
+    def short_once(self: CheckpointStore) -> list[os.DirEntry[str]]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OutOfResources(f"{self.root}: cannot list the checkpoint root: too many open files")
+        return real(self)
+
+    monkeypatch.setattr(CheckpointStore, "entries", short_once)
+    with pytest.raises(OutOfResources, match="too many open files"):
+        store.newest_committed(["actor"])
+    assert store.newest_committed(["actor"]) == 2
 
 
 def test_the_next_save_puts_back_a_committed_copy_a_crashed_re_commit_left_aside(tmp_path: Path) -> None:
