@@ -37,7 +37,8 @@ def steps_and_aside(root: Path) -> list[str]:
 # A reader short of its own resources ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.ENOBUFS])
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.ENOBUFS, errno.EINTR,
+                                  errno.ESTALE, errno.ETIMEDOUT])
 def test_os_error_tells_a_shortage_of_the_reader_from_a_fault_of_the_file(code: int) -> None:
     error = os_error(OSError(code, os.strerror(code)), "cannot open", "/ckpt/global_step_2/actor/x")
     assert isinstance(error, OutOfResources) and "says nothing about the file" in str(error)
@@ -60,8 +61,9 @@ def _failing_open(monkeypatch: pytest.MonkeyPatch, code: int, inside: str, suffi
 
 @pytest.mark.parametrize(("code", "suffix"), [
     (errno.EMFILE, "manifest.json"), (errno.EMFILE, ".safetensors"), (errno.ENFILE, ".safetensors"),
+    (errno.ESTALE, ".safetensors"), (errno.ETIMEDOUT, "manifest.json"),  # a network filesystem's handle or server
 ])
-def test_a_resume_short_of_file_descriptors_refuses_and_sets_no_healthy_step_aside(
+def test_a_resume_short_of_its_own_resources_refuses_and_sets_no_healthy_step_aside(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, suffix: str,
 ) -> None:
     saved_run(tmp_path)
