@@ -15,7 +15,8 @@ path for both.
 The copy keeps what the backends look at: the same state-dict names, tied weights still
 one tensor, a module tree for `torch.distributed.checkpoint`, and an optimizer of the
 worker's own class whose parameters are the copied ones (a wrapped optimizer's copy is a
-`FrozenOptimizer`: the wrapper's `param_groups` would set the live optimizer's).
+`FrozenOptimizer`: the wrapper's `param_groups` would set the live optimizer's). The stand-ins
+are in `lifecycle.frozen`.
 
 From CUDA memory the copies go, non-blocking, into pinned host buffers on a side stream that
 first waits for what the training's current stream has queued (the step that wrote the
@@ -26,13 +27,12 @@ the next step cannot overwrite a weight still being read, and no source is freed
 from __future__ import annotations
 
 import copy
-import inspect
 from datetime import timedelta
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,13 +40,12 @@ from torch import nn
 from lifecycle.background import BackgroundSaver, PendingSave
 from lifecycle.contents import CONTENTS
 from lifecycle.errors import CheckpointError
-from lifecycle.optim_state import STANDS_FOR, class_name
+from lifecycle.frozen import FrozenModule, FrozenOptimizer, StateOnly, keeps_its_own_state, standing_for
 from lifecycle.saver import SaveJob, Saver, agree_fn
 from lifecycle.store import CheckpointStore
 from lifecycle.types import Parts, Progress, SaveInfo
 
 _PLAIN = (torch.Tensor, nn.Parameter)
-_T = TypeVar("_T")
 
 
 class HostCopier:
@@ -82,7 +81,7 @@ class HostCopier:
             optimizer = None if parts.optimizer is None else self._optimizer(parts.optimizer)
             scheduler = None
             if parts.lr_scheduler is not None:
-                scheduler = _standing_for(StateOnly(self.tree(parts.lr_scheduler.state_dict(), "lr_scheduler")),
+                scheduler = standing_for(StateOnly(self.tree(parts.lr_scheduler.state_dict(), "lr_scheduler")),
                                           parts.lr_scheduler)
             self._copy_pending()
             self._buffers = self._used
@@ -189,7 +188,7 @@ class HostCopier:
 
     def _optimizer(self, optimizer: Any) -> Any:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            return _standing_for(StateOnly(self.tree(optimizer.state_dict(), "optimizer")), optimizer)
+            return standing_for(StateOnly(self.tree(optimizer.state_dict(), "optimizer")), optimizer)
         groups = []
         for i, group in enumerate(optimizer.param_groups):
             hyper = self.tree({k: v for k, v in group.items() if k != "params"}, f"optimizer.group{i}")
@@ -198,10 +197,10 @@ class HostCopier:
         state: defaultdict[Any, Any] = defaultdict(dict)
         for j, (param, values) in enumerate(optimizer.state.items()):
             state[self._param(param, f"optimizer.param{j}")] = self.tree(values, f"optimizer.state{j}")
-        if not _keeps_its_own_state(optimizer):
+        if not keeps_its_own_state(optimizer):
             saved = self.tree(optimizer.state_dict(), "optimizer")
             defaults = self.tree(getattr(optimizer, "defaults", {}), "optimizer.defaults")
-            return _standing_for(FrozenOptimizer(groups, state, saved, defaults), optimizer)
+            return standing_for(FrozenOptimizer(groups, state, saved, defaults), optimizer)
         frozen = type(optimizer).__new__(type(optimizer))
         # Not the instance's own callables: an lr scheduler patches `step` onto the live optimizer,
         # bound to it, and a copy that kept it would step the live one (torch's state-dict helper
@@ -217,102 +216,6 @@ class HostCopier:
             copied = nn.Parameter(copied, requires_grad=p.requires_grad)
             self._views[id(p)] = (p, copied)
         return copied
-
-
-def _keeps_its_own_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `param_groups` and `state` are the instance's own attributes, which a copy of its class
-    can hold too; a wrapper's (accelerate's `AcceleratedOptimizer`, torch's `PostLocalSGDOptimizer`)
-    forward to the optimizer it wraps, so setting them on a copy would set that live one's."""
-    cls = type(optimizer)
-    own = vars(optimizer) if hasattr(optimizer, "__dict__") else {}
-    return cls.__setattr__ is object.__setattr__ and all(
-        name in own and not hasattr(inspect.getattr_static(cls, name, None), "__set__")
-        for name in ("param_groups", "state"))
-
-
-class FrozenOptimizer(torch.optim.Optimizer):
-    """A host copy of a wrapped optimizer: what the formats read (`param_groups`, `state` and
-    `state_dict()`, the wrapper's own as it stood at save time), of this class, never the
-    worker's, so nothing set on it reaches the live optimizer."""
-
-    def __init__(self, groups: list[dict[str, Any]], state: defaultdict[Any, Any], saved: dict[str, Any],
-                 defaults: dict[str, Any]) -> None:
-        # Not `Optimizer.__init__`: it would rebuild the groups the live optimizer already checked.
-        self.param_groups, self.state, self.defaults, self._saved = groups, state, defaults, saved
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._saved
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """Only torch's state-dict helper steps a copy, to create the state of an optimizer never
-        stepped; the algorithm is the wrapped optimizer's, which this copy does not have."""
-        raise CheckpointError(f"async save of a {type(self).__name__} that has no state yet: its copy cannot step to "
-                              "create it (torch_dcp does); save after the first step, or set "
-                              "checkpoint.save.async to false")
-
-
-def _standing_for(copy: _T, live: Any) -> _T:
-    """`copy`, marked with the class of `live` (`optim_state.STANDS_FOR`): the formats record the
-    optimizer's and lr scheduler's class, and a resume compares it with the running one's."""
-    setattr(copy, STANDS_FOR, class_name(live))
-    return copy
-
-
-class StateOnly:
-    """Stands in for an object whose state is all a backend reads: `state_dict()` returns it."""
-
-    def __init__(self, state: Any) -> None:
-        self._state = state
-
-    def state_dict(self) -> Any:
-        return self._state
-
-
-class FrozenModule(nn.Module):
-    """A host copy of a module: the same parameter and buffer names, tensors frozen at save time.
-
-    `state_dict()` returns the copied state dict itself, so entries that are not tensors
-    (extra states) and the order of names survive exactly.
-    """
-
-    def __init__(self, state: dict[str, Any], params: Mapping[str, bool]) -> None:
-        """`params`: which names are parameters, and whether each requires grad."""
-        super().__init__()
-        self._frozen: dict[str, Any] = state
-        self._shared: dict[tuple[Any, ...], nn.Parameter] = {}
-        """One Parameter per copied view: tied weights stay one parameter, as in the live module,
-        so name-keyed optimizer state (torch_dcp) finds each parameter under its first name."""
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor):
-                self._attach(name, value, params.get(name))
-
-    def _parameter(self, value: torch.Tensor, grad: bool) -> nn.Parameter:
-        if isinstance(value, nn.Parameter):
-            return value
-        if value.numel() == 0:  # empty tensors share data_ptr 0 without being tied
-            return nn.Parameter(value, requires_grad=grad)
-        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride(),
-               value.dtype)
-        if key not in self._shared:
-            self._shared[key] = nn.Parameter(value, requires_grad=grad)
-        return self._shared[key]
-
-    def _attach(self, name: str, value: torch.Tensor, grad: bool | None) -> None:
-        *path, leaf = name.split(".")
-        owner: nn.Module = self
-        for part in path:
-            child = owner._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                owner.add_module(part, child)
-            owner = child
-        if grad is not None:
-            owner.register_parameter(leaf, self._parameter(value, grad))
-        else:
-            owner.register_buffer(leaf, value)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return dict(self._frozen)
 
 
 def _world_timeout(dist: Any) -> timedelta | None:
