@@ -10,7 +10,8 @@ a refusal is one more reason in its answer (`accepted/{rank}`) and the sender fa
 A streamed receiver verifies and hands out the sender's bucket in place; an atomic one (the
 default) copies it into private buffers (`_staging`) and verifies the copy, handed out once
 every bucket has verified. Shared slots are kept from one sync to the next (mapping them is the
-expensive part), until the sender's `close()`.
+expensive part), until the sender's `close()`; a flip sender's weight sets also until it syncs
+another rendezvous address (another group, whose receivers cannot say which set the first serves).
 
 `apply: flip` (set on both sides, for an engine whose capabilities say `flips`) shares two
 weight sets instead of two slots: each holds every bucket of the plan, back to back. Each
@@ -91,6 +92,9 @@ class SharedSlotEngine(BucketEngine):
         (with `rollout_owns_sets`, the sender's: the receiver's sets it opened)."""
         self._own_sets: bytes = b""
         """With `rollout_owns_sets`, a receiver's publication of the sets it created."""
+        self._sets_for: tuple[str, int] | None = None
+        """A flip sender's: the rendezvous address (its group of receivers) its weight sets were
+        created for; another group's receivers cannot know which set the first group serves."""
 
     # -- what a subclass supplies -------------------------------------------------------------
 
@@ -188,11 +192,17 @@ class SharedSlotEngine(BucketEngine):
         raw = cached.raw if cached is not None and cached.plan is plan else plan.to_bytes()
         if self.rollout_owns_sets:  # the sets are the receiver's: bound once it names them (`_bind`)
             return Layout(plan, [], raw=raw)
-        size = set_bytes(plan)
-        if not self._flip.memory or self._flip.memory[0].numel() != size:
-            self._flip.hold(self._create(size))
+        size, group = set_bytes(plan), self._group()
+        if not self._flip.memory or self._flip.memory[0].numel() != size or self._sets_for != group:
+            self._flip.hold(self._create(size))  # the old files stay mapped by the receivers serving them
+            self._sets_for = group
         self._control().set("slots", self._publish())
         return self._flip.layout(0, plan, raw, self._carve)
+
+    def _group(self) -> tuple[str, int] | None:
+        """The address of this sync's rendezvous: one sender's store, so one group of receivers."""
+        rendezvous = self._topology().rendezvous
+        return None if rendezvous is None else (rendezvous.host, rendezvous.port)
 
     def _bind(self, layout: Layout) -> Layout:
         """Flip: the layout in the set this sync writes. The sender picks it from what every
@@ -227,8 +237,7 @@ class SharedSlotEngine(BucketEngine):
             else:
                 target = int(raw) if raw in (b"0", b"1") else None
             if target is None or self._flip.target not in (None, target):
-                reason = (f"the sender writes weight set {clip(repr(raw), 40)}, not the set {self._flip.target} this "
-                          f"receiver asked for (its rollout serves the other); nothing was received")
+                reason = self._unbound(raw)
                 self._answer(f"bound/{topology.rank}", reason)
                 raise EngineError(f"{self.name} engine: rank {topology.rank}: {reason}")
             control.set(f"bound/{topology.rank}", answer(None, target=raw.decode()))
@@ -237,6 +246,18 @@ class SharedSlotEngine(BucketEngine):
         self.slots = bound.slots
         bound.reset()
         return bound
+
+    def _unbound(self, raw: bytes) -> str:
+        """Why a receiver refuses the set the sender names (`target`, as read)."""
+        asked, named = self._flip.target, clip(repr(raw), 40)
+        if self.rollout_owns_sets:
+            return (f"the sender names {named}, not {_naming(asked or 0, self._own_sets)!r}: set {asked} of the two "
+                    "weight sets this receiver published, the set this receiver asked for; nothing was received")
+        sender = (f"the sender writes weight set {int(raw)}," if raw in (b"0", b"1") else
+                  f"the sender names {named}, no weight set (0 or 1),")
+        wants = ("while this receiver takes either set (its rollout serves none of this sender's)" if asked is None
+                 else f"not the set {asked} this receiver asked for (its rollout serves the other)")
+        return f"{sender} {wants}; nothing was received"
 
     def _receive_layout(self, raw: bytes, expected: Collection[str] | None) -> Layout:
         """A flip receiver: the plan checked, the sets opened and checked against it, and the

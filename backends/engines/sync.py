@@ -145,7 +145,9 @@ def receive_into(
     values; pass `expected` to require them. An engine whose `receive_weights` does not take
     the `expected` or `into` it is given joins the sync only to refuse it (`engine.refuse`: a
     bucket engine answers the plan, so the sender fails before a byte moves), and raises
-    `EngineError`; the rollout is untouched.
+    `EngineError`; the rollout is untouched. So is it for a call that could not run at all: no
+    Rendezvous for an engine that needs one, an engine whose session is under way, or a
+    `profile_dir` that cannot be a folder (the sender is told, where it can be reached).
     """
     if not isinstance(engine, CheckpointEngine):
         raise EngineError(f"receive_into takes an engine (CheckpointEngineRegistry.new(name, ...)), got {shown(engine)}")
@@ -157,8 +159,10 @@ def receive_into(
     if rendezvous is not None and not engine.capabilities.in_process and rank > rendezvous.receivers:
         raise EngineError(f"{engine.name} engine: rank {rank} is not a receiver of a Rendezvous of "
                           f"{rendezvous.receivers} (ranks 1..{rendezvous.receivers}); the rollout is untouched")
+    if (unusable := _unusable(engine, rendezvous)) is not None:
+        raise EngineError(f"{engine.name} engine: {unusable}; the rollout is untouched")
     expected, problem = _names(expected)
-    problem = problem or _receive_problem(engine, rollout, version, expected, into)
+    problem = problem or _receive_problem(engine, rollout, version, expected, into, profile_dir)
     if problem is not None:
         _refuse(engine, rendezvous, rank, problem)
     version = None if version is None else int(version)
@@ -177,8 +181,21 @@ def receive_into(
     return received
 
 
+def _unusable(engine: CheckpointEngine, rendezvous: Rendezvous | None) -> str | None:
+    """Why this engine can open no session for the receive (so no sender can be told), or None:
+    found before the rollout is paused, which would leave it stale for a call that never ran."""
+    if engine.capabilities.in_process:  # it receives inside its sender's session (`WeightSync._sync_local`)
+        return None
+    if engine.__dict__.get("_in_session"):
+        return ("a sync is under way on this engine already; one engine carries one sync at a time "
+                "(give each concurrent sync an engine of its own)")
+    if rendezvous is None:
+        return "needs a Rendezvous(host, port, receivers) to meet its peers"
+    return None
+
+
 def _receive_problem(engine: CheckpointEngine, rollout: Any, version: Any, expected: list[str] | None,
-                     into: Named | None) -> str | None:
+                     into: Named | None, profile_dir: str | os.PathLike[str] | None) -> str | None:
     """Why this receive cannot be done as asked (the sender is told: `_refuse`), or None."""
     if version is not None and not is_version(version):
         return f"version= must be None or an int in 0..{MAX_VERSION}, got {shown(version)}"
@@ -190,6 +207,10 @@ def _receive_problem(engine: CheckpointEngine, rollout: Any, version: Any, expec
     if into is not None and not _takes(type(engine), "into"):
         return ("its receive_weights takes no `into`, so it cannot land a sync in the rollout's own storage; "
                 "call receive_into without into=")
+    try:
+        trace_folder(profile_dir)
+    except EngineError as exc:
+        return str(exc)
     return None
 
 
@@ -252,18 +273,12 @@ def _takes(engine_class: type[CheckpointEngine], option: str) -> bool:
 @contextmanager
 def profiled(folder: str | os.PathLike[str] | None, label: str) -> Iterator[None]:
     """Record a torch.profiler trace of the block into `folder` (Chrome trace JSON); None: off."""
-    if folder is None:
+    out = trace_folder(folder)
+    if out is None:
         yield
         return
-    if not is_path(folder):
-        raise EngineError(f"profile_dir must name a folder, got {shorten(folder, 60)}")
     from torch.profiler import ProfilerActivity, profile
 
-    out = Path(folder)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise EngineError(f"profile_dir {out}: cannot create the folder for profiler traces: {exc}") from exc
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     profiler = profile(activities=activities)
     try:
@@ -271,6 +286,21 @@ def profiled(folder: str | os.PathLike[str] | None, label: str) -> Iterator[None
             yield
     finally:
         profiler.export_chrome_trace(str(out / f"{label}_pid{os.getpid()}.json"))
+
+
+def trace_folder(folder: str | os.PathLike[str] | None) -> Path | None:
+    """`profile_dir` as a folder, created if need be; None: off. `EngineError` naming it when it
+    cannot be one (checked by `receive_into` before the rollout is paused)."""
+    if folder is None:
+        return None
+    if not is_path(folder):
+        raise EngineError(f"profile_dir must name a folder, got {shorten(folder, 60)}")
+    out = Path(folder)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EngineError(f"profile_dir {out}: cannot create the folder for profiler traces: {exc}") from exc
+    return out
 
 
 def device_type(model: Any) -> str:
