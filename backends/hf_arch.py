@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,10 @@ MAX_COUNTED_LAYERS = 512
 130, and a meta build takes a few milliseconds a layer, so a config claiming a million layers is
 counted in about a second (as a floor: more layers never have fewer parameters)."""
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers", "depth")
+"""Layer counts read through a config's `attribute_map` (GPT-2's `n_layer`, BART's `encoder_layers`)."""
+_COUNTS_LAYERS = re.compile(r"(?:layers|n_layer|depth|blocks)$")
+"""An attribute that counts layers or blocks of a stack: BART's `decoder_layers` and T5's
+`num_decoder_layers` are no `num_hidden_layers`, yet each builds a stack of its own."""
 
 
 def remote_code_problem(config: Any, path: Path) -> str | None:
@@ -66,7 +71,7 @@ def read_hf_config(folder: Path) -> Any:
         raise ConfigError(f"{KEY}.auto_map", problem)
     try:
         return AutoConfig.from_pretrained(os.fspath(folder), trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a value of the wrong type fails anywhere in transformers, as anything
         raise _unreadable(folder, exc) from None
 
 
@@ -123,7 +128,8 @@ def _clamp_layers(config: Any, seen: set[int]) -> None:
     if id(config) in seen:
         return
     seen.add(id(config))
-    for name in _LAYER_COUNTS:
+    names = [*_LAYER_COUNTS, *(name for name in vars(config) if _COUNTS_LAYERS.search(name))]
+    for name in names:
         value = getattr(config, name, None)
         if type(value) is int and value > MAX_COUNTED_LAYERS:
             setattr(config, name, MAX_COUNTED_LAYERS)

@@ -224,7 +224,19 @@ def read_manifest_file(folder: Path) -> dict[str, Any]:
     problems = _shape_problems(data)
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems[:10]))
+    _lowercase_digests(data["files"])
     return data
+
+
+def _lowercase_digests(files: list[dict[str, Any]]) -> None:
+    """Digests in the one form every reader compares: lowercase hex, as `file_digest` gives.
+
+    Uppercase hex states the same digest; read as written, `verify` (which lowercased) passed
+    a step that resume (which compared as written) refused as damaged."""
+    for entry in files:
+        for algorithm in ALGORITHMS:
+            if isinstance(digest := entry.get(algorithm), str):
+                entry[algorithm] = digest.lower()
 
 
 _CONTENT_NAMES = frozenset(content.value for content in Content)
@@ -316,7 +328,7 @@ def check_folder(
             return [problem(exc)]
         problems.extend(
             f"{folder / rel}: checksum {digests[rel]} != manifest {want}"
-            for rel, (_, want) in wanted.items() if digests[rel] != want.lower()
+            for rel, (_, want) in wanted.items() if digests[rel] != want
         )
     return problems
 

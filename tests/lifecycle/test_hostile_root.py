@@ -513,13 +513,13 @@ def test_a_dataloader_raising_its_own_error_on_resume_is_a_checkpoint_error(tmp_
 def test_a_manifest_naming_a_format_of_another_model_family_is_refused_before_importing_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import lifecycle.resumer as resumer
+    import lifecycle.load_format as load_format
 
     saved_run(tmp_path)
     rewrite_manifest(folder(tmp_path), lambda d: d["contents"]["model"].update(backend="dist_ckpt"))
     asked: list[str] = []
-    backend_class = resumer.backend_class
-    monkeypatch.setattr(resumer, "backend_class", lambda name: asked.append(name) or backend_class(name))
+    backend_class = load_format.backend_class
+    monkeypatch.setattr(load_format, "backend_class", lambda name: asked.append(name) or backend_class(name))
     with pytest.raises(CheckpointError, match="saved with format 'dist_ckpt' .Megatron."):
         lifecycle_at(tmp_path, on_damaged="refuse").resume()
     assert "dist_ckpt" not in asked
