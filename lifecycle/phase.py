@@ -14,7 +14,7 @@ import time
 from contextvars import ContextVar, Token
 from enum import Enum
 from functools import cache
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, NoReturn
 
 import structlog
 from structlog.contextvars import bind_contextvars, reset_contextvars
@@ -91,7 +91,8 @@ def run_undos(undos: list[Callable[[], object]], trigger: str) -> list[BaseExcep
     is logged: each is handed back, never raised, for the caller to raise after."""
     errors: list[BaseException] = []
     while undos:
-        undo = undos.pop()
+        undo = undos[-1]  # taken and dropped with no call between (`pop` is one): an interrupt loses no undo
+        del undos[-1]
         try:
             undo()
         except BaseException as exc:  # noqa: BLE001 - every undo must get its turn
@@ -181,7 +182,7 @@ class Phase:
     done/fail -> record is written once, here, for every table.
     """
 
-    __slots__ = ("lc", "trigger", "step", "src", "dst", "figures", "undos", "_start", "_t0", "_tokens",
+    __slots__ = ("lc", "trigger", "step", "src", "dst", "figures", "undos", "recorded", "_start", "_t0", "_tokens",
                  "_undo_token", "_watched", "_entered")
 
     _tokens: tuple[Token[Any], ...]
@@ -198,6 +199,8 @@ class Phase:
         self.step = step
         self.figures: dict[str, Any] = {}
         self.undos: list[Callable[[], object]] = []
+        self.recorded = False
+        """Whether the machine holds its record: set by `Stateful._record` as it appends it."""
         self._entered = False
 
     def __del__(self) -> None:
@@ -223,7 +226,14 @@ class Phase:
         self._start = time.time()
         self._t0 = time.perf_counter()
         self._undo_token, self._tokens, self._watched = None, (), False
-        self.src, self.dst = src, dst = lc._move(self.trigger)  # refused: nothing changed
+        lc._made.move = None
+        try:
+            self.src, self.dst = src, dst = lc._move(self.trigger)
+        except BaseException as exc:
+            if lc._made.move is None:  # refused, or interrupted before the state changed: nothing changed
+                raise
+            self.src, self.dst = lc._made.move  # moved, then interrupted (Ctrl-C): the phase fails
+            self._fail(exc)
         try:  # moved: whatever fails from here fails the phase, which ends like any other
             lc._phase = self
             self._undo_token = RUNNING_UNDOS.set(self.undos)
@@ -233,65 +243,119 @@ class Phase:
                     state=dst._name_, role=lc.role, rank=lc.rank, step=self.step)
             budget = lc._budget(self.trigger)
             if budget is not None:
+                self._watched = True  # first: an interrupt inside `watch` may leave its entry, which the end drops
                 lc._watchdog.watch(id(self), budget, emit=lc._on_overdue, trigger=self.trigger, state=dst._name_,
                                    role=lc.role, rank=lc.rank, step=self.step)
-                self._watched = True
             lc._tell(src, dst, self.trigger)
+            self._begun()
         except BaseException as exc:
-            raised = self._end(exc)
-            if raised is not None and raised is not exc:
-                raise raised from exc
-            raise
+            self._fail(exc)
         return self
 
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        raised = self._end(exc)
-        if raised is not None and raised is not exc:
-            raise raised  # an undo's interrupt or failure; the work's own error is its context
+    def _begun(self) -> None:
+        """A subclass's own begin (a figure to read), inside the begin's `try`: what it raises fails
+        the phase, where after `__enter__` an interrupt would leave no phase to end the working state."""
 
-    def _end(self, exc: BaseException | None) -> BaseException | None:
-        """Undos, then done or fail, then the record, each whatever the one before raised; what
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        """Undos, then done or fail, then the record, each whatever the one before raised. What
         leaves the phase: the work's own error, unless an undo was interrupted (Ctrl-C stops the
         caller even when the work failed too), or, for work that succeeded, an undo's failure.
 
+        A signal handler runs where a function is called, so Ctrl-C can land between any two
+        steps: before the machine left the working state it fails the phase, the undos not yet run
+        still run and the steps on the way out run again (`_settle`); after, it is raised once the
+        record is made. Only one landing at this method's first instruction, before any `try`, is
+        beyond reach.
+
         The machine lets go of the phase before its undos run, so an undo that registers another
         (`on_exit`, `temporarily`) is refused like a call outside any phase: it could never end."""
+        error, late, tries = exc, None, _SETTLE_TRIES
+        try:
+            error = self._finish(exc)
+        except BaseException as cut:  # noqa: BLE001 - interrupted between those steps: the phase fails with it
+            error = cut
+            self._let_go()
+            error = _outcome(self, _worse(exc, cut), run_undos(self.undos, self.trigger))
+        finally:  # nothing is called outside the `try` below: an interrupt there would skip the move out
+            while tries:
+                tries -= 1
+                try:
+                    late = self._settle(error) or late
+                    break
+                except BaseException as cut:  # noqa: BLE001 - Ctrl-C on the way out: the steps not done run again
+                    late = late or cut
+                    if self.dst._name_ in self.lc._table.working_names:  # not out yet: out by fail
+                        error = _worse(error, cut)
+        if late is not None and late is not error:
+            raise late  # an interrupt or failure after the work: its own error, if any, is the context
+        if error is not None and error is not exc:
+            raise error
+
+    def _fail(self, exc: BaseException) -> NoReturn:
+        """End the phase that `exc` stopped as it began, and raise."""
+        try:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+        except BaseException as raised:
+            raise raised from exc
+        raise exc
+
+    def _finish(self, exc: BaseException | None) -> BaseException | None:
+        """Let go of the phase, run its undos, then the machine's `_ended` if all went well: the
+        error the phase ends with (`_outcome`)."""
+        self._let_go()
+        undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
+        error = _outcome(self, exc, undo_errors)
+        if error is None:  # before the move out: no other phase may start and read the progress meanwhile
+            self.lc._ended(self)
+        return error
+
+    def _let_go(self) -> None:
         lc = self.lc
         if lc._phase is self:  # an instant phase's machine may be another thread's phase's already
             lc._phase = None
         _reset(self._undo_token)
-        undo_errors = run_undos(self.undos, self.trigger) if self.undos else []
+
+    def _settle(self, error: BaseException | None) -> BaseException | None:
+        """Drop the budget, move out of the working state (done, or fail with `error`), record; each
+        step once, so `__exit__` may run it again after an interrupt. The watchdog's interrupt is handed back."""
+        lc = self.lc
         interrupt = self._unwatch()
         _reset(*self._tokens)
-        error = _outcome(self, exc, undo_errors)
-        try:
-            if error is None:  # before the move out: no other phase may start and read the progress meanwhile
-                lc._ended(self)
-            if self.dst._name_ in lc._table.working_names:
-                src, self.dst = lc._move(FAIL if error is not None else DONE)
-                lc._tell(src, self.dst, FAIL if error is not None else DONE)
-        finally:
+        if self.dst._name_ in lc._table.working_names:
+            working, trigger = self.dst, FAIL if error is not None else DONE
+            try:
+                src, self.dst = lc._move(trigger)
+            except BaseException:
+                if lc.state is not working:  # moved, interrupted after: only this phase leaves its working state
+                    self.dst = lc._table.moves[trigger][working._name_]
+                raise
+            lc._tell(src, self.dst, trigger)
+        if not self.recorded:
             lc._record(self, error)
-        if interrupt is not None:
-            raise interrupt
-        return error
+        return interrupt
 
     def _unwatch(self) -> BaseException | None:
         """Drop the phase's budget. A watchdog that raises is an observer's error: logged
         (`lifecycle.watchdog_failed`), never the phase's outcome; an interrupt, its own or the
-        log line's, is handed back to be raised once the machine has left the working state."""
-        if not self._watched:
-            return None
-        lc = self.lc
-        try:
+        log line's, is handed back to be raised once the machine has left the working state. An
+        interrupt may land before the entry is dropped, so the watchdog is asked once more."""
+        lc, interrupt = self.lc, None
+        for _ in range(2 if self._watched else 0):
             try:
-                lc._watchdog.unwatch(id(self))
-            except Exception as exc:  # noqa: BLE001 - logged; the phase ends as its work did
-                guarded(lc._log.error, "lifecycle.watchdog_failed", trigger=self.trigger, role=lc.role,
-                        rank=lc.rank, step=self.step, error=described(exc))
-        except BaseException as exc:  # noqa: BLE001 - raised by `_end` once the machine is settled
-            return exc
-        return None
+                try:
+                    lc._watchdog.unwatch(id(self))
+                except Exception as exc:  # noqa: BLE001 - logged; the phase ends as its work did
+                    guarded(lc._log.error, "lifecycle.watchdog_failed", trigger=self.trigger, role=lc.role,
+                            rank=lc.rank, step=self.step, error=described(exc))
+                self._watched = False
+                break
+            except BaseException as exc:  # noqa: BLE001 - raised by `__exit__` once the machine is settled
+                interrupt = interrupt or exc
+        return interrupt
+
+
+_SETTLE_TRIES = 3
+"""How often a phase's end tries to leave the working state and record when interrupted on the way."""
 
 
 def refusal(trigger: str, state: Enum, role: str, why: str) -> InvalidTransition:
@@ -303,7 +367,7 @@ def refusal(trigger: str, state: Enum, role: str, why: str) -> InvalidTransition
 
 
 def _outcome(phase: Phase, exc: BaseException | None, undo_errors: list[BaseException]) -> BaseException | None:
-    """The error a phase ends with (see `Phase._end`)."""
+    """The error a phase ends with (see `Phase.__exit__`)."""
     interrupt = next((e for e in undo_errors if not isinstance(e, Exception)), None)
     if interrupt is not None and (exc is None or isinstance(exc, Exception)):
         return interrupt
@@ -313,6 +377,14 @@ def _outcome(phase: Phase, exc: BaseException | None, undo_errors: list[BaseExce
             f"as they were (role {phase.lc.role}); first: {shorten(undo_errors[0], 500)}")
         error.__cause__ = undo_errors[0]
         return error
+    return exc
+
+
+def _worse(exc: BaseException | None, cut: BaseException) -> BaseException:
+    """The error a phase ends with when `cut` was raised after its work's own `exc`: an interrupt
+    stops the caller even when the work failed too; otherwise the work's own error stands."""
+    if exc is None or (isinstance(exc, Exception) and not isinstance(cut, Exception)):
+        return cut
     return exc
 
 

@@ -153,10 +153,8 @@ class _Generation(Phase):
         super().__init__(weights, "generate", step)
         self._weights = weights
 
-    def __enter__(self) -> _Generation:
-        super().__enter__()
+    def _begun(self) -> None:  # inside the begin's `try`: an interrupt here fails the phase, never leaves it running
         self.figures["version"] = self._weights.weights_version
-        return self
 
 
 __all__ = ["Loader", "RolloutWeights"]

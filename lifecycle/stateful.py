@@ -61,6 +61,10 @@ class Stateful(Generic[S]):
         """Reentrant only so that a trigger fired again on the thread inside `_move` (a signal
         handler) gets in to be refused (`_moving`) instead of waiting forever; other threads wait."""
         self._moving = False
+        self._made = threading.local()
+        """`_made.move`: this thread's move as `_move` makes it, (src, dst), set under the lock just
+        before the state changes, so a phase whose `_move` an interrupt (Ctrl-C) cut short learns
+        whether the state changed (`Phase.__enter__` clears it before each move)."""
         self._model = table.model()
         self._machine = table.build(self._model)
         self._watchdog = WATCHDOG if watchdog is None else watchdog
@@ -125,7 +129,8 @@ class Stateful(Generic[S]):
         return None
 
     def _moved(self, src: S, dst: S) -> None:
-        """Called under the lock right after each move: state that must change with it changes here."""
+        """Called under the lock right after each move: state that must change with it changes here.
+        If it raises (an interrupt at its call included), the state goes back: the move did not happen."""
 
     def _ended(self, phase: Phase) -> None:
         """Called when a phase's work and undos succeeded, before the machine moves out of its
@@ -167,6 +172,7 @@ class Stateful(Generic[S]):
             dst = edges.get(src._name_)
             if dst is None:
                 raise InvalidTransition(trigger, src, self._table.allowed(src), self.role)
+            self._made.move = (src, dst)  # no call between these two lines: no signal handler runs there
             self._model.state = dst
         else:
             try:
@@ -174,7 +180,12 @@ class Stateful(Generic[S]):
             except MachineError:
                 raise InvalidTransition(trigger, src, self._table.allowed(src), self.role) from None
             dst = self._model.state
-        self._moved(src, dst)
+            self._made.move = (src, dst)
+        try:
+            self._moved(src, dst)
+        except BaseException:  # the state and what changes with it change together, or neither does
+            self._model.state, self._made.move = src, None
+            raise
         return src, dst
 
     def _tell(self, src: S, dst: S, trigger: str) -> None:
@@ -212,6 +223,7 @@ class Stateful(Generic[S]):
         path = (phase.src, dst) if working is None else (phase.src, working, dst)
         record = TransitionRecord(phase.trigger, phase.src, dst, phase.step, start, duration,
                                   error is None, message, path, phase.figures)
+        phase.recorded = True  # with the append, no call between: an interrupt after it leaves no second record
         self._history.append(record)
         fields = {"trigger": phase.trigger, "src": phase.src._name_, "dst": dst._name_, "role": self.role,
                   "rank": self.rank, "step": phase.step, "duration_s": round(duration, 6), "ok": error is None}

@@ -74,12 +74,12 @@ class Controller(Stateful[DriverState]):
                     break
                 except WorkerFailed as failed:
                     step = self._recover(failed) + 1
+            with Phase(self, "finish", last) as phase:  # inside: an interrupt before its move gives up
+                phase.figures["incarnation"] = self.incarnation
         except BaseException as exc:  # the driver's own error, a hook's, the policy's or an interrupt
             if self.state is DriverState.RUNNING:
                 self._give_up(step, exc)
             raise
-        with Phase(self, "finish", last) as phase:
-            phase.figures["incarnation"] = self.incarnation
 
     def _recover(self, failed: WorkerFailed) -> int:
         """RUNNING -> RECOVERING -> RUNNING, or `give_up` when the policy says so; the step resumed
