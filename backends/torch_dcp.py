@@ -29,6 +29,7 @@ before DCP reads a byte of data. Tensor data itself is read by DCP with
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -134,22 +135,44 @@ def _fresh_template(running: dict[str, Any], optimizer: torch.optim.Optimizer, s
     (`state_keys`; one not saved is reported missing) a new tensor, of its parameter's layout
     (a DTensor shard under FSDP2) where it has or must have the parameter's shape, else whole.
     Names the optimizer does not step are left out, for `_check_names` to report."""
-    names = [n for group in running["optimizer"]["param_groups"] for n in group["params"]]
-    params = dict(zip(names, (p for group in optimizer.param_groups for p in group["params"])))
-    shapes = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device="meta")
-              for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-    state = decode(saved.get("state") if isinstance(saved, dict) else None, where=where, tensors=shapes)
+    params: dict[str, torch.Tensor] = {}
+    room: dict[str, int] = {}
+    for group, named in zip(optimizer.param_groups, running["optimizer"]["param_groups"]):
+        params.update(zip(named["params"], group["params"]))
+        room.update(dict.fromkeys(named["params"], max(1, sum(p.numel() for p in group["params"]))))
+    raw = saved.get("state") if isinstance(saved, dict) else None
+    if not isinstance(raw, dict):
+        return
+    shapes = _metadata_shapes(metadata, room, where)
+    state = {name: decode(entry, where=where, tensors=shapes) for name, entry in raw.items() if name in params}
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     group_of = {n: g for g in (groups if isinstance(groups, list) else []) if isinstance(g, dict)
                 for n in (g.get("params") if isinstance(g.get("params"), list) else []) if isinstance(n, str)}
-    if not isinstance(state, dict):
-        return
     template: dict[str, Any] = {}
     for name, entry in state.items():
-        if name in params and isinstance(entry, dict):
+        if isinstance(entry, dict):
             needed = dict.fromkeys(state_keys(optimizer, group_of.get(name)) - entry.keys(), torch.empty(()))
             template[name] = {key: _like(key, value, params[name]) for key, value in {**entry, **needed}.items()}
     running["optimizer"]["state"] = template
+
+
+def _metadata_shapes(metadata: Metadata, room: dict[str, int], where: str) -> dict[str, torch.Tensor]:
+    """Meta tensors of the metadata's entries `optimizer.state.<name>.<key>` for the running
+    parameters' names, for `decode` (other entries are left to `_check_names` and `_mismatches`).
+    An entry with more elements than its parameter's group holds (a state flat over the group is
+    the largest torch keeps) is refused before its shape, which comes from the file, is built."""
+    shapes: dict[str, torch.Tensor] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        rest = key.removeprefix("optimizer.state.") if key.startswith("optimizer.state.") else ""
+        owner = max((rest[:i] for i, c in enumerate(rest) if c == "." and rest[:i] in room), key=len, default=None)
+        if owner is None or not isinstance(meta, TensorStorageMetadata):
+            continue
+        size = [int(d) for d in meta.size]
+        if min(size, default=0) < 0 or math.prod(d for d in size if d) > room[owner]:
+            raise CheckpointError(f"{where}: entry {key!r} of {METADATA} has shape {shorten(size, 120)}, more "
+                                  f"elements than the group of parameter {owner!r} ({room[owner]}) holds")
+        shapes[key] = torch.empty(size, dtype=meta.properties.dtype, device="meta")
+    return shapes
 
 
 def _like(key: str, value: Any, param: torch.Tensor) -> Any:

@@ -132,12 +132,17 @@ def state_keys(optimizer: Any, saved_group: Any) -> frozenset[str]:
     return frozenset()
 
 
-def step_problem(value: Any) -> str | None:
+def step_problem(value: Any, reference: Any = None) -> str | None:
     """Why a saved `step` (`SCALAR_STATE`) cannot be one: a NaN step made every weight NaN after
-    one Adam step, a negative one divided by zero."""
-    if _is_number(value) and _finite(value) and float(value) >= 0:
-        return None
-    return f"must be one finite number >= 0, found {shorten(value, 120)}"
+    one Adam step, a negative one divided by zero, a uint8 255 (whose dtype `load_state_dict`
+    keeps) wrapped to 0. A tensor step is floating point unless the running one (`reference`)
+    has its dtype."""
+    if not (_is_number(value) and _finite(value) and float(value) >= 0):
+        return f"must be one finite number >= 0, found {shorten(value, 120)}"
+    wraps = isinstance(value, torch.Tensor) and not value.is_floating_point()
+    if wraps and getattr(reference, "dtype", None) != value.dtype:
+        return f"is a tensor of dtype {value.dtype}, which wraps around; a step tensor is floating point"
+    return None
 
 
 def _saved_params(optimizer: Any, saved: Any, where: str) -> dict[int, tuple[torch.Tensor, int]]:
@@ -154,7 +159,7 @@ def _saved_params(optimizer: Any, saved: Any, where: str) -> dict[int, tuple[tor
 
 def _state_problem(key: str, value: Any, param: torch.Tensor, group_numel: int, reference: Any) -> str | None:
     if key in SCALAR_STATE:
-        return step_problem(value)
+        return step_problem(value, reference)
     if not isinstance(value, torch.Tensor):
         if isinstance(reference, torch.Tensor):
             return f"must be a tensor like the running optimizer's, found {shorten(value, 120)}"
@@ -183,21 +188,39 @@ def check_scheduler_state(lr_scheduler: Any, saved: Any, where: str) -> None:
     attributes, so a key naming an attribute its state leaves out (its `optimizer`) or a value
     of another kind (a string step size) would break the first training step, not the load.
     Where the running state has a number, a flag, a string or a list, the saved one has the
-    same kind (a list as long); None and objects of the scheduler's own (`lr_lambdas` entries)
-    are not judged. A key one torch version has and another lacks (`_is_initial`) passes."""
-    if lr_scheduler is None:
-        return
-    current = lr_scheduler.state_dict()
+    same kind (a list as long), an integer an integer (a `last_epoch` of 2.5 never decays the lr
+    again); None is not judged, nor a key one torch version has and another lacks (`_is_initial`).
+    Nested states, which `load_state_dict` loads in place, are held to the same rules against
+    their running objects: SequentialLR's `_schedulers[i]`, a LambdaLR's callable object's
+    `__dict__` (`lr_lambdas[i]`)."""
+    if lr_scheduler is not None:
+        _check_state(lr_scheduler, lr_scheduler.state_dict(), saved, f"{where}: lr_scheduler")
+
+
+_FRACTIONAL = frozenset({"T_cur"})
+"""Integers that take fractional epochs (`CosineAnnealingWarmRestarts.step(epoch)`)."""
+
+
+def _check_state(owner: Any, current: dict[str, Any], saved: Any, where: str) -> None:
     if not isinstance(saved, dict):
-        raise CheckpointError(f"{where}: lr_scheduler must be a mapping, found {shorten(saved, 120)}")
+        raise CheckpointError(f"{where} must be a mapping, found {shorten(saved, 120)}")
     foreign = [key for key in saved if key not in current
-               and (not isinstance(key, str) or key.startswith("__") or hasattr(lr_scheduler, key))]
+               and (not isinstance(key, str) or key.startswith("__") or hasattr(owner, key))]
     if foreign:
-        raise CheckpointError(f"{where}: lr_scheduler holds {shorten(sorted(map(str, foreign)), 120)}, which the "
-                              "running scheduler keeps out of its state: loading would replace its own")
-    for key, value in current.items():
-        if key in saved and (problem := _kind_problem(value, saved[key], depth=0)):
-            raise CheckpointError(f"{where}: lr_scheduler.{key}: {problem}")
+        raise CheckpointError(f"{where} holds {shorten(sorted(map(str, foreign)), 120)}, which the running "
+                              "scheduler keeps out of its state: loading would replace its own")
+    for key, value in ((k, v) for k, v in current.items() if k in saved):
+        problem = _kind_problem(value, saved[key], depth=0)
+        if problem is None and type(value) is int and type(saved[key]) is not int and key not in _FRACTIONAL:
+            problem = f"must be an integer like the running {value!r}, found {shorten(saved[key], 120)}"
+        if problem:
+            raise CheckpointError(f"{where}.{key}: {problem}")
+        parts = getattr(owner, key, None)  # the objects whose states a list holds (not plain mappings)
+        if isinstance(value, list) and isinstance(parts, (list, tuple)) and len(parts) == len(value):
+            for i, (part, state) in enumerate(zip(parts, value)):
+                kept = saved[key][i] is None and not hasattr(part, "load_state_dict")  # LambdaLR skips a None
+                if isinstance(state, dict) and not isinstance(part, dict) and not kept:
+                    _check_state(part, state, saved[key][i], f"{where}.{key}[{i}]")
 
 
 def _kind_problem(current: Any, saved: Any, depth: int) -> str | None:
