@@ -10,13 +10,16 @@ import json
 import os
 import stat
 import time
+from collections.abc import Iterable
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from lifecycle.errors import LifecycleError, shorten
+from lifecycle.logging import dumps, jsonable, open_log
 from lifecycle.manifest import write_text_atomic
 from lifecycle.phase import Observer, TransitionRecord
+from lifecycle.table import DONE, FAIL
 
 if TYPE_CHECKING:
     from lifecycle.stateful import Stateful
@@ -36,14 +39,15 @@ def process_events(role: str, rank: int) -> list[dict[str, Any]]:
 
 
 def transition_event(record: TransitionRecord, rank: int) -> dict[str, Any]:
-    """One transition as a complete ('X') event with its edge, step, outcome and figures."""
+    """One transition as a complete ('X') event with its edge, step, outcome and figures (a NaN
+    or an integer outside int64 as text: see `jsonable`)."""
     args: dict[str, Any] = {
         "src": record.src.name, "dst": record.dst.name, "step": record.step, "ok": record.ok,
         "path": " -> ".join(state.name for state in record.path),
     }
     if record.error:
         args["error"] = record.error
-    args.update({k: v for k, v in record.figures.items() if isinstance(v, (str, int, float, bool))})
+    args.update({k: jsonable(v) for k, v in record.figures.items() if isinstance(v, (str, int, float, bool))})
     return {
         "ph": "X", "name": record.trigger, "cat": "lifecycle", "pid": rank, "tid": 0,
         "ts": round(record.start * 1e6, 3), "dur": round(record.duration_s * 1e6, 3), "args": args,
@@ -54,18 +58,18 @@ class EventLog:
     """A trace kept as JSON lines, one event appended and flushed at a time.
 
     Each event costs one small write however long the process runs, and a process killed
-    mid-write loses at most the line it was writing (`read_events` skips it).
+    mid-write loses at most the line it was writing (`read_events` skips it). Only a regular
+    file is appended to (`open_log`): a FIFO, a folder or a symlink there is a `LifecycleError`.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, role: str, rank: int) -> None:
+        self._file = open_log(path)
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open while the worker lives
         for event in process_events(role, rank):
             self.append(event)
 
     def append(self, event: dict[str, Any]) -> None:
-        self._file.write(json.dumps(event, default=plain) + "\n")
+        self._file.write(dumps(event, plain) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -74,15 +78,16 @@ class EventLog:
 
 class TraceFile(Observer):
     """An observer (`add_observer` of any machine) that appends each transition to an `EventLog`
-    as it happens, so a worker's trace outlives the worker when it is killed. A phase's begin is
-    an instant event (`<trigger> began`) too: a phase in flight when its process hung or was
-    killed shows there, though its complete event never came."""
+    as it happens, so a worker's trace outlives the worker when it is killed. Every phase's begin
+    is an instant event (`<trigger> began`) too, `close` and the other phases without a working
+    state included: a phase in flight when its process hung or was killed shows there, though
+    its complete event never came."""
 
     def __init__(self, log: EventLog) -> None:
         self.log = log
 
     def on_state_change(self, lc: Stateful[Any], src: Enum, dst: Enum, trigger: str) -> None:
-        if dst in lc.table.working:
+        if trigger not in (DONE, FAIL):  # the moves that end a phase: its complete event follows
             self.log.append({"ph": "i", "s": "t", "name": f"{trigger} began", "cat": "lifecycle.begin",
                              "pid": lc.rank, "tid": 0, "ts": round(time.time() * 1e6, 3),
                              "args": {"src": src.name, "state": dst.name}})
@@ -133,7 +138,8 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def write_trace_events(events: list[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
     """A Chrome trace file, replaced atomically: a reader never sees half of one. Only a regular
     file (or nothing) at `path` is replaced: the rename would put a file in place of a device, a
-    FIFO or a folder (as root, `/dev/null` itself); every failure is a `LifecycleError` naming it."""
+    FIFO or a folder (as root, `/dev/null` itself); every failure is a `LifecycleError` naming it.
+    The file is strict JSON (`dumps`): a NaN a worker's trace holds is written `"nan"`."""
     if not isinstance(path, (str, os.PathLike)):
         raise LifecycleError(f"a trace path must be a str or os.PathLike, got {type(path).__name__}")
     target = Path(path)
@@ -143,7 +149,7 @@ def write_trace_events(events: list[dict[str, Any]], path: str | os.PathLike[str
             raise LifecycleError(f"{target}: not a regular file (a device, a FIFO or a folder); a trace replaces "
                                  "only a file")
         target.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(target, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, default=plain))
+        write_text_atomic(target, dumps({"traceEvents": events, "displayTimeUnit": "ms"}, plain))
     except (OSError, ValueError, TypeError, RecursionError) as exc:
         raise LifecycleError(f"{target}: cannot write the trace: {exc}") from exc
     return target

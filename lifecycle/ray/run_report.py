@@ -146,7 +146,8 @@ def merge_traces(folder: Path, out: Path, spans: Sequence[Mapping[str, Any]],
                  transitions: Sequence[TransitionRecord] = (), overdue: Sequence[Overdue] = ()) -> Path:
     """One Chrome trace on one time line: the driver's loop phases (thread `loop`), its machine's
     transitions (thread `machine`) and the overdue reports it got, then each worker incarnation
-    as its own process row."""
+    as its own process row. A worker file of an earlier run in the same folder (a job restarted
+    in its work_dir) is left out: see `_of_this_run`."""
     events: list[dict[str, Any]] = [_meta("process_name", 0, "driver"), _meta("thread_name", 0, "loop"),
                                     {**_meta("thread_name", 0, "machine"), "tid": 1}]
     for span in spans:
@@ -157,15 +158,32 @@ def merge_traces(folder: Path, out: Path, spans: Sequence[Mapping[str, Any]],
     events += [{"ph": "i", "s": "p", "name": f"overdue {o.worker} {o.trigger}", "cat": "overdue", "pid": 0, "tid": 0,
                 "ts": round(o.at * 1e6, 3), "args": {"elapsed_s": o.elapsed_s, "budget_s": o.budget_s,
                                                      "step": o.step, "where": o.where}} for o in overdue]
+    starts = [span["start"] for span in spans] + [record.start for record in transitions]
+    since = min(starts) if starts else None
     files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
-    for pid, path in enumerate(files, start=1):
+    pid = 0
+    for path in files:
         try:
             worker = read_events(path)
+            if not _of_this_run(path, worker, since):
+                continue
         except OSError:
             continue  # gone or unreadable: the summary goes on without that worker's row
+        pid += 1
         events += [_meta("process_name", pid, path.stem), _meta("process_sort_index", pid, pid)]
         events += [{**e, "pid": pid} for e in worker if e.get("ph") != "M" or e.get("name") == "thread_name"]
     return write_trace_events(events, out)
+
+
+def _of_this_run(path: Path, events: Sequence[Mapping[str, Any]], since: float | None) -> bool:
+    """Whether a worker's trace file was written by the run that started at `since` (None: the
+    run's start is unknown, every file is). A worker writes its file after the run started: a file
+    last modified before then, none of whose events is timed since, is an earlier run's. An
+    event's own time counts as well as the file's, whose clock (a network filesystem's) may lag."""
+    if since is None or path.stat().st_mtime >= since:
+        return True
+    return any(isinstance(ts := event.get("ts"), (int, float)) and not isinstance(ts, bool) and ts >= since * 1e6
+               for event in events)
 
 
 def _meta(name: str, pid: int, value: Any) -> dict[str, Any]:

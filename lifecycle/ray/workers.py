@@ -184,10 +184,9 @@ def setup_process(spec: WorkerSpec) -> None:
         torch.set_num_threads(spec.threads)
     WATCHDOG.backstop_s = BACKSTOP_S  # a phase stuck holding the GIL leaves its stacks in the worker's stderr
     if spec.log_dir is not None:
-        from lifecycle.logging import configure
+        from lifecycle.logging import configure, open_log
 
-        Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
-        configure(json=True, file=open(Path(spec.log_dir) / f"{spec.file_stem}.jsonl", "a", buffering=1))
+        configure(json=True, file=open_log(Path(spec.log_dir) / f"{spec.file_stem}.jsonl", buffering=1))
 
 
 def process_start(pid: int | None = None) -> int | None:
