@@ -13,7 +13,10 @@ would load wrong: a crafted `.metadata`, a stored tensor in another dtype than t
 the optimizer's (Megatron would cast it), one no rank asks for. The parameters that had no
 optimizer state when saved (frozen, unused) are named in `optimizer.json` (`stateless`) and get
 none back: on load their templates are zeros in their parameter's dtype, which a stored dtype
-must match like any other.
+must match like any other. A parameter outside the optimizer stacked into one tensor with layers
+inside it gets zero state as a stand-in (`stand_ins`), which a load reads and drops. When the
+ranks' hyper-parameters or scheduler differ (a PP stage with its own lr), each rank's are kept
+(`ranks`), for a resume at the same layout.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
 
+import structlog
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -40,14 +44,16 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 from torch import nn
 
-from backends.base import DIST_CKPT_CAPABILITIES, FormatBackend, FormatCapabilities
+from backends.base import DIST_CKPT_CAPABILITIES, FormatBackend, FormatCapabilities, current_rank
 from backends.dist_ckpt_load import load_sharded
 from backends.megatron import (
     MegatronModel,
+    agree,
     as_megatron_model,
     bridge_of,
     chunks_of,
     cpu_safe,
+    hf_config_as_built,
     in_process_write_results,
     library_errors,
     on_rank0,
@@ -66,6 +72,7 @@ from lifecycle.optim_state import (
 )
 
 _STATE = "optimizer_state"
+_STAND_INS = "optimizer_stand_ins"
 
 
 def save_sharded(state: dict[str, Any], folder: Path) -> None:
@@ -174,27 +181,65 @@ def _place_of(sharded: Any) -> str:
     return f"{sharded.key}{list(sharded.global_offset[:sharded.prepend_axis_num])}"
 
 
-def _stateless_places(optimizer: torch.optim.Optimizer, placement: dict[int, Any]) -> list[str]:
-    """Where the parameters without optimizer state (frozen or unused so far) sit, on every rank:
-    restored with zero moments and the common step, their next update would differ from the
-    uninterrupted run's. A collective: every rank calls it."""
+def _key_of(sharded: Any) -> str:
+    """The parameter's tensor in the checkpoint: one for all layers of a stacked parameter."""
+    return str(sharded.key)
+
+
+def _gathered(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (a collective: every rank calls it); [value] alone
+    without a process group of more than one rank."""
     import torch.distributed as dist
 
-    mine = sorted({_place_of(placement[i]) for i, p in enumerate(_params(optimizer)) if not optimizer.state.get(p)})
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return mine
+        return [value]
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return sorted(set().union(*every))
+    dist.all_gather_object(every, value)
+    return every
+
+
+def _outside(optimizer: torch.optim.Optimizer, model: Any) -> list[tuple[nn.Parameter, Any]]:
+    """The model's parameters the optimizer does not hold (frozen ones), with their ShardedTensors."""
+    held = {id(p) for p in _params(optimizer)}
+    others = [p for p in dict.fromkeys(p for c in chunks_of(model) for p in c.parameters()) if id(p) not in held]
+    placed = get_param_id_to_sharded_param_map(sharded_model_state(chunks_of(model)), others)
+    return [(others[i], placed[i]) for i in sorted(placed)]
+
+
+def _stateless_places(optimizer: torch.optim.Optimizer, model: Any, placement: dict[int, Any]
+                      ) -> tuple[list[str], list[str], list[tuple[nn.Parameter, Any]]]:
+    """Where the parameters without optimizer state (frozen or unused so far) sit, on every rank:
+    restored with zero moments and the common step, their next update would differ from the
+    uninterrupted run's. Also the stand-ins: a parameter outside the optimizer stacked into one
+    tensor with a layer inside it (any rank's) gets zero state, or Megatron refused the save
+    ("Invalid access pattern"); their places (every rank's) are stateless too. A collective."""
+    mine = {_place_of(placement[i]) for i, p in enumerate(_params(optimizer)) if not optimizer.state.get(p)}
+    outside = _outside(optimizer, model)
+    every = _gathered((sorted(mine), sorted({_key_of(s) for s in placement.values()}),
+                       [(_place_of(s), _key_of(s)) for _, s in outside]))
+    keys = set().union(*(k for _, k, _ in every))
+    stand_ins = sorted({place for _, _, candidates in every for place, key in candidates if key in keys})
+    stand_in_of_mine = [(p, s) for p, s in outside if _key_of(s) in keys]
+    return sorted(set(stand_ins).union(*(m for m, _, _ in every))), stand_ins, stand_in_of_mine
+
+
+def _stand_in_state(stand_ins: list[tuple[nn.Parameter, Any]], state_keys: list[str]) -> dict[str, dict[str, Any]]:
+    return {str(j): {key: make_sharded_optimizer_tensor(sharded, torch.zeros_like(param),
+                                                        prefix=f"optimizer.state.{key}") for key in state_keys}
+            for j, (param, sharded) in enumerate(stand_ins)}
+
+
+def _places(saved: dict[str, Any], name: str, where: str) -> set[str]:
+    places = saved.get(name, [])
+    if not isinstance(places, list) or not all(isinstance(p, str) for p in places):
+        raise CheckpointError(f"{where}: {name} must list parameter places, found {shorten(places, 120)}")
+    return set(places)
 
 
 def _stateful(optimizer: torch.optim.Optimizer, placement: dict[int, Any], saved: dict[str, Any],
               where: str) -> list[bool]:
     """Which parameters had state when saved; a save without `stateless` (older) kept it for all."""
-    stateless = saved.get("stateless", [])
-    if not isinstance(stateless, list) or not all(isinstance(p, str) for p in stateless):
-        raise CheckpointError(f"{where}: stateless must list parameter places, found {shorten(stateless, 120)}")
-    gone = set(stateless)
+    gone = _places(saved, "stateless", where)
     return [bool(saved.get("state_keys")) and _place_of(placement[i]) not in gone
             for i in range(len(_params(optimizer)))]
 
@@ -225,12 +270,52 @@ def _check_saved_state(optimizer: torch.optim.Optimizer, groups: list[Any], stat
         raise CheckpointError(f"{where}: step {problem}")
 
 
-def _write_json(doc: dict[str, Any], folder: Path) -> None:
+def _layout() -> dict[str, int]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    split = parallel_state.model_parallel_is_initialized()
+    return {"world": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+            "tp": parallel_state.get_tensor_model_parallel_world_size() if split else 1,
+            "pp": parallel_state.get_pipeline_model_parallel_world_size() if split else 1}
+
+
+def _write_json(doc: dict[str, Any], own: dict[str, Any], folder: Path) -> None:
+    """`doc` and `own` (this rank's `param_groups`, `lr_scheduler`). `own` is written once when
+    every rank holds the same; else rank 0's is, and every rank's under `ranks` with the layout,
+    for a resume at that layout only (rank 1 of a PP2 run resumed with rank 0's lr, without a word)."""
+    where = str(folder / OPTIM_JSON)
+    every = _gathered(own)
+    differ = any(json.dumps(encode(o, where=where)) != json.dumps(encode(every[0], where=where)) for o in every)
+    doc = {**doc, "ranks": {"layout": _layout(), "states": every} if differ else None}
+    doc["optimizer"].update({k: v for k, v in every[0].items() if k == "param_groups"})
+
     def write() -> None:
-        text = json.dumps({"format_version": 1, **encode(doc, where=str(folder / OPTIM_JSON))}, indent=1)
+        text = json.dumps({"format_version": 1, **encode({**doc, "lr_scheduler": every[0]["lr_scheduler"]},
+                                                         where=where)}, indent=1)
         (folder / OPTIM_JSON).write_text(text + "\n", encoding="utf-8")
 
     on_rank0(write, OPTIM_JSON, folder)
+
+
+def _own(doc: dict[str, Any], where: str) -> dict[str, Any]:
+    """This rank's `param_groups` and `lr_scheduler`: the ones all ranks share or, when the
+    ranks' differed (`ranks`), this rank's, at the layout they were saved at. A file without
+    `ranks` (older) holds rank 0's only: loaded as before, with a warning when there are peers."""
+    ranks = doc.get("ranks")
+    if "ranks" not in doc and _layout()["world"] > 1:
+        structlog.get_logger().warning("dist_ckpt.param_groups_of_rank0", file=where, reason=(
+            "written before each rank's param_groups and lr_scheduler were kept: every rank resumes with "
+            "rank 0's, right only when all ranks had the same"))
+    if ranks is None:
+        return {"param_groups": doc["optimizer"].get("param_groups"), "lr_scheduler": doc.get("lr_scheduler")}
+    now = _layout()
+    if not isinstance(ranks, dict) or ranks.get("layout") != now or not isinstance(ranks.get("states"), list) \
+            or len(ranks["states"]) != now["world"] or not isinstance(ranks["states"][current_rank()], dict):
+        saved = ranks.get("layout") if isinstance(ranks, dict) else ranks
+        raise CheckpointError(f"{where}: its ranks' param_groups or lr_scheduler differ, saved per rank at "
+                              f"{shorten(saved, 120)}: they can be restored only at that layout, not at {now}")
+    return ranks["states"][current_rank()]
 
 
 class DistCkptBackend(FormatBackend):
@@ -257,9 +342,9 @@ class DistCkptBackend(FormatBackend):
 
         def write() -> None:
             write_transformer_config(chunks[0].config, folder)
-            bridge = getattr(model, "bridge", None)
-            if bridge is not None:
-                bridge.hf_config.save_pretrained(str(folder))
+            if getattr(model, "bridge", None) is not None:
+                with hf_config_as_built(model):
+                    model.bridge.hf_config.save_pretrained(str(folder))
 
         on_rank0(write, "model config", folder)
         return {}
@@ -283,37 +368,46 @@ class DistCkptBackend(FormatBackend):
         if hasattr(optimizer, "sharded_state_dict"):
             model_state = sharded_model_state(chunks_of(model))
             save_sharded({"optimizer": optimizer.sharded_state_dict(model_state)}, folder)
-            _write_json({"optimizer": {"kind": "megatron"}, "lr_scheduler": sched}, folder)
+            _write_json({"optimizer": {"kind": "megatron"}}, {"lr_scheduler": sched}, folder)
             return {}
         state = optimizer.state_dict()["state"]
         keys = sorted({k for s in state.values() for k in s if k != "step"})
         placement = _placement(optimizer, model, folder)
-        stateless = _stateless_places(optimizer, placement)
-        save_sharded({_STATE: _sharded_torch_state(optimizer, placement, folder, keys)}, folder)
+        stateless, stand_ins, mine = _stateless_places(optimizer, model, placement)
+        save_sharded({_STATE: _sharded_torch_state(optimizer, placement, folder, keys),
+                      _STAND_INS: _stand_in_state(mine, keys)}, folder)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
         _write_json({"optimizer": {"kind": "torch", "state_keys": keys, "step": _common_step(state, folder),
-                                   "stateless": stateless, "param_groups": groups}, "lr_scheduler": sched}, folder)
+                                   "stateless": stateless, "stand_ins": stand_ins}},
+                    {"param_groups": groups, "lr_scheduler": sched}, folder)
         return {}
 
     def load_optimizer(
         self, optimizer: Any, lr_scheduler: Any, folder: Path, *, model: Any = None,
         expected: Mapping[str, str] | None = None,
     ) -> set[str]:
-        """Megatron's loader reads the files unhashed: none is returned as verified against `expected`."""
+        """Megatron's loader reads the files unhashed: none is returned as verified against `expected`.
+        Every check runs before the first collective and every rank learns of any rank's refusal."""
         path = folder / OPTIM_JSON
-        doc = decode(read_optimizer_json(path), where=str(path))
-        if lr_scheduler is not None and doc.get("lr_scheduler") is None:
-            raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
-        saved = doc["optimizer"]
-        check_scheduler_state(lr_scheduler, doc["lr_scheduler"] if lr_scheduler is not None else None, str(path))
         try:
-            if saved.get("kind") == "megatron":
+            doc = decode(read_optimizer_json(path), where=str(path))
+            own, saved = _own(doc, str(path)), doc["optimizer"]
+            if lr_scheduler is not None and own["lr_scheduler"] is None:
+                raise CheckpointError(f"{path}: holds no lr_scheduler state but a scheduler was given")
+            check_scheduler_state(lr_scheduler, own["lr_scheduler"] if lr_scheduler is not None else None, str(path))
+            torch_load = None if saved.get("kind") == "megatron" else \
+                _torch_template(optimizer, model, folder, saved, own["param_groups"])
+        except (CheckpointError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            agree(str(exc) if isinstance(exc, CheckpointError) else f"{path}: does not fit the optimizer: {exc!r}")
+        agree(None)
+        try:
+            if torch_load is None:
                 template = optimizer.sharded_state_dict(sharded_model_state(chunks_of(model)), is_loading=True)
                 optimizer.load_state_dict(load_sharded({"optimizer": template}, folder)["optimizer"])
             else:
-                _load_torch_optimizer(optimizer, model, folder, saved)
+                _load_torch_optimizer(optimizer, folder, saved, own["param_groups"], *torch_load)
             if lr_scheduler is not None:
-                lr_scheduler.load_state_dict(doc["lr_scheduler"])
+                lr_scheduler.load_state_dict(own["lr_scheduler"])
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{path}: does not fit the optimizer or scheduler: {exc!r}") from exc
         return set()
@@ -322,15 +416,25 @@ class DistCkptBackend(FormatBackend):
         return write_hf_export(model, folder)
 
 
-def _load_torch_optimizer(optimizer: torch.optim.Optimizer, model: Any, folder: Path, saved: dict[str, Any]) -> None:
+def _torch_template(optimizer: torch.optim.Optimizer, model: Any, folder: Path, saved: dict[str, Any],
+                    groups: Any) -> tuple[dict[str, Any], list[bool]]:
+    """What a torch optimizer's load asks Megatron for, once the saved groups and state fit."""
     where = f"{folder / OPTIM_JSON}: does not fit the optimizer"
-    groups = saved.get("param_groups")
     check_param_groups(optimizer, groups, where, ids=None)
     placement = _placement(optimizer, model, folder)
     stateful = _stateful(optimizer, placement, saved, where)
     _check_saved_state(optimizer, groups, stateful, saved, where)
-    keys, step = saved["state_keys"], saved.get("step")
-    loaded = load_sharded({_STATE: _sharded_torch_state(optimizer, placement, folder, keys)}, folder).get(_STATE, {})
+    stand_ins = _places(saved, "stand_ins", where)
+    mine = [(p, s) for p, s in _outside(optimizer, model) if _place_of(s) in stand_ins] if stand_ins else []
+    keys = saved["state_keys"]
+    return {_STATE: _sharded_torch_state(optimizer, placement, folder, keys),
+            _STAND_INS: _stand_in_state(mine, keys)}, stateful
+
+
+def _load_torch_optimizer(optimizer: torch.optim.Optimizer, folder: Path, saved: dict[str, Any], groups: list[Any],
+                          template: dict[str, Any], stateful: list[bool]) -> None:
+    step = saved.get("step")
+    loaded = load_sharded(template, folder).get(_STATE, {})
     state = {int(i): {**tensors, **({"step": torch.tensor(float(step))} if step is not None else {})}
              for i, tensors in loaded.items() if stateful[int(i)]}
     current = optimizer.state_dict()["param_groups"]

@@ -36,10 +36,11 @@ from backends.hf import write_hf_folder
 from backends.hf_arch import read_hf_config
 from backends.hf_config import bridge_view, config_dtype
 from lifecycle.errors import CheckpointError, ConfigError, shorten
-from lifecycle.phase import DELETE, temporarily
+from lifecycle.phase import DELETE, Temporary, temporarily
 
 TRANSFORMER_CONFIG = "transformer_config.json"
 _T = TypeVar("_T")
+_M = TypeVar("_M", nn.Module, torch.Tensor)
 _ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                 "kv_channels", "normalization", "gated_linear_unit", "add_qkv_bias", "qk_layernorm")
 
@@ -56,8 +57,8 @@ def _cpu_device(*_: Any) -> str:
     return "cpu"
 
 
-def _stay_on_cpu(module: nn.Module, *_: Any, **__: Any) -> nn.Module:
-    return module
+def _stay_on_cpu(obj: _M, *_: Any, **__: Any) -> _M:
+    return obj
 
 
 @contextmanager
@@ -68,7 +69,7 @@ def cpu_safe() -> Iterator[None]:
         yield
         return
     with temporarily(torch.cuda, synchronize=_noop, current_device=_cpu_device), \
-            temporarily(nn.Module, cuda=_stay_on_cpu):
+            temporarily(nn.Module, cuda=_stay_on_cpu), temporarily(torch.Tensor, cuda=_stay_on_cpu):
         yield
 
 
@@ -194,13 +195,37 @@ def _bridge_class(model_type: str) -> type:
     })
 
 
+def _check_sizes(tp: int, pp: int) -> None:
+    for name, size in (("tp", tp), ("pp", pp)):
+        if type(size) is not int or size < 1:
+            raise ConfigError(f"parallel.{name}", f"must be an integer >= 1, got {shorten(size)}")
+
+
+def check_layout(hf_config: Any, *, tp: int, pp: int) -> None:
+    """Refuse a TP / PP the architecture cannot be split by, before any rank starts: Megatron
+    itself raised a raw ValueError or AssertionError per rank. `hf_config` is a folder or a
+    `PretrainedConfig`; mbridge pads no vocabulary, so the vocabulary must divide too."""
+    from transformers import PretrainedConfig
+
+    _check_sizes(tp, pp)
+    if not isinstance(hf_config, PretrainedConfig):
+        hf_config = read_hf_config(Path(hf_config))
+    heads = getattr(hf_config, "num_attention_heads", None)
+    split = {"num_attention_heads": heads, "num_key_value_heads": getattr(hf_config, "num_key_value_heads", heads),
+             "vocab_size": getattr(hf_config, "vocab_size", None),
+             "intermediate_size": getattr(hf_config, "intermediate_size", None)}
+    for name, size, by in [*((n, v, ("tp", tp)) for n, v in split.items()),
+                           ("num_hidden_layers", getattr(hf_config, "num_hidden_layers", None), ("pp", pp))]:
+        if type(size) is int and size % by[1]:
+            raise ConfigError(f"parallel.{by[0]}", f"{by[0]}={by[1]} does not divide the HF config's "
+                              f"{name}={size}: pick a {by[0]} that does")
+
+
 def init_parallel(tp: int, pp: int) -> None:
     """Megatron's process groups for this TP / PP, over the already-initialised default group."""
     import torch.distributed as dist
 
-    for name, size in (("tp", tp), ("pp", pp)):
-        if type(size) is not int or size < 1:
-            raise ConfigError(f"parallel.{name}", f"must be an integer >= 1, got {shorten(size)}")
+    _check_sizes(tp, pp)
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("parallel", "initialise torch.distributed first (gloo on CPU, nccl on GPU), "
                           f"with a world size that is a multiple of tp*pp = {tp * pp}")
@@ -233,6 +258,7 @@ def build_model(
 
     if not isinstance(hf_config, PretrainedConfig):  # no code of the folder's runs: `backends.hf_arch`
         hf_config = read_hf_config(Path(hf_config))
+    check_layout(hf_config, tp=tp, pp=pp)
     init_parallel(tp, pp)
     on_gpu = torch.cuda.is_available()
     if on_gpu:
@@ -241,6 +267,9 @@ def build_model(
     dtype = dtype or config_dtype(hf_config) or torch.float32
     with bridge_view(hf_config):
         bridge = _bridge_class(hf_config.model_type)(hf_config, dtype=dtype)
+        if not on_gpu and getattr(bridge.config, "num_moe_experts", None):
+            raise ConfigError("hf_config", f"{hf_config.model_type} has MoE layers, which Megatron builds "
+                              "only with CUDA (torch.cuda streams): build it on a GPU machine")
         if not on_gpu:
             bridge.set_extra_args(use_cpu_initialization=True, sequence_parallel=False)
         if importlib.util.find_spec("scaled_masked_softmax_cuda") is None:
@@ -379,6 +408,15 @@ def write_transformer_config(config: Any, folder: Path) -> Path:
     return path
 
 
+def hf_config_as_built(model: Any) -> Temporary:
+    """The bridge's HF config, for a `with` block, with the dtype the model was built in (its
+    `params_dtype`): a float32 config built in bfloat16 wrote "float32" over bfloat16 weights,
+    and the converter refused the library's own checkpoint."""
+    config = bridge_of(model, "an HF config of a Megatron model").hf_config
+    name = "dtype" if hasattr(config, "dtype") else "torch_dtype"
+    return temporarily(config, **{name: chunks_of(model)[0].config.params_dtype})
+
+
 def write_hf_export(model: Any, folder: Path) -> dict[str, str]:
     """Full HF safetensors through the model's bridge: every rank joins the gathers, rank 0,
     which receives every full tensor, writes (checksummed as it writes, like the hf backend).
@@ -393,7 +431,8 @@ def write_hf_export(model: Any, folder: Path) -> dict[str, str]:
         state = {name: tensor.cpu() for name, tensor in weights}  # empty on other ranks: consumed above
 
     def write() -> dict[str, str]:
-        digests = write_hf_folder(state, folder, config=bridge.hf_config)
+        with hf_config_as_built(model):
+            digests = write_hf_folder(state, folder, config=bridge.hf_config)
         write_transformer_config(chunks[0].config, folder)
         return digests
 
