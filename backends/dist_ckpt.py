@@ -63,13 +63,8 @@ from backends.megatron import (
 )
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import decode, encode, read_optimizer_json
-from lifecycle.optim_state import (
-    OPTIM_JSON,
-    check_param_groups,
-    check_scheduler_state,
-    state_keys,
-    step_problem,
-)
+from lifecycle.optim_identity import OPTIM_JSON
+from lifecycle.optim_state import check_param_groups, check_scheduler_state, state_keys, step_problem
 
 _STATE = "optimizer_state"
 _STAND_INS = "optimizer_stand_ins"

@@ -20,15 +20,8 @@ from backends.safetensors_io import NAMES, Header, read_file, read_header, store
 from lifecycle.boundary import lstat, name_problem, read_bytes
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, parse_json, read_optimizer_json
-from lifecycle.optim_state import (
-    OPTIM_JSON,
-    by_name,
-    check_classes,
-    check_optimizer_state,
-    check_scheduler_state,
-    classes,
-    parameter_names,
-)
+from lifecycle.optim_identity import OPTIM_JSON, by_name, check_classes, classes, parameter_names
+from lifecycle.optim_state import check_optimizer_state, check_scheduler_state
 from lifecycle.phase import say
 
 SINGLE = "model.safetensors"

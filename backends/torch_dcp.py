@@ -58,14 +58,12 @@ from backends.dcp_metadata import METADATA, MetadataReader
 from backends.hf import write_hf_folder
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import decode, encode, read_json
+from lifecycle.optim_identity import OPTIM_JSON, check_classes, classes
 from lifecycle.optim_state import (
-    OPTIM_JSON,
     PARAM_SHAPED_STATE,
     SCALAR_STATE,
-    check_classes,
     check_param_groups,
     check_scheduler_state,
-    classes,
     state_keys,
     step_problem,
 )

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lifecycle.errors import CheckpointError
-from lifecycle.optim_state import STANDS_FOR, class_name
+from lifecycle.optim_identity import STANDS_FOR, class_name
 
 _T = TypeVar("_T")
 
@@ -51,7 +51,7 @@ class FrozenOptimizer(torch.optim.Optimizer):
 
 
 def standing_for(copy: _T, live: Any) -> _T:
-    """`copy`, marked with the class of `live` (`optim_state.STANDS_FOR`): the formats record the
+    """`copy`, marked with the class of `live` (`optim_identity.STANDS_FOR`): the formats record the
     optimizer's and lr scheduler's class, and a resume compares it with the running one's."""
     setattr(copy, STANDS_FOR, class_name(live))
     return copy

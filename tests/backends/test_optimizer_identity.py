@@ -297,7 +297,7 @@ def test_hf_param_names_that_are_not_one_name_per_saved_parameter_are_refused(tm
 def test_a_model_whose_named_parameters_takes_no_arguments_still_gets_its_optimizer_s_names_recorded() -> None:
     """A model that is no nn.Module (MegatronModel's kind) may name its parameters without
     `remove_duplicate`: the names are still recorded, from what it gives."""
-    from lifecycle.optim_state import parameter_names
+    from lifecycle.optim_identity import parameter_names
 
     class Plain:
         def __init__(self) -> None:
