@@ -26,6 +26,7 @@ import torch
 
 from backends.engines.base import Topology, TransportError
 from backends.engines.buckets import Layout
+from backends.engines.control import answer, read_answer, refusal
 from backends.engines.slots import HEADER_BYTES, write_header
 from backends.engines.pipeline import BucketEngine
 from backends.engines.plan import Plan
@@ -42,33 +43,68 @@ class GroupEngine(BucketEngine):
         self.group: Any = None
         self._table: torch.Tensor | None = None
         """This sync's header table (`_bind`): the sender's, or where a receiver's lands."""
+        self._group_device: Any = None
+        """The device this sync's group forms on, made before this side agreed to form it (`_ready`)."""
+        self._link.ready = self._ready
 
     def _make_group(self, store: Any, topology: Topology, timeout: timedelta) -> Any:
         """A backend object (ProcessGroupGloo, ProcessGroupNCCL, ...) with `broadcast`."""
         raise NotImplementedError
 
+    def _make_device(self, topology: Topology) -> Any:
+        """The device `_make_group` forms the group on; None where the group makes its own."""
+        return None
+
+    def _ready(self, topology: Topology) -> str | None:
+        """Why this side cannot form the group (its device cannot be made); None when it can.
+        Asked before it agrees to form one (a receiver: `StoreLink._agree`, the sender:
+        `check_worlds`), so the other side hears a refusal instead of waiting out its timeout
+        in a group that never forms."""
+        try:
+            self._group_device = self._make_device(topology)
+        except (RuntimeError, ValueError) as exc:
+            return f"rank {topology.rank} cannot make its {self.name} device: {exc}"
+        return None
+
     def _connect(self, topology: Topology) -> None:
         import torch.distributed as dist
 
         if topology.is_sender:
-            self._control().check_worlds(topology)
+            self._control().check_worlds(topology, self._ready(topology))
         else:
-            self._control().group_formed(topology.rank)
+            self._group_formed(topology.rank)
         store = dist.PrefixStore("group", self._control().store)
         timeout = timedelta(seconds=self.remaining("forming the process group"))
-        if topology.is_sender:  # the group's rendezvous: torch's "<context>/<rank>", context 0 (each sync's first)
-            self._control().drop_at_close([f"group/0/{rank}" for rank in range(topology.world_size)])
+        if topology.is_sender:
+            self._control().drop_at_close([_address(rank) for rank in range(topology.world_size)])
         try:
             self.group = self._make_group(store, topology, timeout)
-        except (RuntimeError, ValueError) as exc:
+        except (RuntimeError, ValueError, MemoryError) as exc:
             self.remaining("forming the process group")
             raise TransportError(f"{self.name} engine: rank {topology.rank} could not form the process "
                                  f"group of {topology.world_size}: {exc}") from exc
+
+    def _group_formed(self, rank: int) -> None:
+        """A receiver, before it forms the group: the sender's word that it forms it
+        (`ControlStore.check_worlds`). A word it cannot read is refused, and the refusal written
+        in place of this rank's address (`_address`): the sender may be forming the group by then,
+        and reads that key, not this rank's answers, until the group forms."""
+        control = self._control()
+        raw = control.get("forming", watch_closed=True)
+        why = read_answer(raw)
+        if why is not None and refusal(raw) is None:
+            why = f"rank {rank} cannot read the sender's word under 'forming': {why}"
+            control.set(_address(rank), answer(why))
+        elif why is not None:
+            why = f"rank {rank}: the sender formed no group: {why}"
+        if why is not None:
+            raise TransportError(f"{self.name} engine: {why}")
 
     def _disconnect(self) -> None:
         """Abort the group and drop it: gloo closes its connections, so peers fail at once,
         only when the last reference (the group's, and each transfer's) goes."""
         group, self.group = self.group, None
+        self._group_device = None
         if group is not None:
             group.abort()
 
@@ -129,6 +165,12 @@ class GroupEngine(BucketEngine):
         table = self._table
         if table is not None and not self._topology().is_sender:
             self.slots[k % len(self.slots)].head.copy_(table[k * HEADER_BYTES:(k + 1) * HEADER_BYTES])
+
+
+def _address(rank: int) -> str:
+    """Where a rank's address for the group's rendezvous sits in the sync's keys: torch's
+    "<context>/<rank>" under the group's prefix, context 0 (each sync's first)."""
+    return f"group/0/{rank}"
 
 
 class DeviceGroupEngine(GroupEngine):

@@ -19,6 +19,7 @@ shows at most `SHOWN_CHARS` of a peer's string.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -83,8 +84,18 @@ def read_answer(raw: bytes) -> str | None:
         data = None
     if not (isinstance(data, dict) and type(data.get("ok")) is bool
             and (data["ok"] or isinstance(data.get("error"), str))):
-        return f"sent an unreadable answer {raw[:80]!r} ({len(raw)} bytes)"
+        return _unreadable(raw)
     return None if data["ok"] else clip(data["error"])
+
+
+def refusal(raw: bytes) -> str | None:
+    """The reason of an answer that says no; None for one that says ok, and for bytes that are no answer."""
+    why = read_answer(raw)
+    return None if why == _unreadable(raw) else why
+
+
+def _unreadable(raw: bytes) -> str:
+    return f"sent an unreadable answer {raw[:80]!r} ({len(raw)} bytes)"
 
 
 def digits(raw: bytes) -> int | None:
@@ -201,13 +212,20 @@ class ControlStore:
                               + "; ".join(problems))
         return answers
 
-    def check_worlds(self, topology: Topology) -> None:
+    def check_worlds(self, topology: Topology, unready: str | None = None) -> None:
         """The sender, before it forms a group: every receiver is the same engine, its Rendezvous
         has as many ranks as the sender's, and it did not refuse the sync (`StoreLink._agree`
         posts all three at once). Then it tells the receivers to form the group, or why not
         (`forming`), and raises a `TransportError` naming the first receiver that disagreed, as
         soon as it has said: receivers wait for that word before they form the group
-        (`group_formed`), so none waits out its timeout in a group that never forms."""
+        (`GroupEngine._group_formed`), so none waits out its timeout in a group that never forms.
+        `unready`: why the sender itself cannot form it (`GroupEngine._ready`), said once every
+        receiver joined (one that joins a closed sync waits for the next), and raised whoever came."""
+        if unready is not None:
+            with contextlib.suppress(TransportError):  # a receiver that never came: the sender's reason stands
+                self.wait([f"engine/{rank}" for rank in topology.receivers])
+            self.set("forming", answer(unready))
+            raise TransportError(f"{self.engine.name} engine: {unready}")
         for rank in topology.receivers:
             engine, world = self.get_many([f"engine/{rank}", f"world/{rank}"])
             why = disagree(rank, self.engine.name, engine, topology.world_size, digits(world))
@@ -217,12 +235,6 @@ class ControlStore:
                 self.set("forming", answer(why))
                 raise TransportError(f"{self.engine.name} engine: {why}")
         self.set("forming", answer(None))
-
-    def group_formed(self, rank: int) -> None:
-        """A receiver, before it forms the group: the sender's word that it forms it (`check_worlds`)."""
-        why = read_answer(self.get("forming", watch_closed=True))
-        if why is not None:
-            raise TransportError(f"{self.engine.name} engine: rank {rank}: the sender formed no group: {why}")
 
     def _lost(self, what: str, exc: BaseException) -> TransportError:
         self.link.broken = True  # a reply that did not come may yet: a receiver's next sync connects again

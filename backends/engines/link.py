@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from backends.engines.base import Rendezvous, Topology, TransportError
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 _RETRY_S = 0.05
 _LEAST_S = 0.1
 """The least time a receiver's store call is given to be answered, also once the sync's deadline passed."""
+_MAX_CLAIMS = (1 << 63) - 2
+"""The largest count of a rank's claims (`_claim`) that torch's store can add 1 to: it counts in an int64."""
 _CONNECTING: dict[int, threading.Lock] = {}
 """One lock per rendezvous port: this process's store connections to a port open one at a time,
 so a receiver can tell its own apart (`_client`)."""
@@ -72,6 +75,9 @@ class StoreLink:
         """The sender's listening socket, which its store serves (module docstring)."""
         self._socket: socket.socket | None = None
         """A receiver's handle on its store connection, whose timeouts bound each call (`store`)."""
+        self.ready: Callable[[Topology], str | None] = _ready
+        """Why this process cannot take part in a sync (a group engine: its device cannot be made,
+        `GroupEngine._ready`); None when it can. A receiver asks before it agrees (`_agree`)."""
 
     def store(self, prefix: str = "") -> Any:
         """The store, or its keys under `prefix/`, for one call; on a receiver, that call is given
@@ -112,13 +118,16 @@ class StoreLink:
         """A receiver posts its engine and how many ranks its Rendezvous has (`engine/{rank}`,
         `world/{rank}`: a sender forming a group checks them first, `ControlStore.check_worlds`),
         and its process (`pid/{rank}`, which a sender on its host watches: `liveness`), and refuses
-        a sync whose sender is another engine or counts otherwise, answering the plan's key in
+        a sync whose sender is another engine or counts otherwise, or one this process cannot take
+        part in (`ready`: a gloo device it cannot make), answering the plan's key in
         the same store command, so a sender without a group hears it too and one forming a group
         sees it before it does: sides that disagree never form a group, nor wait for keys the
         other never writes (gloo overran its timeout several times over on another count;
         another engine waited out timeout_s on both sides)."""
         engine, world = control.get_many(["engine", "world"], watch_closed=True)
         why = disagree(topology.rank, engine, self.engine.name, digits(world), topology.world_size)
+        if why is None:
+            why = self.ready(topology)
         said: dict[str, bytes | str] = {f"engine/{topology.rank}": self.engine.name, f"pid/{topology.rank}": whoami(),
                                         f"world/{topology.rank}": str(topology.world_size)}
         control.set_many(said if why is None else {**said, f"accepted/{topology.rank}": answer(why)})
@@ -166,15 +175,17 @@ class StoreLink:
 
     def _claim(self, control: ControlStore, rank: int) -> bool:
         """Claim `rank` in the sync (`joined/{rank}`, counted atomically): whether this receiver came
-        first. A count that is no number is a `TransportError` naming the key: torch's store cannot
-        add to it and drops the connection, which `begin` would take for a lost one and retry."""
+        first. A count that is no number, or one the store cannot add 1 to within its int64
+        (`_MAX_CLAIMS`), is a `TransportError` naming the key: torch's store cannot add to it and
+        drops the connection, which `begin` would take for a lost one and retry."""
         key = f"joined/{rank}"
         if control.store.check([key]):
             raw = bytes(control.store.get(key))
-            if digits(raw) is None:
+            count = digits(raw)
+            if count is None or count > _MAX_CLAIMS:
                 raise TransportError(f"{self.engine.name} engine: sync {control.number} holds {raw[:40]!r} "
                                      f"({len(raw)} bytes) under {key!r}, not a count of the receivers that "
-                                     "claimed the rank (someone else writes the rendezvous store)")
+                                     f"claimed the rank (0..{_MAX_CLAIMS}; someone else writes the rendezvous store)")
         return bool(control.store.add(key, 1) == 1)
 
     def _latest(self, rdv: Rendezvous) -> int:
@@ -226,6 +237,11 @@ class StoreLink:
             except OSError:  # not listening any more: nothing to free
                 pass
             listener.close()
+
+
+def _ready(topology: Topology) -> str | None:
+    """An engine with nothing to make before it agrees to a sync (`StoreLink.ready`)."""
+    return None
 
 
 def _host(rdv: Rendezvous, timeout: timedelta) -> tuple[Any, socket.socket]:
