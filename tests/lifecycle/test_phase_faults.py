@@ -379,12 +379,12 @@ def test_changes_restored_from_two_threads_leave_what_the_first_found_and_pin_no
 
 
 def test_a_log_processor_that_raises_is_said_once_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
-    from lifecycle import phase
+    from lifecycle import records
 
     def broken(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
         raise LookupError("processor bug")
 
-    phase._UNHEARD.discard("LookupError")
+    records._UNHEARD.discard("LookupError")
     structlog.configure(processors=[broken], cache_logger_on_first_use=False)
     try:
         lc = make_lifecycle()

@@ -335,12 +335,12 @@ def test_a_lifecycle_whose_overdue_emitter_raises_still_leaves_the_overdue_recor
 
 
 def test_an_overdue_report_the_default_loses_too_is_said_once_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
-    from lifecycle import phase
+    from lifecycle import records
 
     def broken(logger: object, method: str, event: dict[str, object]) -> dict[str, object]:
         raise BufferError("log sink full")
 
-    phase._UNHEARD.discard("BufferError")
+    records._UNHEARD.discard("BufferError")
     structlog.configure(processors=[broken], cache_logger_on_first_use=False)
     try:
         for _ in range(2):
