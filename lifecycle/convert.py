@@ -8,7 +8,9 @@ rank has finished: the ranks write into a hidden folder beside it, renamed at th
 Each rank leads a process group of its own (`lifecycle.procgroup`), which whatever it starts
 joins (dist_checkpointing starts a multiprocessing manager in a rank that writes): when a rank
 ends, or is ended because a peer failed, its whole group is killed, so no process of a
-conversion outlives it. A rank whose parent died ends its group too.
+conversion outlives it. A rank whose parent died ends its group too: the parent passes its pid,
+so one killed while the ranks still import is not taken for the reaper that adopted them.
+A rank that fails sends its error to the parent too, which ends with every failed rank's own.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable, NoReturn, TextIO
 
 from backends.base import free_port
 from lifecycle.boundary import MANIFEST, TRACKER, lstat, os_errors, parse_step, read_bytes, special_files
-from lifecycle.errors import CheckpointError, ConfigError, LifecycleError
+from lifecycle.errors import CheckpointError, ConfigError, LifecycleError, printable
 from lifecycle.procgroup import end_group, exited, lead_own_group
 
 FORMATS = ("hf", "dist_ckpt")
+ERROR_BYTES = 2048
+"""The most of a rank's error it sends the parent: one write to a pipe, whole even if the rank is killed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +107,9 @@ def check(job: ConvertJob) -> tuple[str, Path]:
     if fmt == job.to:
         raise ConfigError("--to", f"{job.src} is already {fmt}; both formats load at any TP / PP, so there "
                                   "is nothing to convert")
+    if job.dst.name in ("", ".."):
+        raise ConfigError("DST", f"{job.dst}: names no folder of its own, and the converted folder is renamed into "
+                                 "place beside the one named: name it by its path (../NAME); nothing was written")
     if (st := lstat(job.dst)) is not None and stat.S_ISLNK(st.st_mode):
         raise ConfigError("DST", f"{job.dst}: a symlink; the converted folder is renamed into place, which a "
                                  "symlink cannot take: name the folder itself")
@@ -238,8 +246,9 @@ def _folder_mb(folder: Path) -> float:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
 
 
-def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, port: int) -> None:
-    lead_own_group()
+def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, port: int, parent: int,
+               errors: Connection) -> None:
+    lead_own_group(parent)
     import torch
     import torch.distributed as dist
 
@@ -265,17 +274,47 @@ def _rank_main(rank: int, job: ConvertJob, fmt: str, arch: Path, staging: Path, 
         dist.barrier()
         _say(rank, sys.stderr, started, lambda: f"written: {_folder_mb(staging):.1f} MB")
     except LifecycleError as exc:
-        print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _fail(rank, str(exc), errors)
     except Exception as exc:  # noqa: BLE001 - transformers', megatron's or torch's own: one typed line, no traceback
-        print(f"error: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _fail(rank, f"{type(exc).__name__}: {exc}", errors)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         # The rank exits next: spare the interpreter's last garbage collection a walk over
         # everything torch, megatron and transformers allocated (a second or two of CPU a rank).
         gc.freeze()
+
+
+def _fail(rank: int, message: str, errors: Connection) -> NoReturn:
+    """The rank's error to the parent, for the line the conversion ends with (a peer it ends
+    next may never print its own), and on stderr as it happens."""
+    errors.send_bytes(f"{rank} {printable(message)}".encode("utf-8", "backslashreplace")[:ERROR_BYTES])
+    print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _rank_errors(errors: Connection) -> dict[int, str]:
+    """The errors failed ranks sent, by rank."""
+    found: dict[int, str] = {}
+    while errors.poll():
+        rank, _, message = errors.recv_bytes(ERROR_BYTES).decode("utf-8", "replace").partition(" ")
+        found[int(rank)] = message
+    return found
+
+
+def _failure(job: ConvertJob, procs: list[mp.process.BaseProcess], errors: dict[int, str]) -> LifecycleError:
+    """Each failed rank with its own error, ranks that failed alike together; one that sent
+    none (killed, or ended because a peer failed) with its exit code."""
+    said: dict[str, list[str]] = {}
+    silent: list[str] = []
+    for rank, proc in enumerate(procs):
+        if proc.exitcode != 0 and rank in errors:
+            said.setdefault(errors[rank], []).append(proc.name)
+        elif proc.exitcode != 0:
+            silent.append(f"{proc.name} (exit code {proc.exitcode})")
+    parts = [f"{', '.join(names)}: {message}" for message, names in said.items()] + silent
+    return LifecycleError(f"convert {job.src} -> {job.dst} failed in {'; '.join(parts)}; nothing was written to "
+                          f"{job.dst}")
 
 
 def _wait(procs: list[mp.process.BaseProcess]) -> None:
@@ -304,21 +343,22 @@ def convert(job: ConvertJob) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, job, fmt, arch, staging, port), name=f"convert-rank{r}")
-             for r in range(job.world_size)]
+    errors, sent = ctx.Pipe(duplex=False)
+    procs = [ctx.Process(target=_rank_main, args=(r, job, fmt, arch, staging, port, os.getpid(), sent),
+                         name=f"convert-rank{r}") for r in range(job.world_size)]
     try:
         for p in procs:
             p.start()
         _wait(procs)
-        failed = [f"{p.name} (exit code {p.exitcode})" for p in procs if p.exitcode != 0]
-        if failed:
-            raise LifecycleError(f"convert {job.src} -> {job.dst} failed in {', '.join(failed)} (the ranks' "
-                                 f"errors are above); nothing was written to {job.dst}")
+        if any(p.exitcode != 0 for p in procs):
+            raise _failure(job, procs, _rank_errors(errors))
         if job.dst.is_dir():
             job.dst.rmdir()
         staging.rename(job.dst)
     finally:
         for p in procs:
             end_group(p)
+        errors.close()
+        sent.close()
         shutil.rmtree(staging, ignore_errors=True)
     return job.dst
