@@ -118,7 +118,19 @@ def check(job: ConvertJob) -> tuple[str, Path]:
     _check_destination(job)
     arch = architecture(job, fmt)
     check_architecture(arch / "config.json", job.src)
+    _check_layout(arch, job)
     return fmt, arch
+
+
+def _check_layout(arch: Path, job: ConvertJob) -> None:
+    """`--tp` / `--pp` that the architecture cannot be split by (heads, vocabulary, FFN, layers),
+    refused before any rank starts rather than by Megatron on every rank."""
+    from backends.megatron import check_layout  # imports megatron-core: not for `--help`
+
+    try:
+        check_layout(arch, tp=job.tp, pp=job.pp)
+    except ConfigError as exc:
+        raise ConfigError("--tp/--pp", exc.message) from None
 
 
 def _check_destination(job: ConvertJob) -> None:

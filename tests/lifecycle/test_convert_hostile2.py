@@ -154,3 +154,14 @@ def test_the_final_error_of_a_failed_convert_carries_the_failing_ranks_own_messa
     assert len(final) == 1, result.stderr
     assert f"convert-rank0: {hf / 'model.safetensors'}" in final[0]
     assert "exit code" not in final[0] and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("tp", "pp", "says"), [(3, 1, "tp=3 does not divide the HF config's num_attention_heads"),
+                                                 (1, 3, "pp=3 does not divide the HF config's num_hidden_layers")])
+def test_a_layout_the_architecture_cannot_be_split_by_is_refused_before_any_rank_starts(
+        tmp_path: Path, tp: int, pp: int, says: str) -> None:
+    """Before: every rank started and Megatron refused it on each, as a raw error."""
+    src = make_hf_checkpoint(tmp_path / "hf")
+    with pytest.raises(ConfigError, match=f"--tp/--pp: {says}"):
+        check(ConvertJob(src=src, dst=tmp_path / "out", to="dist_ckpt", tp=tp, pp=pp))
+    assert not (tmp_path / "out").exists()
