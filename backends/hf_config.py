@@ -107,8 +107,21 @@ no rows, which loads any checkpoint's tensors into nothing."""
 SILU_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mixtral", "mimo", "deepseek_v3",
                               "glm4_moe"})
 """Architectures whose bridge takes mbridge's base config, which hard-codes SiLU whatever
-`hidden_act` says."""
+`hidden_act` says and builds every layer with full attention (Megatron's `window_size` unset)."""
 SILU_NAMES = frozenset({"silu", "swish"})
+
+BRIDGE_BIASES: dict[str, dict[str, bool]] = {
+    "llama": {"attention_bias": False, "mlp_bias": False},
+    "qwen3": {"attention_bias": False},
+    "qwen3_moe": {"attention_bias": False},
+    "deepseek_v3": {"attention_bias": False},
+    "qwen2_moe": {"qkv_bias": True},
+    "glm4_moe": {"attention_bias": True},
+}
+"""Per architecture, each bias flag of the HF config -> the only value whose model the bridge
+builds. Llama's attention_bias gives q/k/v and o_proj biases, the bridge builds the q/k/v ones
+only; no bridge builds an MLP bias; Qwen2-MoE and GLM-4 MoE always get q/k/v biases. Another
+value would lose biases on a save, or write ones transformers does not read."""
 
 BRIDGE_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 """The parameter dtypes Megatron builds a model in."""
@@ -126,12 +139,44 @@ def _size_problems(config: Any) -> list[tuple[str, str]]:
     return problems
 
 
+def _bias_problems(config: Any) -> list[tuple[str, str]]:
+    model_type = getattr(config, "model_type", None)
+    built = BRIDGE_BIASES.get(model_type, {}) if isinstance(model_type, str) else {}
+    return [(flag, (f"{shorten(getattr(config, flag))}: mbridge builds a {model_type} model as if {flag} were "
+                    f"{value}, so a load would drop this checkpoint's biases or a save write others than "
+                    "transformers reads")) for flag, value in built.items() if getattr(config, flag, value) != value]
+
+
+def _window_problem(config: Any) -> tuple[str, str] | None:
+    """Sliding-window attention, as the config says it: `layer_types` where it has them
+    (transformers 5, and 4 since 4.54); else `use_sliding_window` from layer `max_window_layers`
+    on (Qwen on older transformers 4), or a `sliding_window` alone (Mixtral)."""
+    if getattr(config, "model_type", None) not in SILU_MODEL_TYPES:
+        return None
+    says = "mbridge builds every layer with full attention, so it would not be this model"
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)):
+        sliding = sorted({t for t in layer_types if t != "full_attention"}, key=str)
+        return ("layer_types", f"{shorten(sliding)} layers: {says}") if sliding else None
+    window = getattr(config, "sliding_window", None)
+    if not hasattr(config, "use_sliding_window"):
+        return ("sliding_window", f"{shorten(window)}: {says}") if window is not None else None
+    first, layers = getattr(config, "max_window_layers", 0), getattr(config, "num_hidden_layers", None)
+    if config.use_sliding_window and window is not None and not (type(first) is int and type(layers) is int
+                                                                  and first >= layers):
+        return "use_sliding_window", f"sliding_window {shorten(window)} from layer {shorten(first)} on: {says}"
+    return None
+
+
 def check_config(config: Any) -> None:
     """Refuse, naming the key, an HF config the bridge would build into a model other than the
     one transformers builds from it, or would fail on with a raw error: a size of 0, a RoPE base
-    that is not a positive number (NaN frequencies), an activation the bridge replaces by SiLU, a
-    parameter dtype Megatron cannot train in. Attributes the config lacks are left to the bridge."""
-    problems = _size_problems(config)
+    that is not a positive number (NaN frequencies), an activation the bridge replaces by SiLU,
+    biases it does not build, sliding-window attention, a parameter dtype Megatron cannot train
+    in. Attributes the config lacks are left to the bridge."""
+    problems = _size_problems(config) + _bias_problems(config)
+    if window := _window_problem(config):
+        problems.append(window)
     theta = bridge_attributes(config).get("rope_theta", getattr(config, "rope_theta", None))
     if theta is not None and not (isinstance(theta, (int, float)) and not isinstance(theta, bool)
                                   and math.isfinite(theta) and theta > 0):

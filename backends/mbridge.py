@@ -9,16 +9,20 @@ form; it is written in Megatron's sharded format by the `dist_ckpt` backend's co
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
+
+import torch
 
 from backends.base import (
     MBRIDGE_CAPABILITIES,
     FormatBackend,
     FormatCapabilities,
     listed,
+    reduce_int,
 )
 from backends.dist_ckpt import DistCkptBackend
 from backends.hf import INDEX, SINGLE, placement_problem, weight_files
@@ -33,7 +37,7 @@ from backends.megatron import (
     library_errors,
     write_hf_export,
 )
-from backends.safetensors_io import read_header
+from backends.safetensors_io import NAMES, read_header
 from lifecycle.boundary import lstat, os_errors
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import read_config_json
@@ -72,15 +76,15 @@ def _architecture_problem(bridge: Any, folder: Path) -> str | None:
     return f"{path}: another architecture than the model's:\n  " + "\n  ".join(differ) if differ else None
 
 
-def _stored_shapes(folder: Path) -> dict[str, list[int]]:
-    """Every tensor the bridge can read -> its shape, from the header of the one file it reads
+def _stored_tensors(folder: Path) -> dict[str, Mapping[str, Any]]:
+    """Every tensor the bridge can read -> its header entry (dtype, shape), from the one file it reads
     it from (the truth, not the index's claims). The files mbridge would open are checked first
     (`_unread_files`), so none is opened unchecked and none blocks; with an index, a tensor in
     another file than the one it maps it to (a second copy) is refused, as the hf backend does."""
     _unread_files(folder)
     files = weight_files(folder)
     mapped = {name: path for path, names in files for name in names}
-    shapes: dict[str, list[int]] = {}
+    entries: dict[str, Mapping[str, Any]] = {}
     problems: list[str] = []
     for path, indexed in files:
         header = read_header(path)
@@ -90,10 +94,10 @@ def _stored_shapes(folder: Path) -> dict[str, list[int]]:
             if problem := placement_problem(name, path, mapped):
                 problems.append(f"{path}: {problem}")
             else:
-                shapes[name] = entry["shape"]
+                entries[name] = entry
     if problems:
         raise CheckpointError(f"{folder}: the weight files do not say which tensor to read:\n  {listed(problems)}")
-    return shapes
+    return entries
 
 
 def _unread_files(folder: Path) -> None:
@@ -116,40 +120,78 @@ def _unread_files(folder: Path) -> None:
                               "which the '[', '*' or '?' in this path keeps from finding it; rename the folder")
 
 
-def _wanted_names(bridge: Any, chunks: list[Any]) -> set[str]:
-    """The HF tensors this rank's chunks will ask the bridge for."""
-    wanted: set[str] = set()
+def _wanted(bridge: Any, chunks: list[Any]) -> dict[str, torch.dtype]:
+    """The HF tensors this rank's chunks will ask the bridge for -> the dtype of the parameter
+    each is loaded into (the bridge casts into it)."""
+    wanted: dict[str, torch.dtype] = {}
     for chunk in chunks:
+        state = chunk.state_dict()
         for local, global_name in bridge._weight_name_mapping_mcore_local_to_global(chunk).items():
             if "_extra_state" not in local:
-                wanted.update(bridge._weight_name_mapping_mcore_to_hf(global_name))
+                wanted.update(dict.fromkeys(bridge._weight_name_mapping_mcore_to_hf(global_name), state[local].dtype))
     return wanted
 
 
-def _tensors_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None:
-    """Tensors the bridge will read that the folder lacks or holds in another shape than
-    transformers builds for this config: the bridge would stop in a scatter on one rank while
-    its TP peers wait for it, or concatenate a misplaced split (gate/up, q/k/v) without a word."""
-    wanted, stored = _wanted_names(bridge, chunks), _stored_shapes(folder)
-    if missing := sorted(wanted - stored.keys()):
+def _tensors_problem(bridge: Any, wanted: Mapping[str, torch.dtype], stored: Mapping[str, Mapping[str, Any]],
+                     folder: Path) -> str | None:
+    """Tensors the bridge will read that the folder lacks, or holds in another shape than
+    transformers builds for this config (the bridge would stop in a scatter on one rank while its
+    TP peers wait for it, or concatenate a misplaced split, gate/up or q/k/v, without a word) or
+    in another dtype than the model's parameter (the bridge would cast it: float32 rounded to bf16)."""
+    if missing := sorted(wanted.keys() - stored.keys()):
         return f"{folder}: missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''}"
     expected = expected_shapes(bridge.hf_config) or {}
-    wrong = [f"{name}: {list(stored[name])}, expected {list(expected[name])}" for name in sorted(wanted)
-             if name in expected and tuple(stored[name]) != expected[name]]
+    wrong = [f"{name}: {list(stored[name]['shape'])}, expected {list(expected[name])}" for name in sorted(wanted)
+             if name in expected and tuple(stored[name]["shape"]) != expected[name]]
     if wrong:
         return (f"{folder}: tensors of another shape than this config's model has:\n  "
                 + "\n  ".join(wrong[:10]) + ("\n  ..." if len(wrong) > 10 else ""))
+    cast = [f"tensor {name!r} has dtype {NAMES[stored[name]['dtype']]}, the model expects {dtype}"
+            for name, dtype in sorted(wanted.items()) if NAMES[stored[name]["dtype"]] != dtype]
+    if cast:
+        return (f"{folder}: tensors of another dtype than the model's parameters (the bridge would cast them; "
+                f"build the model in the checkpoint's dtype):\n  {listed(cast)}")
     return None
+
+
+def _read_problem(bridge: Any, wanted: Mapping[str, torch.dtype], folder: Path
+                  ) -> tuple[str | None, dict[str, Mapping[str, Any]]]:
+    """Why this rank cannot load `folder` (None when it can), and the tensors stored there."""
+    try:
+        if not any(folder.glob("*.safetensors")):
+            return f"{folder}: no .safetensors files (pickled .bin weights are not read)", {}
+        if problem := _architecture_problem(bridge, folder):
+            return problem, {}
+        stored = _stored_tensors(folder)
+        return _tensors_problem(bridge, wanted, stored, folder), stored
+    except CheckpointError as exc:
+        return str(exc), {}
 
 
 def _load_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None:
     """Why this rank cannot load `folder`, found before any rank enters the bridge's scatters."""
-    try:
-        if not any(folder.glob("*.safetensors")):
-            return f"{folder}: no .safetensors files (pickled .bin weights are not read)"
-        return _architecture_problem(bridge, folder) or _tensors_problem(bridge, chunks, folder)
-    except CheckpointError as exc:
-        return str(exc)
+    return _read_problem(bridge, _wanted(bridge, chunks), folder)[0]
+
+
+def _unplaced_problem(wanted: Mapping[str, torch.dtype], stored: list[str], folder: Path,
+                      device: torch.device) -> str | None:
+    """Stored tensors no rank asks for (a 4-layer folder under a 2-layer config.json, a bias the
+    bridge does not build), which the bridge would skip without a word. PP stages (and expert
+    ranks) ask for different tensors, so "asked for" is a mask over the sorted stored names,
+    max-reduced over every rank; ranks that read other names from the folder are told first, so
+    the masks line up. A collective: every rank calls it, with the names its checks agreed on."""
+    import torch.distributed as dist
+
+    digest = int.from_bytes(hashlib.blake2b("\0".join(stored).encode(), digest_size=7).digest(), "big")
+    if reduce_int(digest, "max") != reduce_int(digest, "min"):
+        return f"{folder}: the ranks read different tensor names from it (a folder that differs between machines?)"
+    asked = torch.tensor([name in wanted for name in stored], dtype=torch.int32, device=device)
+    if stored and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+    if unplaced := [name for name, hit in zip(stored, asked.tolist()) if not hit]:
+        return (f"{folder}: holds tensors this model has no place for: {shorten(unplaced, 300)} (more layers than "
+                "its config.json says, or biases the bridge does not build); refusing to drop them")
+    return None
 
 
 class MBridgeBackend(FormatBackend):
@@ -174,7 +216,11 @@ class MBridgeBackend(FormatBackend):
         """The bridge reads the files itself, unhashed: mbridge does not claim `verifies_reads`,
         so resume hashes every file against the manifest before this load starts."""
         bridge, chunks = bridge_of(model, "the mbridge format"), chunks_of(model)
-        agree(_load_problem(bridge, chunks, folder))
+        wanted = _wanted(bridge, chunks)
+        problem, stored = _read_problem(bridge, wanted, folder)
+        agree(problem)
+        device = next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
+        agree(_unplaced_problem(wanted, sorted(stored), folder, device))
         with library_errors("mbridge load", folder), cpu_safe():
             bridge.load_weights(chunks, str(folder))
         return set()
