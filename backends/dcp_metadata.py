@@ -32,12 +32,15 @@ are spread over every rank's files).
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
 import io
 import math
 import os
 import pickle
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -45,6 +48,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, Metadata
+from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -56,7 +60,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from backends.dcp_tiling import tiling_problem
-from backends.pickle_budget import check_budget
+from backends.pickle_budget import check_budget, made_real, stand_ins
 from lifecycle.boundary import kind, name_problem, read_bytes
 from lifecycle.errors import CheckpointError, shorten
 
@@ -74,6 +78,11 @@ so the bytes are the chunk's plus zip records and the pickled shape: 1.5-1.7 KiB
 to 20 dimensions, with torch's 64-byte alignment. A chunk's entry shorter than its own bytes, or
 longer than this above them, cannot be that chunk."""
 
+MAX_PATH_CHARS = 4096
+"""The longest `StorageMeta.checkpoint_id` path read (PATH_MAX). Parsing one keeps 3 bytes per
+character and passes through 17 more (for "a/a/..."): bounded per call, so that what the opcode
+walk charges a path call (8 bytes a character) covers it however often one string is reused."""
+
 _GONE = object()
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 """`torch.<name>` is allowed when it is one of these: values, never callables. Looked up in
@@ -88,12 +97,28 @@ def _layout(name: object) -> torch.layout:
     return value
 
 
-def _posix_path(*parts: str) -> PurePosixPath:
-    return PurePosixPath(*parts)
+def _path_parts(parts: tuple[object, ...]) -> list[str]:
+    strings = [part for part in parts if isinstance(part, str)]
+    if len(strings) < len(parts) or sum(map(len, strings)) > MAX_PATH_CHARS:
+        raise pickle.UnpicklingError(f"a checkpoint_id path not of strings, or of more than {MAX_PATH_CHARS} characters")
+    return strings
 
 
-def _windows_path(*parts: str) -> PureWindowsPath:
-    return PureWindowsPath(*parts)
+def _posix_path(*parts: object) -> PurePosixPath:
+    return PurePosixPath(*_path_parts(parts))
+
+
+def _windows_path(*parts: object) -> PureWindowsPath:
+    return PureWindowsPath(*_path_parts(parts))
+
+
+def _member(cls: type[enum.Enum]) -> Callable[[object], enum.Enum]:
+    """An enum handed out as a function: REDUCE (how pickle makes a member) works, but no
+    object can be given the class (`__class__` set by BUILD), whose hash is its `_name_`."""
+    def member(value: object) -> enum.Enum:
+        return cls(value)
+    member.__qualname__ = cls.__qualname__
+    return member
 
 
 @cache
@@ -102,12 +127,14 @@ def _allowed() -> dict[tuple[str, str], Any]:
     from torch.distributed.checkpoint import filesystem, metadata, planner
 
     dcp_metadata = ["ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
-                    "StorageMeta", "Metadata", "MetadataIndex", "_MEM_FORMAT_ENCODING"]
+                    "StorageMeta", "Metadata", "MetadataIndex"]
     allowed: dict[tuple[str, str], Any] = {(metadata.__name__, n): getattr(metadata, n) for n in dcp_metadata}
+    allowed[(metadata.__name__, "_MEM_FORMAT_ENCODING")] = _member(metadata._MEM_FORMAT_ENCODING)
     allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
     # Megatron keeps every rank's save plan in the metadata (`all_local_plans`).
-    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"):
+    for name in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData"):
         allowed[(planner.__name__, name)] = getattr(planner, name)
+    allowed[(planner.__name__, "WriteItemType")] = _member(planner.WriteItemType)
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = _layout
     # `StorageMeta.checkpoint_id` is the folder DCP wrote to, a label nothing reads back: it
@@ -123,6 +150,13 @@ def _allowed() -> dict[tuple[str, str], Any]:
 def _classes() -> tuple[type, ...]:
     """The allowed classes, whose attributes a pickle's BUILD could try to set."""
     return tuple(v for v in _allowed().values() if isinstance(v, type))
+
+
+@cache
+def _hashed() -> tuple[type, ...]:
+    """The allowed classes hashed by value (frozen dataclasses), so by fields a pickle chooses:
+    handed out as stand-ins (`backends.pickle_budget.stand_ins`)."""
+    return tuple(c for c in _classes() if dataclasses.is_dataclass(c) and c.__hash__ is not None)
 
 
 @contextmanager
@@ -154,9 +188,12 @@ class MetadataUnpickler(pickle.Unpickler):
     def __init__(self, file: io.BufferedIOBase, path: Path) -> None:
         super().__init__(file)
         self.path = path
+        self.made: list[Any] = []
+        self.stand_ins = stand_ins(_hashed(), self.made)
 
     def find_class(self, module: str, name: str) -> Any:
         found = _allowed().get((module, name))
+        found = self.stand_ins.get(found, found)
         if found is None and module == "torch" and isinstance(vars(torch).get(name), _TORCH_VALUES):
             found = vars(torch)[name]
         if found is None:
@@ -176,7 +213,8 @@ def _read_bounded(path: Path) -> bytes:
     if isinstance(size, int) and size > MAX_METADATA_BYTES:
         raise CheckpointError(f"{path}: {size} bytes, more than the {MAX_METADATA_BYTES} a DCP .metadata may "
                               "have; not read")
-    return read_bytes(path, MAX_METADATA_BYTES, "DCP metadata", follow=True)
+    # The size found, not the bound: a read allocates its limit up front (512 MiB for every file).
+    return read_bytes(path, size if isinstance(size, int) else MAX_METADATA_BYTES, "DCP metadata", follow=True)
 
 
 def _entry_problem(entry: object) -> str | None:
@@ -200,7 +238,7 @@ def _entry_problem(entry: object) -> str | None:
 
 
 def _storage_problem(index: object, info: object, folder: Path) -> str | None:
-    if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
+    if type(index) is not MetadataIndex or not isinstance(getattr(index, "fqn", None), str):
         return f"storage_data is keyed by a {type(index).__name__}"
     name = getattr(info, "relative_path", None)
     if not isinstance(info, _StorageInfo) or not isinstance(name, str):
@@ -213,6 +251,27 @@ def _storage_problem(index: object, info: object, folder: Path) -> str | None:
         return f"storage_data[{index.fqn!r}] has no integer offset and length"
     if info.offset < 0 or info.length < 0:
         return f"storage_data[{index.fqn!r}] has a negative offset or length"
+    if (problem := _transforms_problem(getattr(info, "transform_descriptors", None))) is not None:
+        return f"storage_data[{index.fqn!r}] {problem}"
+    return None
+
+
+def _transforms_problem(descriptors: object) -> str | None:
+    """Why DCP could not undo the stream transforms (compression) a chunk was saved through."""
+    if descriptors is None:
+        return None
+    if not isinstance(descriptors, list | tuple) or not all(type(d) is str for d in descriptors):
+        return "has stream transforms that are not a list of descriptor strings"
+    return _unknown_transforms(tuple(descriptors))
+
+
+@functools.lru_cache(maxsize=64)
+def _unknown_transforms(descriptors: tuple[str, ...]) -> str | None:
+    """Checked as DCP's reader resolves them (`ExtensionRegistry`: zstd, when a zstd module is installed)."""
+    try:
+        ExtensionRegistry().from_descriptor_list(descriptors)
+    except ValueError as exc:
+        return f"was saved through stream transforms {shorten(repr(list(descriptors)))} this process cannot undo ({exc})"
     return None
 
 
@@ -232,6 +291,8 @@ def _check(metadata: object, path: Path) -> Metadata:
     for index, info in storage.items():
         if (problem := _storage_problem(index, info, path.parent)) is not None:
             raise CheckpointError(f"{path}: {problem}")
+    # Built while its keys were stand-ins hashed by identity; now hashed as DCP looks them up.
+    metadata.storage_data = {index: info for index, info in storage.items()}
     return metadata
 
 
@@ -307,12 +368,14 @@ def read_metadata(path: Path) -> Metadata:
     check_budget(data, path)
     try:
         with _classes_unchanged(path):
-            metadata = MetadataUnpickler(io.BytesIO(data), path).load()
+            unpickler = MetadataUnpickler(io.BytesIO(data), path)
+            metadata = unpickler.load()
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - damaged bytes make the unpickler raise nearly any type
         raise CheckpointError(f"{path}: unreadable DCP metadata (truncated or damaged?): "
                               f"{type(exc).__name__}: {exc}") from exc
+    made_real(unpickler.made, unpickler.stand_ins, path, len(data))
     return _check_layout(_check(metadata, path), path)
 
 

@@ -12,6 +12,13 @@ opcode's object, the stack, the memo table, and for every opcode that fills or c
 container, that container's items, known by simulating the stack and the memo with the length
 of each value. A file whose sum passes `FACTOR` times its size is refused.
 
+Time is bounded too, where the unpickler hashes: a dict or set whose keys all hash alike takes
+quadratic time to build (60000 ints that are multiples of 2**61 - 1 took 80 s). DCP metadata
+keys are strings (whose hash is salted per process) and objects given their attributes by BUILD
+(MetadataIndex, which `stand_ins` below has hashed by identity while loading, its real hashes
+counted after), so a key or set item that is neither (an int, float, tuple, frozenset, None, a bool,
+a torch.Size) is refused, and so is an integer wider than 64 bits (no DCP value is).
+
 Measured on metadata written by torch 2.13's DCP (4000 tensors and their AdamW state) and by
 Megatron-Core 0.16 (TP2): the sum is 22 to 30 times the file's size, what `tracemalloc` sees
 unpickling it 9 to 14 times; the walk takes about as long as `pickletools.genops`.
@@ -19,11 +26,16 @@ unpickling it 9 to 14 times; the walk takes about as long as `pickletools.genops
 
 from __future__ import annotations
 
+import pickle
 import pickletools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from lifecycle.errors import CheckpointError
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from lifecycle.errors import CheckpointError, shorten
 
 FACTOR = 64
 """Bytes of unpickled objects one byte of metadata may make: twice what real metadata sums to."""
@@ -43,10 +55,10 @@ class _Value:
     """A value on the simulated stack: its length (items, or bytes of a string) and the sum of
     its items' lengths; shared between stack and memo as the unpickler shares the object."""
 
-    __slots__ = ("is_tuple", "n", "sub")
+    __slots__ = ("is_tuple", "keyable", "n", "sub")
 
-    def __init__(self, n: int = 0, sub: int = 0, is_tuple: bool = False) -> None:
-        self.n, self.sub, self.is_tuple = n, sub, is_tuple
+    def __init__(self, n: int = 0, sub: int = 0, is_tuple: bool = False, keyable: bool = False) -> None:
+        self.n, self.sub, self.is_tuple, self.keyable = n, sub, is_tuple, keyable
 
 
 _SCALAR = _Value()
@@ -60,6 +72,14 @@ class _Damaged(Exception):
 
 class _Over(Exception):
     """The sum passed the budget."""
+
+
+class _Refused(Exception):
+    """A value DCP metadata never holds where the unpickler would spend time on it."""
+
+
+LONG_BYTES = 8
+"""The widest integer (LONG1) accepted: int64, as every DCP offset, length and size is."""
 
 
 class _Walk:
@@ -92,11 +112,19 @@ def _scalar(cost: int) -> _Run:
 
 
 def _sized(base: int, per_byte: int) -> _Run:
-    """A string or bytes (or long) of `n` bytes."""
+    """A string or bytes of `n` bytes: hashed with the process's salt, so they may be keys."""
     def run(walk: _Walk, n: int) -> int:
-        walk.stack.append(_Value(n))
+        walk.stack.append(_Value(n, keyable=True))
         return _PUSH + base + per_byte * n
     return run
+
+
+def _long(walk: _Walk, n: int) -> int:
+    """LONG1: within int64 at most 8 integers share a hash; beyond it, any number."""
+    if n > LONG_BYTES:
+        raise _Refused(f"holds an integer of {n} bytes, wider than the {LONG_BYTES} of any DCP value")
+    walk.stack.append(_Value(n))
+    return _PUSH + _INT + n
 
 
 def _empty(cost: int) -> _Run:
@@ -159,8 +187,18 @@ def _persistent(walk: _Walk, _: int) -> int:
     return _PUSH
 
 
+def _keys_only(keys: list[_Value]) -> None:
+    if not all(key.keyable for key in keys):
+        raise _Refused("holds a dict key or set item that is neither a string nor an object with attributes "
+                       "(an int, float, tuple, None, a torch.Size): DCP metadata never does, and such keys can be "
+                       "chosen to share one hash, making the dict take quadratic time to build")
+
+
 def _added(walk: _Walk, items: list[_Value], rate: int, pairs: bool = False) -> int:
-    """Items added to the container below them."""
+    """Items added to the container below them; a dict's keys and a set's items only of the
+    kinds `_keys_only` allows."""
+    if pairs or rate == _SET_ITEM:
+        _keys_only(items[::2] if pairs else items)
     container = walk.stack[-1]
     count = len(items) // 2 if pairs else len(items)
     container.n += count
@@ -177,7 +215,8 @@ def _appends(walk: _Walk, _: int) -> int:
 
 
 def _setitem(walk: _Walk, _: int) -> int:
-    return _added(walk, [walk.stack.pop(), walk.stack.pop()], _DICT_ITEM, pairs=True)
+    value = walk.stack.pop()
+    return _added(walk, [walk.stack.pop(), value], _DICT_ITEM, pairs=True)
 
 
 def _setitems(walk: _Walk, _: int) -> int:
@@ -190,6 +229,7 @@ def _additems(walk: _Walk, _: int) -> int:
 
 def _frozenset(walk: _Walk, _: int) -> int:
     items = walk.pop_mark()
+    _keys_only(items)
     walk.stack.append(_Value(len(items), sum(item.n for item in items)))
     return _PUSH + _SET + _SET_ITEM * len(items)
 
@@ -235,6 +275,9 @@ def _build(walk: _Walk, _: int) -> int:
     state = walk.stack.pop()
     if not walk.stack:
         raise _Damaged("BUILD with no object under its state")
+    built = walk.stack[-1]
+    if built is not _SCALAR and state is not _SCALAR and not state.is_tuple:
+        built.keyable = True  # an object with a dict (a torch.Size, a tuple, an int have none): may be a key
     return _DICT + _DICT_ITEM * (state.n + (state.sub if state.is_tuple and state.n == 2 else 0))
 
 
@@ -246,7 +289,7 @@ _OPS: dict[str, tuple[int, bool, _Run]] = {
     "NONE": (0, False, _scalar(0)), "NEWTRUE": (0, False, _scalar(0)), "NEWFALSE": (0, False, _scalar(0)),
     "EMPTY_TUPLE": (0, False, _scalar(0)), "BININT1": (1, False, _scalar(0)),
     "BININT2": (2, False, _scalar(_INT)), "BININT": (4, False, _scalar(_INT)), "BINFLOAT": (8, False, _scalar(_FLOAT)),
-    "LONG1": (1, True, _sized(_INT, 1)),
+    "LONG1": (1, True, _long),
     "SHORT_BINUNICODE": (1, True, _sized(_STR, 4)), "BINUNICODE": (4, True, _sized(_STR, 4)),
     "SHORT_BINBYTES": (1, True, _sized(_BYTES, 1)), "BINBYTES": (4, True, _sized(_BYTES, 1)),
     "EMPTY_LIST": (0, False, _empty(_LIST)), "EMPTY_DICT": (0, False, _empty(_DICT)),
@@ -265,8 +308,9 @@ _STOP = ord(".")
 
 
 def check_budget(data: bytes, path: Path) -> None:
-    """Refuse, as a `CheckpointError` naming `path`, metadata holding an opcode DCP metadata never
-    holds, or whose unpickling could allocate more than `FACTOR` times its size (plus `SLACK`).
+    """Refuse, as a `CheckpointError` naming `path`, metadata holding an opcode, a dict key or an
+    integer DCP metadata never holds, or whose unpickling could allocate more than `FACTOR` times
+    its size (plus `SLACK`).
     Bytes after STOP are never read by the unpickler, so they are not looked at here either."""
     budget = FACTOR * len(data) + SLACK
     try:
@@ -274,6 +318,8 @@ def check_budget(data: bytes, path: Path) -> None:
     except _Over:
         raise CheckpointError(f"{path}: unpickling it could allocate more than {budget} bytes ({FACTOR} "
                               "times its size): not DCP metadata; nothing in it was unpickled") from None
+    except _Refused as exc:
+        raise CheckpointError(f"{path}: {exc}; nothing in it was unpickled") from None
     except (_Damaged, IndexError) as exc:
         raise CheckpointError(f"{path}: unreadable DCP metadata (truncated or damaged?): {exc}; "
                               "nothing in it was unpickled") from None
@@ -303,3 +349,62 @@ def _run(walk: _Walk, data: bytes, path: Path) -> int:
     if pos >= size:
         raise _Damaged("no STOP: truncated")
     return cost
+
+
+# ---------------------------------------------------------------- hashing while unpickling
+
+HASH_SHARE_LIMIT = 32
+"""The most MetadataIndex one hash may have. Real ones share none (64-bit hashes), but an
+offset is integers, whose hashes can be chosen: thousands sharing one would make building
+`storage_data` take quadratic time."""
+
+
+class _Sealed(type):
+    """The stand-ins' metaclass: a pickle cannot set their attributes (BUILD onto the class)."""
+
+    def __setattr__(cls, name: str, value: object) -> None:
+        raise pickle.UnpicklingError(f"tried to set {name} on {cls.__qualname__}")
+
+    def __delattr__(cls, name: str) -> None:
+        raise pickle.UnpicklingError(f"tried to delete {name} of {cls.__qualname__}")
+
+
+def stand_ins(classes: tuple[type, ...], made: list[Any]) -> dict[type, type]:
+    """For each of `classes` (hashed by value), a subclass the unpickler hands out instead, each
+    instance recorded in `made`: MetadataIndex hashed by identity (no key a pickle builds can
+    collide with another), the others not at all (never keys). `made_real` turns them into the
+    real classes once the hashes they will have are counted."""
+    def new(cls: type, *args: Any, **kwargs: Any) -> Any:
+        made.append(obj := object.__new__(cls))
+        return obj
+
+    return {real: _Sealed(real.__name__, (real,), {
+        "__slots__": (), "__new__": new, "__module__": __name__, "__qualname__": real.__qualname__,
+        "__hash__": object.__hash__ if real is MetadataIndex else None}) for real in classes}
+
+
+def made_real(made: list[Any], stand_ins: dict[type, type], path: Path, size: int) -> None:
+    """Count the real hashes of the MetadataIndex made (linear: a dict of hash values, of which
+    at most 8 share a bucket's hash) and refuse more than `HASH_SHARE_LIMIT` sharing one; hashing
+    their offsets takes at most as many steps as the file has bytes. Then give each its class."""
+    real_of = {stand_in: real for real, stand_in in stand_ins.items()}
+    shared: dict[int, int] = {}
+    dims = 0
+    for obj in made:
+        if type(obj) not in real_of:
+            raise CheckpointError(f"{path}: an object changed its class to {type(obj).__qualname__} while loading")
+        if type(obj) is not stand_ins.get(MetadataIndex):
+            continue
+        fqn, offset = vars(obj).get("fqn"), vars(obj).get("offset")
+        if type(fqn) is not str or not (offset is None or type(offset) is torch.Size):
+            raise CheckpointError(f"{path}: a MetadataIndex whose fqn is not a str or whose offset is not a torch.Size")
+        dims += 0 if offset is None else len(offset)
+        if dims > size:
+            raise CheckpointError(f"{path}: MetadataIndex offsets of more dimensions than the file has bytes")
+        value = MetadataIndex.__hash__(obj)
+        if (count := shared.get(value, 0) + 1) > HASH_SHARE_LIMIT:
+            raise CheckpointError(f"{path}: {count} MetadataIndex (of {shorten(fqn)}) share one hash: made to "
+                                  "collide, so that building storage_data would take quadratic time")
+        shared[value] = count
+    for obj in made:
+        obj.__class__ = real_of[type(obj)]
