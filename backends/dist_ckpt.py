@@ -45,14 +45,12 @@ from backends.megatron import (
     bridge_of,
     chunks_of,
     cpu_safe,
-    hf_config_as_built,
     in_process_write_results,
     library_errors,
     on_rank0,
     sharded_model_state,
-    write_hf_export,
-    write_transformer_config,
 )
+from backends.megatron_files import hf_config_as_built, write_hf_export, write_transformer_config
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, read_optimizer_json
 from lifecycle.optim_identity import OPTIM_JSON

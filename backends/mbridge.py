@@ -35,8 +35,8 @@ from backends.megatron import (
     chunks_of,
     cpu_safe,
     library_errors,
-    write_hf_export,
 )
+from backends.megatron_files import write_hf_export
 from backends.safetensors_io import NAMES, read_header
 from lifecycle.boundary import lstat, os_errors
 from lifecycle.errors import CheckpointError, shorten

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import importlib.util
-import json
 import pickle
 import queue
 from collections.abc import Callable, Iterator
@@ -32,11 +31,10 @@ from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 
 from backends.base import current_rank, failed_ranks
-from backends.hf import write_hf_folder
 from backends.hf_arch import read_hf_config
 from backends.hf_config import bridge_view, config_dtype
 from lifecycle.errors import CheckpointError, ConfigError, shorten
-from lifecycle.phase import DELETE, Temporary, temporarily
+from lifecycle.phase import temporarily
 
 TRANSFORMER_CONFIG = "transformer_config.json"
 _T = TypeVar("_T")
@@ -134,7 +132,7 @@ class MegatronModel:
         """The architecture, independent of TP / PP, so a resharded resume still matches."""
         if self.bridge is not None:
             return dict(self.bridge.hf_config.to_dict())
-        return {name: _plain(getattr(self.config, name, None)) for name in _ARCH_FIELDS}
+        return {name: plain_value(getattr(self.config, name, None)) for name in _ARCH_FIELDS}
 
 
 def chunks_of(model: Any) -> list[nn.Module]:
@@ -372,68 +370,14 @@ def agree(problem: str | None) -> None:
         raise CheckpointError(f"{failed} other rank(s) refused the checkpoint (see their errors)")
 
 
-def _jsonable(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, enum.Enum)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_jsonable(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _jsonable(v) for k, v in value.items())
-    return False
-
-
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
+    """A config value as JSON holds it: dtypes and enums by name, containers item by item."""
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
     if isinstance(value, enum.Enum):
         return value.name
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_value(v) for v in value]
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain_value(v) for k, v in value.items()}
     return value
-
-
-def write_transformer_config(config: Any, folder: Path) -> Path:
-    """`transformer_config.json` next to the weights. Functions, process groups and other
-    objects JSON cannot hold are removed from the config for the write and put back after it,
-    even when the write fails (through the running phase's finally hooks)."""
-    unserializable = {name: DELETE for name, value in vars(config).items() if not _jsonable(value)}
-    path = folder / TRANSFORMER_CONFIG
-    with temporarily(config, **unserializable):
-        data = {name: _plain(value) for name, value in sorted(vars(config).items())}
-        text = json.dumps({"removed": sorted(unserializable), "config": data}, indent=1) + "\n"
-        folder.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    return path
-
-
-def hf_config_as_built(model: Any) -> Temporary:
-    """The bridge's HF config, for a `with` block, with the dtype the model was built in (its
-    `params_dtype`): a float32 config built in bfloat16 wrote "float32" over bfloat16 weights,
-    and the converter refused the library's own checkpoint."""
-    config = bridge_of(model, "an HF config of a Megatron model").hf_config
-    name = "dtype" if hasattr(config, "dtype") else "torch_dtype"
-    return temporarily(config, **{name: chunks_of(model)[0].config.params_dtype})
-
-
-def write_hf_export(model: Any, folder: Path) -> dict[str, str]:
-    """Full HF safetensors through the model's bridge: every rank joins the gathers, rank 0,
-    which receives every full tensor, writes (checksummed as it writes, like the hf backend).
-    Returns the weight files' digests (none on other ranks), for the manifest."""
-    bridge = bridge_of(model, "an HF copy of a Megatron model")
-    chunks = chunks_of(model)
-    with cpu_safe():
-        weights = bridge.export_weights(chunks)
-        if current_rank() != 0:
-            for _ in weights:
-                pass
-        state = {name: tensor.cpu() for name, tensor in weights}  # empty on other ranks: consumed above
-
-    def write() -> dict[str, str]:
-        with hf_config_as_built(model):
-            digests = write_hf_folder(state, folder, config=bridge.hf_config)
-        write_transformer_config(chunks[0].config, folder)
-        return digests
-
-    return on_rank0(write, "HF export", folder) or {}

@@ -122,7 +122,8 @@ def test_an_optimizer_without_one_layers_frozen_weight_saves_and_resumes_its_mom
 def _bf16_from_fp32_config(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
     from backends.dist_ckpt import DistCkptBackend
     from backends.hf_config import config_dtype
-    from backends.megatron import build_model, write_hf_export
+    from backends.megatron import build_model
+    from backends.megatron_files import write_hf_export
 
     model = build_model(tmp / "hf", dtype=torch.bfloat16)
     DistCkptBackend().save_model(model, tmp / "dist")

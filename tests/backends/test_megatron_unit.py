@@ -18,6 +18,7 @@ from lifecycle.testing import InjectedFailure, MemoryCheckpointer
 
 pytest.importorskip("megatron.core")
 megatron = pytest.importorskip("backends.megatron")
+megatron_files = pytest.importorskip("backends.megatron_files")
 
 
 def _transformer_config() -> object:
@@ -29,7 +30,7 @@ def _transformer_config() -> object:
 def test_transformer_config_json_drops_unserializable_attributes_for_the_write_only(tmp_path: Path) -> None:
     config = _transformer_config()
     before = dict(vars(config))
-    path = megatron.write_transformer_config(config, tmp_path)
+    path = megatron_files.write_transformer_config(config, tmp_path)
     written = json.loads(path.read_text())
     assert {"init_method", "output_layer_init_method", "activation_func"} <= set(written["removed"])
     assert written["config"]["hidden_size"] == 64 and written["config"]["params_dtype"] == "float32"
@@ -49,7 +50,7 @@ def test_transformer_config_attributes_are_back_when_the_write_fails_inside_a_ph
     class Failing(MemoryCheckpointer):
         def load_initial(self, parts: object) -> dict[str, object]:
             with mock.patch.object(Path, "write_text", failing_write):
-                megatron.write_transformer_config(config, tmp_path)
+                megatron_files.write_transformer_config(config, tmp_path)
             return {}
 
     lc = Lifecycle(role="actor", checkpointer=Failing())
