@@ -288,6 +288,11 @@ def _worker_trace(folder: Path, stem: str, at: float) -> None:
     os.utime(path, (at, at))
 
 
+def _rows(trace: Path) -> list[str]:
+    """The process rows of a merged trace, in order."""
+    return [e["args"]["name"] for e in _strict(trace.read_text())["traceEvents"] if e.get("name") == "process_name"]
+
+
 def test_merge_traces_leaves_out_the_worker_traces_of_an_earlier_run_in_the_same_folder(tmp_path: Path) -> None:
     traces = tmp_path / "traces"
     now = time.time()
@@ -295,7 +300,7 @@ def test_merge_traces_leaves_out_the_worker_traces_of_an_earlier_run_in_the_same
     _worker_trace(traces, "rollout0-0-pid2222", now + 1)
     spans = [{"name": "start", "step": 0, "start": now, "end": now + 2, "incarnation": 0}]
     out = merge_traces(traces, tmp_path / "trace.json", spans)
-    rows = [e["args"]["name"] for e in _strict(out.read_text())["traceEvents"] if e.get("name") == "process_name"]
+    rows = _rows(out)
     assert rows == ["driver", "rollout0-0-pid2222"]
 
 
@@ -307,7 +312,7 @@ def test_merge_traces_keeps_a_worker_trace_written_during_the_run_even_with_an_o
     os.utime(traces / "actor-0-pid3333.jsonl", (now - 60, now - 60))
     spans = [{"name": "start", "step": 0, "start": now, "end": now + 2, "incarnation": 0}]
     out = merge_traces(traces, tmp_path / "trace.json", spans)
-    rows = [e["args"]["name"] for e in _strict(out.read_text())["traceEvents"] if e.get("name") == "process_name"]
+    rows = _rows(out)
     assert rows == ["driver", "actor-0-pid3333"]
 
 
@@ -315,5 +320,5 @@ def test_merge_traces_with_no_spans_or_transitions_merges_every_worker_trace(tmp
     traces = tmp_path / "traces"
     _worker_trace(traces, "rollout0-0-pid1111", time.time() - 3600)
     out = merge_traces(traces, tmp_path / "trace.json", [])
-    rows = [e["args"]["name"] for e in _strict(out.read_text())["traceEvents"] if e.get("name") == "process_name"]
+    rows = _rows(out)
     assert rows == ["driver", "rollout0-0-pid1111"]
