@@ -17,7 +17,8 @@ pickles (DCP writes the default, 4) build dicts, lists, tuples and sets from opc
 builtin, `collections` or `copyreg` entry is needed and none is allowed.
 
 What a find_class allow-list alone leaves open is closed after the load: a pickle that sets
-attributes on an allowed class (BUILD onto the class, not an instance) is undone and refused,
+attributes on what it is handed (BUILD onto an allowed class, a function standing in for one, or
+a shared enum member, not onto an instance) is undone and refused (`backends.pickle_undo`),
 and bytes that unpickle into allowed objects of the wrong shape (damage can do that) are
 refused unless they form the Metadata structure DCP and Megatron read.
 
@@ -40,14 +41,13 @@ import math
 import os
 import pickle
 import stat
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, Metadata
+from torch.distributed.checkpoint import Metadata
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -59,8 +59,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from backends.dcp_reader import ChunkCheckingReader
 from backends.dcp_tiling import tiling_problem
 from backends.pickle_budget import check_budget, made_real, stand_ins
+from backends.pickle_undo import unchanged
 from lifecycle.boundary import kind, name_problem, read_bytes
 from lifecycle.errors import CheckpointError, shorten
 
@@ -83,7 +85,6 @@ MAX_PATH_CHARS = 4096
 character and passes through 17 more (for "a/a/..."): bounded per call, so that what the opcode
 walk charges a path call (8 bytes a character) covers it however often one string is reused."""
 
-_GONE = object()
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 """`torch.<name>` is allowed when it is one of these: values, never callables. Looked up in
 `vars(torch)`, so a name cannot make torch's lazy `__getattr__` import a submodule."""
@@ -122,6 +123,14 @@ def _member(cls: type[enum.Enum]) -> Callable[[object], enum.Enum]:
 
 
 @cache
+def _enums() -> tuple[type[enum.Enum], ...]:
+    """The enums metadata holds members of, handed out by `_member`."""
+    from torch.distributed.checkpoint import metadata, planner
+
+    return metadata._MEM_FORMAT_ENCODING, planner.WriteItemType
+
+
+@cache
 def _allowed() -> dict[tuple[str, str], Any]:
     """(module, name) -> the object the unpickler hands out; built once, on first use."""
     from torch.distributed.checkpoint import filesystem, metadata, planner
@@ -129,12 +138,11 @@ def _allowed() -> dict[tuple[str, str], Any]:
     dcp_metadata = ["ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
                     "StorageMeta", "Metadata", "MetadataIndex"]
     allowed: dict[tuple[str, str], Any] = {(metadata.__name__, n): getattr(metadata, n) for n in dcp_metadata}
-    allowed[(metadata.__name__, "_MEM_FORMAT_ENCODING")] = _member(metadata._MEM_FORMAT_ENCODING)
+    allowed.update({(cls.__module__, cls.__qualname__): _member(cls) for cls in _enums()})
     allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
     # Megatron keeps every rank's save plan in the metadata (`all_local_plans`).
     for name in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData"):
         allowed[(planner.__name__, name)] = getattr(planner, name)
-    allowed[(planner.__name__, "WriteItemType")] = _member(planner.WriteItemType)
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = _layout
     # `StorageMeta.checkpoint_id` is the folder DCP wrote to, a label nothing reads back: it
@@ -148,7 +156,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
 
 @cache
 def _classes() -> tuple[type, ...]:
-    """The allowed classes, whose attributes a pickle's BUILD could try to set."""
+    """The allowed classes."""
     return tuple(v for v in _allowed().values() if isinstance(v, type))
 
 
@@ -159,27 +167,13 @@ def _hashed() -> tuple[type, ...]:
     return tuple(c for c in _classes() if dataclasses.is_dataclass(c) and c.__hash__ is not None)
 
 
-@contextmanager
-def _classes_unchanged(path: Path) -> Iterator[None]:
-    """A pickle can BUILD onto a class it was handed, not only onto an instance, and so set
-    attributes of DCP's classes for the whole process. That is undone and refused here."""
-    before = [(cls, dict(vars(cls))) for cls in _classes()]
-    try:
-        yield
-    finally:
-        changed = []
-        for cls, attrs in before:
-            now = dict(vars(cls))
-            for name in now.keys() - attrs.keys():
-                delattr(cls, name)
-                changed.append(f"{cls.__qualname__}.{name}")
-            for name, value in attrs.items():
-                if now.get(name, _GONE) is not value:
-                    setattr(cls, name, value)
-                    changed.append(f"{cls.__qualname__}.{name}")
-        if changed:
-            raise CheckpointError(f"{path}: tried to change {', '.join(sorted(changed))} of DCP's classes; "
-                                  "undone and refused")
+@cache
+def _shared() -> tuple[tuple[str, object], ...]:
+    """(name, object) of everything a pickle is handed and could BUILD onto (`backends.pickle_undo`):
+    the allowed classes, the functions handed out, and the enum members those return (the shared
+    members themselves: DCP compares them by identity). torch's values and torch.Size take no attributes."""
+    handed = {id(v): (v.__qualname__, v) for v in _allowed().values()}
+    return (*handed.values(), *((f"{cls.__qualname__}.{m._name_}", m) for cls in _enums() for m in cls))
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -367,7 +361,7 @@ def read_metadata(path: Path) -> Metadata:
     data = _read_bounded(path)
     check_budget(data, path)
     try:
-        with _classes_unchanged(path):
+        with unchanged(_shared(), path):
             unpickler = MetadataUnpickler(io.BytesIO(data), path)
             metadata = unpickler.load()
     except CheckpointError:
@@ -379,8 +373,9 @@ def read_metadata(path: Path) -> Metadata:
     return _check_layout(_check(metadata, path), path)
 
 
-class MetadataReader(FileSystemReader):
-    """DCP's file reader with `.metadata` read by `read_metadata` above, once per reader.
+class MetadataReader(ChunkCheckingReader):
+    """DCP's file reader with `.metadata` read by `read_metadata` above, once per reader, and
+    every chunk loaded checked against it (`backends.dcp_reader`).
 
     Reading once also means the metadata a caller checked is the very object DCP then plans
     the load with, not a second read of a file that may have changed in between.
