@@ -168,13 +168,13 @@ class Phase:
         self._start = time.time()
         self._t0 = time.perf_counter()
         self._undo_token, self._tokens, self._watched = None, (), False
-        lc._made.move = None
+        made: list[Any] = [None]
         try:
-            self.src, self.dst = src, dst = lc._move(self.trigger)
+            self.src, self.dst = src, dst = lc._move(self.trigger, made)
         except BaseException as exc:
-            if lc._made.move is None:  # refused, or interrupted before the state changed: nothing changed
+            if made[0] is None:  # refused, or interrupted before the state changed: nothing changed
                 raise
-            self.src, self.dst = lc._made.move  # moved, then interrupted (Ctrl-C): the phase fails
+            self.src, self.dst = src, dst = made[0]  # moved, then interrupted (Ctrl-C): the phase fails
             self._fail(exc)
         try:  # moved: whatever fails from here fails the phase, which ends like any other
             lc._phase = self

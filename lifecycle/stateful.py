@@ -61,10 +61,6 @@ class Stateful(Generic[S]):
         """Reentrant only so that a trigger fired again on the thread inside `_move` (a signal
         handler) gets in to be refused (`_moving`) instead of waiting forever; other threads wait."""
         self._moving = False
-        self._made = threading.local()
-        """`_made.move`: this thread's move as `_move` makes it, (src, dst), set under the lock just
-        before the state changes, so a phase whose `_move` an interrupt (Ctrl-C) cut short learns
-        whether the state changed (`Phase.__enter__` clears it before each move)."""
         self._model = table.model()
         self._machine = table.build(self._model)
         self._watchdog = WATCHDOG if watchdog is None else watchdog
@@ -147,9 +143,13 @@ class Stateful(Generic[S]):
             )
         return phase
 
-    def _move(self, trigger: str) -> tuple[S, S]:
+    def _move(self, trigger: str, made: list[tuple[S, S] | None] | None = None) -> tuple[S, S]:
         """Fire `trigger`; the source and destination, both read under the lock, so a record
         built from them names the move this call made even while other threads fire triggers.
+        `made[0]`, when given, is set to them just before the state changes (and back to None
+        should the move be undone), so a caller whose call an interrupt (Ctrl-C) cut short learns
+        whether the state changed: the caller's own list, which a trigger fired from a signal
+        handler meanwhile cannot touch.
 
         The table's own edges (`Table.moves`, the edges the `transitions` machine is built from)
         set the state directly: the machine's edges carry no callbacks, so its trigger dispatch
@@ -161,18 +161,18 @@ class Stateful(Generic[S]):
                               "(from a signal handler?); nothing changed, fire it again once the move is over")
             self._moving = True
             try:
-                return self._move_locked(trigger)
+                return self._move_locked(trigger, [None] if made is None else made)
             finally:
                 self._moving = False
 
-    def _move_locked(self, trigger: str) -> tuple[S, S]:
+    def _move_locked(self, trigger: str, made: list[tuple[S, S] | None]) -> tuple[S, S]:
         edges = self._table.moves.get(trigger)
         src = self._model.state
         if edges is not None:
             dst = edges.get(src._name_)
             if dst is None:
                 raise InvalidTransition(trigger, src, self._table.allowed(src), self.role)
-            self._made.move = (src, dst)  # no call between these two lines: no signal handler runs there
+            made[0] = (src, dst)  # no call between these two lines: no signal handler runs there
             self._model.state = dst
         else:
             try:
@@ -180,11 +180,11 @@ class Stateful(Generic[S]):
             except MachineError:
                 raise InvalidTransition(trigger, src, self._table.allowed(src), self.role) from None
             dst = self._model.state
-            self._made.move = (src, dst)
+            made[0] = (src, dst)
         try:
             self._moved(src, dst)
         except BaseException:  # the state and what changes with it change together, or neither does
-            self._model.state, self._made.move = src, None
+            self._model.state, made[0] = src, None
             raise
         return src, dst
 

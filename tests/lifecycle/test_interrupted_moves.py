@@ -250,3 +250,28 @@ def test_ctrl_c_before_the_drivers_finish_move_gives_up_and_ends_it_errored() ->
     with interrupt_once("call", "_move", trigger="finish") as fired, pytest.raises(KeyboardInterrupt):
         job._control(5)
     assert fired and job.state is DriverState.ERRORED and job.history[-1].trigger == "give_up"
+
+
+def test_a_trigger_a_signal_handler_fires_inside_the_begin_move_fails_the_outer_phase_instead_of_stranding_it() -> None:
+    """The nested phase cleared the machine's shared record of the move being made, so the outer
+    phase, whose move had changed the state, took the handler's refusal for "nothing changed" and
+    left the machine SAVING with no phase, refusing every trigger after."""
+    lc, watchdog = _saving_lifecycle()
+    fired: list[bool] = []
+
+    def tracer(frame: FrameType, what: str, arg: object) -> Callable[..., object] | None:
+        if frame.f_code.co_name == "_move_locked" and what == "return" and frame.f_locals.get("trigger") == "save" \
+                and not fired:
+            fired.append(True)
+            lc.save(2)  # as a SIGTERM handler saving would: refused, the move is in progress
+        return tracer if frame.f_code.co_name == "_move_locked" else None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(Exception, match="fired on the thread that is moving the machine"):
+            lc.save(1)
+    finally:
+        sys.settrace(None)
+    assert fired and lc.state is State.FAILED and lc._phase is None
+    assert [(r.trigger, r.ok) for r in lc.history[1:]] == [("save", False)]
+    _settled(lc, watchdog)
