@@ -159,12 +159,12 @@ def receive_into(
     if rendezvous is not None and not engine.capabilities.in_process and rank > rendezvous.receivers:
         raise EngineError(f"{engine.name} engine: rank {rank} is not a receiver of a Rendezvous of "
                           f"{rendezvous.receivers} (ranks 1..{rendezvous.receivers}); the rollout is untouched")
-    if (unusable := _unusable(engine, rendezvous)) is not None:
-        raise EngineError(f"{engine.name} engine: {unusable}; the rollout is untouched")
     expected, problem = _names(expected)
     problem = problem or _receive_problem(engine, rollout, version, expected, into, profile_dir)
     if problem is not None:
         _refuse(engine, rendezvous, rank, problem)
+    if (unusable := _unusable(engine, rendezvous)) is not None:
+        raise EngineError(f"{engine.name} engine: {unusable}; the rollout is untouched")
     version = None if version is None else int(version)
     with ExitStack() as bracket:
         try:

@@ -267,11 +267,11 @@ def test_a_generation_racing_a_receive_records_the_move_it_made_and_the_version_
     asked, ended, move = threading.Event(), threading.Event(), w._move
     records: list[TransitionRecord] = []
 
-    def slow_move(trigger: str) -> tuple[RolloutState, RolloutState]:
+    def slow_move(trigger: str, made: Any = None) -> tuple[RolloutState, RolloutState]:
         if trigger == "generate":
             asked.set()
             ended.wait(10)
-        return move(trigger)
+        return move(trigger, made)
 
     def generate() -> None:
         with w.generating(7):
