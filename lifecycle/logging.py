@@ -25,23 +25,28 @@ _DEPTH = 64
 """Levels `jsonable` follows; deeper (or a value that contains itself) is quoted bounded."""
 
 
-def jsonable(value: Any, default: Callable[[Any], Any] | None = None, depth: int = 0) -> Any:
+def jsonable(value: Any, default: Callable[[Any], Any] | None = None, depth: int = 0,
+             path: frozenset[int] = frozenset()) -> Any:
     """`value` as strict JSON can carry it: a NaN or infinite float as `"nan"`, `"inf"` or
     `"-inf"` (Perfetto's `JSON.parse` refuses the bare tokens), an integer outside int64 as its
-    bounded text (`json` raises past 4300 digits); a value of another type through `default`."""
+    bounded text (`json` raises past 4300 digits), dict keys likewise; a value of another type
+    through `default`. A container met again inside itself (`path`: the ids above it) is quoted
+    bounded, so a value that holds itself twice costs its size, not 2**depth."""
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, int) and not isinstance(value, bool):
         return value if value in _INT64 else shorten(value)
     if value is None or isinstance(value, (str, bool)):
         return value
-    if depth >= _DEPTH:
+    if depth >= _DEPTH or id(value) in path:
         return shorten(value)
+    inner = path | {id(value)}
     if isinstance(value, dict):
-        return {jsonable(k) if isinstance(k, int) else k: jsonable(v, default, depth + 1) for k, v in value.items()}
+        return {jsonable(k) if isinstance(k, (int, float)) else k: jsonable(v, default, depth + 1, inner)
+                for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [jsonable(item, default, depth + 1) for item in value]
-    return value if default is None else jsonable(default(value), default, depth + 1)
+        return [jsonable(item, default, depth + 1, inner) for item in value]
+    return value if default is None else jsonable(default(value), default, depth + 1, inner)
 
 
 def dumps(value: Any, default: Callable[[Any], Any]) -> str:

@@ -16,7 +16,7 @@ import pytest
 import structlog
 
 from lifecycle import ConfigError, Lifecycle, LifecycleError
-from lifecycle.logging import configure
+from lifecycle.logging import configure, dumps
 from lifecycle.ray.run_report import merge_traces
 from lifecycle.ray.workers import WorkerSpec, setup_process
 from lifecycle.rollout import RolloutWeights
@@ -322,3 +322,20 @@ def test_merge_traces_with_no_spans_or_transitions_merges_every_worker_trace(tmp
     out = merge_traces(traces, tmp_path / "trace.json", [])
     rows = _rows(out)
     assert rows == ["driver", "rollout0-0-pid1111"]
+
+
+def test_a_value_that_holds_itself_twice_is_written_bounded_in_about_its_size() -> None:
+    """The second pass followed every path down 64 levels: a list holding itself twice took 2**64 steps."""
+    twice: list[Any] = []
+    twice += [twice, twice]
+    done = threading.Event()
+    out: list[str] = []
+    worker = threading.Thread(target=lambda: (out.append(dumps({"x": twice}, str)), done.set()), daemon=True)
+    worker.start()
+    assert done.wait(30), "writing a self-containing value did not end"
+    assert json.loads(out[0])["x"][0].startswith("[")
+
+
+def test_a_nan_or_inf_dict_key_leaves_strict_json() -> None:
+    assert json.loads(dumps({float("nan"): 1, float("-inf"): 2, "y": float("inf")}, str)) == {
+        "nan": 1, "-inf": 2, "y": "inf"}
