@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -147,11 +148,22 @@ def _tensors_problem(bridge: Any, wanted: Mapping[str, torch.dtype], stored: Map
         return (f"{folder}: tensors of another shape than this config's model has:\n  "
                 + "\n  ".join(wrong[:10]) + ("\n  ..." if len(wrong) > 10 else ""))
     cast = [f"tensor {name!r} has dtype {NAMES[stored[name]['dtype']]}, the model expects {dtype}"
-            for name, dtype in sorted(wanted.items()) if NAMES[stored[name]["dtype"]] != dtype]
+            for name, dtype in sorted(wanted.items()) if not _widens(NAMES[stored[name]["dtype"]], dtype)]
     if cast:
-        return (f"{folder}: tensors of another dtype than the model's parameters (the bridge would cast them; "
-                f"build the model in the checkpoint's dtype):\n  {listed(cast)}")
+        return (f"{folder}: tensors of another dtype than the model's parameters, which the bridge would round "
+                f"(build the model in the checkpoint's dtype, or a wider one):\n  {listed(cast)}")
     return None
+
+
+def _widens(stored: torch.dtype, wanted: torch.dtype) -> bool:
+    """Whether casting `stored` into `wanted` keeps every value exactly (bfloat16 or float16 into
+    float32: a hub checkpoint loaded into a float32 model); a narrowing cast rounds."""
+    if stored == wanted:
+        return True
+    if not (stored.is_floating_point and wanted.is_floating_point):
+        return False
+    have, want = torch.finfo(stored), torch.finfo(wanted)
+    return want.bits > have.bits and want.eps <= have.eps and want.max >= have.max and want.tiny <= have.tiny
 
 
 def _read_problem(bridge: Any, wanted: Mapping[str, torch.dtype], folder: Path
@@ -173,8 +185,26 @@ def _load_problem(bridge: Any, chunks: list[Any], folder: Path) -> str | None:
     return _read_problem(bridge, _wanted(bridge, chunks), folder)[0]
 
 
+def _ignored(hf_config: Any) -> re.Pattern[str]:
+    """Stored names transformers itself skips when it loads this architecture, so no bridge asks
+    for them either: rotary `inv_freq` buffers older checkpoints kept, a tied model's
+    `lm_head.weight`, and the model class's own `_keys_to_ignore_on_load_unexpected`
+    (DeepSeek-V3's multi-token-prediction layer)."""
+    patterns = [r"(^|\.)rotary_emb\.inv_freq$"]
+    if getattr(hf_config, "tie_word_embeddings", False):
+        patterns.append(r"^lm_head\.weight$")
+    try:
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except (ImportError, KeyError, ValueError):
+        model_class = None
+    patterns += [p for p in getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or [] if isinstance(p, str)]
+    return re.compile("|".join(f"(?:{p})" for p in patterns))
+
+
 def _unplaced_problem(wanted: Mapping[str, torch.dtype], stored: list[str], folder: Path,
-                      device: torch.device) -> str | None:
+                      device: torch.device, ignored: re.Pattern[str]) -> str | None:
     """Stored tensors no rank asks for (a 4-layer folder under a 2-layer config.json, a bias the
     bridge does not build), which the bridge would skip without a word. PP stages (and expert
     ranks) ask for different tensors, so "asked for" is a mask over the sorted stored names,
@@ -188,7 +218,7 @@ def _unplaced_problem(wanted: Mapping[str, torch.dtype], stored: list[str], fold
     asked = torch.tensor([name in wanted for name in stored], dtype=torch.int32, device=device)
     if stored and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(asked, op=dist.ReduceOp.MAX)
-    if unplaced := [name for name, hit in zip(stored, asked.tolist()) if not hit]:
+    if unplaced := [name for name, hit in zip(stored, asked.tolist()) if not hit and not ignored.search(name)]:
         return (f"{folder}: holds tensors this model has no place for: {shorten(unplaced, 300)} (more layers than "
                 "its config.json says, or biases the bridge does not build); refusing to drop them")
     return None
@@ -220,7 +250,7 @@ class MBridgeBackend(FormatBackend):
         problem, stored = _read_problem(bridge, wanted, folder)
         agree(problem)
         device = next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
-        agree(_unplaced_problem(wanted, sorted(stored), folder, device))
+        agree(_unplaced_problem(wanted, sorted(stored), folder, device, _ignored(bridge.hf_config)))
         with library_errors("mbridge load", folder), cpu_safe():
             bridge.load_weights(chunks, str(folder))
         return set()

@@ -170,3 +170,27 @@ def test_sliding_window_attention_is_refused_naming_the_key_the_config_says_it_w
     use_sliding_window and max_window_layers, or with sliding_window alone."""
     config = SimpleNamespace(**{"model_type": "qwen2", "rope_theta": 10_000.0, "num_hidden_layers": 2, **fields})
     assert _check(config) == key
+
+
+def _load_widening_and_ignored(rank: int, world_size: int, tmp: Path) -> dict[str, str]:
+    from backends.megatron import build_model
+
+    return {"bf16_into_float32": _load(build_model(tmp / "bf16", dtype=torch.float32), tmp / "bf16"),
+            "inv_freq": _load(build_model(tmp / "hf"), tmp / "inv_freq")}
+
+
+def test_a_lossless_widening_and_names_transformers_itself_skips_still_load(tmp_path: Path) -> None:
+    """A hub checkpoint in bf16 loads into a float32 model (nothing is rounded), and a stored
+    `rotary_emb.inv_freq` buffer of an older checkpoint, which transformers skips too, is no
+    tensor the model lacks a place for."""
+    from safetensors.torch import load_file, save_file
+
+    make_hf_checkpoint(tmp_path / "hf")
+    _with_dtype(tmp_path / "hf", tmp_path / "bf16", tensors=torch.bfloat16, config="bfloat16")
+    (tmp_path / "inv_freq").mkdir()
+    stored = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    stored["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(stored, str(tmp_path / "inv_freq" / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(tmp_path / "hf" / "config.json", tmp_path / "inv_freq" / "config.json")
+    [out] = run_ranks(_load_widening_and_ignored, tmp_path, world_size=1, timeout_s=150)
+    assert out == {"bf16_into_float32": "loaded", "inv_freq": "loaded"}, out
