@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import Metadata
-from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -261,7 +260,14 @@ def _transforms_problem(descriptors: object) -> str | None:
 
 @functools.lru_cache(maxsize=64)
 def _unknown_transforms(descriptors: tuple[str, ...]) -> str | None:
-    """Checked as DCP's reader resolves them (`ExtensionRegistry`: zstd, when a zstd module is installed)."""
+    """Checked as DCP's reader resolves them (`ExtensionRegistry`: zstd, when a zstd module is
+    installed); a torch without stream transforms (before 2.7) can undo none."""
+    if not descriptors:
+        return None
+    try:
+        from torch.distributed.checkpoint._extension import ExtensionRegistry
+    except ImportError:
+        return f"was saved through stream transforms {shorten(repr(list(descriptors)))}, which this torch cannot undo"
     try:
         ExtensionRegistry().from_descriptor_list(descriptors)
     except ValueError as exc:

@@ -122,12 +122,15 @@ def address_problem(raw: bytes, own: bytes | None, world_size: int) -> str | Non
     where ranks number their pairs themselves; it reads them back trusting every length. A
     peer's must be laid out as this rank's own (`own`, which gloo writes before it reads any):
     an address of the same size and of an IP family, and a sequence number per rank (none
-    only where this rank's own holds none either)."""
+    only where this rank's own holds none either). A gloo whose own record is laid out otherwise
+    (another torch's) is not judged: its peers' records pass as they did."""
+    if own is None:
+        return "this rank has no address of its own to compare it with"
+    if isinstance(mine := _fields(own), str):  # another gloo's layout (an older torch): not ours to judge
+        return None
     fields = _fields(raw)
     if isinstance(fields, str):
         return fields
-    if own is None or isinstance(mine := _fields(own), str):
-        return "this rank has no address of its own to compare it with"
     (family, size, pairs), (_, my_size, my_pairs) = fields, mine
     if size != my_size:
         return f"its address is {size} bytes, gloo's are {my_size}"

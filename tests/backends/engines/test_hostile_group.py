@@ -229,3 +229,12 @@ def test_an_unreadable_forming_is_refused_by_the_receiver_and_the_sender_forming
     assert re.search(r"rank 1 refused to form the group: rank 1 cannot read the sender's word under 'forming'",
                      str(run.error)), str(run.error)
     assert_kept_old_weights(rollout)
+
+
+def test_a_gloo_whose_own_address_record_is_laid_out_otherwise_is_not_judged() -> None:
+    """Another torch's gloo writes another layout: its peers' records pass as they did, rather
+    than every group being refused."""
+    from backends.engines.gloo import address_problem
+
+    assert address_problem(b"\x00" * 3, own=b"\x01", world_size=2) is None
+    assert address_problem(b"", own=None, world_size=2) is not None
