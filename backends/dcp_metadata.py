@@ -60,7 +60,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from backends.dcp_reader import ChunkCheckingReader
 from backends.dcp_tiling import tiling_problem
-from backends.pickle_budget import check_budget, made_real, stand_ins
+from backends.dcp_keys import made_real, stand_ins
+from backends.pickle_budget import check_budget
 from backends.pickle_undo import unchanged
 from lifecycle.boundary import kind, name_problem, read_bytes
 from lifecycle.errors import CheckpointError, shorten
@@ -162,7 +163,7 @@ def _classes() -> tuple[type, ...]:
 @cache
 def _hashed() -> tuple[type, ...]:
     """The allowed classes hashed by value (frozen dataclasses), so by fields a pickle chooses:
-    handed out as stand-ins (`backends.pickle_budget.stand_ins`)."""
+    handed out as stand-ins (`backends.dcp_keys.stand_ins`)."""
     return tuple(c for c in _classes() if dataclasses.is_dataclass(c) and c.__hash__ is not None)
 
 

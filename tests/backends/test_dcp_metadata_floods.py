@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 
 from backends import dcp_metadata
 from backends.dcp_metadata import MAX_PATH_CHARS, METADATA, read_metadata
-from backends.pickle_budget import HASH_SHARE_LIMIT
+from backends.dcp_keys import HASH_SHARE_LIMIT
 from backends.torch_dcp import TorchDCPBackend
 from lifecycle.errors import CheckpointError
 from tests.backends.test_dcp_metadata import net, stack_global
