@@ -125,8 +125,10 @@ def check(job: ConvertJob) -> tuple[str, Path]:
 def _check_layout(arch: Path, job: ConvertJob) -> None:
     """`--tp` / `--pp` that the architecture cannot be split by (heads, vocabulary, FFN, layers),
     refused before any rank starts rather than by Megatron on every rank."""
-    from backends.megatron import check_layout  # imports megatron-core: not for `--help`
-
+    try:
+        from backends.megatron import check_layout  # imports megatron-core: not for `--help`
+    except ImportError as exc:
+        raise ConfigError("--to", f"converting needs the megatron extra (megatron-core and mbridge): {exc}") from None
     try:
         check_layout(arch, tp=job.tp, pp=job.pp)
     except ConfigError as exc:
