@@ -1095,13 +1095,16 @@ print("synced")
 
 
 @pytest.mark.parametrize("name", ["shm"])  # the wait is every engine's (ControlStore.wait); one run is 5 s
-def test_a_receiver_waiting_seconds_on_its_sender_logs_one_store_timeout_not_one_a_quarter_second(name: str) -> None:
+def test_a_receiver_waiting_seconds_on_its_sender_logs_a_store_timeout_per_wait_not_one_a_quarter_second(
+        name: str) -> None:
     """The receiver waits about 3 s for the plan while the sender describes its weights. It used
-    to wait in 0.25 s slices, and torch logged two lines at each that ran out (24 here)."""
+    to wait in 0.25 s slices, and torch logged two lines at each that ran out (24 here). Now a
+    wait blocks once (two lines if it runs out) and then polls without logging; on a loaded
+    machine the wait for the buckets after the plan may run out too (a CI run saw 4 lines)."""
     done = subprocess.run([sys.executable, "-c", _SLOW_SENDER, name], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "synced", done.stderr[-2000:]
-    assert done.stderr.count("waitForInput") <= 2, done.stderr[-2000:]
+    assert done.stderr.count("waitForInput") <= 4, done.stderr[-2000:]
 
 
 def test_a_gloo_sender_that_refuses_one_receiver_tells_the_others_before_any_group_forms() -> None:
