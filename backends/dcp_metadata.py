@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import io
 import math
 import os
@@ -58,7 +57,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from backends.dcp_reader import ChunkCheckingReader
+from backends.dcp_reader import ChunkCheckingReader, transforms_problem
 from backends.dcp_tiling import tiling_problem
 from backends.dcp_keys import made_real, stand_ins
 from backends.pickle_budget import check_budget
@@ -245,34 +244,8 @@ def _storage_problem(index: object, info: object, folder: Path) -> str | None:
         return f"storage_data[{index.fqn!r}] has no integer offset and length"
     if info.offset < 0 or info.length < 0:
         return f"storage_data[{index.fqn!r}] has a negative offset or length"
-    if (problem := _transforms_problem(getattr(info, "transform_descriptors", None))) is not None:
+    if (problem := transforms_problem(getattr(info, "transform_descriptors", None))) is not None:
         return f"storage_data[{index.fqn!r}] {problem}"
-    return None
-
-
-def _transforms_problem(descriptors: object) -> str | None:
-    """Why DCP could not undo the stream transforms (compression) a chunk was saved through."""
-    if descriptors is None:
-        return None
-    if not isinstance(descriptors, list | tuple) or not all(type(d) is str for d in descriptors):
-        return "has stream transforms that are not a list of descriptor strings"
-    return _unknown_transforms(tuple(descriptors))
-
-
-@functools.lru_cache(maxsize=64)
-def _unknown_transforms(descriptors: tuple[str, ...]) -> str | None:
-    """Checked as DCP's reader resolves them (`ExtensionRegistry`: zstd, when a zstd module is
-    installed); a torch without stream transforms (before 2.7) can undo none."""
-    if not descriptors:
-        return None
-    try:
-        from torch.distributed.checkpoint._extension import ExtensionRegistry
-    except ImportError:
-        return f"was saved through stream transforms {shorten(repr(list(descriptors)))}, which this torch cannot undo"
-    try:
-        ExtensionRegistry().from_descriptor_list(descriptors)
-    except ValueError as exc:
-        return f"was saved through stream transforms {shorten(repr(list(descriptors)))} this process cannot undo ({exc})"
     return None
 
 

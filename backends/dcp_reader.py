@@ -14,6 +14,7 @@ changes `FileSystemReader.read_data` should be compared with it.
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import IO, Any
 
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from lifecycle.errors import CheckpointError
+from lifecycle.errors import CheckpointError, shorten
 
 _Chunk = tuple[torch.dtype, torch.Size]
 """What `.metadata` says one chunk's stored tensor is: its entry's dtype, the chunk's sizes."""
@@ -40,6 +41,33 @@ def _chunks(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], _Chunk]:
     return {(fqn, tuple(chunk.offsets)): (entry.properties.dtype, chunk.sizes)
             for fqn, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)
             for chunk in entry.chunks}
+
+
+def transforms_problem(descriptors: object) -> str | None:
+    """Why this reader could not undo the stream transforms (compression) a chunk was saved
+    through; `backends.dcp_metadata` asks it of every chunk before any is read."""
+    if descriptors is None:
+        return None
+    if not isinstance(descriptors, list | tuple) or not all(type(d) is str for d in descriptors):
+        return "has stream transforms that are not a list of descriptor strings"
+    return _unknown_transforms(tuple(descriptors))
+
+
+@functools.lru_cache(maxsize=64)
+def _unknown_transforms(descriptors: tuple[str, ...]) -> str | None:
+    """Checked as DCP's reader resolves them (`ExtensionRegistry`: zstd, when a zstd module is
+    installed); a torch without stream transforms (before 2.7) can undo none."""
+    if not descriptors:
+        return None
+    try:
+        from torch.distributed.checkpoint._extension import ExtensionRegistry
+    except ImportError:
+        return f"was saved through stream transforms {shorten(repr(list(descriptors)))}, which this torch cannot undo"
+    try:
+        ExtensionRegistry().from_descriptor_list(descriptors)
+    except ValueError as exc:
+        return f"was saved through stream transforms {shorten(repr(list(descriptors)))} this process cannot undo ({exc})"
+    return None
 
 
 class ChunkCheckingReader(FileSystemReader):

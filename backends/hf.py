@@ -22,7 +22,7 @@ from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, parse_json, read_optimizer_json
 from lifecycle.optim_identity import OPTIM_JSON, by_name, check_classes, classes, parameter_names
 from lifecycle.optim_state import check_optimizer_state, check_scheduler_state
-from lifecycle.phase import say
+from lifecycle.records import say
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

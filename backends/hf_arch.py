@@ -26,7 +26,7 @@ from torch import nn
 from backends.hf_config import KEY
 from lifecycle.errors import CheckpointError, ConfigError, shorten
 from lifecycle.jsontree import read_config_json
-from lifecycle.phase import say
+from lifecycle.records import say
 
 CONFIG_JSON = "config.json"
 MAX_COUNTED_LAYERS = 512

@@ -8,6 +8,7 @@ form; it is written in Megatron's sharded format by the `dist_ckpt` backend's co
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import os
@@ -200,6 +201,12 @@ def _ignored(hf_config: Any) -> re.Pattern[str]:
     except (ImportError, KeyError, ValueError):
         model_class = None
     patterns += [p for p in getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or [] if isinstance(p, str)]
+    return _any_of(tuple(patterns))
+
+
+@functools.lru_cache(maxsize=64)
+def _any_of(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    """One regex matching any of `patterns`, compiled once per architecture rather than per load."""
     return re.compile("|".join(f"(?:{p})" for p in patterns))
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from lifecycle.boundary import STEP_PREFIX, lstat, os_error, parse_step
 from lifecycle.errors import CheckpointError
 from lifecycle.manifest import MANIFEST
-from lifecycle.phase import say
+from lifecycle.records import say
 from lifecycle.retention import replaced_copies
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from typing import Any
 
 from lifecycle.checksum import submitted
 from lifecycle.errors import CheckpointError, ConfigError, shorten
-from lifecycle.phase import described, say
+from lifecycle.records import described, say
 from lifecycle.types import SaveInfo
 
 _SAVERS: weakref.WeakSet[BackgroundSaver] = weakref.WeakSet()

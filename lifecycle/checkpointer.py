@@ -25,8 +25,8 @@ from lifecycle.contents import ContentWriter
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.extra import check_progress
 from lifecycle.manifest import MANIFEST, check_folder
-from lifecycle.phase import say
 from lifecycle.load_format import build_format, value_of
+from lifecycle.records import say
 from lifecycle.resumer import HashFn, NotResumed, Resumed, Resumer
 from lifecycle.role import RoleRank
 from lifecycle.saver import SaveJob, Saver, agree_fn

@@ -23,7 +23,7 @@ from lifecycle.errors import CheckpointError, LifecycleError
 from lifecycle.extra import RESET_WITHOUT_EXTRA, load_extra, read_extra, save_extra
 from lifecycle.jsontree import read_json
 from lifecycle.optim_identity import OPTIM_JSON
-from lifecycle.phase import say
+from lifecycle.records import say
 from lifecycle.types import Content, Parts, Progress, Written
 
 _RANK_DIR = re.compile(r"rank_([0-9]+)")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Callable, NoReturn, TextIO
+from typing import Any, Callable, NoReturn, TextIO
 
 from backends.base import free_port
 from lifecycle.boundary import MANIFEST, TRACKER, lstat, os_errors, parse_step, read_bytes, special_files
@@ -117,12 +117,12 @@ def check(job: ConvertJob) -> tuple[str, Path]:
         raise ConfigError("DST", f"{job.dst}: exists and is not an empty folder; nothing was written")
     _check_destination(job)
     arch = architecture(job, fmt)
-    check_architecture(arch / "config.json", job.src)
-    _check_layout(arch, job)
+    hf_config = check_architecture(arch / "config.json", job.src)
+    _check_layout(hf_config, job)
     return fmt, arch
 
 
-def _check_layout(arch: Path, job: ConvertJob) -> None:
+def _check_layout(hf_config: Any, job: ConvertJob) -> None:
     """`--tp` / `--pp` that the architecture cannot be split by (heads, vocabulary, FFN, layers),
     refused before any rank starts rather than by Megatron on every rank."""
     try:
@@ -130,7 +130,7 @@ def _check_layout(arch: Path, job: ConvertJob) -> None:
     except ImportError as exc:
         raise ConfigError("--to", f"converting needs the megatron extra (megatron-core and mbridge): {exc}") from None
     try:
-        check_layout(arch, tp=job.tp, pp=job.pp)
+        check_layout(hf_config, tp=job.tp, pp=job.pp)
     except ConfigError as exc:
         raise ConfigError("--tp/--pp", exc.message) from None
 
@@ -180,13 +180,14 @@ def _holds_a_manifest(folder: Path) -> bool:
     return isinstance(data, dict) and "format_version" in data and "files" in data
 
 
-def check_architecture(config: Path, src: Path) -> None:
+def check_architecture(config: Path, src: Path) -> Any:
     """The config every rank builds its model from, read before any starts: a JSON object whose
     sizes are positive integers, and whose parameters are no more than SRC has bytes on disk,
     counted first from the sizes (`parameter_floor`, cheap), then on the model transformers
     builds on the meta device (`backends.hf_arch.parameter_floor`: experts and every other part
     included). A config of another model, or a crafted one, would else make every rank allocate
-    it (a 50M x 64 embedding is 13 GB, 4096 experts 384 GB) before a single weight is compared."""
+    it (a 50M x 64 embedding is 13 GB, 4096 experts 384 GB) before a single weight is compared.
+    Returns the `PretrainedConfig` it read, so later checks need not read config.json again."""
     from lifecycle.jsontree import read_config_json  # imports torch: not for `--help`
 
     try:
@@ -201,18 +202,22 @@ def check_architecture(config: Path, src: Path) -> None:
     held = allocated_bytes(src)
     if (wanted := parameter_floor(sizes)) > held:
         _too_large(config, src, wanted, held, ", ".join(f"{k} {v}" for k, v in sizes.items()))
-    if (built := _built_parameters(config)) is not None and built > held:
+    hf_config, built = _built_parameters(config)
+    if built is not None and built > held:
         _too_large(config, src, built, held, "counted on the model transformers builds for it")
+    return hf_config
 
 
-def _built_parameters(config: Path) -> int | None:
-    """Parameters of the model transformers builds for the config (meta device, no code of
-    the folder's run); None for an architecture no auto class builds (the floor alone holds)."""
+def _built_parameters(config: Path) -> tuple[Any, int | None]:
+    """The config's `PretrainedConfig`, and the parameters of the model transformers builds for
+    it (meta device, no code of the folder's run): None for an architecture no auto class builds
+    (the floor alone holds)."""
     from backends.hf_arch import parameter_floor as built_floor
     from backends.hf_arch import read_hf_config
 
     try:
-        return built_floor(read_hf_config(config.parent))
+        hf_config = read_hf_config(config.parent)
+        return hf_config, built_floor(hf_config)
     except ConfigError as exc:
         raise ConfigError("--hf-config", exc.message if exc.key == "hf_config" else str(exc)) from None
 

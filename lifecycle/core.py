@@ -10,7 +10,8 @@ from lifecycle.boundary import check_step
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import CheckpointError, ConfigError, LifecycleError, shorten
 from lifecycle.machine import TRAINER, State
-from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase, guarded
+from lifecycle.phase import GLOBAL_OBSERVERS, Observer, Phase
+from lifecycle.records import guarded
 from lifecycle.stateful import Stateful
 from lifecycle.types import Checkpointer, Parts, Progress, SaveInfo, WeightSyncer, is_count, plain_digits
 from lifecycle.watchdog import Emit, Watchdog

@@ -23,7 +23,7 @@ from backends.safetensors_io import read_file, write_file
 
 from lifecycle.errors import CheckpointError, shorten
 from lifecycle.jsontree import NotSerializable, decode, encode, read_json
-from lifecycle.phase import say
+from lifecycle.records import say
 from lifecycle.types import Progress, is_count
 
 EXTRA_JSON = "extra.json"

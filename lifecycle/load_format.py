@@ -12,7 +12,7 @@ from backends.registry import IMPORT_PATH
 from lifecycle.config import format_family
 from lifecycle.errors import CheckpointError, ConfigError, shorten
 from lifecycle.manifest import MANIFEST
-from lifecycle.phase import say
+from lifecycle.records import say
 
 
 def value_of(item: Any) -> str:

@@ -20,7 +20,7 @@ import structlog
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from lifecycle.errors import InvalidTransition, LifecycleError, shorten
-from lifecycle.records import described, guarded, message, say
+from lifecycle.records import described, guarded, say
 from lifecycle.table import DONE, FAIL, Table
 from lifecycle.temporary import DELETE, Temporary
 
@@ -354,5 +354,5 @@ def _unknown(lc: object, trigger: object) -> str:
 
 __all__ = [
     "DELETE", "GLOBAL_OBSERVERS", "RUNNING_UNDOS", "Observer", "Phase", "Temporary", "TransitionRecord",
-    "described", "guarded", "message", "refusal", "run_undos", "say", "temporarily",
+    "refusal", "run_undos", "temporarily",
 ]

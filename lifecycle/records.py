@@ -1,6 +1,6 @@
 """The library's own log records, which never fail the work that writes them: a log sink that
 raises, or a logger factory with a bug, loses its record (said once on stderr), not a committed
-save. `lifecycle.phase` re-exports these for the modules that log."""
+save. A leaf: the modules that log, backends among them, import these from here."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from lifecycle.contents import CONTENTS, Reading, has_state, say_unread
 from lifecycle.errors import CheckpointError, DamagedCheckpoint, shorten
 from lifecycle.load_format import format_for, value_of, verifies_reads
 from lifecycle.manifest import MANIFEST, NewerFormat, check_folder, checksum_of, read_manifest_file
-from lifecycle.phase import say
+from lifecycle.records import say
 from lifecycle.role import RoleRank
 from lifecycle.store import CheckpointStore, Identity
 from lifecycle.types import Content, Parts, Progress

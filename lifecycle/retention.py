@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from lifecycle.boundary import OutOfResources, lstat, real_dir, role_problem
 from lifecycle.errors import CheckpointError
-from lifecycle.phase import say
+from lifecycle.records import say
 
 if TYPE_CHECKING:
     from lifecycle.store import CheckpointStore

@@ -21,7 +21,8 @@ from typing import Any
 
 from lifecycle.errors import EngineError, LifecycleError, check_callable, shorten
 from lifecycle.machine import ROLLOUT, RolloutState
-from lifecycle.phase import Observer, Phase, guarded
+from lifecycle.phase import Observer, Phase
+from lifecycle.records import guarded
 from lifecycle.stateful import Stateful
 from lifecycle.types import MAX_VERSION, is_version
 from lifecycle.watchdog import Emit, Watchdog

@@ -22,7 +22,7 @@ from backends.base import failed_ranks
 from lifecycle.contents import ContentWriter
 from lifecycle.errors import CheckpointError
 from lifecycle.manifest import read_manifest_file
-from lifecycle.phase import say
+from lifecycle.records import say
 from lifecycle.role import RoleRank
 from lifecycle.store import Agree, CheckpointStore
 from lifecycle.types import Parts, Progress, SaveInfo, Written

@@ -24,7 +24,8 @@ from transitions import MachineError
 
 from lifecycle.boundary import check_step
 from lifecycle.errors import CheckpointError, ConfigError, InvalidTransition, LifecycleError, check_callable, shorten
-from lifecycle.phase import Observer, Phase, Temporary, TransitionRecord, described, guarded, refusal
+from lifecycle.phase import Observer, Phase, Temporary, TransitionRecord, refusal
+from lifecycle.records import described, guarded
 from lifecycle.table import Table
 from lifecycle.types import is_count
 from lifecycle.watchdog import WATCHDOG, Emit, Watchdog

@@ -27,7 +27,7 @@ from lifecycle.manifest import (
     write_json_atomic,
     write_text_atomic,
 )
-from lifecycle.phase import say
+from lifecycle.records import say
 from lifecycle.retention import (
     REPLACED, STAGING, apply_retention, exchange, left_staging, only_copy, remove, replaced_copies, rmtree, tidy,
 )

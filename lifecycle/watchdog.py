@@ -42,7 +42,7 @@ from typing import Any
 import structlog
 
 from lifecycle.errors import ConfigError, LifecycleError, check_callable, shorten
-from lifecycle.phase import described, guarded
+from lifecycle.records import described, guarded
 
 __all__ = ["WATCHDOG", "Emit", "Watchdog", "thread_stacks"]
 
@@ -261,7 +261,7 @@ class Watchdog:
     def _report(self, entry: _Watched, now: float) -> None:
         """Hand the report to the phase's emitter, else this watchdog's; one that raises, is busy
         or does not return in time hands it, with why, to the default warning; a failing default
-        says once on stderr that a record was lost (`phase.guarded`). None of them may kill the
+        says once on stderr that a record was lost (`records.guarded`). None of them may kill the
         thread."""
         fields = {**entry.fields, "elapsed_s": round(now - entry.start, 3), "budget_s": entry.budget_s,
                   "overdue": entry.overdue, "stacks": thread_stacks(skip=threading.get_ident(), first=entry.thread)}

@@ -290,13 +290,17 @@ class CheckpointEngine:
             raise EngineError(f"{self.name} engine: close() while a sync is under way on this engine (in thread "
                               f"{thread.name!r}); close it once that sync has ended")
 
+    def busy(self) -> bool:
+        """Whether a session is under way on this engine, which refuses a second one (`session`)."""
+        return bool(self.__dict__.get("_in_session"))
+
     @contextmanager
     def session(self, rendezvous: Rendezvous | None, rank: int) -> Iterator[Topology]:
         """prepare -> build_topology -> init_process_group, and finalize however it ends. One at
         a time: a second session while one is under way (two receives on one engine, from two
         threads) is an `EngineError`; it would take over the first's topology, store and group."""
         with _SESSIONS:
-            if self.__dict__.get("_in_session"):
+            if self.busy():
                 raise EngineError(f"{self.name} engine: a sync is under way on this engine already; one engine "
                                   "carries one sync at a time (give each concurrent sync an engine of its own)")
             self._in_session = threading.get_ident()

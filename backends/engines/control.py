@@ -48,8 +48,6 @@ SHOWN_CHARS = 500
 """The most characters of a peer's string a message shows: a message never grows with a peer's."""
 MAX_SYNC = (1 << 63) - 1
 _PLAN_ID = re.compile(r"[0-9a-f]{32}")
-_KEPT_PLANS = 2
-"""Plans a receiver keeps by id (`ControlStore.resolve_plan`), the newest ones."""
 
 
 def clip(text: str, limit: int = SHOWN_CHARS) -> str:
@@ -318,26 +316,14 @@ class ControlStore:
                 return f"rank {rank} (pid {pid}, on this host) exited or was killed without setting {_listed(owed)}"
         return None
 
-    def resolve_plan(self, posted: bytes, kept: dict[str, bytes]) -> tuple[str, bytes]:
-        """The id and bytes of the plan a receiver's sync names (`referenced`): from `kept` (the
-        bytes of the plans it read before, by id), or read from the store and checked against its
-        id, and kept; `posted` itself when it is no reference."""
-        ident = referenced(posted)
-        if ident is None:
-            return plan_id(posted), posted
-        raw = kept.get(ident)
-        if raw is None:
-            self.wait([ident], watch_closed=True, prefix="plan")
-            try:
-                raw = bytes(self.plans.get(ident))
-            except STORE_ERRORS as exc:
-                raise self._lost(f"reading the plan {ident}", exc) from exc
-            if plan_id(raw) != ident:
-                raise PlanRefused(f"the plan stored under its id {ident} has another id ({plan_id(raw)})")
-            kept[ident] = raw
-            for old in list(kept)[:-_KEPT_PLANS]:
-                del kept[old]
-        return ident, raw
+    def read_plan(self, ident: str) -> bytes:
+        """The bytes posted under plan id `ident` (`StoreLink.publish`), once they are there;
+        unchecked (`receiver.resolve_plan` holds them to the id)."""
+        self.wait([ident], watch_closed=True, prefix="plan")
+        try:
+            return bytes(self.plans.get(ident))
+        except STORE_ERRORS as exc:
+            raise self._lost(f"reading the plan {ident}", exc) from exc
 
     def closed_clean(self) -> bool:
         """Whether the sender closed this sync after every receiver answered that it took it."""

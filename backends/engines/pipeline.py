@@ -57,7 +57,7 @@ from backends.engines.receiver import Receiver, accept, receivable, receive_size
 from backends.engines.sender import Packed, send_bucket, send_buckets
 from backends.engines.sets import WeightSets, private_sets
 from lifecycle.errors import EngineError
-from lifecycle.phase import say
+from lifecycle.records import say
 
 
 class BucketEngine(CheckpointEngine):
@@ -101,7 +101,7 @@ class BucketEngine(CheckpointEngine):
         """Whether `slots` are ranges of a rollout's storage (`into`), which no later receive may land in."""
         self._landing = Landing()
         self._plans: dict[str, bytes] = {}
-        """A receiver's last plans by id (`ControlStore.resolve_plan`)."""
+        """A receiver's last plans by id (`receiver.resolve_plan`)."""
 
     # -- the data plane a subclass supplies ---------------------------------------------------
 

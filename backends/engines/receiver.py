@@ -23,10 +23,10 @@ from backends.engines.buckets import Layout
 from backends.engines.flat import Named
 from backends.engines.slots import HEADER_BYTES, MAGIC, SLOTS, Slot, read_header
 from backends.engines.digests import keyed, settle
-from backends.engines.control import answer, clip, digits
+from backends.engines.control import ControlStore, answer, clip, digits, plan_id, referenced
 from backends.engines.plan import Plan, PlanRefused, parse_plan
 from lifecycle.errors import EngineError
-from lifecycle.phase import say
+from lifecycle.records import say
 
 if TYPE_CHECKING:
     from backends.engines.pipeline import BucketEngine
@@ -58,7 +58,7 @@ def accept(engine: BucketEngine, rank: int, version: int | None, expected: Colle
             raise PlanRefused(f"into= lands every bucket in the rollout's weights as it arrives: that takes "
                               f"engine.apply 'streamed' (this receiver: {engine.apply!r}) on an engine whose "
                               f"capabilities say lands_in_place (this package's gloo, nccl and hccl; this is {engine.name})")
-        ident, raw_plan = control.resolve_plan(posted, engine._plans)
+        ident, raw_plan = resolve_plan(control, posted, engine._plans)
         layout = engine._receive_layout(raw_plan, expected) if into is None else engine._land(raw_plan, expected, into)
         staging = engine._staging(layout) if engine.apply == "atomic" else layout
     except TransportError:
@@ -71,6 +71,28 @@ def accept(engine: BucketEngine, rank: int, version: int | None, expected: Colle
         raise
     control.set(f"accepted/{rank}", answer(None, plan=ident))
     return sent, ident, layout, staging
+
+
+_KEPT_PLANS = 2
+"""Plans a receiver keeps by id (`resolve_plan`), the newest ones."""
+
+
+def resolve_plan(control: ControlStore, posted: bytes, kept: dict[str, bytes]) -> tuple[str, bytes]:
+    """The id and bytes of the plan a receiver's sync names (`control.referenced`): from `kept`
+    (the bytes of the plans it read before, by id), or read from the store and checked against
+    its id, and kept; `posted` itself when it is no reference."""
+    ident = referenced(posted)
+    if ident is None:
+        return plan_id(posted), posted
+    raw = kept.get(ident)
+    if raw is None:
+        raw = control.read_plan(ident)
+        if plan_id(raw) != ident:
+            raise PlanRefused(f"the plan stored under its id {ident} has another id ({plan_id(raw)})")
+        kept[ident] = raw
+        for old in list(kept)[:-_KEPT_PLANS]:
+            del kept[old]
+    return ident, raw
 
 
 _DIGEST = re.compile(rb"[0-9a-f]{16}")

@@ -39,7 +39,7 @@ from backends.engines.registry import CheckpointEngineRegistry
 from backends.engines.shared import SharedSlotEngine
 from lifecycle.boundary import PATH_MAX
 from lifecycle.errors import EngineError, shorten
-from lifecycle.phase import say
+from lifecycle.records import say
 
 
 @CheckpointEngineRegistry.register("shm")

@@ -186,7 +186,7 @@ def _unusable(engine: CheckpointEngine, rendezvous: Rendezvous | None) -> str | 
     found before the rollout is paused, which would leave it stale for a call that never ran."""
     if engine.capabilities.in_process:  # it receives inside its sender's session (`WeightSync._sync_local`)
         return None
-    if engine.__dict__.get("_in_session"):
+    if engine.busy():
         return ("a sync is under way on this engine already; one engine carries one sync at a time "
                 "(give each concurrent sync an engine of its own)")
     if rendezvous is None:

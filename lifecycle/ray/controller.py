@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import NoReturn
 
 from lifecycle.machine import DRIVER, DriverState
-from lifecycle.phase import Observer, Phase, message
+from lifecycle.phase import Observer, Phase
 from lifecycle.ray.policy import (
     Decision,
     FailurePolicy,
@@ -28,6 +28,7 @@ from lifecycle.ray.policy import (
     plain,
 )
 from lifecycle.ray.run_report import Failure, RunSummary
+from lifecycle.records import message
 from lifecycle.stateful import Stateful
 
 

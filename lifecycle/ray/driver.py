@@ -29,7 +29,6 @@ from typing import Any
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import ConfigError, EngineError, LifecycleError, shorten
 from lifecycle.machine import DriverState
-from lifecycle.phase import described
 from lifecycle.ray.controller import Controller
 from lifecycle.ray.policy import FailureKind, FailurePolicy, RunFailed, WorkerFailed
 from lifecycle.ray.run_report import (
@@ -54,6 +53,7 @@ from lifecycle.ray.settings import (
 )
 from lifecycle.ray.worker_group import WorkerGroup
 from lifecycle.ray.workers import ROLLOUT, RolloutWorker, TrainerWorker, WorkerSpec
+from lifecycle.records import described
 
 
 class DriverHooks:

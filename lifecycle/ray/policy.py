@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from lifecycle.errors import ConfigError, LifecycleError, shorten
-from lifecycle.phase import message
+from lifecycle.records import message
 from lifecycle.types import is_count
 
 

@@ -23,11 +23,11 @@ from typing import Any
 import structlog
 
 from lifecycle.errors import ConfigError, LifecycleError, shorten
-from lifecycle.phase import message
 from lifecycle.ray.actors import WATCH, deferred
 from lifecycle.ray.policy import FailureKind, StandIn, WorkerFailed
 from lifecycle.ray.reaping import pidfd, reap
 from lifecycle.ray.workers import WorkerSpec
+from lifecycle.records import message
 
 OverdueSink = Callable[[str, Mapping[str, Any]], None]
 """Called with the worker's name and each report it handed over."""

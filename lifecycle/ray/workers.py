@@ -32,7 +32,7 @@ import torch
 from lifecycle.core import Lifecycle
 from lifecycle.errors import EngineError, LifecycleError
 from lifecycle.machine import RolloutState
-from lifecycle.phase import described, guarded
+from lifecycle.records import described, guarded
 from lifecycle.rollout import RolloutWeights
 from lifecycle.trace import EventLog, TraceFile
 from lifecycle.types import Parts, SaveInfo
