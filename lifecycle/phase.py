@@ -125,7 +125,7 @@ class Phase:
     """
 
     __slots__ = ("lc", "trigger", "step", "src", "dst", "figures", "undos", "recorded", "_start", "_t0", "_tokens",
-                 "_undo_token", "_watched", "_entered")
+                 "_undo_token", "_watched", "_entered", "_untold")
 
     _tokens: tuple[Token[Any], ...]
 
@@ -144,6 +144,8 @@ class Phase:
         self.recorded = False
         """Whether the machine holds its record: set by `Stateful._record` as it appends it."""
         self._entered = False
+        self._untold: tuple[Enum, Enum, str] | None = None
+        """The last move the phase made that its observers have not all heard (Ctrl-C cut it short)."""
 
     def __del__(self) -> None:
         """A phase made and dropped unentered (`lc.train_step(n)` without `with`) moved nothing and
@@ -175,7 +177,9 @@ class Phase:
             if made[0] is None:  # refused, or interrupted before the state changed: nothing changed
                 raise
             self.src, self.dst = src, dst = made[0]  # moved, then interrupted (Ctrl-C): the phase fails
+            self._untold = (src, dst, self.trigger)
             self._fail(exc)
+        self._untold = (src, dst, self.trigger)
         try:  # moved: whatever fails from here fails the phase, which ends like any other
             lc._phase = self
             self._undo_token = RUNNING_UNDOS.set(self.undos)
@@ -188,7 +192,7 @@ class Phase:
                 self._watched = True  # first: an interrupt inside `watch` may leave its entry, which the end drops
                 lc._watchdog.watch(id(self), budget, emit=lc._on_overdue, trigger=self.trigger, state=dst._name_,
                                    role=lc.role, rank=lc.rank, step=self.step)
-            lc._tell(src, dst, self.trigger)
+            self._tell_untold()
             self._begun()
         except BaseException as exc:
             self._fail(exc)
@@ -263,6 +267,7 @@ class Phase:
         lc = self.lc
         interrupt = self._unwatch()
         _reset(*self._tokens)
+        self._tell_untold()  # the move in, when Ctrl-C came before every observer heard it
         if self.dst._name_ in lc._table.working_names:
             working, trigger = self.dst, FAIL if error is not None else DONE
             try:
@@ -270,11 +275,20 @@ class Phase:
             except BaseException:
                 if lc.state is not working:  # moved, interrupted after: only this phase leaves its working state
                     self.dst = lc._table.moves[trigger][working._name_]
+                    self._untold = (working, self.dst, trigger)
                 raise
-            lc._tell(src, self.dst, trigger)
+            self._untold = (src, self.dst, trigger)
+        self._tell_untold()
         if not self.recorded:
             lc._record(self, error)
         return interrupt
+
+    def _tell_untold(self) -> None:
+        """Observers hear the phase's last move; told again whole if Ctrl-C cut the telling short
+        (an observer that heard it before the cut hears it twice, none misses it)."""
+        if self._untold is not None:
+            self.lc._tell(*self._untold)
+            self._untold = None
 
     def _unwatch(self) -> BaseException | None:
         """Drop the phase's budget. A watchdog that raises is an observer's error: logged

@@ -17,7 +17,7 @@ import pytest
 from lifecycle import State
 from lifecycle.machine import DriverState
 from lifecycle.machine import RolloutState as R
-from lifecycle.phase import Phase
+from lifecycle.phase import Observer, Phase
 from lifecycle.ray.controller import Controller
 from lifecycle.ray.policy import FailureKind, FailurePolicy, WorkerFailed
 from lifecycle.rollout import RolloutWeights
@@ -141,6 +141,38 @@ def test_ctrl_c_anywhere_in_a_phases_end_leaves_the_working_state_with_one_recor
     assert fired and undone == [1]
     assert lc.state is (State.READY if moved else State.FAILED)
     assert [(r.trigger, r.ok, r.dst) for r in lc.history[1:]] == [("save", moved, lc.state)]
+    _settled(lc, watchdog)
+
+
+class _Moves(Observer):
+    """Every move an observer hears, as (src, dst) pairs."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple[Any, Any]] = []
+
+    def on_state_change(self, lc: Any, src: Any, dst: Any, trigger: str) -> None:
+        self.heard.append((src, dst))
+
+
+MOVE_POINTS = [(e, f, w, True) for e, f, w in BEGIN_POINTS_MOVED] + [(e, f, w, False) for e, f, w, _ in END_POINTS]
+
+
+@pytest.mark.parametrize(("event", "function", "where", "begin"), MOVE_POINTS,
+                         ids=[f"{'begin' if b else 'end'}-{e}-{f}" for e, f, _, b in MOVE_POINTS])
+def test_ctrl_c_as_a_phase_moves_leaves_observers_the_chain_of_moves_from_ready_to_the_state_it_ended_in(
+        event: str, function: str, where: dict[str, Any], begin: bool) -> None:
+    """Observers heard the move out without the move in when Ctrl-C landed between the begin
+    move and its telling, and missed the move out when it landed as that one was told."""
+    lc, watchdog = _saving_lifecycle()
+    moves = _Moves()
+    lc.add_observer(moves)
+    with ExitStack() as stack, pytest.raises(KeyboardInterrupt):
+        if begin:
+            stack.enter_context(interrupt_once(event, function, **where))
+        with Phase(lc, "save", 1):
+            lc.on_exit(lambda: None)
+            stack.enter_context(interrupt_once(event, function, **where))
+    assert moves.heard == [(State.READY, State.SAVING), (State.SAVING, lc.state)]
     _settled(lc, watchdog)
 
 
