@@ -144,8 +144,9 @@ class Phase:
         self.recorded = False
         """Whether the machine holds its record: set by `Stateful._record` as it appends it."""
         self._entered = False
-        self._untold: tuple[Enum, Enum, str] | None = None
-        """The last move the phase made that its observers have not all heard (Ctrl-C cut it short)."""
+        self._untold: tuple[Enum, Enum, str, int] | None = None
+        """The last move the phase made that its observers have not all heard (Ctrl-C cut it
+        short), and how many more times it may be told."""
 
     def __del__(self) -> None:
         """A phase made and dropped unentered (`lc.train_step(n)` without `with`) moved nothing and
@@ -177,9 +178,9 @@ class Phase:
             if made[0] is None:  # refused, or interrupted before the state changed: nothing changed
                 raise
             self.src, self.dst = src, dst = made[0]  # moved, then interrupted (Ctrl-C): the phase fails
-            self._untold = (src, dst, self.trigger)
+            self._untold = (src, dst, self.trigger, _TELLS)
             self._fail(exc)
-        self._untold = (src, dst, self.trigger)
+        self._untold = (src, dst, self.trigger, _TELLS)
         try:  # moved: whatever fails from here fails the phase, which ends like any other
             lc._phase = self
             self._undo_token = RUNNING_UNDOS.set(self.undos)
@@ -275,19 +276,22 @@ class Phase:
             except BaseException:
                 if lc.state is not working:  # moved, interrupted after: only this phase leaves its working state
                     self.dst = lc._table.moves[trigger][working._name_]
-                    self._untold = (working, self.dst, trigger)
+                    self._untold = (working, self.dst, trigger, _TELLS)
                 raise
-            self._untold = (src, self.dst, trigger)
+            self._untold = (src, self.dst, trigger, _TELLS)
         self._tell_untold()
         if not self.recorded:
             lc._record(self, error)
         return interrupt
 
     def _tell_untold(self) -> None:
-        """Observers hear the phase's last move; told again whole if Ctrl-C cut the telling short
-        (an observer that heard it before the cut hears it twice, none misses it)."""
+        """Observers hear the phase's last move, told again whole if Ctrl-C cut the telling short
+        (an observer that heard it before the cut hears it twice). An observer that raises an
+        interrupt every time is told `_TELLS` times, no more: the phase still ends."""
         if self._untold is not None:
-            self.lc._tell(*self._untold)
+            src, dst, trigger, tells = self._untold
+            self._untold = (src, dst, trigger, tells - 1) if tells > 1 else None
+            self.lc._tell(src, dst, trigger)
             self._untold = None
 
     def _unwatch(self) -> BaseException | None:
@@ -310,7 +314,9 @@ class Phase:
         return interrupt
 
 
-_SETTLE_TRIES = 3
+_TELLS = 2
+"""How often a phase tells its observers of one move when Ctrl-C cuts the telling short."""
+_SETTLE_TRIES = 3 + 2 * (_TELLS - 1)
 """How often a phase's end tries to leave the working state and record when interrupted on the way."""
 
 

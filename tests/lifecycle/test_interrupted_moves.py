@@ -307,3 +307,26 @@ def test_a_trigger_a_signal_handler_fires_inside_the_begin_move_fails_the_outer_
     assert fired and lc.state is State.FAILED and lc._phase is None
     assert [(r.trigger, r.ok) for r in lc.history[1:]] == [("save", False)]
     _settled(lc, watchdog)
+
+
+class _AlwaysInterrupting(Observer):
+    """An observer that raises KeyboardInterrupt at every move it hears, as often as it is told."""
+
+    def __init__(self) -> None:
+        self.told = 0
+
+    def on_state_change(self, lc: Any, src: Any, dst: Any, trigger: str) -> None:
+        self.told += 1
+        raise KeyboardInterrupt
+
+
+def test_an_observer_interrupting_every_telling_is_told_each_move_at_most_twice_and_the_phase_still_ends_failed() -> None:
+    lc, watchdog = _saving_lifecycle()
+    observer = _AlwaysInterrupting()
+    lc.add_observer(observer)
+    with pytest.raises(KeyboardInterrupt):
+        lc.save(1)
+    assert lc.state is State.FAILED and observer.told <= 4
+    assert [(r.trigger, r.ok) for r in lc.history[1:]] == [("save", False)]
+    lc.remove_observer(observer)
+    _settled(lc, watchdog)
