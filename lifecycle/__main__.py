@@ -1,3 +1,3 @@
-from lifecycle.cli import main
+from lifecycle.cli import entry
 
-raise SystemExit(main())
+entry()

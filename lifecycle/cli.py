@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence, TextIO
@@ -16,22 +18,24 @@ from lifecycle.types import plain_digits
 class Printable:
     """A text stream whose every write is one piece of a line: its characters a terminal acts on are
     escaped (`printable`), except the line breaks and carriage returns it starts or ends with, which
-    are the report's own. Everything the commands print about a root goes through it."""
+    are the report's own. Everything the commands print about a root goes through it. None (a
+    closed stderr, which Python sets to None) takes the writes and drops them."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO | None) -> None:
         self.stream = stream
 
     def write(self, text: str) -> int:
         body = text.lstrip("\r\n")
         head = text[:len(text) - len(body)]
         core = body.rstrip("\n")
-        return self.stream.write(head + printable(core) + body[len(core):])
+        return len(text) if self.stream is None else self.stream.write(head + printable(core) + body[len(core):])
 
     def flush(self) -> None:
-        self.stream.flush()
+        if self.stream is not None:
+            self.stream.flush()
 
     def isatty(self) -> bool:
-        return self.stream.isatty()
+        return self.stream is not None and self.stream.isatty()
 
 
 def _diagram(args: argparse.Namespace) -> int:
@@ -130,9 +134,45 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C (SIGINT), as shells give one: 128 + 2."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command; its failures, a closed stdout and Ctrl-C end in one `error:` line, never a traceback."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = next((word for word in words if word in ("diagram", "inspect", "verify", "convert")), "lifecycle")
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        _error(f"{command}: interrupted")
+        return INTERRUPTED
+
+
+def entry() -> NoReturn:
+    """The console script's and `python -m lifecycle`'s entry: `main`, exiting with its status.
+    Stopped by Ctrl-C, the process ends by SIGINT once its error line is out, as a shell expects
+    of an interrupted command (`for f in ...; do python -m lifecycle verify "$f"; done` stops too);
+    `main` itself returns 130, so a caller in the same process is not killed."""
+    status = main()
+    if status == INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):  # dying by a signal flushes nothing
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+                pass
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    raise SystemExit(status)  # where SIGINT cannot end the process (Windows), its status
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
+    if sys.stdout is None:  # started with stdout closed (`>&-`): every command reports there
+        _error("stdout is closed")
+        return 2
     for stream in (sys.stdout, sys.stderr):  # file names that are not UTF-8 print escaped, never crash
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
@@ -151,7 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _error(message: str, quoted: Sequence[str] = ()) -> None:
     """`error: message` on stderr, each of its own lines printable. The library starts each line
     after the first with an indent; any other line break, and every one inside a path given on
-    the command line (`quoted`), is escaped rather than let forge a line of its own."""
+    the command line (`quoted`), is escaped rather than let forge a line of its own. Nothing is
+    written with stderr closed (print would write to stdout instead)."""
+    if sys.stderr is None:
+        return
     for text in quoted:
         message = message.replace(text, printable(text))
     print("error: " + "\n  ".join(map(printable, message.split("\n  "))), file=sys.stderr)

@@ -4,22 +4,123 @@ The file is read through the filesystem boundary (a FIFO or device at the path i
 waited on; a huge file is not read) and parsed as safe YAML with a nesting limit, so neither a
 wrong path nor hostile text gets past here as anything but a typed error. What the data means
 is `lifecycle.config`'s business.
+
+The same limits hold for config data a caller gives (`lifecycle.config_rules` applies them):
+`path_problem` for every path key, `check_free_form` for a free-form option (no value that
+holds itself, nests or expands past a file's limits), `read_items` for a mapping or list that
+fails as it is read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
+from lifecycle.boundary import path_problem as boundary_path_problem
 from lifecycle.boundary import read_bytes
-from lifecycle.config_rules import path_problem
-from lifecycle.errors import CheckpointError, ConfigError
+from lifecycle.errors import CheckpointError, ConfigError, shorten
 
 CONFIG_FILE_LIMIT: int = 1 << 20
 """Bytes a YAML config file may hold: a real one is a few KiB, and a wrong path (a log, a device
 file) is refused instead of read whole."""
+
+
+_NULL_WORDS = frozenset({"None", "none", "NONE", "null", "Null", "NULL", "~"})
+"""Strings that read as 'no value': YAML 1.1 reads only null, Null, NULL and ~ so (unquoted),
+and `None` is Python's; as a path each would silently name a folder `./None`."""
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` cannot name a file or folder on any system this runs on, or None."""
+    if not path:
+        return "an empty path would mean the current folder; give a folder or leave the key unset"
+    if path in _NULL_WORDS:
+        return (f"{path!r} is text, not a null; write null or leave the key out for no path "
+                f"(or ./{path} for a folder of that name)")
+    return boundary_path_problem(path)
+
+
+def read_items(items: Callable[[], Any], key: str, what: str) -> list[Any]:
+    """`items()` as a list: a container from another tool may fail as it is read, with any exception."""
+    try:
+        return list(items())
+    except Exception as exc:  # noqa: BLE001 - a foreign container's reads may raise anything
+        raise ConfigError(key, f"cannot read {what}: {type(exc).__name__}: {shorten(str(exc))}") from None
+
+
+def read_sequence(value: Sequence[Any], key: str, what: str, limit: int) -> list[Any] | None:
+    """The items of `value`, read by index (a sequence's own `iter` stops on IndexError only, so
+    another tool's that fails otherwise would escape); None, with none read, when it holds more
+    than `limit`, so a `range(10**9)` given from code is refused before its list is built."""
+    count = read_items(lambda: [len(value)], key, what)[0]
+    return None if count > limit else read_items(lambda: [value[i] for i in range(count)], key, what)
+
+
+YAML_DEPTH_LIMIT = 32
+"""Levels of nesting a config file, or a free-form value, may have; the tree itself is four deep."""
+FREE_FORM_LIMIT = 1_000_000
+"""Values a free-form option (or a list key) may hold, YAML aliases written out as `to_dict` does."""
+
+
+@dataclass(slots=True)
+class _FreeForm:
+    """One walk over a free-form (`Any`) value, each container walked once (`done`: its depth and
+    size by id, None while inside it), with a budget of values `left`, charged as the walk goes:
+    a container longer than what is left is refused before its items are read."""
+
+    key: str
+    where: str
+    left: int = FREE_FORM_LIMIT
+    done: dict[int, tuple[int, int] | None] = field(default_factory=dict)
+
+    def walk(self, value: object, depth: int) -> tuple[int, int]:
+        """Depth and size of `value`; a `ConfigError` for one that holds itself (a YAML anchor
+        used inside itself) or passes the limits above, on which `to_dict` would not end."""
+        if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, (Mapping, Sequence)):
+            self._charge(1)
+            return 0, 1
+        if id(value) in self.done and self.done[id(value)] is None:
+            raise ConfigError(self.key, f"{self.where}holds itself (a YAML anchor used inside itself); it must end")
+        deepest, size = self.done.get(id(value)) or (1, 1)  # met before, through an alias: its depth counts from here
+        if depth + deepest > YAML_DEPTH_LIMIT:
+            raise ConfigError(self.key, f"{self.where}nested deeper than {YAML_DEPTH_LIMIT} levels")
+        if id(value) in self.done:
+            self._charge(size)  # written out again where the alias is
+            return deepest, size
+        self.done[id(value)] = None
+        self._charge(1)
+        for item in self._items(value):
+            below, count = self.walk(item, depth + 1)
+            deepest, size = max(deepest, below + 1), size + count
+        self.done[id(value)] = (deepest, size)
+        return deepest, size
+
+    def _items(self, value: Mapping[Any, Any] | Sequence[Any]) -> list[Any]:
+        """The values of a mapping or the items of a sequence, none read when there are more than are left."""
+        if isinstance(value, Mapping):
+            if read_items(lambda: [len(value)], self.key, "the value")[0] > self.left:
+                self._refuse()
+            return read_items(value.values, self.key, "the value")
+        items = read_sequence(value, self.key, "the value", self.left)
+        return self._refuse() if items is None else items
+
+    def _charge(self, size: int) -> None:
+        self.left -= size
+        if self.left < 0:
+            self._refuse()
+
+    def _refuse(self) -> NoReturn:
+        raise ConfigError(self.key, f"{self.where}holds more than {FREE_FORM_LIMIT} values with its YAML aliases "
+                                    "written out")
+
+
+def check_free_form(value: object, key: str, where: str = "") -> None:
+    """A free-form (`Any`) config value, from a YAML file or a caller's dict, known to end."""
+    _FreeForm(key, where).walk(value, 0)
 
 
 def read_yaml(name: str) -> object:
@@ -45,10 +146,6 @@ def _read_config_file(name: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(name, f"not UTF-8 text: cannot decode byte {exc.start} ({data[exc.start]:#04x})") from exc
-
-
-YAML_DEPTH_LIMIT = 32
-"""Levels of nesting a config file may have; the tree itself is four deep (a list in a section)."""
 
 
 class _ShallowLoader(yaml.SafeLoader):

@@ -14,17 +14,17 @@ component's own extra keys land in the section's `extras` field (see
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import Field, dataclass, fields
+from dataclasses import MISSING, Field, dataclass, fields
 from enum import Enum
 from functools import cache
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from lifecycle.boundary import path_problem as boundary_path_problem
+from lifecycle.config_file import FREE_FORM_LIMIT, check_free_form, path_problem, read_items, read_sequence
+from lifecycle.config_scalars import SCALARS, describe, scalar
 from lifecycle.errors import ConfigError, shorten
 
 
@@ -91,17 +91,9 @@ class Section:
     """Dotted path of the section in the tree, set by `place_sections`; errors start from it."""
 
     def __new__(cls: type[S], *args: object, **kwargs: object) -> S:
-        """Keyword arguments are keys like any other: a misspelt one is a `ConfigError` naming
-        it and the valid ones, as in a dict or YAML, rather than the generated `__init__`'s
-        `TypeError`. (`__new__`, since the dataclass decorator writes `__init__` after the class.)"""
-        if args:
-            raise ConfigError(cls._prefix, f"{cls.__name__} takes keyword arguments only, got {len(args)} "
-                                           "positional; build one from a mapping with LifecycleConfig.from_dict")
-        names = _init_names(cls)
-        for key in kwargs:
-            if key not in names:
-                listed = ", ".join(sorted(name for name in names if not _deprecated(cls, name)))
-                raise ConfigError(join(cls._prefix, key), f"unknown keyword argument; valid ones: {listed}")
+        """Keyword arguments are keys like any other (`check_keywords`). (`__new__`, since the
+        dataclass decorator writes `__init__` after the class.)"""
+        check_keywords(cls, cls._prefix, args, kwargs, "build one from a mapping with LifecycleConfig.from_dict")
         return object.__new__(cls)
 
     def __post_init__(self) -> None:
@@ -122,6 +114,24 @@ class Section:
         return data
 
 
+def check_keywords(cls: type, prefix: str, args: tuple[object, ...], kwargs: Mapping[str, object], how: str) -> None:
+    """A dataclass's constructor arguments as config keys: a positional one, a misspelt one or a
+    missing required one is a `ConfigError` naming the key (and the valid ones), as in a dict or
+    YAML, rather than the generated `__init__`'s `TypeError`. `how`: what to do instead of
+    positional arguments. Pickle and `copy` call `__new__` too: a class with a required field
+    gives them its value in `__getnewargs_ex__`."""
+    if args:
+        raise ConfigError(prefix, f"{cls.__name__} takes keyword arguments only, got {len(args)} positional; {how}")
+    names = _init_names(cls)
+    for key in kwargs:
+        if key not in names:
+            listed = ", ".join(sorted(name for name in names if not _deprecated(cls, name)))
+            raise ConfigError(join(prefix, key), f"unknown keyword argument; valid ones: {listed}")
+    for f in fields(cls):
+        if f.init and f.name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
+            raise ConfigError(join(prefix, f.name), f"required; give {cls.__name__}({f.name}=...)")
+
+
 @cache
 def _init_names(cls: type) -> frozenset[str]:
     """The keyword arguments a section's `__init__` takes: its fields' attribute names."""
@@ -136,24 +146,12 @@ def place_sections(cls: type[Section], prefix: str = "") -> None:
             place_sections(hint, join(prefix, name))
 
 
-def describe(value: object) -> str:
-    """A bounded `repr` of `value` and its type, for messages."""
-    return f"{shorten(value)} ({type(value).__name__})"
-
-
 def join(prefix: str, key: object) -> str:
     """The dotted key; a key that would not read as one (not a string, empty, unprintable, padded,
     huge) is quoted, so a message cannot hide it or forge a line of its own."""
     readable = isinstance(key, str) and key != "" and key.strip() == key and key.isprintable() and len(key) <= 80
     text = key if readable else shorten(key)
     return f"{prefix}.{text}" if prefix else text
-
-
-def path_problem(path: str) -> str | None:
-    """Why `path` cannot name a file or folder on any system this runs on, or None."""
-    if not path:
-        return "an empty path would mean the current folder; give a folder or leave the key unset"
-    return boundary_path_problem(path)
 
 
 def _key_of(f: Field[Any]) -> str:
@@ -195,7 +193,7 @@ def build(cls: type[Any], data: object) -> Any:
     keys, extras_field = keys_of(cls), _extras_field(cls)
     kwargs: dict[str, Any] = {}
     extras: dict[str, Any] = {}
-    for key, value in data.items():
+    for key, value in read_items(data.items, path, f"section {path}" if path else "the config"):
         if not isinstance(key, str):
             raise ConfigError(join(path, key), f"a key must be a string, got {describe(key)}")
         if key in keys:
@@ -236,11 +234,13 @@ def _resolved(value: object, key: str) -> object:
 
 
 def validate(section: Section) -> None:
-    """The one validation path: coerce every field by its type hint, apply its rule, then cross-check."""
+    """The one validation path: coerce every field by its type hint, apply its rule, then cross-check.
+    The extras field is only read here: `compose` checks each of its keys, by the component's type."""
     hints = hints_of(type(section))
     for f in fields(section):  # type: ignore[arg-type]
-        setattr(section, f.name, check_value(getattr(section, f.name), hints[f.name], rule_of(f),
-                                             join(section._prefix, _key_of(f))))
+        key, value = join(section._prefix, _key_of(f)), getattr(section, f.name)
+        setattr(section, f.name, _mapping(value, key, "") if rule_of(f).extras else
+                check_value(value, hints[f.name], rule_of(f), key))
     section._check()
 
 
@@ -250,14 +250,6 @@ def check_value(value: object, hint: Any, rule: Rule, key: str) -> Any:
     if value is not None:
         _apply_rule(value, rule, key)
     return value
-
-
-_SCALARS: dict[type, tuple[str, tuple[type, ...]]] = {
-    bool: ("a boolean", (bool,)),
-    int: ("an integer", (int,)),
-    float: ("a number", (int, float)),
-    str: ("a string", (str,)),
-}
 
 
 def _coerce(value: object, hint: Any, key: str, where: str = "") -> Any:
@@ -273,15 +265,16 @@ def _coerce(value: object, hint: Any, key: str, where: str = "") -> Any:
             raise ConfigError(key, f"no coercion for field type {hint!r}")
         return None if value is None else _coerce(value, inner[0], key, where)
     if get_origin(hint) is dict:
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(key, f"{where}expected a mapping of keys to values, got {describe(value)}")
-        inner = get_args(hint)[1] if len(get_args(hint)) == 2 else Any
-        return {k: v if inner is Any else _coerce(v, inner, key, f"{where}key {shorten(k)}: ")
-                for k, v in value.items()}
+        data, inner = _mapping(value, key, where), get_args(hint)[1] if len(get_args(hint)) == 2 else Any
+        if inner is Any:  # free-form: kept as given, once known to end (no cycle, bounded depth and size)
+            check_free_form(data, key, where)
+        return {k: v if inner is Any else _coerce(v, inner, key, f"{where}key {shorten(k)}: ") for k, v in data.items()}
     if get_origin(hint) is list:
         if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
             raise ConfigError(key, f"expected a list, got {describe(value)}")
-        return [_coerce(v, get_args(hint)[0], key, f"item {i}: ") for i, v in enumerate(value)]
+        if (items := read_sequence(value, key, "the list", FREE_FORM_LIMIT)) is None:
+            raise ConfigError(key, f"holds more than {FREE_FORM_LIMIT} items")
+        return [_coerce(v, get_args(hint)[0], key, f"item {i}: ") for i, v in enumerate(items)]
     if isinstance(hint, type) and issubclass(hint, Enum):
         if isinstance(value, hint):
             return value
@@ -293,11 +286,8 @@ def _coerce(value: object, hint: Any, key: str, where: str = "") -> Any:
         raise ConfigError(key, f"{where}expected one of {choices}, got {describe(value)}")
     if hint is str and isinstance(value, Enum) and isinstance(value.value, str):
         value = value.value  # a str Enum's member (`Format.HF`) stands for its name
-    if hint in _SCALARS:
-        what, accepted = _SCALARS[hint]
-        if isinstance(value, bool) and hint is not bool or not isinstance(value, accepted):
-            raise ConfigError(key, f"{where}expected {what}, got {describe(value)}")
-        return _finite(value, key, where) if hint is float else value  # type: ignore[arg-type]
+    if hint in SCALARS:
+        return scalar(value, hint, key, where)
     if isinstance(hint, type) and issubclass(hint, Section):
         if isinstance(value, hint):
             validate(value)  # type: ignore[arg-type]
@@ -306,15 +296,13 @@ def _coerce(value: object, hint: Any, key: str, where: str = "") -> Any:
     raise ConfigError(key, f"no coercion for field type {hint!r}")
 
 
-def _finite(value: float, key: str, where: str) -> float:
-    """`value` as a float; infinity and NaN (or an int too big for a float) cannot be a time or a size."""
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
-        raise ConfigError(key, f"{where}expected a finite number, got {describe(value)}")
-    return number
+def _mapping(value: object, key: str, where: str) -> dict[str, Any]:
+    """`value` read into a plain dict with string keys, else a `ConfigError`."""
+    value = _resolved(value, key)
+    items = read_items(value.items, key, "the mapping") if isinstance(value, Mapping) else None
+    if items is None or not all(isinstance(k, str) for k, _ in items):
+        raise ConfigError(key, f"{where}expected a mapping of keys to values, got {describe(value)}")
+    return dict(items)
 
 
 def _bound(number: float) -> str:
