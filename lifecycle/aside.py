@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from lifecycle.boundary import STEP_PREFIX, lstat, os_error, parse_step
 from lifecycle.errors import CheckpointError
-from lifecycle.manifest import MANIFEST
 from lifecycle.records import say
 from lifecycle.retention import replaced_copies
+from lifecycle.writer_lock import LockHeld, lock_errno
 
 if TYPE_CHECKING:
     from lifecycle.store import CheckpointStore
@@ -131,8 +131,9 @@ def abandon_line(store: CheckpointStore, role: str, resumed: int | None, roles: 
     lock = store.writer_lock(role)
     try:
         lock.acquire()
-    except CheckpointError as exc:
+    except CheckpointError as exc:  # held by another writer, or no lock to be had (ENOLCK): named either way
         say("error", "checkpoint.abandoned_line_not_moved", role=role, resumed_step=resumed, error=str(exc),
+            path=str(lock.path), errno=lock_errno(exc), held=isinstance(exc, LockHeld),
             action="a later automatic resume may pair its newer steps with another role's")
         return []
     try:
@@ -151,12 +152,9 @@ def abandon_line(store: CheckpointStore, role: str, resumed: int | None, roles: 
 def _past(store: CheckpointStore, role: str, resumed: int | None, roles: Sequence[str]) -> list[int]:
     """The steps newer than `resumed` (all, for None) holding a committed folder of `role` but
     not of every role of `roles`."""
-    def committed(step: int, who: str) -> bool:
-        return lstat(store.role_dir(step, who) / MANIFEST) is not None
-
     try:
-        return [step for step in store.steps() if (resumed is None or step > resumed) and committed(step, role)
-                and not all(committed(step, who) for who in {*roles, role})]
+        return [step for step in store.steps() if (resumed is None or step > resumed) and store.committed(step, role)
+                and not all(store.committed(step, who) for who in {*roles, role})]
     except CheckpointError as exc:
         say("error", "checkpoint.abandoned_line_not_moved", role=role, resumed_step=resumed, error=str(exc),
             action="a later automatic resume may pair its newer steps with another role's")

@@ -41,11 +41,22 @@ from lifecycle.background import BackgroundSaver, PendingSave
 from lifecycle.contents import CONTENTS
 from lifecycle.errors import CheckpointError
 from lifecycle.frozen import FrozenModule, FrozenOptimizer, StateOnly, keeps_its_own_state, standing_for
+from lifecycle.jsontree import NotSerializable
 from lifecycle.saver import SaveJob, Saver, agree_fn
 from lifecycle.store import CheckpointStore
 from lifecycle.types import Parts, Progress, SaveInfo
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+
+
+class NotCopyable(NotSerializable):
+    """A value the host copy cannot take (`copy.deepcopy` fails on a lock, a process group): the
+    cause is the copy for the background write, not the encoding a save would choose."""
+
+    def __init__(self, where: str, key: str, value: object = None, *, type_name: str | None = None) -> None:
+        super().__init__(where, key, value, type_name=type_name)
+        self.args = (f"{where}: value at {key or '<root>'} of type {self.type_name} cannot be copied to host "
+                     "memory for the background write",)
 
 
 class HostCopier:
@@ -130,7 +141,10 @@ class HostCopier:
             return {k: self.tree(v, f"{key}.{k}") for k, v in value.items()}
         if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             return type(value)(self.tree(v, f"{key}.{i}") for i, v in enumerate(value))
-        return copy.deepcopy(value)
+        try:
+            return copy.deepcopy(value)
+        except Exception as exc:  # a process group, a lock: refused typed, naming the key, as a sync save does
+            raise NotCopyable("async save's host copy", key, value) from exc
 
     def tensor(self, t: torch.Tensor, key: str) -> torch.Tensor:
         if type(t) not in _PLAIN:

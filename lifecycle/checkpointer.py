@@ -27,7 +27,7 @@ from lifecycle.extra import check_progress
 from lifecycle.manifest import MANIFEST, check_folder
 from lifecycle.load_format import build_format, value_of
 from lifecycle.records import say
-from lifecycle.resumer import HashFn, NotResumed, Resumed, Resumer
+from lifecycle.resumer import HashFn, NotResumed, Resumed, Resumer, all_or_none
 from lifecycle.role import RoleRank
 from lifecycle.saver import SaveJob, Saver, agree_fn
 from lifecycle.store import CheckpointStore, check_role
@@ -41,16 +41,28 @@ _VOLATILE_CONFIG_KEYS = (*_EARLIER_VOLATILE_KEYS, "use_cache", "output_attention
 
 
 def earlier_config_hash(parts: Parts) -> str | None:
-    """`model_config_hash` as releases before this one computed it (runtime flags included), which
-    a step they saved carries: a resume accepts it too."""
-    return model_config_hash(parts, volatile=_EARLIER_VOLATILE_KEYS)
+    """`model_config_hash` as releases before runtime flags were left out computed it (runtime flags
+    included, `str` of a set as it came), which a step they saved carries: a resume accepts it too."""
+    return model_config_hash(parts, volatile=_EARLIER_VOLATILE_KEYS, text=str)
 
 
-def model_config_hash(parts: Parts, *, volatile: tuple[str, ...] = _VOLATILE_CONFIG_KEYS) -> str | None:
+def unsorted_config_hash(parts: Parts) -> str | None:
+    """`model_config_hash` as the release before set items were sorted computed it (`str` of a set
+    as it came), which a step it saved carries: a resume accepts it too."""
+    return model_config_hash(parts, text=str)
+
+
+EARLIER_HASHES: tuple[HashFn, ...] = (unsorted_config_hash, earlier_config_hash)
+"""The hashes earlier releases wrote for the same model, which a resume accepts besides the current one."""
+
+
+def model_config_hash(parts: Parts, *, volatile: tuple[str, ...] = _VOLATILE_CONFIG_KEYS,
+                      text: Callable[[Any], str] | None = None) -> str | None:
     """Fingerprint of the architecture, so resume can refuse a checkpoint of another model.
 
     Keys that change with the library version, the load path or a runtime switch (`use_cache`),
-    not the model, are left out (`volatile`).
+    not the model, are left out (`volatile`). A value JSON cannot hold is hashed as its `text`
+    (`_text` unless given).
     """
     model = parts.model
     if model is None:
@@ -58,13 +70,24 @@ def model_config_hash(parts: Parts, *, volatile: tuple[str, ...] = _VOLATILE_CON
     describe = getattr(model, "fingerprint", None) or getattr(getattr(model, "config", None), "to_dict", None)
     if callable(describe):
         cfg = {k: v for k, v in describe().items() if k not in volatile}
-        payload = json.dumps(cfg, sort_keys=True, default=str)
+        payload = json.dumps(cfg, sort_keys=True, default=text or _text)
     else:
         layout = sorted([n, list(t.shape), str(t.dtype)] if hasattr(t, "shape") and hasattr(t, "dtype")
                         else [n, [], type(t).__name__]  # extra state (`get_extra_state`) is any object
                         for n, t in model.state_dict().items())
         payload = json.dumps(layout)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+def _text(value: Any) -> str:
+    """`str(value)`, a set's items sorted by their text: `str` of a set follows PYTHONHASHSEED
+    (and, for integers, the order they were added), so the same model's hash could differ between
+    the saving and the resuming process. The text may differ from `str`'s (`{9, 10}` gives
+    `{10, 9}`): a step saved with `str`'s text is accepted through `EARLIER_HASHES`."""
+    if not isinstance(value, (set, frozenset)) or not value:
+        return str(value)
+    items = "{" + ", ".join(sorted(_text(v) if isinstance(v, (set, frozenset)) else repr(v) for v in value)) + "}"
+    return items if type(value) is set else f"{type(value).__name__}({items})"
 
 
 def check_parts(config: LifecycleConfig, parts: Parts, world_size: int = 1) -> None:
@@ -129,7 +152,7 @@ class DiskCheckpointer:
         at = RoleRank(config=config, store=lambda: self.store, role=self.role, roles=self.roles, rank=rank,
                       world_size=world_size, collective=lambda: self._collective)
         self._resumer = Resumer(at, model_hash=self._model_hash,
-                                also_accepted=None if model_config_hash is not None else earlier_config_hash)
+                                also_accepted=() if model_config_hash is not None else EARLIER_HASHES)
         self._saver = Saver(at, parallel={"world_size": world_size, **(parallel or {})})
         self._async: AsyncSaver | None = None
 
@@ -215,6 +238,31 @@ class DiskCheckpointer:
         job = SaveJob(step=step, writer=writer, model_hash=self._model_hash(parts), started=started,
                       lock=self.store.writer_lock(self.role) if self.rank == 0 else None)
         return (background or self._saver).save(job, parts, progress)
+
+    def check_save(self, step: int) -> None:
+        """Refuse a save of a step behind the newest one committed for every role (see
+        `CheckpointStore.check_not_behind`) before the lifecycle moves: refused inside the save, it
+        fails the lifecycle and loses the steps trained since the last save. Rank 0 looks and its
+        peers learn the outcome through the process group; under a caller's own barrier, which
+        tells nothing, the check inside the save is the only one."""
+        if self.config.checkpoint.root is None or (self.world_size > 1 and not self._collective):
+            return
+        what = f"save of step {step} (role {self.role})"
+        all_or_none(lambda: self._check_not_behind(check_step(step)) if self.rank == 0 else None,
+                    agree_fn(self._collective), f"{what} refused by rank 0", what=f"{what}: cannot check the root")
+
+    def _check_not_behind(self, step: int) -> None:
+        """Refuse `step` behind a committed step, or behind the step of this role's async save
+        still in flight when that save, once committed, completes its step for every role: the
+        save would wait for that commit and then be refused, failing the lifecycle."""
+        self.store.check_not_behind(step, self.role, self.roles)
+        ahead = None if self._async is None else self._async.background.in_flight()
+        if ahead is not None and ahead > step and all(self.store.committed(ahead, r) for r in self.roles
+                                                      if r != self.role):
+            raise CheckpointError(
+                f"{self.store.step_dir(step)}: cannot save step {step} (role {self.role}): step {ahead} is being "
+                f"saved in the background and, once committed, is committed in {self.store.root} for every role "
+                f"({', '.join(self.roles)}): an automatic resume would restart from it, not from this save")
 
     def _async_saver(self, backend: FormatBackend) -> AsyncSaver:
         check_async(type(backend), self.world_size)

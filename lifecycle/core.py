@@ -99,6 +99,9 @@ class Lifecycle(Stateful[State]):
     def save(self, step: int | None = None) -> SaveInfo:
         """READY -> SAVING -> READY: write and commit a checkpoint; returns what was written."""
         number = check_step(self.progress.step if step is None else step)  # refused before the machine moves
+        check_save = getattr(self.checkpointer, "check_save", None)
+        if callable(check_save) and "save" in self.table.allowed(self.state):  # else the move refuses it
+            check_save(number)  # a step behind a committed one: FAILED would lose the steps trained since
         with Phase(self, "save", number) as phase:
             if step is None:  # read again once the move shut other phases out (a train_step on another thread)
                 number = phase.step = check_step(self.progress.step)

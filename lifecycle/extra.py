@@ -22,7 +22,7 @@ import torch
 from backends.safetensors_io import read_file, write_file
 
 from lifecycle.errors import CheckpointError, shorten
-from lifecycle.jsontree import NotSerializable, decode, encode, read_json
+from lifecycle.jsontree import JSON_LIMIT, NotSerializable, decode, encode, read_json
 from lifecycle.records import say
 from lifecycle.types import Progress, is_count
 
@@ -60,10 +60,19 @@ def save_extra(folder: Path, progress: Progress, dataloader: Any = None) -> dict
     if torch.cuda.is_available():
         tensors["cuda"] = torch.cuda.get_rng_state().cpu()
     doc["rng"]["torch"] = sorted(tensors)
+    text = json.dumps(doc, separators=(",", ":")) + "\n"
+    if (size := len(text.encode("utf-8"))) > JSON_LIMIT:  # a resume reads no more: refused before any commit
+        raise CheckpointError(f"{where}: extra state is {size} bytes encoded, over the {JSON_LIMIT} a resume reads "
+                              f"(dataloader state {_size(doc['dataloader'])} bytes, Progress.user "
+                              f"{_size(user)} bytes); keep positions, not data, in them")
     folder.mkdir(parents=True, exist_ok=True)
     digest = write_file(folder / RNG_FILE, tensors)
-    (folder / EXTRA_JSON).write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
+    (folder / EXTRA_JSON).write_text(text, encoding="utf-8")
     return {RNG_FILE: digest}
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":")).encode("utf-8"))
 
 
 def check_progress(progress: Progress, where: str) -> None:

@@ -74,11 +74,11 @@ class Verdict(IntEnum):
 class Resumer:
     """Picks, verifies and loads the step one role resumes from; see the module docstring."""
 
-    def __init__(self, at: RoleRank, *, model_hash: HashFn, also_accepted: HashFn | None = None) -> None:
+    def __init__(self, at: RoleRank, *, model_hash: HashFn, also_accepted: tuple[HashFn, ...] = ()) -> None:
         self.at = at
         self.config = at.config
-        self._hashes = (model_hash,) if also_accepted is None else (model_hash, also_accepted)
-        """The running model's hash, and one an earlier release computed for it (still accepted)."""
+        self._hashes = (model_hash, *also_accepted)
+        """The running model's hash, and those earlier releases computed for it (still accepted)."""
         self.overwritten: str | None = None
         """Set when a failed load may have left the model's weights half-replaced."""
 
@@ -100,12 +100,16 @@ class Resumer:
 
     def _auto(self, parts: Parts, model_hash: tuple[str, ...] | None, *, fallback: bool) -> Resumed | None:
         store = self.at.store()
-        if self.at.rank == 0:
-            store.tidy(self.at.role)
+        self._all_or_none(lambda: store.tidy(self.at.role) if self.at.rank == 0 else None,
+                          f"{store.root}: rank 0 cannot tidy what crashed saves left",
+                          what=f"{store.root}: cannot tidy what crashed saves left")
         below: int | None = None
         set_aside, waits = list[str](), Counter[int]()  # waits: per step, for a commit in flight only
         while True:
-            step = self._agreed_step(store.newest_committed(self.at.roles, below=below))
+            newest = self._all_or_none(lambda: store.newest_committed(self.at.roles, below=below),
+                                       f"{store.root}: another rank cannot list the committed steps",
+                                       what=f"{store.root}: cannot list the committed steps")
+            step = self._agreed_step(newest)
             if step is None:
                 break
             folder, before = store.role_dir(step, self.at.role), store.identity(step, self.at.roles)
@@ -180,19 +184,10 @@ class Resumer:
                                  what=f"{path}: cannot read resume.path")
 
     def _all_or_none(self, work: Callable[[], _T], failed_elsewhere: str, *, what: str) -> _T:
-        """`work()` on this rank; an error it raises on any rank stops every rank (the others with
-        `failed_elsewhere`), before any of them waits in a later collective. One not ours (a
-        caller's hash function may raise any type) is reported typed, as `what`."""
-        error: CheckpointError | None = None
-        try:
-            found = work()
-        except CheckpointError as failure:
-            error = failure
-        except Exception as failure:
-            error = CheckpointError(f"{what}: {type(failure).__name__}: {failure}")
-        if self._agree(Verdict.REFUSED if error is not None else Verdict.OK) is not Verdict.OK:
-            raise error or CheckpointError(f"{failed_elsewhere} (see its error)")
-        return found  # bound: a rank whose work raised reported it, and every rank raised above
+        return all_or_none(work, self._any_failed, failed_elsewhere, what=what)
+
+    def _any_failed(self, failed: bool) -> bool:
+        return self._agree(Verdict.REFUSED if failed else Verdict.OK) is not Verdict.OK
 
     def _agreed_step(self, found: int | None) -> int | None:
         """Ranks that saw the disk at different moments take the oldest step any of them saw."""
@@ -356,6 +351,25 @@ class Resumer:
             raise CheckpointError(f"{folder}: its progress says step {shorten(progress.step)}, but it is the "
                                   f"folder of step {step}")
         return progress, verified
+
+def all_or_none(work: Callable[[], _T], any_failed: Callable[[bool], object] | None, failed_elsewhere: str, *,
+                what: str) -> _T:
+    """`work()` on this rank; an error it raises on any rank stops every rank (the others with
+    `failed_elsewhere`), before any of them waits in a later collective. `any_failed(failed)`
+    tells every rank whether one failed (None: this rank alone). Any exception counts: one not
+    ours (a caller's hash function, a bug) is reported typed, as `what`, never leaving this rank
+    before the agreement its peers wait in."""
+    error: CheckpointError | None = None
+    try:
+        found = work()
+    except CheckpointError as failure:
+        error = failure
+    except Exception as failure:
+        error = CheckpointError(f"{what}: {type(failure).__name__}: {failure}")
+    if any_failed(error is not None) if any_failed is not None else error is not None:
+        raise error or CheckpointError(f"{failed_elsewhere} (see its error)")
+    return found  # bound: a rank whose work raised reported it, and every rank raised above
+
 
 def _prefix(entry: Mapping[str, str]) -> str:
     """How the paths of a content's files begin, in its manifest (`model/`)."""

@@ -177,13 +177,12 @@ def sweep(store: CheckpointStore) -> None:
 
 
 def apply_retention(
-    store: CheckpointStore, keep_last: int | None, roles: Sequence[str], protect: set[int], role: str, *,
-    tracker: bool = True,
+    store: CheckpointStore, keep_last: int | None, roles: Sequence[str], protect: set[int], role: str,
 ) -> list[int]:
     """Prune `role`'s part of the steps older than the newest `keep_last` complete ones (complete
-    for every role of `roles`); None or < 1 keeps all. With `tracker` (the store writes the
-    tracker), the step the tracker names is kept too (see `tracked`); without, the trainer writes
-    it (verl's does, after every role saved) and retention is verl's own, which never looks at it.
+    for every role of `roles`); None or < 1 keeps all. The step the tracker names is kept too (see
+    `tracked`), whoever writes it: the trainer's (verl's, after every role saved) names the last
+    step all roles finished, the only one left when a crash falls between two roles' saves.
 
     Pruning a step removes `role`'s folder in it (and its staging folder), and the step folder
     itself, with whatever else it holds (the trainer's `data.pt`, a crashed save's leftovers),
@@ -191,7 +190,8 @@ def apply_retention(
     verl's own managers' is, and one role's `keep_last` never removes another role's
     checkpoint, whatever `roles` lists. Steps newer than the oldest kept one stay even when
     incomplete: another role may still be writing them. Steps set aside (damaged, superseded)
-    are not steps and are never touched. Returns the steps pruned.
+    are not steps and are never touched, and neither is a step whose folder of `role` holds no
+    manifest of this library (another checkpoint manager's: logged, kept). Returns the steps pruned.
     """
     try:
         sweep(store)
@@ -199,7 +199,7 @@ def apply_retention(
             return []
         all_steps = store.steps()
         complete = [s for s in all_steps if store.is_complete(s, roles)]
-        protect = (protect | tracked(store)) if tracker else protect
+        protect = protect | tracked(store)
     except CheckpointError as exc:
         say("warning", "checkpoint.retention_failed", path=str(store.root), error=str(exc))
         return []
@@ -242,11 +242,36 @@ def _prune(store: CheckpointStore, step: int, role: str) -> bool:
         say("warning", "checkpoint.retention_failed", step=step, path=str(folder), error=str(exc),
             action="left for the next save to remove")
         return False
+    try:
+        theirs = any(name == role for name, _ in entries) and not (dict(entries)[role] and store.committed(step, role))
+    except CheckpointError as exc:  # EACCES, EMFILE: nothing known of the folder, so it stays
+        say("warning", "checkpoint.retention_failed", step=step, path=str(folder / role), error=str(exc),
+            action="cannot tell whether this library committed it; left for the next save to remove")
+        return False
+    if theirs:  # a role folder without a manifest (verl's own manager's, a copy put there by hand): not ours
+        _say_kept(store, folder / role, step, role)
+        return False
     ours = {role, f"{STAGING}{role}"}
     if not any(is_dir and name not in ours and _role_folder(name) for name, is_dir in entries):
         return remove(store, folder, step)
     removed = [remove(store, folder / name, step) for name, _ in entries if name in ours]
     return any(removed)
+
+
+_KEPT_LIMIT = 1024
+"""How many kept folders a store remembers having named; past it, it starts over (names them again)."""
+
+
+def _say_kept(store: CheckpointStore, path: Path, step: int, role: str) -> None:
+    """Name a kept folder once per store, not at every save."""
+    if str(path) in store.kept:
+        return
+    if len(store.kept) >= _KEPT_LIMIT:
+        store.kept.clear()
+    store.kept.add(str(path))
+    say("warning", "checkpoint.retention_kept", step=step, role=role, path=str(path),
+        reason="a folder of this role's name without a manifest of this library (another checkpoint "
+               "manager's, or copied in by hand): retention removes only what it committed; remove it yourself")
 
 
 def _role_folder(name: str) -> bool:

@@ -144,7 +144,7 @@ class Saver:
             self.discard(job)()
             raise
         ckpt = self.at.config.checkpoint
-        store.apply_retention(ckpt.keep_last, self.at.roles, {job.step}, role=self.at.role, tracker=ckpt.tracker)
+        store.apply_retention(ckpt.keep_last, self.at.roles, {job.step}, role=self.at.role)
         size = count = 0
         try:
             files = read_manifest_file(final)["files"]

@@ -12,26 +12,18 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lifecycle.boundary import (
-    STEP_PREFIX, TRACKER, lstat, os_error, os_errors, parse_step, parse_step_number, read_bytes, real_dir, role_problem,
-)
+from lifecycle.boundary import (STEP_PREFIX, TRACKER, check_step, lstat, os_error, os_errors, parse_step,
+                                parse_step_number, read_bytes, real_dir, role_problem)
 from lifecycle.aside import DAMAGED, SUPERSEDED, aside_names, quarantine, supersede
 from lifecycle.errors import CheckpointError, ConfigError
 from lifecycle.manifest import (
-    MANIFEST,
-    Progress,
-    build_manifest,
-    check_folder,
-    fsync_dir,
-    read_manifest_file,
-    write_json_atomic,
-    write_text_atomic,
+    MANIFEST, Progress, build_manifest, check_folder, fsync_dir, read_manifest_file, write_json_atomic, write_text_atomic,
 )
 from lifecycle.records import say
 from lifecycle.retention import (
     REPLACED, STAGING, apply_retention, exchange, left_staging, only_copy, remove, replaced_copies, rmtree, tidy,
 )
-from lifecycle.writer_lock import WriterLock
+from lifecycle.writer_lock import LockHeld, WriterLock, lock_errno
 
 TRACKER_LIMIT = 64
 """The tracker holds one step number: anything longer is not a tracker."""
@@ -76,6 +68,7 @@ class CheckpointStore:
         self.world_size = world_size
         self._barrier = barrier if barrier is not None else _default_barrier(world_size)
         self._agree = agree
+        self.kept: set[str] = set()  # folders retention named as kept, each once (see `retention._say_kept`)
 
     def _sync(self) -> None:
         if self.world_size > 1 and self._barrier is not None:
@@ -86,7 +79,7 @@ class CheckpointStore:
         return self.root / TRACKER
 
     def step_dir(self, step: int) -> Path:
-        return self.root / f"{STEP_PREFIX}{int(step)}"
+        return self.root / f"{STEP_PREFIX}{check_step(step)}"  # 1.5, True, -1: a folder no listing reads
 
     def role_dir(self, step: int, role: str) -> Path:
         return self.step_dir(step) / check_role(role)
@@ -180,6 +173,7 @@ class CheckpointStore:
         staging folder into place: what follows it (the tracker, removing a replaced folder) is
         best effort, logged when it fails, never raised.
         """
+        step = check_step(step)  # a numpy integer too: the manifest holds a JSON number
         final = self.role_dir(step, role)
         self._sync()
         failed = self.rank == 0
@@ -313,29 +307,37 @@ class CheckpointStore:
         return None
 
     def newest_committed(self, roles: Sequence[str], below: int | None = None) -> int | None:
-        """Newest step (older than `below`, when given) in which every role's folder holds a
-        manifest, whatever the manifest and the files hold now: resume judges those next (a
-        role folder only ever appears with its manifest, by the commit's rename). A role whose
-        committed copy is in a `.replaced-` folder (see `put_back`) counts as committed."""
+        """Newest step (older than `below`, when given) `committed` for every role, whatever the
+        manifests and the files hold now: resume judges those next. A role whose committed copy
+        is in a `.replaced-` folder (see `put_back`) counts as committed."""
         aside = {(step, role) for step, role, _ in replaced_copies(self)}
         for step in reversed(self.steps()):
             if below is not None and step >= below:
                 continue
-            if roles and all(lstat(self.role_dir(step, role) / MANIFEST) is not None or (step, role) in aside
-                             for role in roles):
+            if roles and all(self.committed(step, role) or (step, role) in aside for role in roles):
                 return step
         return None
+
+    def committed(self, step: int, role: str) -> bool:
+        """Whether `role`'s folder of `step` holds a manifest (it only ever appears with one, by the
+        commit's rename); a `CheckpointError` when that cannot be told (EACCES)."""
+        return lstat(self.role_dir(step, role) / MANIFEST) is not None
 
     def tidy(self, role: str) -> None:
         """Before a resume: what crashed saves of `role` left, tidied under its writer lock (see
         `lifecycle.retention.tidy`); skipped while another process holds it. Never another role's:
-        taking its lock would refuse a save of it starting then as a second writer's."""
+        taking its lock would refuse a save of it starting then as a second writer's. A lock that cannot be
+        taken at all (ENOLCK) skips it with a warning: resume counts a `.replaced-` copy as committed."""
         if not (replaced_copies(self, role) or left_staging(self, role)):
             return
         lock = self.writer_lock(role)
         try:
             lock.acquire()
-        except CheckpointError:
+        except LockHeld:
+            return
+        except CheckpointError as exc:
+            say("warning", "checkpoint.tidy_skipped", role=role, path=str(lock.path), errno=lock_errno(exc),
+                error=str(exc), action="what crashed saves left stays until a resume can take the writer lock")
             return
         try:
             tidy(self, role)
@@ -390,9 +392,9 @@ class CheckpointStore:
             write_text_atomic(self.tracker_path, f"{int(step)}\n")
 
     def apply_retention(self, keep_last: int | None, roles: Sequence[str], protect: set[int], *,
-                        role: str, tracker: bool = True) -> list[int]:
+                        role: str) -> list[int]:
         """Prune `role`'s folders of the steps older than the newest `keep_last` ones complete for
         `roles`, and a step folder once no other role's folder remains in it (see
-        `lifecycle.retention`); with `tracker` (this store writes it), never the step it names."""
-        return (apply_retention(self, keep_last, roles, protect, check_role(role), tracker=tracker)
+        `lifecycle.retention`); never the step the tracker names, whoever writes it."""
+        return (apply_retention(self, keep_last, roles, protect, check_role(role))
                 if self.rank == 0 else [])

@@ -26,8 +26,9 @@ import time
 import weakref
 from pathlib import Path
 
-from lifecycle.boundary import kind, os_errors
+from lifecycle.boundary import kind, os_error, os_errors
 from lifecycle.errors import CheckpointError
+from lifecycle.records import say
 
 _HOLDER_LIMIT = 4096
 
@@ -37,6 +38,17 @@ LOCK_PREFIX = ".lock-"
 
 def lock_path(root: Path, role: str) -> Path:
     return root / f"{LOCK_PREFIX}{role}"
+
+
+class LockHeld(CheckpointError):
+    """Another writer holds the role's lock (a save of it is in flight elsewhere), as opposed to
+    a lock that cannot be taken at all (ENOLCK: a network filesystem without a lock manager)."""
+
+
+def lock_errno(exc: BaseException) -> str | None:
+    """The errno name (`ENOLCK`) of the `OSError` behind a lock that could not be taken, if any."""
+    cause = exc.__cause__
+    return errno.errorcode.get(cause.errno or 0) if isinstance(cause, OSError) else None
 
 
 _LOCKS: weakref.WeakSet[WriterLock] = weakref.WeakSet()
@@ -75,7 +87,8 @@ class WriterLock:
         return self._fd is not None
 
     def acquire(self) -> None:
-        """Take the lock now or raise a `CheckpointError` naming who holds it."""
+        """Take the lock now, or raise `LockHeld` naming who holds it (another `CheckpointError`
+        when it cannot be taken at all)."""
         if self._fd is not None:
             return
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -97,10 +110,12 @@ class WriterLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise CheckpointError(
+                raise LockHeld(
                     f"{self.path}: role {self.role!r} is being saved into this root by {_holder(fd)}; one "
                     "writer per role and root at a time (a second job, or two workers given one role?)"
                 ) from None
+            except OSError as exc:  # ENOLCK: NFSv3 without a lock manager; typed, so callers can skip or refuse
+                raise os_error(exc, f"cannot lock the writer lock of role {self.role!r}", self.path) from exc
             with os_errors("cannot write the writer lock", self.path):
                 record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
                 os.ftruncate(fd, 0)
@@ -116,7 +131,11 @@ class WriterLock:
         fd, self._fd = self._fd, None
         if fd is not None:
             _HELD.discard(fd)
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError as exc:  # NFS reports a deferred write error (EIO) at close; the lock is gone anyway
+                say("warning", "checkpoint.writer_lock_close_failed", path=str(self.path), role=self.role,
+                    error=str(exc))
 
 
 def _holder(fd: int) -> str:
