@@ -16,7 +16,16 @@ from typing import Any, ClassVar
 import torch
 
 from backends.base import HF_CAPABILITIES, FormatBackend, FormatCapabilities, current_rank, listed
-from backends.safetensors_io import NAMES, Header, read_file, read_header, stored_equal, unclaimed_problem, write_file
+from backends.safetensors_io import (
+    NAMES,
+    Header,
+    overlapping,
+    read_file,
+    read_header,
+    stored_equal,
+    unclaimed_problem,
+    write_file,
+)
 from lifecycle.boundary import lstat, name_problem, read_bytes
 from lifecycle.errors import CheckpointError
 from lifecycle.jsontree import decode, encode, parse_json, read_optimizer_json
@@ -100,12 +109,17 @@ def write_hf_folder(
 
     Returns each weight file's name and the digest it was written with, for the manifest."""
     only_tensors(state, folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in [folder / SINGLE, folder / INDEX, *folder.glob("model-*-of-*.safetensors")]:
-        stale.unlink(missing_ok=True)
     state = _drop_aliases(state, set(tied_hints))
     sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
     shards = plan_shards(sizes, max_shard_bytes)
+    for shard in shards:  # what `read_file` would refuse to read into, refused before a file is written
+        if pair := overlapping({n: state[n] for n in shard}):
+            raise CheckpointError(f"{folder}: model entries {pair[0]!r} and {pair[1]!r} share memory without being "
+                                  "the same tensor (one is a slice or view of the other), so no load could fill "
+                                  "both; register a copy (clone()) or make one non-persistent")
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in [folder / SINGLE, folder / INDEX, *folder.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
     names = [SINGLE] if len(shards) == 1 else [
         f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     digests = {fname: write_file(folder / fname, {n: state[n] for n in shard}, metadata={"format": "pt"})
@@ -164,7 +178,7 @@ class HFBackend(FormatBackend):
         leaves the model partly overwritten.
         """
         state = model.state_dict()
-        only_tensors(state, folder)
+        only_tensors(state, folder, loading=True)
         files, problems = self._plan(folder, state, expected or {})
         targets = {name for _, header, _ in files for name in header.tensors}  # a misfit is reported once, as such
         groups = alias_groups(state)
@@ -301,13 +315,21 @@ def placement_problem(name: str, path: Path, mapped: Mapping[str, Path]) -> str 
     return f"tensor {name!r} is in this file but not listed in {INDEX}"
 
 
-def only_tensors(state: Mapping[str, Any], folder: Path) -> None:
+def only_tensors(state: Mapping[str, Any], folder: Path, *, loading: bool = False) -> None:
     """Refuse a model whose state holds a module's non-tensor extra state, or a meta tensor
-    (no data to write), naming it."""
+    (no data to write, no memory to load into), naming it."""
     if odd := next((n for n, t in state.items() if not isinstance(t, torch.Tensor)), None):
         raise CheckpointError(f"{folder}: model entry {odd!r} is a {type(state[odd]).__name__}, not a tensor; "
                               "safetensors holds tensors only (no pickle)")
+    no_meta(state, folder, loading=loading)
+
+
+def no_meta(state: Mapping[str, torch.Tensor], folder: Path, *, loading: bool) -> None:
+    """Refuse a meta tensor, naming it: a save has no data to write, a load no memory to fill."""
     if meta := next((n for n, t in state.items() if t.device.type == "meta"), None):
+        if loading:
+            raise CheckpointError(f"{folder}: model entry {meta!r} is a meta tensor, which has no memory to load "
+                                  "into; materialise the model (to_empty()) before loading")
         raise CheckpointError(f"{folder}: model entry {meta!r} is a meta tensor, which holds no data; "
                               "materialise it (to_empty and initialise, or load) before saving")
 

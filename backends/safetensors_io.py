@@ -293,8 +293,16 @@ def read_file(
 def _check_distinct(path: Path, targets: Mapping[str, torch.Tensor]) -> None:
     """Two destinations over the same memory (tied weights) would each be filled from their own
     bytes of the file, by threads at once: a mix of the two, piece by piece. Refused instead."""
+    if pair := overlapping(targets):
+        raise CheckpointError(f"{path}: tensors {pair[0]!r} and {pair[1]!r} would be read into the same memory "
+                              "(tied weights?); read one of them only")
+
+
+def overlapping(tensors: Mapping[str, torch.Tensor]) -> tuple[str, str] | None:
+    """Two of `tensors` whose memory overlaps, or None: what `read_file` refuses to read into,
+    so a writer can refuse a file no load could fill."""
     spans = []
-    for name, tensor in targets.items():
+    for name, tensor in tensors.items():
         if tensor.numel() and tensor.device.type != "meta":
             extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
             spans.append((str(tensor.device), tensor.data_ptr(), tensor.data_ptr() + extent * tensor.element_size(),
@@ -302,8 +310,8 @@ def _check_distinct(path: Path, targets: Mapping[str, torch.Tensor]) -> None:
     spans.sort(key=lambda span: span[:2])
     for (device, _, end, first), (other, begin, _, second) in itertools.pairwise(spans):
         if device == other and begin < end:
-            raise CheckpointError(f"{path}: tensors {first!r} and {second!r} would be read into the same memory "
-                                  "(tied weights?); read one of them only")
+            return first, second
+    return None
 
 
 def _landing(entry: dict[str, Any], dest: torch.Tensor | None) -> torch.Tensor:

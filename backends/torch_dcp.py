@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from backends.base import TORCH_DCP_CAPABILITIES, FormatBackend, FormatCapabilities, current_rank, listed
 from backends.dcp_metadata import METADATA, MetadataReader
-from backends.hf import write_hf_folder
+from backends.hf import no_meta, write_hf_folder
 from backends.torch_dcp_optim import (
     FORMAT_VERSION,
     check_names,
@@ -198,6 +198,7 @@ class TorchDCPBackend(FormatBackend):
     def load_model(self, model: nn.Module, folder: Path, *, expected: Mapping[str, str] | None = None) -> set[str]:
         """Verifies no file while reading (the manifest's check, when there is one, came first)."""
         state = _model_tensors(model, folder)
+        no_meta(state, folder, loading=True)  # else DCP's error speaks of a process group
         _read_into(state, folder)
         loaded: dict[str, Any] = dict(state)
         try:

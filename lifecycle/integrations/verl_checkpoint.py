@@ -32,29 +32,22 @@ import structlog
 from lifecycle.boundary import STEP_PREFIX, check_step, parse_step, path_problem, role_problem, same_folder
 from lifecycle.checkpointer import DiskCheckpointer
 from lifecycle.config import LifecycleConfig
-from lifecycle.config_file import read_yaml
-from lifecycle.config_rules import describe
 from lifecycle.core import Lifecycle
 from lifecycle.errors import CheckpointError, ConfigError, LifecycleError
-from lifecycle.integrations.verl_checks import checkpoint_options, flag, integer, plain
+from lifecycle.integrations.verl_config import (
+    DEFAULT_FORMAT,
+    VERL_CONTENTS,
+    base_config,
+    check_scheduler_contents,
+    checked_tracker,
+    checkpoint_options,
+    contents,
+    flag,
+    keep_count,
+    same_root,
+)
 from lifecycle.machine import State
-
-DEFAULT_FORMAT = "torch_dcp"
-"""Plain torch modules, FSDP1 and FSDP2 alike, through torch's own state-dict helpers."""
-VERL_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-"""The names verl's `checkpoint_config.save_contents` / `load_contents` take; ours are the same."""
-_ADAPTER_KEYS = {
-    ("checkpoint", "keep_last"): ("verl's max_ckpt_to_keep (trainer.max_actor_ckpt_to_keep, "
-                                  "max_critic_ckpt_to_keep) decides retention, None or 0 keeping every "
-                                  "step; drop it"),
-    ("checkpoint", "pre_load", "path"): "verl loads the initial weights itself; drop it",
-    ("resume", "mode"): "verl's trainer decides (trainer.resume_mode); drop it",
-    ("resume", "path"): "verl's trainer names the step (trainer.resume_from_path); drop it",
-}
-"""Keys of this library's config that verl decides; set to anything but their default, refused."""
-_SECTIONS = (("checkpoint",), ("checkpoint", "save"), ("checkpoint", "load"), ("resume",))
-"""Sections the adapter writes into, created when missing (in this order: parents first)."""
-
+from lifecycle.records import say
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 """A URL's scheme (`hdfs://`, `s3://`): what no local path starts with."""
@@ -104,10 +97,13 @@ class LifecycleCheckpointManager:
     library's config (a `LifecycleConfig`, a dict or a YAML path) for the format, verification,
     `checkpoint.roles` and the like; a dict or YAML that names no format gets `torch_dcp`.
     verl's `checkpoint_config` decides what is saved and loaded (`save_contents`,
-    `load_contents`) and `async_save`; as in verl's managers, a load whose `load_contents` lists
-    nothing but `hf_model` (an HF-only export) reads nothing. The root a save writes into and
-    `keep_last` come from each call (`max_ckpt_to_keep`, counted from disk; None or 0 keeps
-    every step), so `checkpoint.keep_last` in `lifecycle_config` is refused.
+    `load_contents`) and `async_save`, so `checkpoint.save.contents`, `.load.contents` and
+    `.save.async` in `lifecycle_config` are refused; as in verl's managers, a load whose
+    `load_contents` lists nothing but `hf_model` (an HF-only export) reads nothing. verl keeps the
+    lr scheduler's state in `extra`, this library with the optimizer's: contents that list
+    `extra` but not `optimizer` are refused when an `lr_scheduler` is given. The root a save
+    writes into and `keep_last` come from each call (`max_ckpt_to_keep`, counted from disk; None,
+    0 or a negative one keeps every step), so `checkpoint.keep_last` is refused.
 
     `checkpoint.root` (optional, verl's `trainer.default_local_dir`) names the run's own root: a
     save into another root is refused, and a load by path from it is a rollback (its newer steps
@@ -118,10 +114,12 @@ class LifecycleCheckpointManager:
     `latest_checkpointed_iteration.txt` itself after every role and its `data.pt` are saved,
     except under async_save, where this manager writes it once a step is complete for
     `checkpoint.roles`, so list every role that saves there (`[actor, critic]`), else the
-    tracker may name a step whose critic never committed. Retention is per role, as in verl's
-    own managers: each role's `max_ckpt_to_keep` prunes that role's folders alone (counting the
-    steps complete for every role of `checkpoint.roles`), so the actor's `max_ckpt_to_keep: 1`
-    never removes the critic's checkpoints.
+    tracker may name a step whose critic never committed. `checkpoint.tracker: true` in a dict
+    or YAML `lifecycle_config` makes a manager without async_save write it too (a critic beside
+    an actor with async_save, when verl's trainer writes none); `false` under async_save is
+    refused. Retention is per role, as in verl's own managers: each role's `max_ckpt_to_keep`
+    prunes that role's folders alone (counting the steps complete for every role of
+    `checkpoint.roles`), so the actor's `max_ckpt_to_keep: 1` never removes the critic's.
     """
 
     def __init__(
@@ -144,19 +142,23 @@ class LifecycleCheckpointManager:
         self.checkpoint_config = checkpoint_config
         self.trust_remote_code = trust_remote_code
         options = checkpoint_options(checkpoint_config)
-        self.checkpoint_save_contents = _contents(options, "save_contents", ["model", "optimizer", "extra"])
+        self.checkpoint_save_contents = contents(options, "save_contents", ["model", "optimizer", "extra"])
         if not self.checkpoint_save_contents:
             raise ConfigError("checkpoint_config.save_contents", "lists nothing to save (this manager writes no "
                                                                  "huggingface/ folder of configs and tokenizer); "
                                                                  f"list some of {list(VERL_CONTENTS)}")
-        self.checkpoint_load_contents = _contents(options, "load_contents", self.checkpoint_save_contents)
+        self.checkpoint_load_contents = contents(options, "load_contents", self.checkpoint_save_contents)
         self._loads = [c for c in self.checkpoint_load_contents if c != "hf_model"]
         """What a load restores: verl's managers load no hf_model (an export), so none may be all."""
         if flag(options, "save_lora_only"):
             raise ConfigError("checkpoint_config.save_lora_only",
                               "not supported: this checkpoint manager saves the whole model; set it to false")
+        check_scheduler_contents("save_contents", self.checkpoint_save_contents, lr_scheduler)
+        check_scheduler_contents("load_contents", self._loads, lr_scheduler)
         self._async = flag(options, "async_save")
-        self._base = _base_config(lifecycle_config)
+        self._base = base_config(lifecycle_config)
+        self._tracker = checked_tracker(self._base, self._async)
+        self._said_negative_keep = False
         # a config, or a format that cannot hold this model, fails here rather than at the first save
         Lifecycle(self._config_for(None, keep_last=None), model=model, optimizer=optimizer, lr_scheduler=lr_scheduler)
         self._lc: Lifecycle | None = None
@@ -185,7 +187,7 @@ class LifecycleCheckpointManager:
         step = check_step(global_step)
         if step != where.step:
             raise CheckpointError(f"{local_path}: the path is for step {where.step} but global_step is {global_step}")
-        keep = _keep_last(max_ckpt_to_keep)
+        keep = self._keep_last(max_ckpt_to_keep)
         lc = self._lifecycle(where, ("save", keep), keep_last=keep)
         if lc.state is State.CREATED:
             lc.init_load()  # no pre_load path: nothing is read, the machine reaches READY
@@ -223,6 +225,18 @@ class LifecycleCheckpointManager:
         if resumed != where.step:
             raise CheckpointError(f"{where.folder}: resumed step {resumed}, not the step {where.step} the path names")
         self._loaded = (where.root, where.step)
+
+    def _keep_last(self, max_ckpt_to_keep: object) -> int | None:
+        """`keep_count`; a negative value keeps every step, as verl's managers do (their check
+        is `> 0`), with one warning per manager naming it."""
+        keep = keep_count(max_ckpt_to_keep)
+        if keep is None or keep >= 0:
+            return keep
+        if not self._said_negative_keep:
+            say("warning", "checkpoint.verl.negative_max_ckpt_to_keep", max_ckpt_to_keep=keep,
+                action="every step is kept, as verl does")
+            self._said_negative_keep = True
+        return None
 
     def _set_aside_abandoned(self, where: StepPath, step: int, lc: Lifecycle) -> None:
         """The first save after a load into the root that load read from: a step past the loaded
@@ -274,7 +288,7 @@ class LifecycleCheckpointManager:
         data = copy.deepcopy(self._base)
         ckpt = data["checkpoint"]
         ckpt["root"] = None if where is None else self._root(where, loading=loading)
-        ckpt["tracker"] = self._async
+        ckpt["tracker"] = self._tracker
         ckpt["keep_last"] = keep_last  # verl's max_ckpt_to_keep alone: None keeps every step
         ckpt["save"].update(contents=list(self.checkpoint_save_contents), **{"async": self._async})
         if self._loads:  # else no load runs (`load_checkpoint`), and the base's load.contents stays unused
@@ -294,76 +308,13 @@ class LifecycleCheckpointManager:
         mine = None if given is None else os.path.abspath(str(given))
         if loading:
             return mine
-        if mine is not None and mine != str(where.root):
+        if mine is not None and not same_root(mine, where.root):
             raise ConfigError("checkpoint.root", f"{given} differs from the root {where.root} that verl's local_path "
                                                  "names for this save; drop checkpoint.root or make them the same")
         return str(where.root)
 
     def __repr__(self) -> str:
         return f"LifecycleCheckpointManager(lifecycle={self._lc!r})"
-
-
-def _base_config(source: LifecycleConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
-    """This library's config as plain data, with `torch_dcp` unless it names a format."""
-    if source is None:
-        data: Any = {}
-    elif isinstance(source, LifecycleConfig):
-        data = source.to_dict()
-    elif isinstance(source, (str, os.PathLike)):
-        data = read_yaml(os.fspath(source)) or {}
-    elif isinstance(source, Mapping):
-        data = source
-    else:
-        raise ConfigError("lifecycle_config", f"expected a LifecycleConfig, a mapping or a YAML path, "
-                                              f"got {type(source).__name__}")
-    data = plain(data)
-    if not isinstance(data, dict):
-        raise ConfigError("lifecycle_config", f"the top level must be a mapping, got {type(data).__name__}")
-    for keys in _SECTIONS:
-        parent = _dig(data, keys[:-1])
-        if not isinstance(parent.setdefault(keys[-1], {}), dict):
-            raise ConfigError(".".join(keys), f"must be a mapping, got {type(parent[keys[-1]]).__name__}")
-    for keys, why in _ADAPTER_KEYS.items():
-        value = _dig(data, keys)
-        if value is not None and not (keys == ("resume", "mode") and value == "auto"):
-            raise ConfigError(".".join(keys), f"set to {value!r}, but {why}")
-    ckpt = data["checkpoint"]
-    if "format" not in ckpt["save"] and not (ckpt.get("use_dist_checkpointing") or ckpt.get("use_mbridge")):
-        ckpt["save"]["format"] = DEFAULT_FORMAT
-    return data
-
-
-def _dig(data: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
-    for key in keys:
-        if not isinstance(data, Mapping):
-            return None
-        data = data.get(key)  # type: ignore[assignment]
-    return data
-
-
-def _contents(options: Mapping[str, Any], key: str, default: list[str]) -> list[str]:
-    given = options.get(key)
-    if given is None:
-        return list(default)
-    if not isinstance(given, list) or not all(isinstance(c, str) for c in given):
-        raise ConfigError(f"checkpoint_config.{key}", f"expected a list of names from {list(VERL_CONTENTS)}, "
-                                                      f"got {describe(given)}")
-    if unknown := [c for c in given if c not in VERL_CONTENTS]:
-        raise ConfigError(f"checkpoint_config.{key}", f"unknown content(s) {unknown}; choose from {list(VERL_CONTENTS)}")
-    if twice := sorted({c for c in given if given.count(c) > 1}):
-        raise ConfigError(f"checkpoint_config.{key}", f"duplicate {', '.join(map(repr, twice))}; list each once")
-    return list(given)
-
-
-def _keep_last(max_ckpt_to_keep: object) -> int | None:
-    """verl's `max_ckpt_to_keep`: None or 0 keeps every step, as in verl; any integer type
-    (numpy's too, as configs may hand them), never a bool."""
-    if max_ckpt_to_keep is None:
-        return None
-    keep = integer(max_ckpt_to_keep)
-    if keep is None or keep < 0:
-        raise ConfigError("max_ckpt_to_keep", f"must be None or an integer >= 0, got {max_ckpt_to_keep!r}")
-    return keep or None
 
 
 def _refuse_hdfs(hdfs_path: object) -> None:

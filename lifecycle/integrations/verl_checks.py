@@ -10,11 +10,10 @@ and the folders they name checked, so a bad one is a `ConfigError` naming its ke
 adapter is built, not a failure of every sync. Integers from verl's configs may be numpy's;
 both integrations take them.
 
-The checkpoint manager (`lifecycle.integrations.verl_checkpoint`) takes verl's
-`checkpoint_config` and an OmegaConf `lifecycle_config`: those are resolved whole here, so a
-missing value (`???`), an interpolation that does not resolve, an option of the wrong type or
-a container that holds itself is a `ConfigError` naming the key, not an omegaconf error, a
-`RecursionError` or a silent default.
+The checkpoint manager (`lifecycle.integrations.verl_config`) takes verl's `checkpoint_config`
+and an OmegaConf `lifecycle_config`: `plain` resolves those whole, so a missing value (`???`),
+an interpolation that does not resolve or a container that holds itself is a `ConfigError`
+naming the key, not an omegaconf error, a `RecursionError` or a silent default.
 """
 
 from __future__ import annotations
@@ -23,14 +22,14 @@ import operator
 import os
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Collection, Iterable, Mapping, Sequence
-from dataclasses import fields, is_dataclass
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
 from lifecycle.config_file import YAML_DEPTH_LIMIT as CONFIG_DEPTH_LIMIT
-from lifecycle.config_rules import describe, join
+from lifecycle.config_rules import join
 from lifecycle.errors import ConfigError, EngineError, shorten
 
 Weights = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
@@ -100,31 +99,6 @@ def _resolved(config: Any, where: str) -> Any:
             raise ConfigError(key, "missing ('???' in the OmegaConf config); give it a value") from None
         problem = (str(error).splitlines() or [type(error).__name__])[0]
         raise ConfigError(key, f"cannot resolve its interpolation: {problem}") from None
-
-
-def checkpoint_options(config: object) -> dict[str, Any]:
-    """verl's `checkpoint_config` as plain data: a `DictConfig`, a dict or verl's `CheckpointConfig`
-    (a dataclass); None stands for verl's defaults, anything else is refused."""
-    if config is None:
-        return {}
-    if is_dataclass(config) and not isinstance(config, (type, Mapping)):
-        config = {field.name: getattr(config, field.name) for field in fields(config)}
-    if not isinstance(config, Mapping):
-        raise ConfigError("checkpoint_config", f"expected a mapping (verl's checkpoint config: a DictConfig, a dict "
-                                               f"or a CheckpointConfig), got {describe(config)}")
-    return plain(config, "checkpoint_config")
-
-
-def flag(options: Mapping[str, Any], key: str) -> bool:
-    """A boolean of verl's `checkpoint_config`, False when absent or null. Only a bool counts: a
-    string such as "false" (from `${oc.env:...}`) is true by its truthiness, and is not guessed at."""
-    value = options.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ConfigError(f"checkpoint_config.{key}", f"expected a boolean, got {describe(value)}; give true or false, "
-                                                      "not a string or a number")
-    return value
 
 
 def engine_key(adapter: str, name: str) -> str:
@@ -306,6 +280,6 @@ def rollout_holds(version: int | None, yielded: int) -> str:
     return f"still holds v{version} whole (nothing was yielded)"
 
 
-__all__ = ["ADAPTER_KWARGS", "KEY", "Weights", "check_folder", "check_one_host", "check_worker", "checkpoint_options",
-           "collect", "engine_key", "engine_options", "flag", "integer", "on_host", "plain", "refuse_after_walk",
-           "rendezvous", "rollout_holds", "weights_version"]
+__all__ = ["ADAPTER_KWARGS", "KEY", "Weights", "check_folder", "check_one_host", "check_worker", "collect",
+           "engine_key", "engine_options", "integer", "on_host", "plain", "refuse_after_walk", "rendezvous",
+           "rollout_holds", "weights_version"]

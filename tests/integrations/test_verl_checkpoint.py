@@ -390,7 +390,9 @@ def test_the_tracker_is_verls_trainers_unless_async_save_and_then_waits_for_ever
 
 def test_the_actors_max_ckpt_to_keep_never_removes_the_critics_checkpoints(tmp_path: Path) -> None:
     """verl: max_actor_ckpt_to_keep=1, max_critic_ckpt_to_keep=None. Retention is per role, as
-    verl's own managers' is; a step folder (its data.pt with it) goes with the last role's folder."""
+    verl's own managers' is; a step folder (its data.pt with it) goes with the last role's folder,
+    and the step the trainer's tracker names stays whole, so a crash between the two roles' saves
+    leaves a step both can resume."""
     actor, critic = manager()[0], manager(seed=1)[0]
     for step in (1, 2):
         actor.save_checkpoint(local_path(tmp_path, step, "actor"), None, step, 1)
@@ -398,12 +400,16 @@ def test_the_actors_max_ckpt_to_keep_never_removes_the_critics_checkpoints(tmp_p
         trainer_writes(tmp_path, step)
     actor.save_checkpoint(local_path(tmp_path, 3, "actor"), None, 3, 1)  # the critic's save of 3 then crashes
     store = CheckpointStore(tmp_path)
-    for step in (1, 2):
-        assert sorted(p.name for p in store.step_dir(step).iterdir()) == ["critic", "data.pt"]
-        assert store.validate(step, "critic", deep=True) == []
-    assert store.validate(3, "actor", deep=True) == []
+    assert sorted(p.name for p in store.step_dir(1).iterdir()) == ["critic", "data.pt"]
+    assert sorted(p.name for p in store.step_dir(2).iterdir()) == ["actor", "critic", "data.pt"]
+    assert all(store.validate(step, role, deep=True) == [] for step, role in [(1, "critic"), (2, "actor"),
+                                                                               (2, "critic"), (3, "actor")])
     critic.save_checkpoint(local_path(tmp_path, 3, "critic"), None, 3, 1)
-    assert steps_on_disk(tmp_path) == [3]
+    assert steps_on_disk(tmp_path) == [2, 3]  # 2 is the tracker's until the trainer writes 3
+    trainer_writes(tmp_path, 3)
+    for role, ckpt in (("actor", actor), ("critic", critic)):
+        ckpt.save_checkpoint(local_path(tmp_path, 4, role), None, 4, 1)
+    assert steps_on_disk(tmp_path) == [3, 4]
 
 
 def test_numpy_integers_are_taken_for_global_step_and_max_ckpt_to_keep_and_bools_are_refused(
@@ -604,9 +610,9 @@ def test_a_dataclass_or_an_omegaconf_checkpoint_config_gives_its_resolved_conten
     ckpt, _ = manager(checkpoint_config=VerlStyleCheckpointConfig())
     assert (ckpt.checkpoint_save_contents, ckpt.checkpoint_load_contents) == (["model", "optimizer"], ["model"])
     omegaconf = pytest.importorskip("omegaconf")
-    config = omegaconf.OmegaConf.create({"names": ["model", "extra"], "save_contents": "${names}"})
+    config = omegaconf.OmegaConf.create({"names": ["model", "optimizer", "extra"], "save_contents": "${names}"})
     ckpt, _ = manager(checkpoint_config=config)
-    assert ckpt.checkpoint_save_contents == ckpt.checkpoint_load_contents == ["model", "extra"]
+    assert ckpt.checkpoint_save_contents == ckpt.checkpoint_load_contents == ["model", "optimizer", "extra"]
 
 
 def test_a_configured_root_other_than_the_paths_and_a_bad_max_ckpt_to_keep_are_refused(tmp_path: Path) -> None:
@@ -615,7 +621,7 @@ def test_a_configured_root_other_than_the_paths_and_a_bad_max_ckpt_to_keep_are_r
         ckpt.save_checkpoint(local_path(tmp_path, 1), None, 1)
     assert not tmp_path.joinpath("elsewhere").exists()
     with pytest.raises(ConfigError, match="max_ckpt_to_keep"):
-        manager()[0].save_checkpoint(local_path(tmp_path, 1), None, 1, max_ckpt_to_keep=-1)
+        manager()[0].save_checkpoint(local_path(tmp_path, 1), None, 1, max_ckpt_to_keep=1.5)
     assert not tmp_path.joinpath("global_step_1").exists()
 
 
