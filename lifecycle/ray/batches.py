@@ -4,6 +4,7 @@ any join that would change a value."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -21,7 +22,9 @@ def fingerprint(value: Any) -> str:
     """A short digest of a batch of prompts: equal prompts give equal digests, and prompts that
     differ anywhere (one element of a tensor or numpy array, one item of a list, tuple or dict
     of them) differ. Tensors and arrays go in by dtype, shape and bytes (bf16 and float8 too),
-    containers item by item (a dict's order is no part of it), anything else by its repr."""
+    containers item by item (a dict's order is no part of it), a dataclass or another object with
+    attributes by its type and its fields (a repr summarises a long tensor, or names an address),
+    anything else by its repr."""
     digest = hashlib.sha256()
     _feed(digest, value, _DEPTH)
     return digest.hexdigest()[:16]
@@ -57,8 +60,22 @@ def _feed(digest: Any, value: Any, depth: int) -> None:
         _tagged(digest, f"{type(value).__qualname__} {len(value)}", b"")
         for item in value:
             _feed(digest, item, depth - 1)
+    elif (fields := _fields(value)) is not None:
+        _tagged(digest, f"object {type(value).__module__}.{type(value).__qualname__}", b"")
+        _feed(digest, fields, depth - 1)
     else:
         _tagged(digest, type(value).__qualname__, _scalar_bytes(value))
+
+
+def _fields(value: Any) -> dict[str, Any] | None:
+    """A dataclass's fields, or another object's own attributes (`__dict__`); None for a value
+    that has none (a number, a string), a class, or an empty `__dict__` (its repr says more)."""
+    if isinstance(value, type):
+        return None
+    if dataclasses.is_dataclass(value):
+        return {field.name: getattr(value, field.name, None) for field in dataclasses.fields(value)}
+    own = getattr(value, "__dict__", None)
+    return dict(own) if isinstance(own, dict) and own else None
 
 
 def _numbers(value: Sequence[Any]) -> np.ndarray | None:
@@ -93,11 +110,13 @@ def _tagged(digest: Any, tag: str, data: bytes) -> None:
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """A tensor's bytes, through a uint8 view (numpy has no bf16 or float8); a tensor with no plain
-    storage to read (a meta or quantized one) by its repr."""
+    """A tensor's bytes, through a uint8 view (numpy has no bf16 or float8); a quantized one by its
+    values; one with no plain storage to read (a meta one) by its repr."""
     try:
         flat = tensor.detach().cpu()
-        flat = (flat.to_dense() if flat.layout != torch.strided else flat).contiguous().reshape(-1)
+        flat = flat.dequantize() if flat.is_quantized else flat
+        flat = (flat.to_dense() if flat.layout != torch.strided else flat).resolve_conj().resolve_neg()
+        flat = flat.contiguous().reshape(-1)  # a conjugate or negative view's own values, not its storage's
         return flat.view(torch.uint8).numpy().tobytes()
     except (RuntimeError, TypeError, ValueError, NotImplementedError):
         return shorten(tensor, 10_000).encode()
@@ -117,31 +136,38 @@ def _scalar_bytes(value: Any) -> bytes:
 
 
 def split_batch(prompts: Any, parts: int) -> list[Any]:
-    """Split along the first dimension into `parts` nearly equal chunks (a tensor, a numpy
-    array, or a sequence such as a list; a sequence into no more chunks than it has items, an
-    empty one into one empty list); anything else is a `LifecycleError` naming its type."""
+    """Split along the first dimension into up to `parts` chunks whose lengths differ by one at
+    most (a tensor, a numpy array, or a sequence such as a list), never more chunks than it has
+    rows: no rollout gets an empty chunk, whose mean would be NaN (an empty batch goes whole to the
+    first rollout, the recipe decides what it means). Anything else is a `LifecycleError` naming its type."""
     if parts == 1:
         return [prompts]
     if isinstance(prompts, torch.Tensor) and prompts.dim() > 0:
-        return list(torch.tensor_split(prompts, parts))
+        return list(torch.tensor_split(prompts, max(1, min(parts, len(prompts)))))
     if isinstance(prompts, np.ndarray) and prompts.ndim > 0:
-        return list(np.array_split(prompts, parts))
+        return list(np.array_split(prompts, max(1, min(parts, len(prompts)))))
     if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
         items = list(prompts)  # a deque or a user's sequence need not slice
-        if not items:
-            return [[]]  # the first rollout gets the empty batch; the recipe decides what it means
-        size = -(-len(items) // parts)
-        return [items[i:i + size] for i in range(0, len(items), size)]
+        count = max(1, min(parts, len(items)))
+        sizes = [len(items) // count + (i < len(items) % count) for i in range(count)]  # as np.array_split's
+        starts = list(itertools.accumulate(sizes, initial=0))
+        return [items[start:start + size] for start, size in zip(starts, sizes)]
     raise LifecycleError(f"the policy's prompts are a {type(prompts).__name__}, which cannot be split between "
                          f"{parts} rollouts: return a tensor, a numpy array or a list (one item per prompt)")
 
 
-def merge_batches(batches: Sequence[Any], names: Sequence[str] | None = None) -> dict[str, Any]:
+def merge_batches(batches: Sequence[Any], names: Sequence[str] | None = None,
+                  sizes: Sequence[int] | None = None) -> dict[str, Any]:
     """Join the rollouts' batches key by key: tensors and numpy arrays concatenated, lists and
-    tuples extended, real numbers (a rollout's mean) averaged. Batches that are no mappings of
+    tuples extended, real numbers (a rollout's mean) averaged, each weighted by `sizes`, how
+    many prompts that rollout got (equal weights without it; a count of sizes other than of
+    batches is a `LifecycleError`, not a value dropped unseen). Batches that are no mappings of
     the same keys, a key whose values are of different kinds, or of any other kind (a string,
     a dict) are a `LifecycleError` naming the rollout and the key: nothing is joined by guess."""
     names = list(names) if names is not None else [f"rollout{i}" for i in range(len(batches))]
+    if sizes is not None and len(sizes) != len(batches):
+        raise LifecycleError(f"merge_batches got {len(sizes)} size(s) for {len(batches)} rollouts' batches: one "
+                             "per batch, how many prompts that rollout got")
     for name, batch in zip(names, batches):
         if not isinstance(batch, Mapping):
             raise LifecycleError(f"{name}'s generate returned a {type(batch).__name__}; it returns a dict of the batch")
@@ -152,10 +178,31 @@ def merge_batches(batches: Sequence[Any], names: Sequence[str] | None = None) ->
         if set(batch) != set(keys):
             raise LifecycleError(f"{name}'s batch has keys {sorted(map(str, batch))}, {names[0]}'s "
                                  f"{sorted(map(str, keys))}: every rollout returns the same keys")
-    return {key: _joined(key, [batch[key] for batch in batches], names) for key in keys}
+    weights = [1] * len(batches) if sizes is None or not any(sizes) else list(sizes)
+    return {key: _joined(key, [batch[key] for batch in batches], names, weights) for key in keys}
 
 
-def _joined(key: Any, values: list[Any], names: Sequence[str]) -> Any:
+def add_scores(batch: dict[str, Any], scores: Sequence[Any], roles: Sequence[str]) -> dict[str, Any]:
+    """`batch` with each trainer's `recipe.score` result added (`roles[i]` returned `scores[i]`).
+    A result that is no mapping, or a key the batch already holds (the rollouts' or another
+    trainer's), is a `LifecycleError` naming the role and the key: every trainer trains on the
+    same batch, and a value replaced unseen would train the others on it."""
+    joined = dict(batch)
+    source = {key: "the rollouts' batch" for key in joined}
+    for role, scored in zip(roles, scores):
+        if not isinstance(scored, Mapping):
+            raise LifecycleError(f"recipe.score({role!r}, ...) returned {shorten(scored)} ({type(scored).__name__}), "
+                                 "not a dict of what the other trainers need (an empty dict for nothing)")
+        for key in scored:
+            if key in source:
+                raise LifecycleError(f"recipe.score({role!r}, ...) returned key {key!r}, which {source[key]} holds "
+                                     "already; each trainer adds keys of its own, as every trainer trains on one batch")
+            source[key] = f"recipe.score({role!r}, ...)"
+        joined.update(scored)
+    return joined
+
+
+def _joined(key: Any, values: list[Any], names: Sequence[str], weights: Sequence[int]) -> Any:
     kinds = {_kind(value) for value in values}
     kind = kinds.pop() if len(kinds) == 1 else None
     try:
@@ -168,7 +215,8 @@ def _joined(key: Any, values: list[Any], names: Sequence[str]) -> Any:
         if kind == "list":
             return [item for value in values for item in value]
         if kind == "number":
-            return sum(float(value) for value in values) / len(values)
+            weighed = [(weight, float(value)) for weight, value in zip(weights, values) if weight]
+            return sum(weight * value for weight, value in weighed) / sum(weight for weight, _ in weighed)
     except (RuntimeError, ValueError, TypeError, OverflowError) as exc:  # shapes or dtypes that do not join
         raise LifecycleError(f"batch key {key!r}: the rollouts' values do not join: {type(exc).__name__}: "
                              f"{shorten(str(exc))}") from None

@@ -29,6 +29,7 @@ from typing import Any
 from lifecycle.config import LifecycleConfig
 from lifecycle.errors import ConfigError, EngineError, LifecycleError, shorten
 from lifecycle.machine import DriverState
+from lifecycle.ray.batches import add_scores
 from lifecycle.ray.controller import Controller
 from lifecycle.ray.policy import FailureKind, FailurePolicy, RunFailed, WorkerFailed
 from lifecycle.ray.run_report import (
@@ -233,12 +234,12 @@ class Driver(Controller):
             prompts = group.gather([(policy, group[policy].prompts.remote(step))])[0]
             parts = split_batch(prompts, len(self.rollout_names))
             names = self.rollout_names[:len(parts)]
+            sizes = [len(p) for p in parts] if len(parts) > 1 else None  # one rollout: the prompts whole, of any kind
             batch = merge_batches(group.gather([
                 (n, group[n].generate.remote(p, step, self.version)) for n, p in zip(names, parts)
-            ]), names)
+            ]), names, sizes)
         with self._in("score", step):
-            for scored in group.gather([(r, group[r].score.remote(batch)) for r in self.roles]):
-                batch.update(scored)
+            batch = add_scores(batch, group.gather([(r, group[r].score.remote(batch)) for r in self.roles]), self.roles)
         with self._in("train", step):
             results = group.gather([(r, group[r].train.remote(step, batch)) for r in self.roles])
         metrics = {f"{role}/{k}": v for role, m in zip(self.roles, results) for k, v in m.items()}

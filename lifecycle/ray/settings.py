@@ -13,10 +13,10 @@ from typing import Any
 
 from lifecycle.boundary import role_problem
 from lifecycle.config import MAX_TIMEOUT_S
-from lifecycle.config_rules import path_problem
+from lifecycle.config_rules import check_keywords, path_problem
 from lifecycle.errors import ConfigError, shorten
 from lifecycle.ray.policy import FailurePolicy
-from lifecycle.ray.workers import ROLLOUT
+from lifecycle.ray.recipe import ROLLOUT
 from lifecycle.types import is_count
 
 MAX_THREADS = 4096
@@ -58,6 +58,16 @@ class DriverConfig:
     ray_init: dict[str, Any] = field(default_factory=dict)
     """Further `ray.init` arguments (runtime_env, namespace, ...)."""
 
+    def __new__(cls, *args: object, **kwargs: object) -> DriverConfig:  # not typing.Self (Python 3.11+)
+        """A misspelt, positional or missing argument is a `ConfigError` naming `driver.<key>`,
+        as a config section's is, not the generated `__init__`'s `TypeError`."""
+        check_keywords(cls, "driver", args, kwargs, "give each setting by name, e.g. DriverConfig(steps=10)")
+        return object.__new__(cls)
+
+    def __getnewargs_ex__(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        """What pickle and `copy` pass to `__new__`: the required setting."""
+        return (), {"steps": self.steps}
+
     def __post_init__(self) -> None:
         for key, low in (("steps", 1), ("save_every", 1), ("rollouts", 1), ("max_failures", 0)):
             value = getattr(self, key)
@@ -89,8 +99,11 @@ class DriverConfig:
             raise ConfigError("driver.address", f"must be None or a Ray address ('auto', 'host:port'), got "
                                                 f"{shorten(self.address)}")
         if self.address is not None and any(char.isspace() for char in self.address):
-            raise ConfigError("driver.address", f"{self.address!r} holds whitespace, which no Ray address does "
-                                                "(Ray would try to reach it for minutes)")
+            raise ConfigError("driver.address", f"{shorten(self.address)} holds whitespace, which no Ray address "
+                                                "does (Ray would try to reach it for minutes)")
+        if self.address is not None and not self.address.isprintable():
+            raise ConfigError("driver.address", f"{shorten(self.address)} holds control characters, which no Ray "
+                                                "address does")
         if self.work_dir is not None:
             path = os.fspath(self.work_dir) if isinstance(self.work_dir, (str, os.PathLike)) else None
             if not isinstance(path, str):
@@ -148,19 +161,20 @@ def reachable(address: str) -> None:
     if address in ("auto", "local") or (sep and scheme != "ray"):
         return
     host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if (not sep or not host or any(char.isspace() for char in address) or not (port.isascii() and port.isdigit())
-            or not 0 < int(port) < 65536):
-        raise ConfigError("driver.address", f"{address!r} is no Ray address: give 'auto', 'local', 'host:port' or "
-                                            "'ray://host:port' (a port in 1..65535, no whitespace)")
+    if (not sep or not host or any(char.isspace() for char in address) or not address.isprintable()
+            or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536):
+        raise ConfigError("driver.address", f"{shorten(address)} is no Ray address: give 'auto', 'local', 'host:port' "
+                                            "or 'ray://host:port' (a port in 1..65535, no whitespace or control "
+                                            "characters)")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except TimeoutError:
-        raise ConfigError("driver.address", f"{address}: nothing answered within {CONNECT_TIMEOUT_S:g} s; is the "
-                                            "Ray head running there?") from None
+        raise ConfigError("driver.address", f"{shorten(address)}: nothing answered within {CONNECT_TIMEOUT_S:g} s; "
+                                            "is the Ray head running there?") from None
     except (OSError, UnicodeError, ValueError) as exc:  # refused, no such host, a name IDNA cannot encode
         why = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
-        raise ConfigError("driver.address", f"{address}: cannot connect ({shorten(why, 200)}); is the Ray head "
-                                            "running there?") from None
+        raise ConfigError("driver.address", f"{shorten(address)}: cannot connect ({shorten(why, 200)}); is the Ray "
+                                            "head running there?") from None
 
 
 def check_options(options: Mapping[str, Mapping[str, Any]], roles: list[str], rollouts: int) -> None:

@@ -25,8 +25,9 @@ import structlog
 from lifecycle.errors import ConfigError, LifecycleError, shorten
 from lifecycle.ray.actors import WATCH, deferred
 from lifecycle.ray.policy import FailureKind, StandIn, WorkerFailed
+from lifecycle.ray.preflight import check_feasible, check_picklable
 from lifecycle.ray.reaping import pidfd, reap
-from lifecycle.ray.workers import WorkerSpec
+from lifecycle.ray.recipe import WorkerSpec
 from lifecycle.records import message
 
 OverdueSink = Callable[[str, Mapping[str, Any]], None]
@@ -59,6 +60,8 @@ class WorkerGroup:
         self._polls: dict[str, Any] = {}
         self._pidfds: dict[str, int] = {}
         """A pidfd per worker on the driver's node whose process it could name for sure (`track`)."""
+        self._sized = False
+        """Whether the actor options were checked against the cluster's size (the first `start`)."""
 
     def __getitem__(self, name: str) -> Any:
         """Worker `name`'s actor handle; a `LifecycleError` naming the group's workers when it has none."""
@@ -78,13 +81,19 @@ class WorkerGroup:
             bound = getattr(self[name], method)
         except AttributeError:
             raise LifecycleError(f"worker {name!r} has no method {method!r}") from None
-        return self.gather([(name, bound.remote(*args))])[0]
+        try:
+            ref = bound.remote(*args)  # Ray binds the arguments to the method's signature here
+        except TypeError as exc:
+            raise LifecycleError(f"worker {name!r}: {method}() cannot take arguments {shorten(args)}: {exc}") from None
+        return self.gather([(name, ref)])[0]
 
     def start(self, workers: Sequence[tuple[str, type, str, WorkerSpec]]) -> None:
         """Create one actor per (name, class, role, spec); learn each one's pid and node. Every
         role's options and every recipe are checked before any actor starts; what Ray refuses as
         an actor is created is a `ConfigError` naming the role's options (the actors created so
-        far are kept, for `stop`)."""
+        far are kept, for `stop`). The options are checked against the cluster's size at the
+        group's first start only: a rebuild after a node was lost would find it no longer counted,
+        and its actors wait for a node to come back rather than the run ending."""
         import ray
 
         actors = []
@@ -96,8 +105,12 @@ class WorkerGroup:
                                spec))
             except (ValueError, TypeError) as exc:
                 raise ConfigError(f"driver.options.{role}", f"Ray refused these actor options: {exc}") from None
+        if not self._sized:
+            for role in dict.fromkeys(role for _, _, role, _ in workers):
+                check_feasible(role, self.options.get(role, {}))
+            self._sized = True
         for recipe in {id(spec.recipe): spec.recipe for _, _, _, spec in workers}.values():
-            _check_picklable(recipe)
+            check_picklable(recipe)
         for name, role, actor, spec in actors:
             try:
                 self.handles[name] = actor.remote(spec)
@@ -284,14 +297,15 @@ class WorkerGroup:
 
     def _failure(self, exc: BaseException, name: str, pending: list[Any], names: Mapping[Any, str]) -> WorkerFailed:
         """Ray's exception as a `WorkerFailed`: a dead worker (Ray's `RayActorError`, or another
-        system error of Ray's) is DIED; a call that raised is RAISED with the worker's own error,
+        error of Ray's) is DIED, but a `RaySystemError` (a result that would not unpickle here)
+        from a worker that still answers is RAISED; a call that raised is RAISED with its own error,
         unless a worker still waited on turns out dead, which is then the one named. An error the
         driver could not unpickle (Ray's `UnserializableException`: its class cannot be imported
         or rebuilt here) is RAISED too, as a `StandIn` of the type name and message Ray kept in
         its text: the policy retries it as any raised error it does not know to be fatal, since
         no class of it can be matched, and the run's failure record names the worker's error."""
         import ray.exceptions
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayActorError, RaySystemError, RayTaskError
 
         unpicklable = getattr(ray.exceptions, "UnserializableException", ())  # not in every Ray release
         phase, step = self.at
@@ -303,12 +317,33 @@ class WorkerGroup:
         if isinstance(exc, RayTaskError):
             cause = exc.cause if isinstance(exc.cause, BaseException) else exc
             return WorkerFailed(name, phase, step, exc, FailureKind.RAISED, cause)
+        if isinstance(exc, RaySystemError) and self._answers(name):  # alive: only its result did not unpickle here
+            structlog.get_logger().warning("driver.worker_result_unreadable", worker=name, driver_phase=phase,
+                                           driver_step=step, error=shorten(str(exc), 4000))
+            return WorkerFailed(name, phase, step, exc, FailureKind.RAISED)
         if isinstance(exc, unpicklable):
             text = str(getattr(exc, "_original_stack_trace", "") or "")
             structlog.get_logger().warning("driver.worker_error_unreadable", worker=name, driver_phase=phase,
                                            driver_step=step, traceback=shorten(text, 4000))
             return WorkerFailed(name, phase, step, _stand_in(text, exc), FailureKind.RAISED)
         return WorkerFailed(name, phase, step, exc, FailureKind.DIED)
+
+    def _answers(self, name: str, timeout_s: float = ANSWER_S) -> bool:
+        """Whether worker `name` answers `overdue_reports` within `timeout_s` (the reports are handed on)."""
+        import ray
+        from ray.exceptions import RayError
+
+        if name not in self.handles:
+            return False
+        ref = self.handles[name].overdue_reports.options(concurrency_group=WATCH).remote()
+        ready, _ = ray.wait([ref], timeout=timeout_s)
+        try:
+            reports = ray.get(ready[0]) if ready else None
+        except RayError:
+            return False
+        for report in reports or ():
+            self.on_overdue(name, report)
+        return reports is not None
 
     def _dead_among(self, refs: list[Any], names: Mapping[Any, str],
                     grace_s: float = 3.0) -> tuple[str, BaseException] | None:
@@ -327,17 +362,6 @@ class WorkerGroup:
             except RayError:
                 continue
         return None
-
-
-def _check_picklable(recipe: Any) -> None:
-    """`ConfigError` naming the recipe unless it pickles: every worker gets a copy of it."""
-    from ray import cloudpickle
-
-    try:
-        cloudpickle.dumps(recipe)
-    except Exception as exc:  # noqa: BLE001 - any way it fails, no worker can get it
-        raise ConfigError("recipe", f"{type(recipe).__name__} cannot be pickled, and every worker gets a copy of "
-                                    f"it: {type(exc).__name__}: {shorten(str(exc), 300)}") from None
 
 
 def _stand_in(text: str, error: BaseException) -> StandIn:

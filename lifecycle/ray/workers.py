@@ -1,8 +1,9 @@
 """The workers of an RL job: trainers (actor, critic, ...) and rollouts, each embedding a Lifecycle.
 
 They are plain classes: `lifecycle.ray.driver` runs each as a Ray actor, and tests can drive one
-in process. The algorithm itself comes from a `Recipe`, one picklable object shipped to every
-worker, so a worker group can be torn down and rebuilt from it after a failure.
+in process. The algorithm itself comes from a `Recipe` (`lifecycle.ray.recipe`), one picklable
+object shipped to every worker, so a worker group can be torn down and rebuilt from it after a
+failure.
 
 The policy trainer (the recipe's first role) also owns the prompt stream: its dataloader's
 position is part of its checkpoint, so a resumed run draws the very prompts it would have.
@@ -19,19 +20,19 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 import torch
 
 from lifecycle.core import Lifecycle
-from lifecycle.errors import EngineError, LifecycleError
+from lifecycle.errors import EngineError, LifecycleError, shorten
 from lifecycle.machine import RolloutState
+from lifecycle.ray.recipe import ROLLOUT, Recipe, WorkerSpec, built
 from lifecycle.records import described, guarded
 from lifecycle.rollout import RolloutWeights
 from lifecycle.trace import EventLog, TraceFile
@@ -40,61 +41,6 @@ from lifecycle.watchdog import BACKSTOP_S, WATCHDOG
 
 if TYPE_CHECKING:
     from backends.engines import WeightSync
-
-ROLLOUT = "rollout"
-
-
-class Recipe(Protocol):
-    """An RL algorithm as the workers see it; every method runs inside one worker process."""
-
-    roles: Sequence[str]
-    """Trainer roles; the first is the policy whose weights the rollouts serve."""
-
-    def build(self, role: str) -> Parts:
-        """Fresh objects for a trainer role, or the model of a rollout (role `rollout`)."""
-
-    def prompts(self, parts: Parts, step: int) -> Any:
-        """On the policy trainer: the prompts of `step`, drawn from `parts.dataloader`."""
-
-    def generate(self, model: Any, prompts: Any, step: int) -> dict[str, Any]:
-        """On a rollout: responses (and rewards) for `prompts`, from the rollout's own weights."""
-
-    def score(self, role: str, parts: Parts, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """On every trainer, before any update: what the others need (values, old log-probs)."""
-
-    def update(self, role: str, parts: Parts, batch: Mapping[str, Any], step: int) -> dict[str, float]:
-        """One training step of `role` on `batch`, inside the lifecycle's train_step phase."""
-
-
-@dataclass(kw_only=True, slots=True)
-class WorkerSpec:
-    """Everything a worker process needs to build itself, picklable."""
-
-    role: str
-    """A trainer role of the recipe, or `rollout`."""
-    recipe: Any
-    """The `Recipe`."""
-    config: dict[str, Any]
-    """The worker's `LifecycleConfig`, as a plain dict."""
-    incarnation: int = 0
-    """How many times the worker group was rebuilt before this worker: names its files."""
-    index: int = 0
-    """Which rollout this is (0 for trainers)."""
-    log_dir: str | None = None
-    """JSON-lines log file folder for this worker; None leaves logging as the process has it."""
-    trace_dir: str | None = None
-    """Folder for this worker's trace events (`{file_stem}.jsonl`, one appended per event); None: no file."""
-    threads: int | None = None
-    """torch intra-op threads; None keeps what the process has (Ray sets OMP_NUM_THREADS)."""
-
-    @property
-    def name(self) -> str:
-        suffix = f"{self.index}" if self.role == ROLLOUT else ""
-        return f"{self.role}{suffix}"
-
-    @property
-    def file_stem(self) -> str:
-        return f"{self.name}-{self.incarnation}-pid{os.getpid()}"
 
 
 class OverdueInbox:
@@ -211,7 +157,7 @@ class TrainerWorker(_Worker):
         setup_process(spec)
         recipe = spec.recipe
         self.policy = spec.role == recipe.roles[0]
-        super().__init__(spec, recipe.build(spec.role))
+        super().__init__(spec, built(recipe, spec.role))
         if self.policy:
             self.lc.engine  # noqa: B018 - built now, so a bad engine config fails at start-up
         self._commits: list[dict[str, Any]] = []
@@ -237,8 +183,11 @@ class TrainerWorker(_Worker):
         return self.spec.recipe.score(self.spec.role, self.lc.parts, batch)
 
     def train(self, step: int, batch: Mapping[str, Any]) -> dict[str, float]:
-        with self.lc.train_step(step):
+        with self.lc.train_step(step):  # a wrong return fails the phase: the step is not recorded as trained
             metrics = self.spec.recipe.update(self.spec.role, self.lc.parts, batch, step)
+            if not isinstance(metrics, Mapping):
+                raise LifecycleError(f"recipe.update({self.spec.role!r}, step {step}) returned {shorten(metrics)} "
+                                     f"({type(metrics).__name__}), not a dict of metrics; the train_step fails")
         return dict(metrics)
 
     def save(self, step: int) -> dict[str, Any]:
@@ -311,7 +260,7 @@ class RolloutWorker(_Worker):
 
     def __init__(self, spec: WorkerSpec) -> None:
         setup_process(spec)
-        parts = spec.recipe.build(ROLLOUT)
+        parts = built(spec.recipe, ROLLOUT)
         super().__init__(spec, Parts(model=parts.model))
         sync = cast("WeightSync", self.lc.engine)
         self.engine, self.profile_dir = sync.engine, sync.profile_dir
@@ -353,10 +302,13 @@ class RolloutWorker(_Worker):
                 target.copy_(tensor)
 
     def receive(self, rendezvous: Any, rank: int, version: int | None = None) -> int:
-        """This rollout's side of one sync: the weights machine's `receive_weights` phase."""
+        """This rollout's side of one sync: the weights machine's `receive_weights` phase. A sync that
+        leaves out a weight of its model (a tied one is sent once) is refused, not served at its init value."""
         from backends.engines import receive_into
+        from backends.engines.sources import state_weights
 
-        return receive_into(self.engine, self.weights, rendezvous, rank=rank, version=version,
+        expected = [name for name, _ in state_weights(self.lc.parts.model)]
+        return receive_into(self.engine, self.weights, rendezvous, rank=rank, version=version, expected=expected,
                             profile_dir=self.profile_dir)
 
     def status(self) -> dict[str, Any]:
