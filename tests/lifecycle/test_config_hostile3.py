@@ -24,19 +24,11 @@ from backends.base import PLAIN_TORCH, FormatBackend, FormatCapabilities
 from lifecycle import cli
 from lifecycle.config import LifecycleConfig
 from lifecycle.config_file import FREE_FORM_LIMIT, YAML_DEPTH_LIMIT
-from lifecycle.errors import ConfigError
 from lifecycle.ray.settings import DriverConfig, reachable
+from tests.lifecycle.test_config_hostile2 import _refused
 
 HERE = __name__
 
-
-def _refused(make: Any, key: str, *said: str) -> ConfigError:
-    with pytest.raises(ConfigError) as info:
-        make()
-    assert info.value.key == key, str(info.value)
-    assert all(part in str(info.value) for part in said), str(info.value)
-    assert len(str(info.value)) < 600
-    return info.value
 
 
 def _file(tmp_path: Path, text: str) -> str:

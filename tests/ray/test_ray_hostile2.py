@@ -7,7 +7,6 @@ worker group against fake handles and a fake `ray.wait` / `ray.get`, as in `test
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from lifecycle.ray.policy import FailureKind, WorkerFailed
 from lifecycle.ray.workers import RolloutWorker, TrainerWorker, WorkerSpec
 from lifecycle.watchdog import WATCHDOG
 from tests.ray.recipe import BigramRecipe
+from tests.ray.test_workers import sync
 from tests.ray.test_ray_hostile import (  # noqa: F401 - the fixtures, shared
     _dead,
     _group,
@@ -60,25 +60,6 @@ class _RolloutHasMore(BigramRecipe):
         return model
 
 
-def _sync(trainer: TrainerWorker, rollout: RolloutWorker) -> dict[str, Any]:
-    rendezvous = trainer.rendezvous(1, "127.0.0.1")
-    out: dict[str, Any] = {}
-
-    def side(name: str, fn: Callable[[], Any]) -> None:
-        try:
-            out[name] = fn()
-        except Exception as exc:  # noqa: BLE001 - the test looks at what each side raised
-            out[name] = exc
-
-    threads = [threading.Thread(target=side, args=("send", lambda: trainer.sync(rendezvous))),
-               threading.Thread(target=side, args=("receive", lambda: rollout.receive(rendezvous, 1)))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    return out
-
-
 def test_a_sync_that_leaves_out_a_weight_of_the_rollouts_model_is_refused_and_the_rollout_stays_stale(
         tmp_path: Path) -> None:
     recipe = _RolloutHasMore(batch=4, roles=("actor",))
@@ -86,9 +67,9 @@ def test_a_sync_that_leaves_out_a_weight_of_the_rollouts_model_is_refused_and_th
     rollout = RolloutWorker(WorkerSpec(role="rollout", recipe=recipe, config=_config(tmp_path)))
     try:
         trainer.start()
-        out = _sync(trainer, rollout)
-        assert isinstance(out["receive"], EngineError) and "extra.weight" in str(out["receive"])
-        assert isinstance(out["send"], EngineError)
+        sent, received = sync(trainer, rollout)
+        assert isinstance(received, EngineError) and "extra.weight" in str(received)
+        assert isinstance(sent, EngineError)
         assert rollout.status()["stale"] is True
         with pytest.raises(EngineError, match="stale"):
             rollout.generate(torch.randint(97, 120, (2, 4)), 1, 1)
@@ -103,8 +84,8 @@ def test_a_sync_of_every_weight_of_the_rollouts_model_still_lands_and_serves(tmp
     rollout = RolloutWorker(WorkerSpec(role="rollout", recipe=recipe, config=_config(tmp_path)))
     try:
         trainer.start()
-        out = _sync(trainer, rollout)
-        assert out["receive"] == 1 and out["send"]["version"] == 1
+        sent, received = sync(trainer, rollout)
+        assert received == 1 and sent["version"] == 1
         assert sorted(rollout.generate(torch.randint(97, 120, (2, 4)), 1, 1)) == ["reward", "sequences"]
     finally:
         rollout.close()
