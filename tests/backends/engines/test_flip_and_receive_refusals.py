@@ -150,9 +150,11 @@ def test_a_second_receive_into_on_an_engine_whose_session_is_under_way_leaves_it
         assert _untouched(other) and "pause" not in other.calls
         assert machine.state == RolloutState.SERVING and machine.weights_version == 7
         sent = WeightSync(new_engine("shm"))
-        sent.sync(iter(mixed_tensors(1)), Rendezvous("127.0.0.1", port), 1)
-        sent.close()
-        thread.join(HANG_GUARD_S)
+        try:
+            sent.sync(iter(mixed_tensors(1)), Rendezvous("127.0.0.1", port), 1)
+            thread.join(HANG_GUARD_S)  # before the store goes: the receiver reads the sender's 'heard' there
+        finally:
+            sent.close()
         assert not thread.is_alive() and first.weights_version == 1
     finally:
         thread.join(HANG_GUARD_S)
