@@ -177,13 +177,23 @@ def reachable(address: str) -> None:
                                             "head running there?") from None
 
 
+_RAY_RESTARTS = ("max_restarts", "max_task_retries")
+"""Ray's own actor restarts and call retries, which the driver's recovery replaces (0 always)."""
+
+
 def check_options(options: Mapping[str, Mapping[str, Any]], roles: list[str], rollouts: int) -> None:
-    """`ConfigError` for actor options of a role the job does not have, or a Ray actor `name` given
-    to the rollouts when there are several (one name names one actor: the second would fail to
-    start)."""
+    """`ConfigError` for actor options of a role the job does not have, Ray restarts or retries
+    (`_RAY_RESTARTS`), or a Ray actor `name` given to the rollouts when there are several (one
+    name names one actor: the second would fail to start)."""
     unknown = sorted(set(options) - {*roles, ROLLOUT})
     if unknown:
         raise ConfigError("driver.options", f"roles {unknown} are not in the job; roles: {[*roles, ROLLOUT]}")
+    for role, given in options.items():
+        restarts = {key: given[key] for key in _RAY_RESTARTS if key in given and given[key] != 0}
+        if restarts:
+            raise ConfigError(f"driver.options.{role}", f"{restarts}: the driver restarts workers itself (its "
+                              "FailurePolicy); an actor Ray restarted would come back unbuilt and take retried calls "
+                              "as if it were the worker it replaced; leave these out")
     if rollouts > 1 and options.get(ROLLOUT, {}).get("name") is not None:
         raise ConfigError(f"driver.options.{ROLLOUT}", f"'name' names one Ray actor, but the job has {rollouts} "
                                                        "rollout workers; drop it (Ray names no group of actors)")

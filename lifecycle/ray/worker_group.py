@@ -98,8 +98,8 @@ class WorkerGroup:
 
         actors = []
         for name, cls, role, spec in workers:
-            options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0,
-                                       **self.options.get(role, {})}
+            options: dict[str, Any] = {"num_cpus": 0, **self.options.get(role, {}), "max_restarts": 0,
+                                       "max_task_retries": 0}  # the driver restarts workers, never Ray
             try:
                 actors.append((name, role, ray.remote(concurrency_groups={WATCH: 1})(deferred(cls)).options(**options),
                                spec))

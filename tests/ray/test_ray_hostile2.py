@@ -419,3 +419,16 @@ def test_the_ray_modules_import_nothing_from_typing_that_python_3_10_lacks() -> 
             if isinstance(node, ast.ImportFrom) and node.module == "typing":
                 late += [f"{path.name}: {alias.name}" for alias in node.names if alias.name in _TYPING_SINCE_3_11]
     assert late == []
+
+
+@pytest.mark.parametrize("given", [{"max_restarts": 1}, {"max_task_retries": -1}, {"max_restarts": 2, "num_cpus": 1}])
+def test_ray_restarts_or_retries_in_actor_options_are_refused_naming_the_role(given: dict[str, Any]) -> None:
+    """Ray restarted a killed worker without its deferred build and retried the call on it, which
+    the driver then took for a raised AttributeError of a new, untracked process."""
+    from lifecycle.ray.driver import Driver, DriverConfig
+    from tests.ray.test_ray_hostile import _Recipe
+
+    with pytest.raises(ConfigError) as info:
+        Driver(_Recipe(), {}, DriverConfig(steps=1, options={"actor": given}))
+    assert info.value.key == "driver.options.actor" and "restarts workers itself" in str(info.value)
+    Driver(_Recipe(), {}, DriverConfig(steps=1, options={"actor": {"max_restarts": 0, "num_cpus": 1}}))
