@@ -144,9 +144,9 @@ class Phase:
         self.recorded = False
         """Whether the machine holds its record: set by `Stateful._record` as it appends it."""
         self._entered = False
-        self._untold: tuple[Enum, Enum, str, int] | None = None
-        """The last move the phase made that its observers have not all heard (Ctrl-C cut it
-        short), and how many more times it may be told."""
+        self._untold: tuple[Enum, Enum, str] | None = None
+        """The last move the phase made that its observers have not all heard (Ctrl-C cut its
+        telling short): told once more (`_retell`)."""
 
     def __del__(self) -> None:
         """A phase made and dropped unentered (`lc.train_step(n)` without `with`) moved nothing and
@@ -178,9 +178,9 @@ class Phase:
             if made[0] is None:  # refused, or interrupted before the state changed: nothing changed
                 raise
             self.src, self.dst = src, dst = made[0]  # moved, then interrupted (Ctrl-C): the phase fails
-            self._untold = (src, dst, self.trigger, _TELLS)
+            self._untold = (src, dst, self.trigger)
             self._fail(exc)
-        self._untold = (src, dst, self.trigger, _TELLS)
+        self._untold = (src, dst, self.trigger)
         try:  # moved: whatever fails from here fails the phase, which ends like any other
             lc._phase = self
             self._undo_token = RUNNING_UNDOS.set(self.undos)
@@ -193,7 +193,8 @@ class Phase:
                 self._watched = True  # first: an interrupt inside `watch` may leave its entry, which the end drops
                 lc._watchdog.watch(id(self), budget, emit=lc._on_overdue, trigger=self.trigger, state=dst._name_,
                                    role=lc.role, rank=lc.rank, step=self.step)
-            self._tell_untold()
+            lc._tell(src, dst, self.trigger)
+            self._untold = None
             self._begun()
         except BaseException as exc:
             self._fail(exc)
@@ -268,7 +269,8 @@ class Phase:
         lc = self.lc
         interrupt = self._unwatch()
         _reset(*self._tokens)
-        self._tell_untold()  # the move in, when Ctrl-C came before every observer heard it
+        if self._untold is not None:  # a move (in, or out on a retry) whose telling Ctrl-C cut short
+            self._retell()
         if self.dst._name_ in lc._table.working_names:
             working, trigger = self.dst, FAIL if error is not None else DONE
             try:
@@ -276,23 +278,22 @@ class Phase:
             except BaseException:
                 if lc.state is not working:  # moved, interrupted after: only this phase leaves its working state
                     self.dst = lc._table.moves[trigger][working._name_]
-                    self._untold = (working, self.dst, trigger, _TELLS)
+                    self._untold = (working, self.dst, trigger)
                 raise
-            self._untold = (src, self.dst, trigger, _TELLS)
-        self._tell_untold()
+            self._untold = (src, self.dst, trigger)
+            lc._tell(src, self.dst, trigger)
+            self._untold = None
         if not self.recorded:
             lc._record(self, error)
         return interrupt
 
-    def _tell_untold(self) -> None:
-        """Observers hear the phase's last move, told again whole if Ctrl-C cut the telling short
-        (an observer that heard it before the cut hears it twice). An observer that raises an
-        interrupt every time is told `_TELLS` times, no more: the phase still ends."""
-        if self._untold is not None:
-            src, dst, trigger, tells = self._untold
-            self._untold = (src, dst, trigger, tells - 1) if tells > 1 else None
-            self.lc._tell(src, dst, trigger)
-            self._untold = None
+    def _retell(self) -> None:
+        """Tell observers again, whole, the move whose telling Ctrl-C cut short (an observer that
+        heard it before the cut hears it twice). Once: an observer that raises an interrupt every
+        time cannot keep the phase from ending."""
+        untold, self._untold = self._untold, None
+        if untold is not None:
+            self.lc._tell(*untold)
 
     def _unwatch(self) -> BaseException | None:
         """Drop the phase's budget. A watchdog that raises is an observer's error: logged
@@ -314,10 +315,9 @@ class Phase:
         return interrupt
 
 
-_TELLS = 2
-"""How often a phase tells its observers of one move when Ctrl-C cuts the telling short."""
-_SETTLE_TRIES = 3 + 2 * (_TELLS - 1)
-"""How often a phase's end tries to leave the working state and record when interrupted on the way."""
+_SETTLE_TRIES = 5
+"""How often a phase's end tries to leave the working state and record when interrupted on the
+way: three steps (move, tell, record), and a retold move in and move out."""
 
 
 def refusal(trigger: str, state: Enum, role: str, why: str) -> InvalidTransition:
